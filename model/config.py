@@ -1,0 +1,222 @@
+"""Qwen3 configuration: one frozen, hashable dataclass read from Hugging Face's config.json.
+
+Both layouts found in the wild are accepted: transformers 4.x (`rope_theta` and
+`rope_scaling` at top level, as the published Qwen3 checkpoints have) and 5.x
+(`rope_parameters`). Anything this engine does not implement is refused with an
+error that names the field, so a checkpoint is never run with silently wrong maths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json this engine cannot run: the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (`rope_type: yarn`), as transformers reads them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """The dense Qwen3 architecture. Letters: V vocab, D width, F MLP width, L layers,
+    N query heads, K KV heads, H head dim."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention needs it")
+
+    # Letter-legend aliases, so shape code reads like the einsum strings.
+    @property
+    def V(self) -> int:
+        return self.vocab_size
+
+    @property
+    def D(self) -> int:
+        return self.hidden_size
+
+    @property
+    def F(self) -> int:
+        return self.intermediate_size
+
+    @property
+    def L(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def N(self) -> int:
+        return self.num_attention_heads
+
+    @property
+    def K(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def H(self) -> int:
+        return self.head_dim
+
+    def param_count(self) -> int:
+        """Parameters as the published model cards count them (tied lm_head counted once)."""
+        D, F, N, K, H, V = self.D, self.F, self.N, self.K, self.H, self.V
+        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D + 2 * H
+        if self.attention_bias:
+            per_layer += N * H + 2 * K * H + D
+        embed = V * D
+        head = 0 if self.tie_word_embeddings else V * D
+        return self.L * per_layer + embed + head + D
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> "Qwen3Config":
+        """Reads a Hugging Face config: a dict, a config.json path or a checkpoint folder."""
+        if isinstance(source, dict):
+            raw = source
+        else:
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            if not path.is_file():
+                raise ConfigError(f"no config.json at {path}: pass a Hugging Face checkpoint folder")
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON ({e}): fix or replace the file") from e
+        return _from_dict(raw)
+
+
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+
+
+def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
+    model_type = raw.get("model_type", "qwen3")
+    if model_type != "qwen3":
+        raise ConfigError(
+            f"config field model_type={model_type!r} is not supported: this engine runs dense "
+            "Qwen3 (model_type 'qwen3') only")
+    for name in _REQUIRED:
+        if name not in raw:
+            raise ConfigError(f"config.json lacks the field {name!r}, which a Qwen3 config must have")
+    if raw.get("use_sliding_window", False):
+        raise ConfigError(
+            "config field use_sliding_window=true is not supported: set it to false "
+            "(published Qwen3 checkpoints do)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config field hidden_act={act!r} is not supported: Qwen3 uses 'silu'")
+    if raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]):
+        raise ConfigError("config field layer_types asks for non-full attention layers, "
+                          "which this engine does not implement")
+
+    theta, scaling = _rope(raw)
+    n_heads = raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return Qwen3Config(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=raw.get("attention_bias", False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, YaRN parameters or None) from either config layout."""
+    params = raw.get("rope_parameters")
+    if params is None:  # transformers 4.x layout
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ConfigError(
+            f"config field rope_type={rope_type!r} is not supported: use 'default' or 'yarn'")
+    # transformers' defaults: the original window falls back to max_position_embeddings,
+    # and a missing factor is the ratio of the two windows.
+    max_pos = raw.get("max_position_embeddings", 40960)
+    original = params.get("original_max_position_embeddings") or raw.get(
+        "original_max_position_embeddings") or max_pos
+    factor = params.get("factor") or max_pos / original
+    return theta, RopeScaling(
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _preset(vocab, D, F, L, N, K, max_pos=40960, tie=False) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+                       num_attention_heads=N, num_key_value_heads=K, head_dim=128,
+                       max_position_embeddings=max_pos, tie_word_embeddings=tie,
+                       bos_token_id=151643, eos_token_ids=(151645, 151643))
+
+
+# The six published dense sizes (from their config.json files) and a tiny one for tests
+# and the demo. The tiny preset keeps Qwen3's shape rules (head_dim independent of the
+# width, grouped-query heads) at a size that runs in seconds on a laptop CPU.
+PRESETS: dict[str, Qwen3Config] = {
+    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=176,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, max_position_embeddings=4096, rope_theta=10_000.0,
+                        bos_token_id=None, eos_token_ids=()),
+    "0.6B": _preset(151936, 1024, 3072, 28, 16, 8, tie=True),
+    "1.7B": _preset(151936, 2048, 6144, 28, 16, 8, tie=True),
+    "4B": _preset(151936, 2560, 9728, 36, 32, 8, tie=True),
+    "8B": _preset(151936, 4096, 12288, 36, 32, 8),
+    "14B": _preset(151936, 5120, 17408, 40, 40, 8),
+    "32B": _preset(151936, 5120, 25600, 64, 64, 8),
+}

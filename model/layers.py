@@ -1,0 +1,124 @@
+"""The Qwen3 network in Flax NNX: embedding, one decoder layer stacked `[L, ...]`, final
+norm and lm_head.
+
+Dimension letters (used in every name and einsum string of the project):
+    B batch, T query tokens, S key/cache slots, D model width, N query heads,
+    K KV heads, G = N / K query heads per KV head, H head dim, F MLP width,
+    V vocab, L layers.
+
+The decoder layer does not know how attention is computed or where the KV cache
+lives: it takes an `attend` function,
+
+    attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H], state) -> (o [B, T, N, H], state)
+
+and threads its opaque `state` (the cache) through. A dense position-masked
+reference runs on one device; ring attention and sharded-KV decode attention run
+under a mesh; the layer is the same Flax code in every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import Qwen3Config
+from model.rope import apply_rope
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in float32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention (per-head RMSNorm on q and k, RoPE, grouped-query heads) and a
+    SwiGLU MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+        D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
+        self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.q_dnh = _param(rngs, (D, N, H), dtype)
+        self.k_dkh = _param(rngs, (D, K, H), dtype)
+        self.v_dkh = _param(rngs, (D, K, H), dtype)
+        self.o_nhd = _param(rngs, (N, H, D), dtype)
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((N, H), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((K, H), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((K, H), dtype))
+            self.o_bias = nnx.Param(jnp.zeros((D,), dtype))
+        self.attention_bias = cfg.attention_bias
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+        self.post_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.gate_df = _param(rngs, (D, F), dtype)
+        self.up_df = _param(rngs, (D, F), dtype)
+        self.down_fd = _param(rngs, (F, D), dtype)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], state: Any,
+                 attend: Attend) -> tuple[jax.Array, Any]:
+        """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state)."""
+        h = self.input_norm(x)
+        q = jnp.einsum("BTD,DNH->BTNH", h, self.q_dnh[...])
+        k = jnp.einsum("BTD,DKH->BTKH", h, self.k_dkh[...])
+        v = jnp.einsum("BTD,DKH->BTKH", h, self.v_dkh[...])
+        if self.attention_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q = apply_rope(self.q_norm(q), *rope)
+        k = apply_rope(self.k_norm(k), *rope)
+        o, state = attend(q, k, v, state)
+        attn = jnp.einsum("BTNH,NHD->BTD", o, self.o_nhd[...])
+        if self.attention_bias:
+            attn = attn + self.o_bias[...]
+        x = x + attn
+        h = self.post_norm(x)
+        gate = jnp.einsum("BTD,DF->BTF", h, self.gate_df[...])
+        up = jnp.einsum("BTD,DF->BTF", h, self.up_df[...])
+        x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_fd[...])
+        return x, state
+
+
+class Qwen3(nnx.Module):
+    """Embedding, L decoder layers stored stacked on a leading axis, final norm, lm_head
+    (the embedding's transpose when the config ties them)."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.embed_vd = _param(rngs, (cfg.V, cfg.D), dtype)
+
+        @nnx.split_rngs(splits=cfg.L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+
+        self.layers = stacked(rngs)
+        self.norm = RMSNorm(cfg.D, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head_dv = None if cfg.tie_word_embeddings else _param(rngs, (cfg.D, cfg.V), dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int32 -> x [B, T, D]."""
+        return jnp.take(self.embed_vd[...], tokens, axis=0)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> logits [B, T, V] float32 (final norm, then lm_head)."""
+        h = self.norm(x)
+        if self.lm_head_dv is None:
+            out = jnp.einsum("BTD,VD->BTV", h, self.embed_vd[...])
+        else:
+            out = jnp.einsum("BTD,DV->BTV", h, self.lm_head_dv[...])
+        return out.astype(jnp.float32)

@@ -1,0 +1,280 @@
+"""The generate engine: one code path for every mesh shape, 1x1 included.
+
+`Engine` places the weights on a ('stage', 'seq') mesh, then for a batch of prompts:
+checks everything up front; pads the batch to a multiple of the microbatch and group
+counts (with copies of the first prompt, whose results are dropped) and the prompts to
+a multiple of 2C in zigzag order; runs the prefill program once and the decode
+program chunk by chunk (each chunk on device; the host only looks at the new tokens
+between chunks, to stream them and to stop once every request has finished).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.config import Qwen3Config
+from model.loader import abstract_model, map_params
+from pipeline.decode import build_decode
+from pipeline.prefill import build_prefill
+from pipeline.sampling import Sampling, sample
+from pipeline.schedule import decode_grid, prefill_grid, stats
+from ring import padded_length, to_device_order, zigzag
+from sharding.place import WeightSource, place_params
+from sharding.plan import StagePlan
+from sharding.specs import SPECS, param_spec
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked: the message says what to change."""
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS id was produced, and kept) or "length"
+
+
+@dataclasses.dataclass
+class Generation:
+    completions: list[Completion]
+    first_logits: np.ndarray  # [steps, V] float32: request 0's logits at each generated token
+    timing: dict
+    layout: dict  # batch and prompt padding, microbatches, groups, chunks run
+
+
+def _spec_tree(state):
+    return map_params(lambda path, x: param_spec(path), state)
+
+
+class Engine:
+    """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
+
+    Args:
+      cfg: the model config.
+      source: where weights come from (HFCheckpoint, RandomWeights, ...).
+      mesh: a ('stage', 'seq') mesh (sharding.make_mesh).
+      dtype: compute and storage dtype.
+      max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
+        device holds ceil(max_seq_len / C) slots.
+      microbatches: M for prefill; groups: G >= ... for decode (default S).
+      chunk: decode steps per on-device chunk.
+      poison: NaN in pipeline bubbles (tests).
+    """
+
+    def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
+                 max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
+                 chunk: int = 16, poison: bool = False):
+        self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
+        self.S, self.C = mesh.shape["stage"], mesh.shape["seq"]
+        self.plan = StagePlan(cfg.L, self.S)
+        if microbatches < 1:
+            raise RequestError(f"--microbatches {microbatches} must be at least 1")
+        self.M = microbatches
+        self.G = self.S if groups is None else groups
+        if self.G < 1:
+            raise RequestError(f"--groups {self.G} must be at least 1")
+        if max_seq_len < 1:
+            raise RequestError(f"--max-seq-len {max_seq_len} must be positive")
+        self.max_seq_len = max_seq_len
+        self.slots_per_device = math.ceil(max_seq_len / self.C)
+        self.chunk = chunk
+        self.poison = poison
+        self.graphdef, abstract = abstract_model(cfg, self.dtype)
+        self.state = place_params(abstract, self.plan, mesh, source)
+        self.state_specs = _spec_tree(abstract)
+        self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
+        self._prefill = jax.jit(
+            build_prefill(cfg, self.graphdef, self.state_specs, mesh, self.M, poison),
+            donate_argnums=(5, 6))
+        self._decode: dict[tuple, Callable] = {}
+        self._compiled: dict[tuple, Callable] = {}
+
+    # ---- checks and layout -------------------------------------------------------
+
+    def check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """Every precondition of a request, in words, before anything compiles."""
+        cfg = self.cfg
+        if not prompts:
+            raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+        if max_new_tokens < 1:
+            raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+        for n, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RequestError(f"prompt {n} is empty: give it at least one token")
+            bad = [t for t in p if not 0 <= t < cfg.V]
+            if bad:
+                raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
+                                   f"[0, {cfg.V}): use ids the model's tokenizer produces")
+            total = len(p) + max_new_tokens
+            if total > cfg.max_position_embeddings:
+                raise RequestError(
+                    f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                    f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
+            if total > self.max_seq_len:
+                raise RequestError(
+                    f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                    f"exceeds --max-seq-len {self.max_seq_len}: raise --max-seq-len to {total}")
+        P_len = padded_length(max(len(p) for p in prompts), self.C)
+        need = P_len // self.C + math.ceil((max_new_tokens - 1) / self.C)
+        if need > self.slots_per_device:
+            raise RequestError(
+                f"the longest prompt padded to {P_len} tokens (a multiple of 2C = {2 * self.C}) "
+                f"plus {max_new_tokens} new tokens needs {need} cache slots per seq device, but "
+                f"--max-seq-len {self.max_seq_len} gives {self.slots_per_device}: raise "
+                f"--max-seq-len to {need * self.C}")
+
+    def batch_size(self, n: int) -> int:
+        """Requests padded to a multiple of lcm(M, G)."""
+        unit = math.lcm(self.M, self.G)
+        return math.ceil(n / unit) * unit
+
+    # ---- the programs --------------------------------------------------------------
+
+    def _compile(self, name: str, fn, *args):
+        key = (name, *(getattr(a, "shape", a) for a in args[2:]))
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = fn.lower(*args).compile()
+            self.compile_s += time.perf_counter() - t0
+        return self._compiled[key]
+
+    def _decode_fn(self, steps: int, sampling: Sampling):
+        key = (steps, sampling)
+        if key not in self._decode:
+            self._decode[key] = jax.jit(
+                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, self.G, steps,
+                             sampling),
+                donate_argnums=(2, 3))
+        return self._decode[key]
+
+    def new_cache(self, B: int):
+        shape = (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
+                 self.cfg.H)
+        sharding = NamedSharding(self.mesh, SPECS.cache_lbskh)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
+        return zeros(), zeros()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 sampling: Sampling = Sampling(), seed: int = 0,
+                 eos_ids: tuple[int, ...] = (),
+                 on_tokens: Callable[[list[list[int]]], None] | None = None) -> Generation:
+        """Generates up to max_new_tokens tokens for each prompt.
+
+        on_tokens, if given, is called after the prefill and after each decode chunk with
+        every request's tokens so far (for streaming).
+        """
+        self.check(prompts, max_new_tokens)
+        cfg, C, mesh = self.cfg, self.C, self.mesh
+        self.compile_s = 0.0
+        n_req = len(prompts)
+        B = self.batch_size(n_req)
+        batch = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
+        lengths = np.array([len(p) for p in batch], np.int32)
+        P_len = padded_length(int(lengths.max()), C)
+        part = zigzag(P_len, C)
+        tokens = np.zeros((B, P_len), np.int32)
+        positions = np.full((B, P_len), -1, np.int32)
+        for b, p in enumerate(batch):
+            tokens[b, :len(p)] = p
+            positions[b, :len(p)] = np.arange(len(p))
+        tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
+        tok_sharding = NamedSharding(mesh, SPECS.tokens_bt)
+        rep = NamedSharding(mesh, P())
+
+        # Slot positions: device c's first P/C slots hold its zigzag share of the prompt.
+        S_loc = self.slots_per_device
+        prompt_slots = P_len // C
+        slot_pos = np.full((B, C, S_loc), -1, np.int32)
+        slot_pos[:, :, :prompt_slots] = positions.reshape(B, C, prompt_slots)
+
+        cache_k, cache_v = self.new_cache(B)
+        args = (self.state, self.real, jax.device_put(tokens, tok_sharding),
+                jax.device_put(positions, tok_sharding), jax.device_put(lengths - 1, rep),
+                cache_k, cache_v)
+        prefill = self._compile("prefill", self._prefill, *args)
+        t0 = time.perf_counter()
+        logits, cache_k, cache_v = prefill(*args)
+        request = np.arange(B, dtype=np.int32)
+        request[n_req:] = 0
+        first = jax.jit(sample, static_argnums=4)(logits, jnp.asarray(request), jnp.int32(0),
+                                                   jnp.int32(seed), sampling)
+        first = np.asarray(first)
+        prefill_s = time.perf_counter() - t0
+
+        generated = [[int(first[b])] for b in range(B)]
+        step_logits = [np.asarray(logits[:1])]
+        done = np.array([t in eos_ids for t in first])
+        if on_tokens:
+            on_tokens([g for g in generated[:n_req]])
+        limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
+        steps_run, chunks = 0, 0
+        t_decode = 0.0
+        while steps_run < limit and not done[:n_req].all():
+            n = self.chunk
+            j0 = steps_run
+            # List the slots this chunk may write; positions ahead of a query are masked.
+            for j in range(j0, min(j0 + n, limit)):
+                slot_pos[:, j % C, prompt_slots + j // C] = lengths + j
+            cur = np.array([g[-1] for g in generated], np.int32)
+            args = (self.state, self.real, cache_k, cache_v,
+                    jax.device_put(slot_pos.reshape(B, C * S_loc), NamedSharding(mesh, SPECS.slots_bs)),
+                    jax.device_put(cur, rep), jax.device_put(lengths + j0, rep),
+                    jax.device_put(request, rep), jnp.int32(j0), jnp.int32(limit),
+                    jnp.int32(prompt_slots), jnp.int32(seed))
+            decode = self._compile(f"decode{n}", self._decode_fn(n, sampling), *args)
+            t0 = time.perf_counter()
+            new_tokens, new_logits, cache_k, cache_v = decode(*args)
+            new_tokens = np.asarray(new_tokens)
+            t_decode += time.perf_counter() - t0
+            take = min(n, limit - j0)
+            for b in range(B):
+                if not done[b]:
+                    for t in new_tokens[b, :take]:
+                        generated[b].append(int(t))
+                        if t in eos_ids:
+                            done[b] = True
+                            break
+            step_logits.append(np.asarray(new_logits)[:take])
+            steps_run += take
+            chunks += 1
+            if on_tokens:
+                on_tokens([g for g in generated[:n_req]])
+        self.cache = (cache_k, cache_v, slot_pos.reshape(B, C * S_loc))
+
+        completions = []
+        for b in range(n_req):
+            toks = generated[b][:max_new_tokens]
+            stop = bool(toks) and toks[-1] in eos_ids
+            completions.append(Completion(list(prompts[b]), toks, "stop" if stop else "length"))
+        n_prompt = int(lengths[:n_req].sum())
+        n_new = sum(len(c.token_ids) - 1 for c in completions)
+        timing = {
+            "compile_s": self.compile_s,
+            "prefill_s": prefill_s,
+            "decode_s": t_decode,
+            "prefill_tokens_per_s": n_prompt / prefill_s if prefill_s > 0 else 0.0,
+            "decode_tokens_per_s": n_new / t_decode if t_decode > 0 else 0.0,
+        }
+        layout = {"batch": B, "requests": n_req, "padded_prompt": P_len, "microbatches": self.M,
+                  "groups": self.G, "decode_steps": steps_run, "chunks": chunks,
+                  "chunk": self.chunk}
+        return Generation(completions, np.concatenate(step_logits)[:max_new_tokens], timing, layout)
+
+    # ---- reporting -------------------------------------------------------------------
+
+    def schedules(self, layout: dict) -> dict:
+        pre = prefill_grid(self.M, self.S)
+        dec = decode_grid(self.G, self.S, min(layout["chunk"], max(layout["decode_steps"], 1)))
+        steady = stats(dec, skip_edges=self.S - 1)
+        return {"prefill": stats(pre),
+                "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]}}

@@ -1,0 +1,66 @@
+"""Token sampling: greedy, or temperature with top-k and top-p.
+
+Random keys come from (seed, request index, step) only, so a request samples the same
+tokens whatever its place in the batch, its group, the mesh or the tick it runs at.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise SamplingError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise SamplingError(f"--top-k {self.top_k} must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"--top-p {self.top_p} must be in (0, 1] (1 = off)")
+
+
+def sample(logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Array,
+           cfg: Sampling) -> jax.Array:
+    """Next tokens.
+
+    Args:
+      logits: [B, V] float32; request: [B] int32 request indices; step: [B] or scalar
+        int32, the index of the token being produced; seed: scalar int32.
+    Returns:
+      tokens [B] int32.
+    """
+    if cfg.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = logits / cfg.temperature
+    V = x.shape[-1]
+    if 0 < cfg.top_k < V:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][:, -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if cfg.top_p < 1.0:
+        order = jnp.argsort(-x, axis=-1)
+        probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop_sorted = (jnp.cumsum(probs, axis=-1) - probs) >= cfg.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(drop_sorted)
+        x = jnp.where(drop, -jnp.inf, x)
+    step = jnp.broadcast_to(step, request.shape)
+
+    def one(r, s, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), r), s)
+        return jax.random.categorical(key, row)
+
+    return jax.vmap(one)(request, step, x).astype(jnp.int32)

@@ -1,0 +1,55 @@
+"""The two pipeline schedules as plain data, for the loops to follow and to report.
+
+Prefill (GPipe over M microbatches, S stages, M + S - 1 ticks): stage s works on
+microbatch t - s at tick t. For M = 3, S = 2:
+
+    tick     0  1  2  3
+    stage 0  0  1  2  .
+    stage 1  .  0  1  2
+
+Decode (round-robin over G >= S groups, n steps each): stage s works on group
+(t - s) mod G at tick t, step (t - s) // G. For G = S = 2, n = 2:
+
+    tick     0  1  2  3  4
+    stage 0  0  1  0  1  .
+    stage 1  .  0  1  0  1
+
+Group g's token from the last stage reaches stage 0 exactly when stage 0 needs it
+(G >= S), so in steady state no stage is idle.
+"""
+
+from __future__ import annotations
+
+Grid = list[list[int | None]]  # [stage][tick] -> microbatch / group, None = idle
+
+
+def prefill_grid(microbatches: int, stages: int) -> Grid:
+    ticks = microbatches + stages - 1
+    return [[t - s if 0 <= t - s < microbatches else None for t in range(ticks)]
+            for s in range(stages)]
+
+
+def decode_grid(groups: int, stages: int, steps: int) -> Grid:
+    ticks = steps * groups + stages - 1
+    return [[(t - s) % groups if 0 <= t - s < steps * groups else None for t in range(ticks)]
+            for s in range(stages)]
+
+
+def stats(grid: Grid, skip_edges: int = 0) -> dict:
+    """{"ticks", "busy_slots", "idle_fraction"} over ticks [skip_edges, ticks - skip_edges)."""
+    ticks = len(grid[0])
+    window = range(skip_edges, ticks - skip_edges)
+    busy = sum(grid[s][t] is not None for s in range(len(grid)) for t in window)
+    total = len(grid) * len(window)
+    return {"ticks": len(window), "busy_slots": busy,
+            "idle_fraction": (total - busy) / total if total else 0.0}
+
+
+def timeline(grid: Grid, title: str) -> str:
+    """A text chart: a row per stage, a column per tick, each cell what the stage ran."""
+    ticks = len(grid[0])
+    width = max(2, len(str(ticks - 1)), *(len(str(c)) for row in grid for c in row if c is not None))
+    head = f"{title:<10}" + "".join(f"{t:>{width + 1}}" for t in range(ticks))
+    rows = [f"stage {s:<4}" + "".join(f"{'' if c is None else c:>{width + 1}}" for c in row)
+            for s, row in enumerate(grid)]
+    return "\n".join([head, *rows])

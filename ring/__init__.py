@@ -1,0 +1,34 @@
+"""Context parallelism over the `seq` mesh axis: sequence partitions and their work
+accounting, the LSE merge, ring attention for prefill and sharded-cache decode
+attention. Depends on JAX and numpy only."""
+
+from ring.attention import block_attention, ring_attention
+from ring.decode import decode_attention
+from ring.merge import merge
+from ring.partition import (
+    PAD,
+    causal_work,
+    check_fits,
+    contiguous,
+    device_positions,
+    from_device_order,
+    padded_length,
+    to_device_order,
+    zigzag,
+)
+
+__all__ = [
+    "PAD",
+    "block_attention",
+    "causal_work",
+    "check_fits",
+    "contiguous",
+    "decode_attention",
+    "device_positions",
+    "from_device_order",
+    "merge",
+    "padded_length",
+    "ring_attention",
+    "to_device_order",
+    "zigzag",
+]

@@ -1,0 +1,269 @@
+"""Block attention with positions, and ring attention over the `seq` mesh axis.
+
+`block_attention` is exact softmax attention of a query block over a key block,
+masked by positions (a key is visible iff 0 <= k_pos <= q_pos), returning the
+partial result (o, lse) that `ring.merge.merge` combines. It is also plain dense
+causal attention when given a whole sequence.
+
+`ring_attention` runs inside `jax.shard_map` over the `seq` axis (C devices). Each
+device keeps its queries and passes its K/V block around the ring:
+
+    step i = 0 .. C-1: device c holds the K/V block that started on device (c - i) mod C
+      1. ppermute the held block to device c+1 (not on the last step)
+      2. attend the local queries over the held block, merge into (o, lse)
+
+The send is issued before the compute so XLA can overlap the transfer with it.
+Queries and each K/V block are split into two halves; a (query half, key half) pair
+whose valid keys all lie after every query in the half is skipped with `lax.cond`.
+With the zigzag partition the halves are exactly its two chunks and every device
+computes 3 pairs of its own block and 2 of every other block (2C+1 in all); with the
+contiguous partition device c computes 3 + 4c.
+
+Dimension letters: B batch, T query tokens, S key slots, N query heads, K KV heads,
+H head dim, G = N/K query heads per KV head, C devices on the ring.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ring.merge import finite_or_zero, merge
+
+
+def check_attention_shapes(name: str, q, k, v, q_pos, k_pos) -> None:
+    """Raises ValueError naming the sizes unless the shapes below agree.
+
+    q [B, T, N, H], k and v [B, S, K, H] with K dividing N, q_pos [B, T] and
+    k_pos [B, S] of an integer dtype.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"{name}: q, k, v must be [B, T, N, H], [B, S, K, H], [B, S, K, H]; "
+            f"got shapes {q.shape}, {k.shape}, {v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"{name}: k and v shapes differ: {k.shape} vs {v.shape}")
+    (b, t, n, h), (bk, s, kh, hk) = q.shape, k.shape
+    if b != bk or h != hk:
+        raise ValueError(
+            f"{name}: q [B={b}, T={t}, N={n}, H={h}] and k [B={bk}, S={s}, K={kh}, H={hk}] "
+            f"disagree on batch or head dim"
+        )
+    if kh == 0 or n % kh:
+        raise ValueError(f"{name}: {n} query heads are not a multiple of {kh} KV heads")
+    if q_pos.shape != (b, t) or k_pos.shape != (b, s):
+        raise ValueError(
+            f"{name}: positions must be q_pos [{b}, {t}] and k_pos [{b}, {s}]; "
+            f"got {q_pos.shape} and {k_pos.shape}"
+        )
+    if not (
+        jnp.issubdtype(q_pos.dtype, jnp.integer)
+        and jnp.issubdtype(k_pos.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"{name}: positions must be integers, got {q_pos.dtype} and {k_pos.dtype}"
+        )
+
+
+def check_axis(name: str, axis_name: str) -> int:
+    """The size of `axis_name`, or a ValueError if no enclosing shard_map binds it."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"{name}: axis {axis_name!r} is not an axis of the enclosing shard_map mesh; "
+            f"call it inside jax.shard_map over a mesh with a {axis_name!r} axis"
+        ) from err
+
+
+def partial_attention(q, k, v, q_pos, k_pos, scale):
+    """`block_attention` without the shape checks, o left in float32.
+
+    Partial results are merged in float32 so a bfloat16 o is rounded only once.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    s = (
+        jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+        * scale
+    )
+    # Visibility from positions only; k_pos >= 0 with k_pos <= q_pos also rules out q_pos = -1.
+    visible = (k_pos[:, None, :] >= 0) & (
+        k_pos[:, None, :] <= q_pos[:, :, None]
+    )  # [B, T, S]
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m = finite_or_zero(jnp.max(s, axis=-1))  # [B, K, G, T]; 0 on fully masked rows
+    p = jnp.exp(s - m[..., None])  # masked scores give exactly 0
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("BKGTS,BSKH->BTKGH", p, v.astype(jnp.float32))
+    o = o / jnp.where(l > 0, l, 1.0).transpose(0, 3, 1, 2)[..., None]
+    lse = m + jnp.log(l)  # log(0) = -inf on fully masked rows
+    return o.reshape(b, t, n, h), lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+
+
+def block_attention(
+    q, k, v, q_pos, k_pos, *, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention of a query block over a key block, masked by positions.
+
+    Query head n uses KV head n // G (grouped-query attention, G = N/K).
+
+    Args:
+      q: [B, T, N, H] queries.
+      k, v: [B, S, K, H] keys and values.
+      q_pos: [B, T] int32 query positions (-1: padding).
+      k_pos: [B, S] int32 key positions (-1: padding or empty slot).
+      scale: multiplier of the scores, usually H ** -0.5.
+
+    Returns:
+      o: [B, T, N, H] in q's dtype; 0 on rows with no visible key.
+      lse: [B, T, N] float32 log-sum-exp of the visible scores; -inf on those rows.
+    """
+    check_attention_shapes("block_attention", q, k, v, q_pos, k_pos)
+    o, lse = partial_attention(q, k, v, q_pos, k_pos, scale)
+    return o.astype(q.dtype), lse
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes along which `x` varies inside shard_map (its vma type)."""
+    aval = jax.typeof(x)
+    # jax 0.10 keeps it in manual_axis_type.varying; earlier releases called it vma.
+    if hasattr(aval, "manual_axis_type"):
+        return aval.manual_axis_type.varying
+    return aval.vma
+
+
+def make_varying(x, axes: frozenset):
+    """`x` cast to vary along `axes` (a superset of its own): a type change, no data moves."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+class RingCarry(NamedTuple):
+    """State carried from one ring step to the next (all local to one device)."""
+
+    o: jax.Array  # [B, T, N, H] float32: local queries' output merged so far
+    lse: jax.Array  # [B, T, N] float32
+    k_blk: jax.Array  # [B, S, K, H] the K block held at this step
+    v_blk: jax.Array  # [B, S, K, H]
+    pos_blk: jax.Array  # [B, S] int32 positions of the held block
+    blocks: jax.Array  # [1] int32: (query half, key half) pairs computed so far
+
+
+def _any_visible(q_pos, k_pos):
+    """Whether some query in q_pos [B, T] can see some key in k_pos [B, S]."""
+    first_key = jnp.min(jnp.where(k_pos >= 0, k_pos, jnp.iinfo(jnp.int32).max))
+    return first_key <= jnp.max(q_pos)
+
+
+def _attend_pair(o, lse, blocks, q, q_pos, k, v, k_pos, scale):
+    """Merges q's attention over one key half into (o, lse) and counts it in
+    `blocks`, or skips it (`lax.cond`) when no query of q can see any of the keys."""
+
+    def compute(o, lse, blocks):
+        o, lse = merge(o, lse, *partial_attention(q, k, v, q_pos, k_pos, scale))
+        return o, lse, blocks + 1
+
+    return lax.cond(
+        _any_visible(q_pos, k_pos), compute, lambda *skipped: skipped, o, lse, blocks
+    )
+
+
+def _attend_halves(q, q_pos, carry: RingCarry, scale) -> RingCarry:
+    """Merges the local queries' attention over the held block into the carry, one
+    (query half, key half) pair at a time."""
+    tq, sk = q.shape[1] // 2, carry.k_blk.shape[1] // 2
+    blocks = carry.blocks
+    o_halves, lse_halves = [], []
+    for qs in (slice(0, tq), slice(tq, None)):
+        o, lse = carry.o[:, qs], carry.lse[:, qs]
+        for ks in (slice(0, sk), slice(sk, None)):
+            k, v, k_pos = carry.k_blk[:, ks], carry.v_blk[:, ks], carry.pos_blk[:, ks]
+            o, lse, blocks = _attend_pair(
+                o, lse, blocks, q[:, qs], q_pos[:, qs], k, v, k_pos, scale
+            )
+        o_halves.append(o)
+        lse_halves.append(lse)
+    return carry._replace(
+        o=jnp.concatenate(o_halves, axis=1),
+        lse=jnp.concatenate(lse_halves, axis=1),
+        blocks=blocks,
+    )
+
+
+def ring_attention(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    axis_name: str = "seq",
+    scale: float,
+    count_blocks: bool = False,
+):
+    """Causal attention over a sequence sharded along `axis_name`; call inside shard_map.
+
+    Every argument is the local shard of a sequence laid out in partition order
+    (`ring.partition.to_device_order`, sharded `P(None, axis_name)`). The positions
+    decide visibility, so any partition (contiguous, zigzag) and padding (-1) work.
+    Only `axis_name` is communicated along; inputs may also vary along other mesh
+    axes (e.g. 'stage'), and the results then vary along the union of them.
+
+    Args:
+      q: [B, T, N, H] local queries, T even.
+      k, v: [B, S, K, H] local keys and values, S even.
+      q_pos: [B, T] int32 positions of the local queries (-1: padding).
+      k_pos: [B, S] int32 positions of the local keys (-1: padding).
+      axis_name: the mesh axis of the ring (C devices).
+      scale: multiplier of the scores, usually H ** -0.5.
+      count_blocks: also return how many (query half, key half) pairs this device
+        computed, out of 4C.
+
+    Returns:
+      o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: no visible key);
+      with count_blocks, also blocks: [1] int32 (out_specs P(axis_name) gives [C]).
+    """
+    check_attention_shapes("ring_attention", q, k, v, q_pos, k_pos)
+    if q.shape[1] % 2 or k.shape[1] % 2:
+        raise ValueError(
+            f"ring_attention: local T={q.shape[1]} queries and S={k.shape[1]} keys must be even "
+            f"(each is split in halves); pad the sequence to a multiple of 2*C with "
+            f"ring.partition.padded_length"
+        )
+    c = check_axis("ring_attention", axis_name)
+
+    # The carry leaves each step varying along the ring axis and along whatever the
+    # inputs vary along; scan and cond insist it enters with that same type.
+    axes = frozenset({axis_name}).union(
+        *(varying_axes(x) for x in (q, k, v, q_pos, k_pos))
+    )
+    q, k, v, q_pos, k_pos = (make_varying(x, axes) for x in (q, k, v, q_pos, k_pos))
+    b, t, n, h = q.shape
+    init = RingCarry(
+        o=make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
+        lse=make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes),
+        k_blk=k,
+        v_blk=v,
+        pos_blk=k_pos,
+        blocks=make_varying(jnp.zeros((1,), jnp.int32), axes),
+    )
+    perm = [(i, (i + 1) % c) for i in range(c)]
+
+    def step(carry: RingCarry, _) -> tuple[RingCarry, None]:
+        # Send the held block on first: XLA can overlap the transfer with the compute.
+        k_next, v_next, pos_next = (
+            lax.ppermute(x, axis_name, perm)
+            for x in (carry.k_blk, carry.v_blk, carry.pos_blk)
+        )
+        carry = _attend_halves(q, q_pos, carry, scale)
+        return carry._replace(k_blk=k_next, v_blk=v_next, pos_blk=pos_next), None
+
+    carry, _ = lax.scan(step, init, length=c - 1)
+    # The last block held needs no sending on.
+    carry = _attend_halves(q, q_pos, carry, scale)
+    o = carry.o.astype(q.dtype)
+    return (o, carry.lse, carry.blocks) if count_blocks else (o, carry.lse)

@@ -1,0 +1,61 @@
+"""Placing parameters onto the mesh straight from a weight source.
+
+Each device's shard is built by a callback that reads only the layers that device
+holds (`jax.make_array_from_callback`), so no host ever materialises the full stacked
+weights unless it holds all stages. Identity slots of the stage plan are zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Protocol, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from sharding.plan import StagePlan
+from sharding.specs import param_spec
+
+
+class WeightSource(Protocol):
+    def read(self, path: tuple[str, ...], dtype, layers: Sequence[int] | None = None) -> np.ndarray:
+        ...
+
+
+def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
+    """The model state with every leaf a global jax.Array on `mesh`.
+
+    Args:
+      abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...].
+      plan: the stage plan; layer leaves become [L_pad, ...] sharded P('stage').
+    """
+    slots = plan.layer_of_slot
+
+    def place(path, x):
+        sharding = NamedSharding(mesh, param_spec(path))
+        if path[0] != "layers":
+            whole = functools.cache(lambda: source.read(path, x.dtype))
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: whole()[index])
+        shape = (plan.padded_layers, *x.shape[1:])
+
+        @functools.cache
+        def stage_block(start: int, stop: int) -> np.ndarray:
+            ids = slots[start:stop]
+            real = [i for i in ids if i is not None]
+            values = iter(source.read(path, x.dtype, real))
+            return np.stack([next(values) if i is not None else np.zeros(shape[1:], x.dtype)
+                             for i in ids])
+
+        def shard(index):
+            rows = index[0]
+            start, stop, _ = rows.indices(shape[0])
+            return stage_block(start, stop)[(slice(None), *index[1:])]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    def leaf(keypath, x):
+        path = tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
+        return place(path, x)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract_state)

@@ -1,0 +1,16 @@
+"""Test session set-up: 8 emulated CPU devices, float32 matmuls at full precision.
+
+The device count must be set before anything touches a JAX backend, so it happens
+here, at import, before any test module is collected.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_default_matmul_precision", "highest")
