@@ -28,7 +28,7 @@ class RandomWeights:
 
     def _one(self, path: ParamPath, layer: int, shape) -> np.ndarray:
         key = zlib.crc32(".".join(path).encode())
-        rng = np.random.default_rng([self.seed, key, layer])
+        rng = np.random.default_rng([self.seed, key, layer + 1])  # non-layer tensors: -1
         if path[-1] == "scale":  # norms: around one, so activations keep their size
             return (1.0 + 0.1 * rng.standard_normal(shape, np.float32)).astype(np.float32)
         if "bias" in path[-1]:

@@ -1,0 +1,54 @@
+"""Traffic and memory accounting for the JSON report.
+
+bytes_between_stages counts hidden-state bytes of real tokens crossing stage
+boundaries at 2 bytes per element (what a bfloat16 deployment moves, whatever the
+compute dtype); bytes_sent counts what the compiled programs move between stages:
+every tick's payload, padding and bubbles included, at the compute dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import numpy as np
+
+from model.config import Qwen3Config
+
+
+def bytes_between_stages(cfg: Qwen3Config, stages: int, prompt_lens: list[int],
+                         decode_steps: list[int]) -> int:
+    """Each prompt token and each decoded token's hidden state [D] crosses S - 1
+    boundaries; decode_steps[b] = tokens request b fed back (generated tokens - 1)."""
+    tokens = sum(prompt_lens) + sum(decode_steps)
+    return tokens * cfg.D * 2 * (stages - 1)
+
+
+def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: int) -> dict:
+    """Bytes the prefill and decode programs send along `stage`, over all devices."""
+    if stages == 1:
+        return {"prefill": 0, "decode": 0, "total": 0}
+    B, M, G, P_len = layout["batch"], layout["microbatches"], layout["groups"], layout["padded_prompt"]
+    # Prefill: M + S - 1 ticks, S - 1 senders per seq column, [B/M, P/C, D] each.
+    prefill = (M + stages - 1) * (stages - 1) * seq * (B // M) * (P_len // seq) * cfg.D * itemsize
+    # Decode: per chunk n*G + S - 1 ticks, a cyclic send from every device of the
+    # hidden state [B/G, 1, D] and the sampled tokens [B/G] int32.
+    per_tick = stages * seq * (B // G) * (cfg.D * itemsize + 4)
+    decode = layout["chunks"] * (layout["chunk"] * G + stages - 1) * per_tick
+    return {"prefill": prefill, "decode": decode, "total": prefill + decode}
+
+
+def bytes_per_device(tree) -> list[int]:
+    """Bytes of the addressable shards of every array in `tree`, per device (in
+    jax.devices() order, devices holding nothing omitted)."""
+    per = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                per[shard.device.id] += shard.data.nbytes
+    return [per[d] for d in sorted(per)]
+
+
+def max_abs_error(a: np.ndarray, b: np.ndarray) -> float:
+    n = min(len(a), len(b))
+    return float(np.max(np.abs(a[:n] - b[:n]))) if n else 0.0

@@ -1,0 +1,84 @@
+"""`qwen3-spmd`: the command line.
+
+Subcommands register themselves (each module has `register(subparsers)`). Flags that
+shape the JAX runtime (`--cpu-devices`) act right after parsing, before anything
+touches a JAX backend. Bad input ends with one line on stderr and exit status 2;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class CLIError(ValueError):
+    """Bad command-line input: the message names the problem and the fix."""
+
+
+def _subcommands():
+    from run import generate, ring_demo
+
+    return [generate, ring_demo]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qwen3-spmd",
+        description="Qwen3 inference in JAX over a (stage, seq) device mesh: pipeline "
+                    "parallelism, ring attention, decode context parallelism.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _subcommands():
+        module.register(sub)
+    return parser
+
+
+def use_cpu_devices(n: int | None) -> None:
+    """Emulates n CPU devices. Must run before any JAX computation."""
+    if n is None:
+        return
+    if n < 1:
+        raise CLIError(f"--cpu-devices {n} must be at least 1")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return  # the environment already chose; the mesh check reports a mismatch
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from model.config import ConfigError
+    from model.loader import LoadError
+    from pipeline.engine import RequestError
+    from pipeline.sampling import SamplingError
+    from run.text import TextError
+    from sharding.mesh import MeshError
+    from sharding.plan import PlanError
+
+    return (CLIError, ConfigError, LoadError, RequestError, SamplingError, TextError, MeshError,
+            PlanError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _known_errors() as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Resolving `--model`: a Hugging Face checkpoint folder, or a preset name with seeded
+random weights (the built-in demo uses the `tiny` preset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from model.config import PRESETS, ConfigError, Qwen3Config
+
+
+@dataclasses.dataclass
+class ModelSpec:
+    cfg: Qwen3Config
+    source: object  # a weight source: read(path, dtype, layers)
+    folder: Path | None  # the checkpoint folder (tokenizer, generation config), if any
+    label: str
+    random: bool
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """EOS ids: generation_config.json's, else config.json's."""
+        if self.folder is not None:
+            gen = self.folder / "generation_config.json"
+            if gen.is_file():
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                if eos is not None:
+                    return tuple(eos) if isinstance(eos, list) else (eos,)
+        return self.cfg.eos_token_ids
+
+
+def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
+    """A checkpoint folder, or a preset (random weights); None means the tiny demo."""
+    from model.loader import HFCheckpoint
+    from model.random_weights import RandomWeights
+
+    name = "tiny" if spec is None else spec
+    if name in PRESETS and not Path(name).exists():
+        cfg = PRESETS[name]
+        return ModelSpec(cfg, RandomWeights(cfg, seed), None,
+                         f"preset {name} with seeded RANDOM weights (not a trained model)", True)
+    folder = Path(name)
+    if not folder.exists():
+        raise ConfigError(f"--model {name}: no such folder, and not a preset "
+                          f"({', '.join(PRESETS)}): pass a Hugging Face checkpoint folder")
+    if not folder.is_dir():
+        raise ConfigError(f"--model {name} is a file: pass the checkpoint folder that holds it")
+    cfg = Qwen3Config.from_hf(folder)
+    return ModelSpec(cfg, HFCheckpoint(folder, cfg), folder, str(folder), False)

@@ -1,0 +1,74 @@
+"""Text in and out: `tokenizer.json` through `tokenizers`, chat templates through jinja2.
+
+A checkpoint without a tokenizer still runs on token ids; asking it for text is an
+error that says to pass ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class TextError(ValueError):
+    pass
+
+
+class Text:
+    """The tokenizer and chat template of a checkpoint folder."""
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def find(cls, folder: str | Path | None) -> "Text | None":
+        if folder is None or not (Path(folder) / "tokenizer.json").is_file():
+            return None
+        return cls(folder)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids; an id past the tokenizer's vocabulary (a random model can emit
+        one) shows as <|id:N|> rather than vanishing."""
+        out, run = [], []
+        for i in ids:
+            if i < self.vocab:
+                run.append(i)
+                continue
+            if run:
+                out.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            out.append(f"<|id:{i}|>")
+        if run:
+            out.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(out)
+
+    def chat(self, user: str, enable_thinking: bool = True) -> str:
+        """One user turn rendered with the checkpoint's chat template, ready for the reply."""
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            raise TextError("--chat needs a chat_template in tokenizer_config.json, and this "
+                            "checkpoint has none: pass the prompt without --chat")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": user}], add_generation_prompt=True,
+            enable_thinking=enable_thinking, bos_token=self.config.get("bos_token") or "",
+            eos_token=self.config.get("eos_token") or "")

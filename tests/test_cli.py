@@ -1,0 +1,95 @@
+"""The command line: the JSON contract, the demo, --check, --logits-out, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from run.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_contract_matches_transformers(capsys, tmp_path):
+    ref = np.load(FIXTURES / "tiny" / "reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+    argv = ["--model", str(FIXTURES / "tiny"), "--mesh", "1x1", "--max-new-tokens", "8",
+            "--logits-out", str(tmp_path / "logits.npy")]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    out = run_json(capsys, *argv)
+    assert out["mesh"] == {"stage": 1, "seq": 1}
+    assert out["stage_layers"] == [[0, 4]]
+    for i, req in enumerate(out["requests"]):
+        assert req["prompt_ids"] == prompts[i]
+        assert req["token_ids"] == ref[f"greedy_tokens_{i}"].tolist()
+        assert req["finish_reason"] == "length"
+        assert isinstance(req["text"], str)
+    assert set(out["timing"]) >= {"compile_s", "prefill_s", "decode_s", "prefill_tokens_per_s",
+                                  "decode_tokens_per_s"}
+    assert all(v > 0 for v in out["timing"].values())
+    logits = np.load(tmp_path / "logits.npy")
+    assert logits.shape == (8, ref["step_logits_0"].shape[1]) and logits.dtype == np.float32
+    np.testing.assert_allclose(logits, ref["step_logits_0"], atol=1e-4)
+
+
+def test_demo_on_2x2_matches_single_device(capsys):
+    out = run_json(capsys, "--mesh", "2x2", "--check", "--max-new-tokens", "6")
+    assert out["model"]["random_weights"] is True
+    assert out["matches_single_device"] is True
+    assert out["max_error_vs_single_device"] < 1e-4
+    assert out["stage_layers"] == [[0, 1], [2, 3]]
+    assert out["schedule"]["prefill"]["idle_fraction"] == pytest.approx(0.5)
+    assert out["schedule"]["decode"]["steady_idle_fraction"] == 0.0
+    assert out["kv_bytes_per_device"] > 0 and out["weight_bytes_per_device"] > 0
+
+
+def test_chat_prompt_uses_template(capsys):
+    out = run_json(capsys, "--model", str(FIXTURES / "tiny"), "--mesh", "1x1", "--prompt", "Hi",
+                   "--chat", "--no-thinking", "--max-new-tokens", "2")
+    ids = out["requests"][0]["prompt_ids"]
+    # <|im_start|>user ... <|im_start|>assistant, then the empty <think>\n\n</think>\n\n
+    # that Qwen3's template adds for enable_thinking=False.
+    assert ids[0] == 301 and ids[-6:] == [303, 198, 198, 304, 198, 198]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "/no/such/folder"], "no such folder"),
+    (["--prompt-ids", "1,2,x"], "comma-separated"),
+    (["--prompt-ids", ""], "empty"),
+    (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),
+    (["--prompt-ids", "1,2", "--dtype", "float16"], "--dtype"),
+    (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
+    (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
+    (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
+    (["--prompt", "hello"], "tokenizer"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, words):
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+def test_folder_without_config(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_console_script_sets_cpu_devices_before_jax_starts():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "run", "generate", "--mesh", "2x2",
+                          "--cpu-devices", "4", "--check", "--max-new-tokens", "4"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "matches_single_device: true" in out.stdout
