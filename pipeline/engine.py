@@ -90,7 +90,11 @@ class Engine:
         self.chunk = chunk
         self.poison = poison
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
-        self.state = place_params(abstract, self.plan, mesh, source)
+        # A source that restores already-sharded arrays (an orbax checkpoint) places
+        # itself; any other is read slice by slice into each device's shard.
+        place = getattr(source, "place", None)
+        self.state = (place(abstract, self.plan, mesh) if place is not None
+                      else place_params(abstract, self.plan, mesh, source))
         self.state_specs = _spec_tree(abstract)
         self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         self._prefill = jax.jit(
