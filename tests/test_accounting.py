@@ -1,0 +1,48 @@
+"""Traffic and memory accounting, derived from configs without building big models."""
+
+import jax
+import numpy as np
+import pytest
+
+from model.config import PRESETS
+from pipeline import accounting
+from sharding.plan import StagePlan
+
+# The issue's example: a Qwen3 chat prompt, 20 new tokens, 2 stages.
+CHAT_PROMPT = [151644, 872, 198, 105043, 100165, 11319, 151645, 198, 151644, 77091, 198, 151667,
+               271, 151668, 271]
+
+
+def test_qwen3_0_6b_two_stages_plan_and_bytes():
+    cfg = PRESETS["0.6B"]
+    assert StagePlan(cfg.L, 2).stage_layers == [[0, 13], [14, 27]]
+    # 15 prompt tokens and 19 fed-back tokens (the first of 20 comes from the prefill)
+    # each cross one boundary as a [1024] hidden state at 2 bytes per element.
+    n = accounting.bytes_between_stages(cfg, 2, [len(CHAT_PROMPT)], [20 - 1])
+    assert n == 69632 == (15 + 19) * 1024 * 2
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_bytes_between_stages_scales_with_boundaries(stages):
+    cfg = PRESETS["tiny"]
+    n = accounting.bytes_between_stages(cfg, stages, [3, 5], [2, 0])
+    assert n == (3 + 5 + 2) * cfg.D * 2 * (stages - 1)
+
+
+def test_bytes_sent_counts_padding_and_bubbles():
+    cfg = PRESETS["tiny"]
+    layout = {"batch": 4, "microbatches": 2, "groups": 2, "padded_prompt": 8, "chunks": 1,
+              "chunk": 3}
+    sent = accounting.bytes_sent(cfg, 2, 2, layout, 4)
+    # prefill: 3 ticks x 1 sender stage x 2 seq devices x [2, 4, D] float32
+    assert sent["prefill"] == 3 * 1 * 2 * (2 * 4 * cfg.D * 4)
+    # decode: (3 * 2 + 1) ticks x 2 stages x 2 seq x [2, 1, D] float32 + 2 int32 tokens
+    assert sent["decode"] == 7 * 2 * 2 * (2 * (cfg.D * 4 + 4))
+    assert accounting.bytes_sent(cfg, 1, 2, layout, 4)["total"] == 0
+
+
+def test_bytes_per_device_reads_addressable_shards():
+    mesh = jax.make_mesh((2, 2), ("stage", "seq"), devices=jax.devices()[:4])
+    x = jax.device_put(np.zeros((4, 6), np.float32),
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage", "seq")))
+    assert accounting.bytes_per_device(x) == [2 * 3 * 4] * 4
