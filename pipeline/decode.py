@@ -48,6 +48,8 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     """
     G = groups
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    # One stage has no bubbles: no cond is needed around its layers.
+    always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
 
     def local(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
@@ -101,7 +103,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
                 x, cache = run_stage(model, cfg, real, x, q_pos, cache, attend_at, gated)
                 return vary(x), cache
 
-            x, cache = when(active, compute, x_in, cache, gated)
+            x, cache = when(active, compute, x_in, cache, gated, always_active)
 
             def head(x):
                 logits = model.logits(x)[:, 0]  # [Bg, V]

@@ -168,6 +168,28 @@ class Engine:
         zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
         return zeros(), zeros()
 
+    def prefill_memory(self, batch: int, prompt_len: int) -> dict:
+        """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
+        tokens, from XLA's memory analysis of the compiled program (nothing runs).
+
+        total = arguments (weights, cache, tokens) + outputs + temporaries - aliased
+        (the donated cache is updated in place, so it counts once).
+        """
+        P_len = padded_length(prompt_len, self.C)
+
+        def arg(shape, dtype, spec):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+
+        cache = arg((self.plan.padded_layers, batch, self.slots_per_device * self.C, self.cfg.K,
+                     self.cfg.H), self.dtype, SPECS.cache_lbskh)
+        tokens = arg((batch, P_len), jnp.int32, SPECS.tokens_bt)
+        args = (self.state, self.real, tokens, tokens, arg((batch,), jnp.int32, P()), cache, cache)
+        m = self._prefill.lower(*args).compile().memory_analysis()
+        out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+               "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+        out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+        return out
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: Sampling = Sampling(), seed: int = 0,
                  eos_ids: tuple[int, ...] = (),

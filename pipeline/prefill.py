@@ -44,6 +44,8 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     """
     M = microbatches
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    # One stage has no bubbles: no cond is needed around its layers.
+    always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
 
     def local(state, real, tokens, positions, last_pos, cache_k, cache_v):
@@ -83,7 +85,7 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
                 x, c = run_stage(model, cfg, real, x, pos, c, attend_at, gated)
                 return vary(x), c
 
-            x, cache = when(active, compute, x_in, cache, gated)
+            x, cache = when(active, compute, x_in, cache, gated, always_active)
             if poison:
                 x = jnp.where(active, x, jnp.nan)
             # The last prompt token lies on one `seq` device; summing the selection over

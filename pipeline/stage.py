@@ -64,14 +64,18 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
     return run_layers(layer_def, layer_state, x, rope, cache, attend_at, real, gated)
 
 
-def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: bool):
+def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: bool,
+         always_active: bool = False):
     """compute(x, cache) on ticks where this stage is active, else (x, cache) unchanged.
 
     XLA runs a collective only when every device of the program reaches it, so the
     work is skipped with `lax.cond` only where it holds none (gated: no `seq` axis to
     communicate along). Otherwise the stage computes on a bubble too and drops the
     result; `compute` must then itself leave the cache alone when inactive.
+    always_active: the schedule has no bubbles (one stage), so no test is needed.
     """
+    if always_active:
+        return compute(x, cache)
     if gated:
         return jax.lax.cond(active, compute, lambda x, c: (x, c), x, cache)
     y, cache = compute(x, cache)
