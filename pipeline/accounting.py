@@ -31,10 +31,10 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
     B, M, G, P_len = layout["batch"], layout["microbatches"], layout["groups"], layout["padded_prompt"]
     # Prefill: M + S - 1 ticks, S - 1 senders per seq column, [B/M, P/C, D] each.
     prefill = (M + stages - 1) * (stages - 1) * seq * (B // M) * (P_len // seq) * cfg.D * itemsize
-    # Decode: per chunk n*G + S - 1 ticks, a cyclic send from every device of the
-    # hidden state [B/G, 1, D] and the sampled tokens [B/G] int32.
+    # Decode: every tick the engine ran, a cyclic send from every device of the hidden
+    # state [B/G, 1, D] and the sampled tokens [B/G] int32.
     per_tick = stages * seq * (B // G) * (cfg.D * itemsize + 4)
-    decode = layout["chunks"] * (layout["chunk"] * G + stages - 1) * per_tick
+    decode = layout["decode_ticks"] * per_tick
     return {"prefill": prefill, "decode": decode, "total": prefill + decode}
 
 

@@ -1,11 +1,13 @@
 """Decode: round-robin groups along `stage`, sharded-KV attention along `seq`.
 
-One `shard_map` over the whole ('stage', 'seq') mesh runs `steps` decode steps for
-every request. The batch is cut into G >= S groups of B / G requests; at tick t stage
-s runs group (t - s) mod G (see pipeline.schedule). Per tick, one cyclic `ppermute`
-along `stage` carries the hidden state [B/G, 1, D] from stage s to s + 1 and, from
-the last stage back to stage 0, the tokens it just sampled; stage 0 files those and
-embeds them when the group comes round again (G >= S ticks later).
+One `shard_map` over the whole ('stage', 'seq') mesh runs a chunk of decode steps for
+every request. The batch is cut into G groups of B / G requests. With period
+P = max(G, S), at tick t stage s runs group (t - s) mod P, when that is below G (see
+pipeline.schedule). Per tick, one cyclic `ppermute` along `stage` carries the hidden
+state [B/G, 1, D] from stage s to s + 1 and, from the last stage back to stage 0, the
+tokens it just sampled; stage 0 files those and embeds them when the group comes
+round again, P >= S ticks later. With G >= S no stage is ever idle in steady state;
+a batch smaller than S runs with bubbles.
 
 Inside a layer the new token's hidden state is the same on every `seq` device. Decode
 step j writes its K/V on `seq` device j mod C at local slot P/C + j // C (P = padded
@@ -33,7 +35,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
     Returns f(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
-    first_step, limit, prompt_slots, seed) -> (new_tokens [B, steps] int32,
+    first_step, run_steps, limit, prompt_slots, seed) -> (new_tokens [B, steps] int32,
     first_logits [steps, V] float32, cache_k, cache_v), where
       slot_pos: [B, S_cap] int32 positions held by the cache slots, -1 = empty (must
         already list the slots this chunk writes: future positions are masked anyway);
@@ -41,6 +43,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
       positions: [B] int32 its position;
       request: [B] int32 request index (for sampling keys);
       first_step: decode step index j of the chunk's first step;
+      run_steps: how many of the `steps` to run (the last chunk may need fewer);
       limit: steps j >= limit write nothing (past the request's last token);
       prompt_slots: P / C, the local slots the prompt took;
       seed: sampling seed.
@@ -48,12 +51,12 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     """
     G = groups
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    # One stage has no bubbles: no cond is needed around its layers.
+    # One stage has no bubbles (P = G): no cond is needed around its layers.
     always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
 
     def local(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
-              first_step, limit, prompt_slots, seed):
+              first_step, run_steps, limit, prompt_slots, seed):
         model = nnx.merge(graphdef, state)
         S, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
         C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
@@ -61,20 +64,22 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         Bg = B // G
         _, _, S_loc, K, H = cache_k.shape
         dtype = cache_k.dtype
-        busy = steps * G
+        period = max(G, S)
+        busy = run_steps * period
+
+        def slot_of(u):
+            """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
+            runs = (u >= 0) & (u < busy) & (u % period < G)
+            u = jnp.clip(u, 0, busy - 1)
+            return runs, jnp.minimum(u % period, G - 1) * Bg, u // period
 
         def tick(t, carry):
             h_recv, tok_recv, tok_buf, cache, out_tok, out_logits = carry
             # Stage 0 files the tokens the last stage sampled at tick t - 1.
-            u_prev = t - S
-            got = (u_prev >= 0) & (u_prev < busy)
-            filed = put_rows(tok_buf, tok_recv, (jnp.clip(u_prev, 0, busy - 1) % G) * Bg)
-            tok_buf = jnp.where(got, filed, tok_buf)
+            got, got_row0, _ = slot_of(t - S)
+            tok_buf = jnp.where(got, put_rows(tok_buf, tok_recv, got_row0), tok_buf)
 
-            u = t - s
-            active = (u >= 0) & (u < busy)
-            u = jnp.clip(u, 0, busy - 1)
-            row0, i = (u % G) * Bg, u // G
+            active, row0, i = slot_of(t - s)
             j = first_step + i
             q_pos = (rows(positions, row0, Bg) + i)[:, None]  # [Bg, 1]
             x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), h_recv))
@@ -125,7 +130,8 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         carry = (vary(jnp.zeros((Bg, 1, cfg.D), dtype)), vary(jnp.zeros((Bg,), jnp.int32)),
                  vary(tokens), StageCache(cache_k, cache_v),
                  vary(jnp.zeros((B, steps), jnp.int32)), vary(jnp.zeros((steps, cfg.V), jnp.float32)))
-        _, _, _, cache, out_tok, out_logits = jax.lax.fori_loop(0, busy + S - 1, tick, carry)
+        ticks = (run_steps - 1) * period + G + S - 1
+        _, _, _, cache, out_tok, out_logits = jax.lax.fori_loop(0, ticks, tick, carry)
         return (from_device(out_tok, S - 1, 0), from_device(out_logits, S - 1, 0),
                 cache.k, cache.v)
 
@@ -133,5 +139,5 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(state_specs, SPECS.layers, SPECS.cache_lbskh, SPECS.cache_lbskh, SPECS.slots_bs,
-                  rep, rep, rep, rep, rep, rep, rep),
+                  rep, rep, rep, rep, rep, rep, rep, rep),
         out_specs=(P(), P(), SPECS.cache_lbskh, SPECS.cache_lbskh))

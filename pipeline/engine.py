@@ -66,7 +66,9 @@ class Engine:
       dtype: compute and storage dtype.
       max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
         device holds ceil(max_seq_len / C) slots.
-      microbatches: M for prefill; groups: G >= ... for decode (default S).
+      microbatches: M for prefill.
+      groups: G for decode (default: S, or the number of requests when fewer; a batch
+        smaller than S then runs with bubbles).
       chunk: decode steps per on-device chunk.
       poison: NaN in pipeline bubbles (tests).
     """
@@ -80,9 +82,9 @@ class Engine:
         if microbatches < 1:
             raise RequestError(f"--microbatches {microbatches} must be at least 1")
         self.M = microbatches
-        self.G = self.S if groups is None else groups
-        if self.G < 1:
-            raise RequestError(f"--groups {self.G} must be at least 1")
+        if groups is not None and groups < 1:
+            raise RequestError(f"--groups {groups} must be at least 1")
+        self.groups = groups
         if max_seq_len < 1:
             raise RequestError(f"--max-seq-len {max_seq_len} must be positive")
         self.max_seq_len = max_seq_len
@@ -137,9 +139,13 @@ class Engine:
                 f"--max-seq-len {self.max_seq_len} gives {self.slots_per_device}: raise "
                 f"--max-seq-len to {need * self.C}")
 
+    def groups_for(self, n: int) -> int:
+        """Decode groups G for n requests."""
+        return self.groups if self.groups is not None else min(self.S, n)
+
     def batch_size(self, n: int) -> int:
         """Requests padded to a multiple of lcm(M, G)."""
-        unit = math.lcm(self.M, self.G)
+        unit = math.lcm(self.M, self.groups_for(n))
         return math.ceil(n / unit) * unit
 
     # ---- the programs --------------------------------------------------------------
@@ -152,11 +158,11 @@ class Engine:
             self.compile_s += time.perf_counter() - t0
         return self._compiled[key]
 
-    def _decode_fn(self, steps: int, sampling: Sampling):
-        key = (steps, sampling)
+    def _decode_fn(self, groups: int, steps: int, sampling: Sampling):
+        key = (groups, steps, sampling)
         if key not in self._decode:
             self._decode[key] = jax.jit(
-                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, self.G, steps,
+                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, groups, steps,
                              sampling),
                 donate_argnums=(2, 3))
         return self._decode[key]
@@ -203,6 +209,7 @@ class Engine:
         cfg, C, mesh = self.cfg, self.C, self.mesh
         self.compile_s = 0.0
         n_req = len(prompts)
+        G = self.groups_for(n_req)
         B = self.batch_size(n_req)
         batch = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
         lengths = np.array([len(p) for p in batch], np.int32)
@@ -243,26 +250,27 @@ class Engine:
         if on_tokens:
             on_tokens([g for g in generated[:n_req]])
         limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
-        steps_run, chunks = 0, 0
+        steps_run, chunks, decode_ticks = 0, 0, 0
         t_decode = 0.0
         while steps_run < limit and not done[:n_req].all():
             n = self.chunk
             j0 = steps_run
-            # List the slots this chunk may write; positions ahead of a query are masked.
-            for j in range(j0, min(j0 + n, limit)):
+            take = min(n, limit - j0)
+            # List the slots this chunk writes; positions ahead of a query are masked.
+            for j in range(j0, j0 + take):
                 slot_pos[:, j % C, prompt_slots + j // C] = lengths + j
             cur = np.array([g[-1] for g in generated], np.int32)
             args = (self.state, self.real, cache_k, cache_v,
                     jax.device_put(slot_pos.reshape(B, C * S_loc), NamedSharding(mesh, SPECS.slots_bs)),
                     jax.device_put(cur, rep), jax.device_put(lengths + j0, rep),
-                    jax.device_put(request, rep), jnp.int32(j0), jnp.int32(limit),
+                    jax.device_put(request, rep), jnp.int32(j0), jnp.int32(take), jnp.int32(limit),
                     jnp.int32(prompt_slots), jnp.int32(seed))
-            decode = self._compile(f"decode{n}", self._decode_fn(n, sampling), *args)
+            decode = self._compile(f"decode{G}x{n}", self._decode_fn(G, n, sampling), *args)
             t0 = time.perf_counter()
             new_tokens, new_logits, cache_k, cache_v = decode(*args)
             new_tokens = np.asarray(new_tokens)
             t_decode += time.perf_counter() - t0
-            take = min(n, limit - j0)
+            decode_ticks += (take - 1) * max(G, self.S) + G + self.S - 1
             for b in range(B):
                 if not done[b]:
                     for t in new_tokens[b, :take]:
@@ -292,15 +300,17 @@ class Engine:
             "decode_tokens_per_s": n_new / t_decode if t_decode > 0 else 0.0,
         }
         layout = {"batch": B, "requests": n_req, "padded_prompt": P_len, "microbatches": self.M,
-                  "groups": self.G, "decode_steps": steps_run, "chunks": chunks,
-                  "chunk": self.chunk}
-        return Generation(completions, np.concatenate(step_logits)[:max_new_tokens], timing, layout)
+                  "groups": G, "decode_steps": steps_run, "chunks": chunks,
+                  "chunk": self.chunk, "decode_ticks": decode_ticks}
+        first_logits = np.concatenate(step_logits)[:len(completions[0].token_ids)]
+        return Generation(completions, first_logits, timing, layout)
 
     # ---- reporting -------------------------------------------------------------------
 
     def schedules(self, layout: dict) -> dict:
         pre = prefill_grid(self.M, self.S)
-        dec = decode_grid(self.G, self.S, min(layout["chunk"], max(layout["decode_steps"], 1)))
+        dec = decode_grid(layout["groups"], self.S,
+                          min(layout["chunk"], max(layout["decode_steps"], 1)))
         steady = stats(dec, skip_edges=self.S - 1)
         return {"prefill": stats(pre),
                 "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]}}

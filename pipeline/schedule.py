@@ -7,15 +7,16 @@ microbatch t - s at tick t. For M = 3, S = 2:
     stage 0  0  1  2  .
     stage 1  .  0  1  2
 
-Decode (round-robin over G >= S groups, n steps each): stage s works on group
-(t - s) mod G at tick t, step (t - s) // G. For G = S = 2, n = 2:
+Decode (round-robin over G groups, n steps each, period P = max(G, S)): stage s works
+on group (t - s) mod P at tick t (idle when that is G or more), step (t - s) // P.
+For G = S = 2, n = 2:
 
     tick     0  1  2  3  4
     stage 0  0  1  0  1  .
     stage 1  .  0  1  0  1
 
-Group g's token from the last stage reaches stage 0 exactly when stage 0 needs it
-(G >= S), so in steady state no stage is idle.
+Group g's token from the last stage reaches stage 0 by the time stage 0 needs it
+(P >= S); with G >= S no stage is idle in steady state.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ def prefill_grid(microbatches: int, stages: int) -> Grid:
 
 
 def decode_grid(groups: int, stages: int, steps: int) -> Grid:
-    ticks = steps * groups + stages - 1
-    return [[(t - s) % groups if 0 <= t - s < steps * groups else None for t in range(ticks)]
-            for s in range(stages)]
+    period = max(groups, stages)
+    ticks = (steps - 1) * period + groups + stages - 1
+
+    def cell(u):
+        return u % period if 0 <= u < steps * period and u % period < groups else None
+
+    return [[cell(t - s) for t in range(ticks)] for s in range(stages)]
 
 
 def stats(grid: Grid, skip_edges: int = 0) -> dict:

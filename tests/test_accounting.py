@@ -31,12 +31,12 @@ def test_bytes_between_stages_scales_with_boundaries(stages):
 
 def test_bytes_sent_counts_padding_and_bubbles():
     cfg = PRESETS["tiny"]
-    layout = {"batch": 4, "microbatches": 2, "groups": 2, "padded_prompt": 8, "chunks": 1,
-              "chunk": 3}
+    layout = {"batch": 4, "microbatches": 2, "groups": 2, "padded_prompt": 8, "decode_ticks": 7}
     sent = accounting.bytes_sent(cfg, 2, 2, layout, 4)
     # prefill: 3 ticks x 1 sender stage x 2 seq devices x [2, 4, D] float32
     assert sent["prefill"] == 3 * 1 * 2 * (2 * 4 * cfg.D * 4)
-    # decode: (3 * 2 + 1) ticks x 2 stages x 2 seq x [2, 1, D] float32 + 2 int32 tokens
+    # decode: 7 ticks (3 steps of 2 groups + 1 to drain) x 2 stages x 2 seq x [2, 1, D]
+    # float32 + 2 int32 tokens
     assert sent["decode"] == 7 * 2 * 2 * (2 * (cfg.D * 4 + 4))
     assert accounting.bytes_sent(cfg, 1, 2, layout, 4)["total"] == 0
 
