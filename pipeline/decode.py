@@ -31,7 +31,7 @@ from sharding.specs import SPECS
 
 
 def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                 groups: int, steps: int, sampling: Sampling):
+                 groups: int, steps: int, sampling: Sampling, with_logits: bool = True):
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
     Returns f(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
@@ -47,7 +47,8 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
       limit: steps j >= limit write nothing (past the request's last token);
       prompt_slots: P / C, the local slots the prompt took;
       seed: sampling seed.
-    first_logits are request row 0's logits at each step (for --logits-out).
+    first_logits are request row 0's logits at each step (for --logits-out and checks);
+    with_logits=False leaves them out ([0, V]), sparing a [steps, V] buffer per chunk.
     """
     G = groups
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
@@ -122,14 +123,15 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
             logits, tok = jax.lax.cond(on_last, head, idle, x)
             out_tok = jnp.where(on_last, jax.lax.dynamic_update_slice(out_tok, tok[:, None], (row0, i)),
                                 out_tok)
-            out_logits = jnp.where(on_last & (row0 == 0), put_rows(out_logits, logits[:1], i),
-                                   out_logits)
+            if with_logits:
+                out_logits = jnp.where(on_last & (row0 == 0),
+                                       put_rows(out_logits, logits[:1], i), out_logits)
             h_next, tok_next = shift((x, tok), cyclic=True)
             return h_next, tok_next, tok_buf, cache, out_tok, out_logits
 
         carry = (vary(jnp.zeros((Bg, 1, cfg.D), dtype)), vary(jnp.zeros((Bg,), jnp.int32)),
                  vary(tokens), StageCache(cache_k, cache_v),
-                 vary(jnp.zeros((B, steps), jnp.int32)), vary(jnp.zeros((steps, cfg.V), jnp.float32)))
+                 vary(jnp.zeros((B, steps), jnp.int32)), vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)))
         ticks = (run_steps - 1) * period + G + S - 1
         _, _, _, cache, out_tok, out_logits = jax.lax.fori_loop(0, ticks, tick, carry)
         return (from_device(out_tok, S - 1, 0), from_device(out_logits, S - 1, 0),

@@ -158,12 +158,12 @@ class Engine:
             self.compile_s += time.perf_counter() - t0
         return self._compiled[key]
 
-    def _decode_fn(self, groups: int, steps: int, sampling: Sampling):
-        key = (groups, steps, sampling)
+    def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
+        key = (groups, steps, sampling, with_logits)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, groups, steps,
-                             sampling),
+                             sampling, with_logits),
                 donate_argnums=(2, 3))
         return self._decode[key]
 
@@ -199,8 +199,12 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: Sampling = Sampling(), seed: int = 0,
                  eos_ids: tuple[int, ...] = (),
-                 on_tokens: Callable[[list[list[int]]], None] | None = None) -> Generation:
+                 on_tokens: Callable[[list[list[int]]], None] | None = None,
+                 with_logits: bool = True) -> Generation:
         """Generates up to max_new_tokens tokens for each prompt.
+
+        with_logits=False skips collecting request 0's logits at every decode step
+        (Generation.first_logits then holds the prefill step only).
 
         on_tokens, if given, is called after the prefill and after each decode chunk with
         every request's tokens so far (for streaming).
@@ -265,7 +269,8 @@ class Engine:
                     jax.device_put(cur, rep), jax.device_put(lengths + j0, rep),
                     jax.device_put(request, rep), jnp.int32(j0), jnp.int32(take), jnp.int32(limit),
                     jnp.int32(prompt_slots), jnp.int32(seed))
-            decode = self._compile(f"decode{G}x{n}", self._decode_fn(G, n, sampling), *args)
+            decode = self._compile(f"decode{G}x{n}{with_logits}",
+                                   self._decode_fn(G, n, sampling, with_logits), *args)
             t0 = time.perf_counter()
             new_tokens, new_logits, cache_k, cache_v = decode(*args)
             new_tokens = np.asarray(new_tokens)
@@ -278,7 +283,8 @@ class Engine:
                         if t in eos_ids:
                             done[b] = True
                             break
-            step_logits.append(np.asarray(new_logits)[:take])
+            if with_logits:
+                step_logits.append(np.asarray(new_logits)[:take])
             steps_run += take
             chunks += 1
             if on_tokens:

@@ -33,6 +33,16 @@ class Sampling:
             raise SamplingError(f"--top-p {self.top_p} must be in (0, 1] (1 = off)")
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """argmax over the last axis, first index on ties, [B, V] -> [B] int32.
+
+    Written as max, then the smallest index holding it: XLA's CPU argmax over a
+    150K-wide vocabulary is an order of magnitude slower for B > 1."""
+    V = logits.shape[-1]
+    hit = logits == jnp.max(logits, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Array,
            cfg: Sampling) -> jax.Array:
     """Next tokens.
@@ -44,7 +54,7 @@ def sample(logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Arr
       tokens [B] int32.
     """
     if cfg.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy(logits)
     x = logits / cfg.temperature
     V = x.shape[-1]
     if 0 < cfg.top_k < V:
