@@ -1,5 +1,6 @@
-"""Resolving `--model`: a Hugging Face checkpoint folder, or a preset name with seeded
-random weights (the built-in demo uses the `tiny` preset)."""
+"""Resolving `--model`: a Hugging Face checkpoint folder, an orbax checkpoint folder
+written by `qwen3-spmd convert`, or a preset name with seeded random weights (the
+built-in demo uses the `tiny` preset)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from model.config import PRESETS, ConfigError, Qwen3Config
 @dataclasses.dataclass
 class ModelSpec:
     cfg: Qwen3Config
-    source: object  # a weight source: read(path, dtype, layers)
+    source: object  # a weight source: read(path, dtype, layers) (orbax: also place)
     folder: Path | None  # the checkpoint folder (tokenizer, generation config), if any
     label: str
     random: bool
@@ -30,7 +31,9 @@ class ModelSpec:
 
 
 def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
-    """A checkpoint folder, or a preset (random weights); None means the tiny demo."""
+    """A checkpoint folder (Hugging Face or orbax), or a preset (random weights); None
+    means the tiny demo."""
+    from model import orbax_checkpoint
     from model.loader import HFCheckpoint
     from model.random_weights import RandomWeights
 
@@ -41,9 +44,27 @@ def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
                          f"preset {name} with seeded RANDOM weights (not a trained model)", True)
     folder = Path(name)
     if not folder.exists():
+        partial = orbax_checkpoint.partial_folders(folder)
+        if partial:
+            raise ConfigError(
+                f"--model {name}: no such folder, but {partial[-1]} holds an interrupted "
+                f"conversion into it: {orbax_checkpoint.RERUN}")
         raise ConfigError(f"--model {name}: no such folder, and not a preset "
-                          f"({', '.join(PRESETS)}): pass a Hugging Face checkpoint folder")
+                          f"({', '.join(PRESETS)}): pass a Hugging Face checkpoint folder "
+                          "or an orbax checkpoint folder written by `qwen3-spmd convert`")
     if not folder.is_dir():
         raise ConfigError(f"--model {name} is a file: pass the checkpoint folder that holds it")
+    if orbax_checkpoint.is_orbax_checkpoint(folder):
+        orbax_checkpoint.read_metadata(folder)  # an interrupted conversion: say so first
+        cfg = Qwen3Config.from_hf(folder)
+        return ModelSpec(cfg, orbax_checkpoint.OrbaxCheckpoint(folder, cfg), folder,
+                         f"{folder} (orbax)", False)
+    if not any((folder / f).is_file() for f in ("model.safetensors",
+                                                 "model.safetensors.index.json")):
+        raise ConfigError(
+            f"--model {name} is neither a Hugging Face checkpoint (config.json with "
+            "model.safetensors or model.safetensors.index.json) nor an orbax checkpoint written "
+            f"by `qwen3-spmd convert` ({orbax_checkpoint.METADATA_FILE}): pass a folder of "
+            "either kind")
     cfg = Qwen3Config.from_hf(folder)
     return ModelSpec(cfg, HFCheckpoint(folder, cfg), folder, str(folder), False)

@@ -1,0 +1,468 @@
+"""Orbax checkpoints of the model's parameters: written once by `qwen3-spmd convert`,
+restored straight into the shardings of whatever mesh is in use.
+
+Folder layout (everything but `params/` is copied from the Hugging Face folder)::
+
+    DIR/qwen3_spmd_orbax.json   format, version, stored dtype (written first)
+    DIR/params/                 the orbax PyTree checkpoint (OCDBT)
+    DIR/config.json, generation_config.json, tokenizer.json, tokenizer_config.json, ...
+    DIR/CONVERSION_COMPLETE     written last, after every byte above is on disk
+
+A conversion writes into the sibling `DIR.partial-<pid>` and renames it to `DIR` only
+after the completion marker, so a killed conversion leaves no `DIR`, and a folder
+without the marker is refused with an error that says to re-run convert.
+
+Stored layout: one array per parameter and layer. The parameters are those of the NNX
+state of `model.layers.Qwen3` in our layout (e.g. `q_dnh` [D, N, H]); a stacked layer
+parameter `("layers", "q_dnh")` of shape [L, D, N, H] is stored as L arrays
+`layers.q_dnh.0` ... `layers.q_dnh.{L-1}` of shape [D, N, H]. Nothing in it depends on
+a stage count, so it restores onto any mesh.
+
+Why per-layer arrays rather than one stacked [L, ...] array: the mesh wants
+[L_pad, ...] sharded P('stage'), where stage s owns a contiguous run of real layers
+followed by identity (zero) slots (`StagePlan.layer_of_slot`). A stage's run is not a
+shard of any regular sharding of [L, ...] when S does not divide L (5 layers on 2
+stages: 3 + 2), and orbax restores whole arrays, never a row range. With one array per
+layer, a host asks orbax for exactly the layers of its own stages.
+
+How a restore goes (`OrbaxCheckpoint.place`), one parameter at a time: orbax reads the
+host's layers of that parameter (tensorstore, in parallel, cast to the target dtype
+on read) into host memory; each stage block [L_pad / S, ...] is stacked once (zeros in
+identity slots) and `jax.make_array_from_callback` puts it on that stage's devices
+with the target `NamedSharding(mesh, param_spec(path))`; the host copies are then
+dropped before the next parameter. The embedding, final norm and lm_head are read once
+per host and put on every device (they are replicated).
+
+Why not restore jax.Arrays onto per-stage sub-mesh shardings and stack on device
+(tried first): orbax 0.12 cannot restore an array that has no shard on the calling
+host (every host would then read every layer), and on the emulated CPU devices it
+was slower and held more memory than reading to host once and placing the blocks.
+
+How much each host reads: the bytes of the layers of the stages its devices belong
+to, plus the replicated tensors, once each (`bytes_read` counts them; a two-process
+test checks it equals what the safetensors path reads). How much it holds beyond what
+it keeps: one parameter's layers for its stages, twice (the read arrays and the
+stacked blocks), at the peak.
+
+Restoring into a different dtype than the stored one casts on read (float32 stored,
+bfloat16 restored, or the other way).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from model.config import Qwen3Config
+from model.loader import LoadError, ParamPath, abstract_model, map_params
+
+FORMAT = "qwen3-spmd-orbax"
+VERSION = 1
+METADATA_FILE = "qwen3_spmd_orbax.json"
+COMPLETE_FILE = "CONVERSION_COMPLETE"
+PARAMS_DIR = "params"
+# Files copied beside the parameters: the config, and every tokenizer file present.
+COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+          "tokenizer.model", "chat_template.jinja", "chat_template.json")
+DTYPES = ("float32", "bfloat16")
+RERUN = "re-run `qwen3-spmd convert` to write it again"
+
+Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+
+
+def is_orbax_checkpoint(folder: str | Path) -> bool:
+    """Whether `folder` was written by `convert` (complete or not): it has our metadata."""
+    return (Path(folder) / METADATA_FILE).is_file()
+
+
+def partial_folders(out: str | Path) -> list[Path]:
+    """Leftover `OUT.partial-<pid>` folders of conversions into `out`."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return []
+    return sorted(out.parent.glob(f"{out.name}.partial-*"))
+
+
+# ---- the stored tree ------------------------------------------------------------------
+
+
+def _param_shapes(cfg: Qwen3Config) -> dict[ParamPath, tuple[int, ...]]:
+    """NNX state path -> shape in our stacked layout ([L, ...] for layer parameters)."""
+    _, abstract = abstract_model(cfg, np.float32)
+    shapes: dict[ParamPath, tuple[int, ...]] = {}
+    map_params(lambda path, x: shapes.__setitem__(path, tuple(x.shape)), abstract)
+    return shapes
+
+
+def _stored_keys(path: ParamPath, shape, layers: Sequence[int]) -> list[tuple[tuple[str, ...], tuple]]:
+    """(key path in the stored tree, stored shape) of one parameter, one per layer."""
+    if path[0] != "layers":
+        return [(path, tuple(shape))]
+    return [((*path, str(i)), tuple(shape[1:])) for i in layers]
+
+
+def _nest(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for keys, value in flat.items():
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return tree
+
+
+def _flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flatten(v, (*prefix, str(k))))
+    return out
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    # Weights barely compress, and decompression would cost restore time.
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+
+
+# ---- writing -----------------------------------------------------------------------
+
+
+def write_params(params_dir: Path, source, cfg: Qwen3Config, dtype,
+                 progress: Progress | None = None) -> int:
+    """Reads `source` tensor by tensor and writes the orbax checkpoint `params_dir`.
+
+    Holds one copy of the parameters (in `dtype`) while orbax writes them; the source
+    is read one tensor (one layer of a stacked parameter) at a time. Returns the bytes
+    written.
+    """
+    import threading
+
+    import orbax.checkpoint as ocp
+
+    dtype = jnp.dtype(dtype)
+    shapes = _param_shapes(cfg)
+    items = [(path, keys, shape) for path, full in shapes.items()
+             for keys, shape in _stored_keys(path, full, range(cfg.L))]
+    total = sum(int(np.prod(s)) for _, _, s in items) * dtype.itemsize
+    flat, done = {}, 0
+    for path, keys, shape in items:
+        if path[0] == "layers":
+            x = source.read(path, dtype, [int(keys[-1])])[0]
+        else:
+            x = source.read(path, dtype)
+        if tuple(x.shape) != shape:  # a source bug, not a user error
+            raise LoadError(f"parameter {'.'.join(keys)} read as {list(x.shape)}, expected {list(shape)}")
+        flat[keys] = np.ascontiguousarray(x)
+        done += x.nbytes
+        if progress:
+            progress("read", done, total)
+
+    # Orbax writes every array at once; a thread watches the bytes landing on disk.
+    error: list[BaseException] = []
+
+    def save():
+        try:
+            _checkpointer().save(params_dir, args=ocp.args.PyTreeSave(_nest(flat)))
+        except BaseException as e:  # re-raised below, in the caller's thread
+            error.append(e)
+
+    writer = threading.Thread(target=save, daemon=True)
+    writer.start()
+    while writer.is_alive():
+        writer.join(0.25)
+        if progress:
+            progress("write", min(_du(params_dir.parent), total), total)
+    if error:
+        raise error[0]
+    if progress:
+        progress("write", total, total)
+    return total
+
+
+def _du(folder: Path) -> int:
+    n = 0
+    for root, _, files in os.walk(folder):
+        for f in files:
+            try:
+                n += os.stat(os.path.join(root, f)).st_size
+            except OSError:
+                pass  # orbax renames its temporary files as it goes
+    return n
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, force: bool = False,
+            progress: Progress | None = None) -> dict:
+    """Converts a Hugging Face checkpoint folder into an orbax checkpoint folder `out`.
+
+    Writes into `out.partial-<pid>` and renames it to `out` after the completion marker;
+    removes partial folders left by killed conversions. An existing complete `out` is
+    refused unless `force` (then it is replaced once the new one is complete).
+
+    Returns the metadata written (format, version, dtype, bytes, source).
+    """
+    from model.loader import HFCheckpoint
+
+    hf_folder, out = Path(hf_folder), Path(out)
+    if is_orbax_checkpoint(hf_folder):
+        raise LoadError(f"{hf_folder} is already an orbax checkpoint: convert reads a Hugging "
+                        "Face checkpoint folder (config.json + safetensors)")
+    cfg = Qwen3Config.from_hf(hf_folder)
+    source = HFCheckpoint(hf_folder, cfg)  # checks every tensor before anything is written
+    if dtype is None:
+        raw = json.loads((hf_folder / "config.json").read_text())
+        named = raw.get("dtype") or raw.get("torch_dtype")
+        dtype = named if named in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise LoadError(f"--dtype {dtype} is not supported: use {' or '.join(DTYPES)}")
+    if out.exists() and not force:
+        what = "an orbax checkpoint" if is_orbax_checkpoint(out) else "a folder"
+        raise LoadError(f"{out} already exists ({what}): pass --force to replace it, or choose "
+                        "another --out")
+    for stale in partial_folders(out):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            raise LoadError(f"{stale} belongs to a conversion still running (pid {pid}): wait "
+                            "for it, or stop it and re-run")
+        shutil.rmtree(stale)
+
+    partial = out.parent / f"{out.name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True)
+    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "layout":
+            "our NNX state, one array per parameter and layer (layers.<name>.<i>)",
+            "source": str(hf_folder.resolve())}
+    (partial / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    for name in COPIED:
+        if (hf_folder / name).is_file():
+            shutil.copy2(hf_folder / name, partial / name)
+    meta["bytes"] = write_params(partial / PARAMS_DIR, source, cfg, dtype, progress)
+    _fsync_tree(partial)
+    marker = partial / COMPLETE_FILE
+    marker.write_text(json.dumps(meta, indent=2) + "\n")
+    _fsync_tree(partial, files=False)
+    if out.exists():  # --force: swap the new one in, then drop the old one
+        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        out.rename(old)
+        partial.rename(out)
+        shutil.rmtree(old)
+    else:
+        partial.rename(out)
+    return meta
+
+
+def _fsync_tree(folder: Path, files: bool = True) -> None:
+    """Flushes the files (and directories) under `folder`, so the marker never lands
+    before the data it vouches for."""
+    for root, dirs, names in os.walk(folder):
+        for name in names if files else []:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ---- reading -----------------------------------------------------------------------
+
+
+class OrbaxCheckpoint:
+    """A checked orbax checkpoint folder written by `convert`.
+
+    `place(abstract_state, plan, mesh)` restores the whole state onto a mesh (the
+    Engine calls it); `read(path, dtype, layers)` reads one parameter to host memory,
+    like `HFCheckpoint.read`.
+    """
+
+    def __init__(self, folder: str | Path, cfg: Qwen3Config):
+        self.folder = Path(folder)
+        self.cfg = cfg
+        self.meta = read_metadata(self.folder)
+        self.params_dir = (self.folder / PARAMS_DIR).absolute()
+        self.shapes = _param_shapes(cfg)
+        self.bytes_read = 0
+        self._check()
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.meta["dtype"])
+
+    def _check(self) -> None:
+        try:
+            stored = _flatten(_checkpointer().metadata(self.params_dir).item_metadata.tree)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            raise LoadError(f"orbax checkpoint {self.folder} cannot be read ({e}): {RERUN}") from e
+        expected = {}
+        for path, full in self.shapes.items():
+            for keys, shape in _stored_keys(path, full, range(self.cfg.L)):
+                expected[keys] = (path, shape)
+        missing = [k for k in expected if k not in stored]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise LoadError(
+                f"orbax checkpoint {self.folder} lacks parameter {'.'.join(missing[0])}{more}, "
+                "which its config.json implies: the arrays and config.json do not belong together")
+        unexpected = sorted(k for k in stored if k not in expected)
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise LoadError(
+                f"orbax checkpoint {self.folder} has unexpected parameter "
+                f"{'.'.join(unexpected[0])}{more}: not a weight of the Qwen3 its config.json "
+                "describes")
+        for keys, (path, want) in expected.items():
+            shape = tuple(stored[keys].shape)
+            if shape != want:
+                raise LoadError(
+                    f"parameter {'.'.join(keys)} in orbax checkpoint {self.folder} has shape "
+                    f"{list(shape)}, but config.json implies {list(want)}: the arrays and "
+                    "config.json do not match")
+
+    def _restore(self, targets: dict[tuple[str, ...], tuple[tuple, object]]) -> dict:
+        """Restores the stored arrays named by `targets` (key -> (shape, restore args))."""
+        import orbax.checkpoint as ocp
+
+        item = _nest({k: jax.ShapeDtypeStruct(shape, self.dtype) for k, (shape, _) in targets.items()})
+        args = _nest({k: a for k, (_, a) in targets.items()})
+        out = _checkpointer().restore(
+            self.params_dir,
+            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        return _flatten(out)
+
+    def _read(self, path: ParamPath, dtype, layers: Sequence[int]) -> list[np.ndarray]:
+        """The stored arrays of one parameter (one per layer of `layers`, or the one
+        array of a non-layer parameter), restored to host memory in `dtype`."""
+        import orbax.checkpoint as ocp
+
+        keys = _stored_keys(path, self.shapes[path], layers)
+        if not keys:
+            return []
+        args = ocp.RestoreArgs(restore_type=np.ndarray, dtype=jnp.dtype(dtype))
+        got = self._restore({k: (shape, args) for k, shape in keys})
+        parts = [np.asarray(got[k]) for k, _ in keys]
+        self.bytes_read += sum(int(np.prod(s)) for _, s in keys) * self.dtype.itemsize
+        return parts
+
+    def read(self, path: ParamPath, dtype, layers: Sequence[int] | None = None) -> np.ndarray:
+        """One parameter in our layout, cast to `dtype`, on the host.
+
+        Args:
+          path: NNX state path, e.g. ("layers", "q_dnh").
+          layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
+        """
+        full = self.shapes.get(path)
+        if full is None:
+            raise KeyError(f"no checkpoint tensor for parameter {'.'.join(path)}")
+        if path[0] != "layers":
+            return self._read(path, dtype, ())[0]
+        parts = self._read(path, dtype, list(range(self.cfg.L) if layers is None else layers))
+        return np.stack(parts) if parts else np.zeros((0, *full[1:]), dtype)
+
+    def place(self, abstract_state, plan, mesh: Mesh):
+        """The model state on `mesh`: every leaf a global jax.Array with the sharding
+        `sharding.specs.param_spec` gives it; layer leaves [L_pad, ...] over `stage`.
+
+        One parameter at a time: orbax reads this host's layers of it (in parallel,
+        cast to the target dtype on read), each stage block is stacked once on the host
+        and put on that stage's devices; then the host copies are dropped.
+
+        Args:
+          abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...] (their
+            dtype is the dtype restored into).
+          plan: the stage plan (which layers each stage holds, identity slots).
+        """
+        from sharding.specs import param_spec
+
+        slots = plan.layer_of_slot
+
+        def place(path, x):
+            sharding = NamedSharding(mesh, param_spec(path))
+            if path[0] != "layers":
+                (whole,) = self._read(path, x.dtype, ())
+                out = jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
+                del whole
+                _release_host_memory()
+                return out
+            shape = (plan.padded_layers, *x.shape[1:])
+            rows = {index[0].indices(shape[0])[:2]
+                    for index in sharding.addressable_devices_indices_map(shape).values()}
+            mine = sorted({i for start, stop in rows for i in slots[start:stop] if i is not None})
+            layers = dict(zip(mine, self._read(path, x.dtype, mine)))
+            zeros = np.zeros(shape[1:], x.dtype)
+
+            @functools.cache
+            def stage_block(start: int, stop: int) -> np.ndarray:
+                return np.stack([zeros if i is None else layers.pop(i) for i in slots[start:stop]])
+
+            def shard(index):
+                start, stop, _ = index[0].indices(shape[0])
+                return stage_block(start, stop)[(slice(None), *index[1:])]
+
+            out = jax.make_array_from_callback(shape, sharding, shard)
+            _release_host_memory()
+            return out
+
+        return map_params(place, abstract_state)
+
+
+def _release_host_memory() -> None:
+    """Gives the host copies of the parameter just placed back to the system.
+
+    Tensorstore's reader threads allocate orbax's read buffers from per-thread malloc
+    arenas, which glibc does not return to the system by itself once they are freed;
+    left alone they add about half the parameter bytes to the peak RSS of a load (a
+    0.6B float32 load on 1x1: 4.3 GB peak without this, 3.2 GB with it; 0.3 s).
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def read_metadata(folder: Path) -> dict:
+    """Our metadata, after checking the conversion completed and the format is ours."""
+    meta_file = folder / METADATA_FILE
+    if not meta_file.is_file():
+        raise LoadError(f"{folder} has no {METADATA_FILE}: not an orbax checkpoint written by "
+                        "`qwen3-spmd convert`")
+    if not (folder / COMPLETE_FILE).is_file():
+        raise LoadError(f"{folder} holds an incomplete conversion (no {COMPLETE_FILE}; the "
+                        f"conversion was interrupted): {RERUN}")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{meta_file} is not valid JSON ({e}): {RERUN}") from e
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise LoadError(f"{meta_file} says format {meta.get('format')!r} version "
+                        f"{meta.get('version')!r}; this build reads {FORMAT!r} version {VERSION}: "
+                        f"{RERUN}")
+    if meta.get("dtype") not in DTYPES:
+        raise LoadError(f"{meta_file} names dtype {meta.get('dtype')!r}, not one of {DTYPES}: {RERUN}")
+    return meta

@@ -1,0 +1,228 @@
+"""`bench`: jit-compiled benchmarks of the engine, against the machine's own rooflines
+and (optionally) Hugging Face transformers, in one run.
+
+Scenarios (--scenario, repeatable; default all but peer):
+  prefill   tokens/s per prompt length (batch --prefill-batch), fraction of the matmul
+            roofline, the stage pipeline's idle fraction and the bytes moved per token;
+  decode    tokens/s and time per output token per batch size, fraction of the
+            bandwidth roofline, idle fraction and bytes moved per token;
+  memory    per-device weights and KV cache (addressable shards) and XLA's buffers
+            (memory_analysis() of every compiled program);
+  roofline  memory bandwidth and matmul throughput measured on this machine;
+  peer      the same prompts through transformers' Qwen3ForCausalLM (--peer).
+Every --mesh runs each job; 1x1 always runs too and each other mesh reports its time
+ratio against it (mesh / 1x1, same job, same process). Each job compiles first (timed
+apart), then runs --warmup more times untimed and --repeats times timed: the median is
+quoted with (min, max).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer")
+SMOKE = {"prompt_lens": "16,32", "batches": "1,2", "decode_steps": 4, "repeats": 2, "chunk": 4}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark prefill and decode against rooflines "
+                                            "and transformers")
+    p.add_argument("--model", help="checkpoint folder or preset (tiny, 0.6B, ...; random "
+                                   "weights); default: tiny")
+    p.add_argument("--mesh", action="append", default=[], metavar="SxC",
+                   help="a mesh shape to run (repeatable); 1x1 always runs as the baseline")
+    p.add_argument("--cpu-devices", type=int,
+                   help="emulate this many CPU devices (default on CPU: the largest mesh)")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: float32 on CPU, else bfloat16)")
+    p.add_argument("--scenario", action="append", choices=SCENARIOS, default=[],
+                   help="repeatable; default: prefill, decode, memory, roofline "
+                        "(and peer when --peer is given)")
+    p.add_argument("--prompt-lens", help="prompt lengths for prefill (default 128,512,2048)")
+    p.add_argument("--prefill-batch", type=int, default=1, help="requests per prefill job")
+    p.add_argument("--batches", help="decode batch sizes (default 1,8,32)")
+    p.add_argument("--decode-prompt-len", type=int,
+                   help="prompt length before the decode steps (default: the shortest "
+                        "--prompt-lens)")
+    p.add_argument("--decode-steps", type=int, help="decode steps timed per job (default 32)")
+    p.add_argument("--chunk", type=int, help="decode steps per on-device chunk (default 16)")
+    p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
+    p.add_argument("--groups", type=int, help="decode groups G (default: S)")
+    p.add_argument("--repeats", type=int, help="timed runs per job (default 5)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs per job after the compiling one (default 1)")
+    p.add_argument("--peer", choices=("transformers",),
+                   help="also run Hugging Face transformers on the same weights and prompts")
+    p.add_argument("--seed", type=int, default=0, help="weights (presets) and prompt ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="throughput against prompt length per mesh, and the pipeline timeline")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes for tests: prompts 16,32, batches 1,2, 4 steps, 2 repeats")
+    p.set_defaults(func=main)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    from run.cli import CLIError
+
+    try:
+        xs = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CLIError(f"{flag} {text!r} is not a comma-separated list of integers") from None
+    if not xs or min(xs) < 1:
+        raise CLIError(f"{flag} {text!r} needs positive integers")
+    return xs
+
+
+def _settings(args) -> dict:
+    from run.cli import CLIError
+
+    smoke = SMOKE if args.smoke else {}
+    s = {
+        "prompt_lens": _ints(args.prompt_lens or smoke.get("prompt_lens", "128,512,2048"),
+                             "--prompt-lens"),
+        "batches": _ints(args.batches or smoke.get("batches", "1,8,32"), "--batches"),
+        "decode_steps": args.decode_steps or smoke.get("decode_steps", 32),
+        "repeats": args.repeats or smoke.get("repeats", 5),
+        "warmup": args.warmup,
+        "chunk": args.chunk or smoke.get("chunk", 16),
+        "microbatches": args.microbatches,
+        "groups": args.groups,
+        "prefill_batch": args.prefill_batch,
+        "seed": args.seed,
+        "smoke": bool(args.smoke),
+    }
+    s["decode_prompt_len"] = args.decode_prompt_len or min(s["prompt_lens"])
+    for name in ("decode_steps", "repeats", "chunk", "microbatches", "prefill_batch",
+                 "decode_prompt_len"):
+        if s[name] < 1:
+            raise CLIError(f"--{name.replace('_', '-')} {s[name]} must be at least 1")
+    if s["warmup"] < 0:
+        raise CLIError(f"--warmup {s['warmup']} must not be negative")
+    return s
+
+
+def _meshes(args) -> list[tuple[int, int]]:
+    from sharding.mesh import parse_mesh
+
+    shapes = [(1, 1)]
+    for text in args.mesh:
+        shape = parse_mesh(text)
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def machine(device_count: int) -> dict:
+    """Platform, CPU or GPU model, device count and versions."""
+    import flax
+    import jax
+    import jaxlib
+    import numpy as np
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), None)
+    except OSError:
+        pass
+    dev = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
+            "device_count": device_count, "cpu_model": cpu or platform.processor(),
+            "cpu_cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "flax": flax.__version__, "numpy": np.__version__}
+
+
+def main(args) -> int:
+    from run.cli import CLIError, use_cpu_devices
+    from run.generate import _platform_is_cpu
+
+    settings = _settings(args)
+    meshes = _meshes(args)
+    need = max(S * C for S, C in meshes)
+    if args.cpu_devices is not None and args.cpu_devices < need:
+        raise CLIError(f"--mesh {'x'.join(map(str, max(meshes, key=lambda m: m[0] * m[1])))} "
+                       f"needs {need} devices but --cpu-devices is {args.cpu_devices}: raise it")
+    if _platform_is_cpu():
+        use_cpu_devices(args.cpu_devices or need)
+    scenarios = set(args.scenario) or {"prefill", "decode", "memory", "roofline"}
+    if args.peer:
+        scenarios.add("peer")
+    if "peer" in scenarios and not args.peer:
+        raise CLIError("--scenario peer needs --peer transformers")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError("--plot needs matplotlib, which is not installed: "
+                           "pip install matplotlib") from None
+
+    import jax
+    import jax.numpy as jnp
+
+    from run.bench_measure import MemoSource, rooflines
+    from run.bench_report import add_ratios, check_targets, print_table
+    from run.bench_run import MeshEngines, run_mesh
+    from run.models import open_model
+    from sharding.mesh import make_mesh
+
+    if len(jax.devices()) < need:
+        raise CLIError(f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
+                       f"visible: on CPU pass --cpu-devices {need}")
+    dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if dtype_name not in ("float32", "bfloat16"):
+        raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
+    dtype = jnp.dtype(dtype_name)
+    spec = open_model(args.model, args.seed)
+    source = MemoSource(spec.source)
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
+        (lambda *a: print(*a, flush=True))
+
+    report = {
+        "machine": machine(len(jax.devices())),
+        "model": {"name": spec.label, "random_weights": spec.random,
+                  "params": spec.cfg.param_count(), "layers": spec.cfg.L,
+                  "vocab": spec.cfg.V},
+        "dtype": dtype_name,
+        "scenarios": sorted(scenarios),
+        "settings": settings,
+    }
+    say(f"bench: {spec.label}; {dtype_name}; meshes "
+        f"{', '.join(f'{S}x{C}' for S, C in meshes)}; scenarios {', '.join(sorted(scenarios))}")
+    roof = None
+    if "roofline" in scenarios:
+        roof = rooflines(dtype, max(settings["repeats"], 3), max(settings["warmup"], 1),
+                         settings["smoke"])
+        report["roofline"] = roof
+        say(f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
+            f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})")
+
+    report["meshes"] = []
+    # The 1x1 engines (and their compiled programs) stay for the peer's paired runs.
+    single = MeshEngines(spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings)
+    for S, C in meshes:
+        mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[:S * C])
+        report["meshes"].append(run_mesh(spec.cfg, source, mesh, dtype, settings, scenarios,
+                                         roof, say, single if (S, C) == (1, 1) else None))
+    add_ratios(report["meshes"])
+
+    if "peer" in scenarios:
+        from run.bench_peer import run_peer
+
+        report["peer"] = run_peer(spec, source, single, settings, scenarios, say)
+    report["targets"] = check_targets(report)
+
+    if args.plot:
+        from run.bench_report import plot
+
+        plot(report, args.plot)
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0

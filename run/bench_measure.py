@@ -1,0 +1,208 @@
+"""Measurements behind `qwen3-spmd bench`: rooflines, timed engine jobs, memory, traffic.
+
+Every timed figure is the median of `repeats` runs after `warmup` runs (which also
+compile), with the spread (min, max) kept next to it. Times are wall-clock as a caller
+of `Engine.generate` sees them, split at the engine's own streaming callback:
+
+    call ──prefill (host layout, cache allocation, prefill, first sample)──> 1st on_tokens
+         ──decode (every chunk, host work between chunks included)──────────> last on_tokens
+
+so host round trips between decode chunks count against us, as they would for a user.
+The engine's own program-only times (`timing["prefill_s"]`, `["decode_s"]`) are kept too.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.config import Qwen3Config
+
+
+def spread(samples: Sequence[float]) -> dict:
+    """{"median", "min", "max", "n"} of timing samples (seconds or rates)."""
+    xs = [float(x) for x in samples]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    """Seconds per call of fn(), which must block until its result is ready."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---- rooflines ------------------------------------------------------------------------
+
+def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
+    """Memory bandwidth (a jitted sum over a large array) and matmul throughput (a
+    jitted square matmul in `dtype`), both on the first device."""
+    dev = jax.devices()[0]
+    n_bytes = (32 if smoke else 256) * 2**20
+    x = jax.device_put(jnp.ones((n_bytes // 4,), jnp.float32), dev)
+    reduce = jax.jit(lambda a: jnp.sum(a))
+    t_bw = timed(lambda: reduce(x).block_until_ready(), repeats, warmup)
+    del x
+
+    n = 512 if smoke else 2048
+    a = jax.device_put(jnp.ones((n, n), dtype) * 0.5, dev)
+    b = jax.device_put(jnp.ones((n, n), dtype) * 0.25, dev)
+    mm = jax.jit(lambda a, b: a @ b)
+    t_mm = timed(lambda: mm(a, b).block_until_ready(), repeats, warmup)
+    bw = [n_bytes / t for t in t_bw]
+    fl = [2 * n**3 / t for t in t_mm]
+    return {
+        "bandwidth_bytes_per_s": spread(bw),
+        "bandwidth_array_bytes": n_bytes,
+        "matmul_flops_per_s": spread(fl),
+        "matmul_size": n,
+        "dtype": jnp.dtype(dtype).name,
+    }
+
+
+# ---- model arithmetic ------------------------------------------------------------------
+
+def layer_params(cfg: Qwen3Config) -> int:
+    D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
+    per = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D + 2 * H
+    if cfg.attention_bias:
+        per += N * H + 2 * K * H + D
+    return per
+
+
+def non_embedding_params(cfg: Qwen3Config) -> int:
+    """Parameters a token's hidden state meets in the decoder layers and final norm."""
+    return cfg.L * layer_params(cfg) + cfg.D
+
+
+def prefill_flops(cfg: Qwen3Config, T: int, B: int) -> float:
+    """2 * non-embedding params * tokens + causal attention (QK^T and PV over the lower
+    triangle: 4 * T^2/2 * N * H per layer) + lm_head on each request's last token."""
+    dense = 2.0 * non_embedding_params(cfg) * T * B
+    attn = 4.0 * (T * T / 2) * cfg.N * cfg.H * cfg.L * B
+    head = 2.0 * cfg.D * cfg.V * B
+    return dense + attn + head
+
+
+def decode_bytes_per_step(cfg: Qwen3Config, B: int, context: float, itemsize: int) -> dict:
+    """Bytes a decode step must read: every weight once (layers, final norm, lm_head or
+    the tied embedding as lm_head, B embedding rows) and the K/V of `context` tokens of
+    every request in every layer."""
+    weights = (non_embedding_params(cfg) + cfg.V * cfg.D + B * cfg.D) * itemsize
+    kv = 2 * cfg.L * B * context * cfg.K * cfg.H * itemsize
+    return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
+
+
+def ring_bytes(cfg: Qwen3Config, C: int, B: int, P_len: int, itemsize: int) -> dict:
+    """Bytes moved along `seq` (all devices together).
+
+    Prefill: in every layer each of the C devices passes its K and V block
+    [B, P/C, K, H] and their positions [B, P/C] int32 on C - 1 hops.
+    Decode (per step): in every layer the partial results merge with a pmax of the
+    lse [B, N], a psum of the weights [B, N] and a psum of o [B, N, H] (float32); a
+    ring all-reduce moves 2 (C - 1) / C of the buffer per device.
+    """
+    if C == 1:
+        return {"prefill": 0, "prefill_per_token": 0.0, "decode_per_step": 0,
+                "decode_per_token": 0.0}
+    blk = B * (P_len // C)
+    prefill = cfg.L * C * (C - 1) * (2 * blk * cfg.K * cfg.H * itemsize + blk * 4)
+    merged = B * cfg.N * (cfg.H + 2) * 4
+    decode = int(cfg.L * C * 2 * (C - 1) / C * merged)
+    return {"prefill": int(prefill), "prefill_per_token": prefill / (B * P_len),
+            "decode_per_step": decode, "decode_per_token": decode / B}
+
+
+# ---- the engine, timed --------------------------------------------------------------------
+
+def fitting_seq_len(prompt_len: int, new_tokens: int, C: int) -> int:
+    """The smallest cache that passes Engine.check: the padded prompt plus the decode
+    slots, and at least prompt + new tokens, rounded up to a multiple of C."""
+    from ring import padded_length
+
+    padded = padded_length(prompt_len, C)
+    slots = C * (padded // C + math.ceil(max(new_tokens - 1, 0) / C))
+    need = max(slots, prompt_len + new_tokens)
+    return C * math.ceil(need / C)
+
+
+def prompts_for(cfg: Qwen3Config, B: int, T: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng([seed, B, T])
+    return rng.integers(0, cfg.V, size=(B, T)).tolist()
+
+
+def run_once(engine, prompts, new_tokens: int) -> dict:
+    """One generate call, split at the streaming callbacks (see the module docstring)."""
+    marks = []
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, new_tokens, on_tokens=lambda _: marks.append(time.perf_counter()))
+    end = time.perf_counter()
+    return {"prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0], "total_s": end - t0,
+            "program_prefill_s": out.timing["prefill_s"],
+            "program_decode_s": out.timing["decode_s"],
+            "compile_s": out.timing["compile_s"], "out": out}
+
+
+def memory_analysis(compiled) -> dict | None:
+    """XLA's per-device buffer sizes of a compiled program."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # not every backend implements it
+        return None
+    if m is None:
+        return None
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")
+    return {k: int(getattr(m, k, 0)) for k in keys}
+
+
+def program_memory(engine) -> dict:
+    """memory_analysis() of every program the engine compiled, by name and shapes."""
+    out = {}
+    for key, compiled in engine._compiled.items():
+        # key: (name, shapes of the arguments after the weights): tokens [B, P] for
+        # prefill, the K cache [L_pad, B, S_cap, K, H] for decode.
+        shape = key[1] if len(key) > 1 and isinstance(key[1], tuple) else ()
+        out[f"{key[0]}[{'x'.join(map(str, shape))}]"] = memory_analysis(compiled)
+    return out
+
+
+class MemoSource:
+    """A weight source read once and then served from memory, so several meshes and the
+    peer see the same arrays without reading (or generating) them again."""
+
+    def __init__(self, source):
+        self.source, self._full = source, {}
+
+    def full(self, path, dtype) -> np.ndarray:
+        key = (path, np.dtype(dtype).name)
+        if key not in self._full:
+            self._full[key] = self.source.read(path, dtype)
+        return self._full[key]
+
+    def read(self, path, dtype, layers=None) -> np.ndarray:
+        x = self.full(path, dtype)
+        if path[0] != "layers" or layers is None:
+            return x
+        return x[list(layers)]
+
+
+class PlacedSource:
+    """Hands an engine weights another engine on the same mesh already placed."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def place(self, abstract, plan, mesh):
+        return self.state

@@ -1,0 +1,156 @@
+"""`bench --peer transformers`: Hugging Face transformers' Qwen3ForCausalLM on the same
+weights, dtype, prompts and batch, alternating run by run with our 1x1 engine.
+
+torch and transformers are not requirements of this project; they are imported here
+only. A checkpoint folder is loaded with from_pretrained; a preset's random weights are
+copied from our source, each tensor turned back into Hugging Face's layout (checked by
+turning it forward again). Their generate runs greedily with its KV cache,
+`attn_implementation="sdpa"`, under torch.no_grad, min_new_tokens = max_new_tokens; a
+logits processor marks the end of the prefill (first call) and of the last step, the
+same cut points as our engine's streaming callback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from run.bench_measure import fitting_seq_len, prompts_for, run_once, spread
+
+
+def _import():
+    from run.cli import CLIError
+
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise CLIError(f"--peer transformers needs torch and transformers ({e}): "
+                       "pip install torch transformers") from None
+    return torch, transformers
+
+
+def _to_hf(x: np.ndarray, entry, cfg) -> np.ndarray:
+    """Our layout -> the checkpoint's: the inverse of entry.to_ours."""
+    shape = entry.hf_shape(cfg)
+    if len(shape) == 1 or x.shape == shape and entry.path == ("embed_vd",):
+        y = x.reshape(shape)
+    else:  # Linear weights: ours [in..., out...], theirs [out, in]
+        y = np.ascontiguousarray(x.reshape(shape[1], shape[0]).T)
+    if not np.array_equal(entry.to_ours(y, cfg), x):
+        raise AssertionError(f"no inverse layout for {entry.hf}")
+    return y
+
+
+def hf_model(spec, source, dtype_name: str):
+    torch, transformers = _import()
+    from model.loader import name_table
+
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+    if spec.folder is not None:
+        model = transformers.Qwen3ForCausalLM.from_pretrained(
+            spec.folder, dtype=tdtype, attn_implementation="sdpa")
+        return model.eval()
+    cfg = spec.cfg
+    if cfg.rope_scaling is not None:
+        from run.cli import CLIError
+
+        raise CLIError("--peer transformers with a YaRN preset is not supported: use a "
+                       "checkpoint folder")
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=cfg.V, hidden_size=cfg.D, intermediate_size=cfg.F,
+        num_hidden_layers=cfg.L, num_attention_heads=cfg.N, num_key_value_heads=cfg.K,
+        head_dim=cfg.H, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
+        use_sliding_window=False, attn_implementation="sdpa")
+    model = transformers.Qwen3ForCausalLM(hf_cfg).to(tdtype)
+    weights = {}
+    for e in name_table(cfg):
+        full = source.full(e.path, np.float32)
+        if e.stacked:
+            for i in range(cfg.L):
+                weights[e.hf.format(i=i)] = torch.from_numpy(_to_hf(full[i], e, cfg))
+        else:
+            weights[e.hf] = torch.from_numpy(_to_hf(full, e, cfg))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise AssertionError(f"weights for transformers: missing {missing}, unexpected "
+                             f"{unexpected}")
+    model.tie_weights()
+    return model.to(tdtype).eval()
+
+
+def _theirs(model, prompts, new_tokens: int) -> dict:
+    torch, transformers = _import()
+    marks = []
+
+    class Mark(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            marks.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, num_beams=1,
+                       logits_processor=transformers.LogitsProcessorList([Mark()]),
+                       pad_token_id=0)
+    return {"prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0]}
+
+
+def _pairs(engine, model, prompts, new_tokens, settings, phase: str, tokens: int) -> dict:
+    run_once(engine, prompts, new_tokens)  # compiles
+    for _ in range(settings["warmup"]):
+        run_once(engine, prompts, new_tokens)
+    for _ in range(max(settings["warmup"], 1)):
+        _theirs(model, prompts, new_tokens)
+    ours, theirs = [], []
+    for _ in range(settings["repeats"]):
+        ours.append(run_once(engine, prompts, new_tokens)[phase])
+        theirs.append(_theirs(model, prompts, new_tokens)[phase])
+    return {"ours_time_s": spread(ours), "theirs_time_s": spread(theirs),
+            "ours_tokens_per_s": spread([tokens / t for t in ours]),
+            "theirs_tokens_per_s": spread([tokens / t for t in theirs]),
+            "speedup_pairs": [b / a for a, b in zip(ours, theirs)],
+            "speedup": spread([b / a for a, b in zip(ours, theirs)])}
+
+
+def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
+    """engines: our 1x1 MeshEngines (already compiled where the 1x1 jobs ran)."""
+    torch, transformers = _import()
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    model = hf_model(spec, source, engines.dtype.name)
+    cfg, s = spec.cfg, settings
+    out = {"transformers": transformers.__version__, "torch": torch.__version__,
+           "threads": threads, "attn_implementation": "sdpa", "mesh": "1x1",
+           "prefill": [], "decode": []}
+    say("peer: transformers")
+    if "prefill" in scenarios:
+        B = s["prefill_batch"]
+        for T in s["prompt_lens"]:
+            engine = engines.get(fitting_seq_len(T, 1, 1))
+            job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), 1, s, "prefill_s",
+                         B * T)
+            out["prefill"].append({"prompt_len": T, "batch": B, **job})
+            say(f"  prefill T={T}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
+                f"theirs {job['theirs_tokens_per_s']['median']:.1f}, speedup "
+                f"{job['speedup']['median']:.2f}")
+    if "decode" in scenarios:
+        T, N = s["decode_prompt_len"], s["decode_steps"]
+        for B in s["batches"]:
+            engine = engines.get(fitting_seq_len(T, N + 1, 1))
+            job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), N + 1, s, "decode_s",
+                         B * N)
+            out["decode"].append({"batch": B, "prompt_len": T, "steps": N, **job})
+            say(f"  decode B={B}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
+                f"theirs {job['theirs_tokens_per_s']['median']:.1f}, speedup "
+                f"{job['speedup']['median']:.2f}")
+    return out

@@ -1,0 +1,161 @@
+"""The jobs of one mesh shape: prefill per prompt length, decode per batch size, and the
+memory each left behind (see run.bench for the scenarios, run.bench_measure for how
+each figure is taken)."""
+
+from __future__ import annotations
+
+import gc
+
+from pipeline import accounting
+from pipeline.engine import Engine
+from pipeline.schedule import decode_grid, prefill_grid
+from run.bench_measure import (PlacedSource, decode_bytes_per_step, fitting_seq_len,
+                               prefill_flops, program_memory, prompts_for, ring_bytes,
+                               run_once, spread)
+
+
+class MeshEngines:
+    """Engines on one mesh that share one placement of the weights; one per cache size
+    (each compiles its own programs)."""
+
+    def __init__(self, cfg, source, mesh, dtype, settings):
+        self.cfg, self.source, self.mesh, self.dtype, self.s = cfg, source, mesh, dtype, settings
+        self.state, self.engines = None, {}
+
+    def get(self, max_seq_len: int) -> Engine:
+        """The engine for this cache size, made (and placed) on first use."""
+        if max_seq_len not in self.engines:
+            src = self.source if self.state is None else PlacedSource(self.state)
+            e = Engine(self.cfg, src, self.mesh, self.dtype, max_seq_len,
+                       self.s["microbatches"], self.s["groups"], self.s["chunk"])
+            self.state = e.state
+            self.engines[max_seq_len] = e
+        return self.engines[max_seq_len]
+
+
+def time_job(engine, prompts, new_tokens: int, settings) -> dict:
+    """Compiles (first call), warms up, then times `repeats` calls."""
+    first = run_once(engine, prompts, new_tokens)
+    for _ in range(settings["warmup"]):
+        run_once(engine, prompts, new_tokens)
+    runs = [run_once(engine, prompts, new_tokens) for _ in range(settings["repeats"])]
+    return {"compile_s": first["compile_s"], "runs": runs, "layout": runs[-1]["out"].layout}
+
+
+def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
+    cfg, s, dtype = engines.cfg, engines.s, engines.dtype
+    S, C = engines.mesh.shape["stage"], engines.mesh.shape["seq"]
+    B = s["prefill_batch"]
+    engine = engines.get(fitting_seq_len(T, 1, C))
+    engine.check(prompts_for(cfg, B, T, s["seed"]), 1)
+    job = time_job(engine, prompts_for(cfg, B, T, s["seed"]), 1, s)
+    t = spread([r["prefill_s"] for r in job["runs"]])
+    layout = job["layout"]
+    sent = accounting.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
+    flops = prefill_flops(cfg, T, B)
+    out = {
+        "prompt_len": T, "batch": B, "padded_prompt": layout["padded_prompt"],
+        "time_s": t,
+        "tokens_per_s": spread([B * T / r["prefill_s"] for r in job["runs"]]),
+        "program_time_s": spread([r["program_prefill_s"] for r in job["runs"]]),
+        "compile_s": job["compile_s"],
+        "flops": flops,
+        "idle_fraction": engine.schedules(layout)["prefill"]["idle_fraction"],
+        "stage_bytes": sent["prefill"],
+        "stage_bytes_per_token": sent["prefill"] / (B * T),
+        "ring_bytes": ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"],
+                                 dtype.itemsize)["prefill"],
+        "programs": program_memory(engine),
+    }
+    out["ring_bytes_per_token"] = out["ring_bytes"] / (B * T)
+    if roof is not None:
+        ideal = flops / roof["matmul_flops_per_s"]["median"]
+        out["compute_roofline_s"] = ideal
+        out["compute_roofline_fraction"] = ideal / t["median"]
+    say(f"  prefill T={T} B={B}: {out['tokens_per_s']['median']:.1f} tok/s "
+        f"({t['median']:.3f} s, min {t['min']:.3f}, max {t['max']:.3f}); "
+        f"compile {job['compile_s']:.1f} s")
+    return out
+
+
+def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
+    cfg, s, dtype = engines.cfg, engines.s, engines.dtype
+    S, C = engines.mesh.shape["stage"], engines.mesh.shape["seq"]
+    T, N = s["decode_prompt_len"], s["decode_steps"]
+    engine = engines.get(fitting_seq_len(T, N + 1, C))
+    job = time_job(engine, prompts_for(cfg, B, T, s["seed"]), N + 1, s)
+    t = spread([r["decode_s"] for r in job["runs"]])
+    layout = job["layout"]
+    sent = accounting.bytes_sent(cfg, S, C, layout, dtype.itemsize)
+    ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
+    # Context attended, averaged over the steps: the prompt plus the tokens so far.
+    read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
+    out = {
+        "batch": B, "padded_batch": layout["batch"], "prompt_len": T, "steps": N,
+        "chunks": layout["chunks"],
+        "time_s": t,
+        "time_per_output_token_s": spread([r["decode_s"] / N for r in job["runs"]]),
+        "tokens_per_s": spread([B * N / r["decode_s"] for r in job["runs"]]),
+        "program_time_s": spread([r["program_decode_s"] for r in job["runs"]]),
+        "host_overhead_fraction": spread(
+            [1 - r["program_decode_s"] / r["decode_s"] for r in job["runs"]]),
+        "compile_s": job["compile_s"],
+        "bytes_read_per_step": read,
+        "idle_fraction": engine.schedules(layout)["decode"]["idle_fraction"],
+        "steady_idle_fraction": engine.schedules(layout)["decode"]["steady_idle_fraction"],
+        "stage_bytes": sent["decode"],
+        "stage_bytes_per_token": sent["decode"] / (B * N),
+        "ring_bytes_per_token": ring["decode_per_step"] * layout["decode_steps"] / (B * N),
+        "programs": program_memory(engine),
+    }
+    if roof is not None:
+        ideal = read["total"] / roof["bandwidth_bytes_per_s"]["median"]
+        out["bandwidth_roofline_s_per_step"] = ideal
+        out["bandwidth_roofline_fraction"] = ideal / out["time_per_output_token_s"]["median"]
+    tp = out["time_per_output_token_s"]
+    say(f"  decode B={B}: {out['tokens_per_s']['median']:.1f} tok/s, "
+        f"{tp['median'] * 1e3:.1f} ms/token (min {tp['min'] * 1e3:.1f}, max {tp['max'] * 1e3:.1f})"
+        f"; compile {job['compile_s']:.1f} s")
+    return out, engine
+
+
+def memory_of(engine: Engine) -> dict:
+    weights = accounting.bytes_per_device(engine.state)
+    kv = accounting.bytes_per_device(engine.cache[:2])
+    return {"weight_bytes_per_device": weights, "kv_bytes_per_device": kv,
+            "max_weight_bytes": max(weights), "max_kv_bytes": max(kv),
+            "programs": program_memory(engine)}
+
+
+def run_mesh(cfg, source, mesh, dtype, settings, scenarios, roof, say,
+             engines: MeshEngines | None = None) -> dict:
+    """Every job of the scenarios on one mesh. `engines` (kept by the caller to reuse
+    the compiled programs later, as the peer does with 1x1) defaults to fresh ones."""
+    S, C = mesh.shape["stage"], mesh.shape["seq"]
+    say(f"mesh {S}x{C}:")
+    engines = engines or MeshEngines(cfg, source, mesh, dtype, settings)
+    entry = {"mesh": f"{S}x{C}", "stage": S, "seq": C, "devices": S * C}
+    last = None
+    if "prefill" in scenarios:
+        entry["prefill"] = [prefill_job(engines, T, roof, say) for T in settings["prompt_lens"]]
+    if "decode" in scenarios:
+        entry["decode"] = []
+        for B in settings["batches"]:
+            job, last = decode_job(engines, B, roof, say)
+            entry["decode"].append(job)
+    if "memory" in scenarios:
+        if last is None:  # memory alone: one small decode job leaves a cache to measure
+            _, last = decode_job(engines, max(settings["batches"]), None, say)
+        entry["memory"] = {**memory_of(last), "after": f"decode batch {last.cache[0].shape[1]}"}
+        m = entry["memory"]
+        say(f"  memory: weights {m['max_weight_bytes'] / 2**20:.1f} MiB, KV "
+            f"{m['max_kv_bytes'] / 2**20:.1f} MiB per device")
+    steps = min(settings["chunk"], settings["decode_steps"])
+    G = S if settings["groups"] is None else settings["groups"]
+    entry["timeline"] = {"prefill": prefill_grid(settings["microbatches"], S),
+                         "decode": decode_grid(G, S, steps)}
+    compiles = [j["compile_s"] for k in ("prefill", "decode") for j in entry.get(k, [])]
+    entry["compile_s_max"] = max(compiles) if compiles else 0.0
+    del engines, last
+    gc.collect()
+    return entry

@@ -1,0 +1,267 @@
+"""`convert`: a Hugging Face checkpoint folder -> an orbax checkpoint folder.
+
+    qwen3-spmd convert --model HF_DIR --out DIR [--dtype float32|bfloat16] [--force]
+
+writes `DIR` (see `model.orbax_checkpoint` for the layout and the restore), which
+`generate`/`bench --model DIR` then restore onto any mesh. A killed conversion leaves
+only `DIR.partial-<pid>`, which nothing loads; re-running the command removes it and
+writes `DIR` again.
+
+The load measurement (load time and peak host memory of both paths, each in a fresh
+process) on a random checkpoint of the 0.6B preset's shape:
+
+    qwen3-spmd convert --random-preset 0.6B --model /tmp/q06-hf --out /tmp/q06-orbax \\
+        --measure 1x1,2x2
+
+`--random-preset NAME` first writes a Hugging Face checkpoint of preset NAME with seeded
+random weights (float32 safetensors) into `--model`, if it is not there yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to an orbax "
+                                              "checkpoint that restores sharded onto any mesh")
+    p.add_argument("--model", required=True, metavar="HF_DIR",
+                   help="the Hugging Face checkpoint folder (config.json, safetensors)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the orbax checkpoint folder")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: config.json's dtype, else "
+                                   "float32)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out folder")
+    p.add_argument("--measure", metavar="SxC[,SxC...]",
+                   help="then measure load time and peak RSS of both formats on these meshes "
+                        "(emulated CPU devices, one fresh process per load)")
+    p.add_argument("--measure-dtype", default="float32",
+                   help="dtype the measured loads restore into (default float32)")
+    p.add_argument("--random-preset", metavar="NAME",
+                   help="first write a Hugging Face checkpoint of this preset with seeded random "
+                        "weights into --model (if absent), for measurements")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from model import orbax_checkpoint
+    from run.cli import CLIError
+    from sharding.mesh import parse_mesh
+
+    meshes = [parse_mesh(m) for m in args.measure.split(",")] if args.measure else []
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
+        (lambda *a: print(*a, flush=True))
+    if args.random_preset:
+        from model.config import PRESETS
+
+        if args.random_preset not in PRESETS:
+            raise CLIError(f"--random-preset {args.random_preset} is not a preset: use one of "
+                           f"{', '.join(PRESETS)}")
+        if not Path(args.model).exists():
+            t0 = time.perf_counter()
+            write_random_hf(PRESETS[args.random_preset], args.model)
+            say(f"wrote random {args.random_preset} checkpoint {args.model} "
+                f"({time.perf_counter() - t0:.1f} s)")
+    report: dict = {"model": args.model, "out": args.out}
+    out = Path(args.out)
+    if meshes and orbax_checkpoint.is_orbax_checkpoint(out) and not args.force \
+            and (out / orbax_checkpoint.COMPLETE_FILE).is_file():
+        say(f"{out} is already converted; measuring it")
+    else:
+        t0 = time.perf_counter()
+        with _progress_bar(f"{args.model} -> {args.out}") as progress:
+            meta = orbax_checkpoint.convert(args.model, args.out, args.dtype, args.force, progress)
+        report["convert"] = {"dtype": meta["dtype"], "bytes": meta["bytes"],
+                             "seconds": round(time.perf_counter() - t0, 2)}
+        say(f"wrote {args.out}: {meta['bytes'] / 1e6:.1f} MB of {meta['dtype']} parameters in "
+            f"{report['convert']['seconds']} s")
+    if meshes:
+        report["loads"] = measure(args.model, args.out, meshes, args.measure_dtype, say)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+class _progress_bar:
+    """A rich progress bar on stderr: reading the safetensors, then writing the orbax files."""
+
+    def __init__(self, title: str):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                            TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self.title, self.tasks = title, {}
+
+    def __enter__(self):
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.stop()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            label = {"read": "reading safetensors", "write": "writing orbax"}.get(phase, phase)
+            self.tasks[phase] = self.bar.add_task(label, total=total)
+        self.bar.update(self.tasks[phase], completed=done)
+
+
+# ---- a random Hugging Face checkpoint of a preset's shape -----------------------------
+
+
+def hf_config(cfg) -> dict:
+    """A transformers 4.x-style config.json for `cfg`."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": cfg.V, "hidden_size": cfg.D, "intermediate_size": cfg.F,
+        "num_hidden_layers": cfg.L, "num_attention_heads": cfg.N,
+        "num_key_value_heads": cfg.K, "head_dim": cfg.H,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu", "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) or None, "torch_dtype": "float32",
+        "use_sliding_window": False,
+    }
+
+
+def to_hf(entry, ours, cfg):
+    """Inverse of the loader's `entry.to_ours`: our layout -> the Hugging Face tensor.
+
+    `to_ours` is a reshape, or (a torch Linear [out, in]) a transpose then a reshape; the
+    candidate that maps back onto `ours` exactly is the one.
+    """
+    hf_shape = entry.hf_shape(cfg)
+    candidates = [ours.reshape(hf_shape)]
+    if len(hf_shape) == 2:
+        candidates.insert(0, ours.reshape(hf_shape[::-1]).T)
+    for x in candidates:
+        if np.array_equal(entry.to_ours(x, cfg), ours):
+            return np.ascontiguousarray(x)
+    raise ValueError(f"cannot invert the layout of {entry.hf}")
+
+
+def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
+    """A single-file float32 Hugging Face checkpoint with `RandomWeights(cfg, seed)`."""
+    from safetensors.numpy import save_file
+
+    from model.loader import name_table
+    from model.random_weights import RandomWeights
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    source = RandomWeights(cfg, seed)
+    tensors = {}
+    for e in name_table(cfg):
+        if e.stacked:
+            for i in range(cfg.L):
+                x = source.read(e.path, np.float32, [i])[0]
+                tensors[e.hf.format(i=i)] = to_hf(e, x, cfg)
+        else:
+            tensors[e.hf] = to_hf(e, source.read(e.path, np.float32), cfg)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+
+
+# ---- measuring both load paths -------------------------------------------------------
+
+
+def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> dict:
+    """Loads `folder` onto a stage x seq mesh of emulated CPU devices in this process and
+    reports the load time and this process's peak RSS. Call it in a fresh process (it
+    sets the device count, and peak RSS covers the process's whole life: the high-water
+    mark of its address space, VmHWM, which starts afresh at exec; getrusage's maxrss
+    would carry over the parent's at fork).
+
+    The load is what `Engine.__init__` does with the weights: an orbax checkpoint's
+    `place`, or `sharding.place.place_params` over an `HFCheckpoint`.
+    """
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", stage * seq)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model.loader import abstract_model, map_params
+    from run.models import open_model
+    from sharding.mesh import make_mesh
+    from sharding.place import place_params
+    from sharding.plan import StagePlan
+
+    mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
+    jnp.zeros(1).block_until_ready()  # start the backend before measuring
+    rss_before = _peak_rss()
+    t0 = time.perf_counter()
+    spec = open_model(folder)
+    plan = StagePlan(spec.cfg.L, stage)
+    _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype))
+    place = getattr(spec.source, "place", None)
+    state = (place(abstract, plan, mesh) if place is not None
+             else place_params(abstract, plan, mesh, spec.source))
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - t0
+    peak = _peak_rss()
+    leaves = jax.tree_util.tree_leaves(state)
+    kept = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
+    sizes = []
+    map_params(lambda path, x: sizes.append(
+        int(np.prod(x.shape[1:] if path[0] == "layers" else x.shape)) * x.dtype.itemsize), abstract)
+    largest = max(sizes)
+    target = 1.5 * kept + largest
+    return {"format": "orbax" if place is not None else "safetensors", "mesh": f"{stage}x{seq}",
+            "dtype": dtype, "load_s": round(seconds, 3), "peak_rss_bytes": peak,
+            "rss_before_load_bytes": rss_before, "kept_bytes": kept,
+            "largest_tensor_bytes": largest, "target_bytes": int(target),
+            "under_target": peak < target}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set size in bytes."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # not Linux: maxrss (kilobytes on Linux, bytes on macOS)
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) -> list[dict]:
+    """Both load paths on each mesh, each in a fresh process; prints one line per load."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    results = []
+    for stage, seq in meshes:
+        for folder in (hf_folder, orbax_folder):
+            code = ("import json, sys; from run.convert import measure_load; "
+                    f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r})))")
+            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, check=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"measuring {folder} on {stage}x{seq} failed:\n{out.stderr}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            results.append(r)
+            say(f"{r['mesh']} {r['format']:>11}: load {r['load_s']:.2f} s, peak RSS "
+                f"{r['peak_rss_bytes'] / 1e9:.2f} GB (before load {r['rss_before_load_bytes'] / 1e9:.2f}"
+                f" GB), kept {r['kept_bytes'] / 1e9:.2f} GB, target < 1.5 x kept + largest tensor "
+                f"= {r['target_bytes'] / 1e9:.2f} GB: {'ok' if r['under_target'] else 'OVER'}")
+    return results

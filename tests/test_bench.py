@@ -1,0 +1,141 @@
+"""`qwen3-spmd bench` in smoke mode: every scenario runs on the tiny preset and its JSON
+holds every field with sane values. Never a timing threshold: only signs, bounds of
+fractions and finiteness."""
+
+import json
+import math
+
+import pytest
+
+from run.cli import main
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["bench", "--smoke", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def check_spread(x: dict) -> None:
+    assert set(x) == {"median", "min", "max", "n"}
+    assert 0 < x["min"] <= x["median"] <= x["max"] < math.inf
+    assert x["n"] == 2  # --smoke: 2 repeats
+
+
+def in_unit(x: float) -> bool:
+    return 0 < x <= 1
+
+
+def check_common(out: dict, meshes: list[str]) -> None:
+    m = out["machine"]
+    assert m["device_count"] == 8 and m["backend"] == "cpu" and m["cpu_cores"] >= 1
+    for key in ("cpu_model", "device_kind", "platform", "python", "jax", "jaxlib", "flax"):
+        assert isinstance(m[key], str) and m[key]
+    assert out["model"]["random_weights"] is True and out["dtype"] == "float32"
+    assert [x["mesh"] for x in out["meshes"]] == meshes
+    assert set(out["targets"]) == {
+        "decode_b1_bandwidth_roofline_fraction", "decode_b1_speedup_vs_peer",
+        "prefill_512_speedup_vs_peer", "prefill_2048_2x2_time_ratio_vs_1x1",
+        "decode_b8_2x1_time_ratio_vs_1x1", "compile_s_max"}
+    assert out["targets"]["compile_s_max"]["value"] > 0
+    for mesh in out["meshes"]:
+        assert set(mesh["timeline"]) == {"prefill", "decode"}
+        assert len(mesh["timeline"]["decode"]) == mesh["stage"]
+
+
+def test_prefill_and_rooflines_on_2x2(capsys):
+    out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--mesh", "2x2",
+                   "--prompt-lens", "16")
+    check_common(out, ["1x1", "2x2"])
+    roof = out["roofline"]
+    assert roof["bandwidth_bytes_per_s"]["median"] > 0 and roof["matmul_flops_per_s"]["median"] > 0
+    for mesh in out["meshes"]:
+        assert "decode" not in mesh and "memory" not in mesh
+        (job,) = mesh["prefill"]
+        assert job["prompt_len"] == 16 and job["batch"] == 1 and job["padded_prompt"] >= 16
+        for key in ("time_s", "tokens_per_s", "program_time_s"):
+            check_spread(job[key])
+        assert job["compile_s"] > 0 and job["flops"] > 0
+        assert in_unit(job["compute_roofline_fraction"])
+        assert 0 < job["time_ratio_vs_1x1"] < math.inf
+        assert set(job["programs"]) and all(a is None or a["argument_size_in_bytes"] > 0
+                                            for a in job["programs"].values())
+    one, two = out["meshes"]
+    assert one["prefill"][0]["time_ratio_vs_1x1"] == 1.0
+    assert one["prefill"][0]["idle_fraction"] == 0.0
+    assert one["prefill"][0]["stage_bytes_per_token"] == 0
+    assert one["prefill"][0]["ring_bytes_per_token"] == 0
+    assert two["prefill"][0]["idle_fraction"] == pytest.approx(0.5)  # M=1, S=2
+    assert two["prefill"][0]["stage_bytes_per_token"] > 0
+    assert two["prefill"][0]["ring_bytes_per_token"] > 0
+
+
+def test_decode_and_memory_on_2x1(capsys):
+    out = run_json(capsys, "--scenario", "decode", "--scenario", "memory", "--scenario",
+                   "roofline", "--mesh", "2x1", "--batches", "2")
+    check_common(out, ["1x1", "2x1"])
+    for mesh in out["meshes"]:
+        assert "prefill" not in mesh
+        (job,) = mesh["decode"]
+        assert job["batch"] == 2 and job["steps"] == 4 and job["chunks"] == 1
+        for key in ("time_s", "time_per_output_token_s", "tokens_per_s", "program_time_s"):
+            check_spread(job[key])
+        assert all(math.isfinite(job["host_overhead_fraction"][k]) for k in ("min", "max"))
+        assert in_unit(job["bandwidth_roofline_fraction"])
+        assert 0 < job["time_ratio_vs_1x1"] < math.inf
+        read = job["bytes_read_per_step"]
+        assert read["total"] == read["weights"] + read["kv"] and read["kv"] > 0
+        assert job["steady_idle_fraction"] == 0.0 and 0 <= job["idle_fraction"] < 1
+        assert job["ring_bytes_per_token"] == 0  # no seq axis
+        mem = mesh["memory"]
+        assert len(mem["weight_bytes_per_device"]) == mesh["devices"]
+        assert mem["max_weight_bytes"] > 0 and mem["max_kv_bytes"] > 0
+        for analysis in mem["programs"].values():
+            assert analysis is None or (analysis["temp_size_in_bytes"] >= 0
+                                        and analysis["argument_size_in_bytes"] > 0)
+    one, two = out["meshes"]
+    assert one["decode"][0]["stage_bytes_per_token"] == 0
+    assert two["decode"][0]["stage_bytes_per_token"] > 0
+    # Two stages hold half the layers each (plus the replicated embedding).
+    assert two["memory"]["max_weight_bytes"] < one["memory"]["max_weight_bytes"]
+    assert two["memory"]["max_kv_bytes"] == one["memory"]["max_kv_bytes"] // 2
+
+
+def test_table_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")  # --plot only; not an install requirement
+    plot = tmp_path / "bench.png"
+    assert main(["bench", "--smoke", "--scenario", "prefill", "--prompt-lens", "16",
+                 "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    for heading in ("machine:", "prefill", "targets"):
+        assert heading in text
+    assert plot.stat().st_size > 0
+
+
+def test_peer_transformers(capsys):
+    # torch and transformers are deliberately not dependencies (nor in CI): the peer
+    # scenario is tested only where they are installed.
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = run_json(capsys, "--scenario", "prefill", "--scenario", "decode", "--peer",
+                   "transformers", "--prompt-lens", "16", "--batches", "1")
+    check_common(out, ["1x1"])
+    peer = out["peer"]
+    assert peer["threads"] >= 1 and peer["attn_implementation"] == "sdpa"
+    assert [j["prompt_len"] for j in peer["prefill"]] == [16]
+    assert [j["batch"] for j in peer["decode"]] == [1]
+    for job in peer["prefill"] + peer["decode"]:
+        for key in ("ours_time_s", "theirs_time_s", "ours_tokens_per_s", "theirs_tokens_per_s",
+                    "speedup"):
+            check_spread(job[key])
+        assert len(job["speedup_pairs"]) == 2
+    assert out["targets"]["decode_b1_speedup_vs_peer"]["value"] > 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--prompt-lens", "0"], "positive"),
+    (["--scenario", "peer"], "--peer transformers"),
+    (["--mesh", "2x2", "--cpu-devices", "2"], "needs 4 devices"),
+])
+def test_bad_input(capsys, argv, words):
+    assert main(["bench", "--smoke", *argv]) == 2
+    assert words in capsys.readouterr().err

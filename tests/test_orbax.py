@@ -1,0 +1,276 @@
+"""Orbax checkpoints: convert a fixture, restore it onto several meshes and get exactly
+what the safetensors load gives; bfloat16; killed conversions; mismatched or foreign
+folders."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import orbax_checkpoint as ob
+from model.config import ConfigError, Qwen3Config
+from model.loader import HFCheckpoint, LoadError, abstract_model, map_params
+from pipeline.engine import Engine
+from run.cli import main
+from run.convert import to_hf
+from run.models import open_model
+from sharding.mesh import make_mesh
+from sharding.place import place_params
+from sharding.plan import StagePlan
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).parent.parent
+TINY = FIXTURES / "tiny"
+MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The tiny fixture converted in float32 and in bfloat16."""
+    root = tmp_path_factory.mktemp("orbax")
+    ob.convert(TINY, root / "f32", "float32")
+    ob.convert(TINY, root / "bf16", "bfloat16")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return Qwen3Config.from_hf(TINY)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    ref = np.load(TINY / "reference.npz")
+    return [ref[f"prompt_{i}"].tolist() for i in range(3)], ref
+
+
+def _mesh(S, C):
+    return make_mesh(S, C, jax.devices()[:S * C])
+
+
+def test_folder_has_params_config_tokenizer_and_marker(converted):
+    folder = converted / "f32"
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", ob.METADATA_FILE, ob.COMPLETE_FILE):
+        assert (folder / name).is_file(), name
+    assert (folder / "config.json").read_bytes() == (TINY / "config.json").read_bytes()
+    meta = json.loads((folder / ob.METADATA_FILE).read_text())
+    assert meta["format"] == ob.FORMAT and meta["version"] == ob.VERSION
+    assert meta["dtype"] == "float32"
+    assert json.loads((converted / "bf16" / ob.METADATA_FILE).read_text())["dtype"] == "bfloat16"
+    spec = open_model(str(folder))
+    assert isinstance(spec.source, ob.OrbaxCheckpoint) and spec.folder == folder
+    assert spec.eos_ids() == (302, 300)
+
+
+@pytest.mark.parametrize("S, C", MESHES)
+def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
+    """Every leaf, every device's shard: same bytes and same sharding as place_params."""
+    mesh, plan = _mesh(S, C), StagePlan(cfg.L, S)
+    for dtype, folder in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16"), (jnp.bfloat16, "f32")):
+        _, abstract = abstract_model(cfg, dtype)
+        want = place_params(abstract, plan, mesh, HFCheckpoint(TINY, cfg))
+        got = ob.OrbaxCheckpoint(converted / folder, cfg).place(abstract, plan, mesh)
+        for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got),
+                        strict=True):
+            assert g.shape == w.shape and g.dtype == w.dtype and g.sharding == w.sharding
+            for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True):
+                assert ws.device == gs.device and ws.index == gs.index
+                assert np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
+
+
+def test_read_matches_safetensors(converted, cfg):
+    hf, orb = HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg)
+    for path, layers in ((("layers", "q_dnh"), [1, 3]), (("layers", "gate_df"), None),
+                         (("embed_vd",), None), (("norm", "scale"), None)):
+        assert np.array_equal(orb.read(path, np.float32, layers), hf.read(path, np.float32, layers))
+    assert orb.read(("layers", "up_df"), np.float32, []).shape == (0, cfg.D, cfg.F)
+
+
+@pytest.mark.parametrize("S, C", MESHES)
+def test_generation_matches_safetensors_on_every_mesh(converted, cfg, prompts, S, C):
+    prompts, ref = prompts
+    mesh = _mesh(S, C)
+    outs = [Engine(cfg, source, mesh, jnp.float32, max_seq_len=128, chunk=4).generate(prompts, 8)
+            for source in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg))]
+    hf, orb = outs
+    for i, (a, b) in enumerate(zip(hf.completions, orb.completions, strict=True)):
+        assert b.token_ids == a.token_ids == ref[f"greedy_tokens_{i}"].tolist()
+    assert np.array_equal(orb.first_logits, hf.first_logits)
+
+
+def test_bfloat16_conversion_generates_like_bfloat16_safetensors(converted, cfg, prompts):
+    prompts, _ = prompts
+    mesh = _mesh(2, 2)
+    hf, orb = (Engine(cfg, s, mesh, jnp.bfloat16, max_seq_len=128, chunk=4).generate(prompts, 8)
+               for s in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "bf16", cfg)))
+    assert [c.token_ids for c in orb.completions] == [c.token_ids for c in hf.completions]
+    assert np.array_equal(orb.first_logits, hf.first_logits)
+
+
+def test_to_hf_inverts_the_loader(cfg):
+    """The random-checkpoint writer used for measurements writes what the loader reads."""
+    hf = HFCheckpoint(TINY, cfg)
+    for e in hf.table.values():
+        name = e.hf.format(i=2)
+        raw = hf._read_tensor(name)
+        assert np.array_equal(to_hf(e, e.to_ours(raw, cfg), cfg), raw), name
+
+
+# ---- interrupted conversions ------------------------------------------------------------
+
+_STALL = """
+import sys, time
+from pathlib import Path
+import model.orbax_checkpoint as ob
+real = ob._fsync_tree
+def stall(folder, files=True):
+    real(folder, files)
+    (Path(sys.argv[2]).parent / "stalled").write_text("")
+    time.sleep(600)  # killed here: every parameter written, the marker not yet
+ob._fsync_tree = stall
+from run.cli import main
+sys.exit(main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))
+"""
+
+
+def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path, capsys):
+    out = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-c", _STALL, str(TINY), str(out)], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "stalled").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "convert did not stall"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not out.exists()
+    (partial,) = ob.partial_folders(out)
+    assert (partial / ob.METADATA_FILE).is_file() and (partial / "params").is_dir()
+
+    with pytest.raises(ConfigError, match=rf"{partial.name}.*re-run `qwen3-spmd convert`"):
+        open_model(str(out))
+    with pytest.raises(LoadError, match=rf"{partial}.*incomplete.*re-run `qwen3-spmd convert`"):
+        open_model(str(partial))
+    assert main(["generate", "--model", str(partial), "--prompt-ids", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert str(partial) in err and "re-run `qwen3-spmd convert`" in err
+
+    # A re-run removes the leftover and finishes the job; a second one refuses to overwrite.
+    assert main(["convert", "--model", str(TINY), "--out", str(out)]) == 0
+    assert ob.partial_folders(out) == [] and (out / ob.COMPLETE_FILE).is_file()
+    assert isinstance(open_model(str(out)).source, ob.OrbaxCheckpoint)
+    assert main(["convert", "--model", str(TINY), "--out", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["convert", "--model", str(TINY), "--out", str(out), "--force",
+                 "--dtype", "bfloat16"]) == 0
+    assert open_model(str(out)).source.meta["dtype"] == "bfloat16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "stalled"]
+
+
+# ---- mismatched and foreign folders ---------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("intermediate_size", 96, (r"parameter layers\.down_fd\.0 .* has shape \[104, 48\], "
+                               r"but config\.json implies \[96, 48\]")),
+    ("num_hidden_layers", 4, r"unexpected parameter layers\.down_fd\.4"),
+    ("num_hidden_layers", 6, r"lacks parameter layers\.down_fd\.5"),
+    ("tie_word_embeddings", True, r"unexpected parameter lm_head_dv"),
+])
+def test_config_that_does_not_match_the_arrays(converted, tmp_path, field, value, words):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted / "f32", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw[field] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(LoadError, match=words):
+        open_model(str(folder))
+
+
+def test_folder_of_neither_format(tmp_path, capsys):
+    shutil.copy(TINY / "config.json", tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="neither a Hugging Face checkpoint.*nor an orbax"):
+        open_model(str(tmp_path))
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "neither" in capsys.readouterr().err
+    assert main(["convert", "--model", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "safetensors" in capsys.readouterr().err
+
+
+def test_wrong_format_version_is_refused(converted, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted / "f32", folder)
+    meta = json.loads((folder / ob.METADATA_FILE).read_text())
+    (folder / ob.METADATA_FILE).write_text(json.dumps({**meta, "version": 99}))
+    with pytest.raises(LoadError, match="version 99.*re-run `qwen3-spmd convert`"):
+        open_model(str(folder))
+
+
+# ---- several processes: each reads only its own stages -----------------------------------
+
+_HOST = """
+import sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 2)
+rank, port, ckpt, tiny = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+import jax.numpy as jnp, numpy as np
+from model import orbax_checkpoint as ob
+from model.config import Qwen3Config
+from model.loader import HFCheckpoint, abstract_model
+from sharding.mesh import make_mesh
+from sharding.place import place_params
+from sharding.plan import StagePlan
+cfg = Qwen3Config.from_hf(tiny)
+mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)
+hf, orb = HFCheckpoint(tiny, cfg), ob.OrbaxCheckpoint(ckpt, cfg)
+want, got = place_params(abstract, plan, mesh, hf), orb.place(abstract, plan, mesh)
+same = all(ws.device == gs.device and np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
+           for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got))
+           for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True))
+print("RESULT", same, orb.bytes_read, hf.bytes_read, flush=True)
+"""
+
+
+def test_two_processes_each_restore_only_their_stages(converted, cfg):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = [subprocess.Popen([sys.executable, "-c", _HOST, str(r), str(port),
+                               str(converted / "f32"), str(TINY)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    results = []
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        (line,) = [l for l in out.splitlines() if l.startswith("RESULT")]
+        results.append(line.split()[1:])
+    # Stage 0 (layers 0-2) lives on process 0, stage 1 (layers 3-4) on process 1: each
+    # reads its layers and the replicated tensors, exactly what the safetensors path reads.
+    _, abstract = abstract_model(cfg, jnp.float32)
+    sizes = {}
+    map_params(lambda path, x: sizes.__setitem__(path, x.size * 4), abstract)
+    per_layer = sum(n for path, n in sizes.items() if path[0] == "layers") // cfg.L
+    shared = sum(n for path, n in sizes.items() if path[0] != "layers")
+    assert results == [["True", str(b), str(b)] for b in (3 * per_layer + shared,
+                                                          2 * per_layer + shared)]
