@@ -18,9 +18,9 @@ class CLIError(ValueError):
 
 
 def _subcommands():
-    from run import generate, ring_demo
+    from run import bench, convert, generate, ring_demo
 
-    return [generate, ring_demo]
+    return [generate, ring_demo, bench, convert]
 
 
 def build_parser() -> argparse.ArgumentParser:
