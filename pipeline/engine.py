@@ -104,6 +104,7 @@ class Engine:
             donate_argnums=(5, 6))
         self._decode: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}
+        self.programs: dict[str, Callable] = {}  # readable name -> compiled program
 
     # ---- checks and layout -------------------------------------------------------
 
@@ -150,12 +151,16 @@ class Engine:
 
     # ---- the programs --------------------------------------------------------------
 
-    def _compile(self, name: str, fn, *args):
-        key = (name, *(getattr(a, "shape", a) for a in args[2:]))
+    def _compile(self, name: tuple, fn, *args):
+        """fn compiled for args' shapes, once per (name, shapes); name must say every
+        static choice that shapes the program (sampling, groups, chunk)."""
+        key = (*name, *(getattr(a, "shape", a) for a in args[2:]))
         if key not in self._compiled:
             t0 = time.perf_counter()
             self._compiled[key] = fn.lower(*args).compile()
             self.compile_s += time.perf_counter() - t0
+            shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, S, K, H]
+            self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = self._compiled[key]
         return self._compiled[key]
 
     def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
@@ -238,7 +243,7 @@ class Engine:
         args = (self.state, self.real, jax.device_put(tokens, tok_sharding),
                 jax.device_put(positions, tok_sharding), jax.device_put(lengths - 1, rep),
                 cache_k, cache_v)
-        prefill = self._compile("prefill", self._prefill, *args)
+        prefill = self._compile(("prefill",), self._prefill, *args)
         t0 = time.perf_counter()
         logits, cache_k, cache_v = prefill(*args)
         request = np.arange(B, dtype=np.int32)
@@ -269,7 +274,7 @@ class Engine:
                     jax.device_put(cur, rep), jax.device_put(lengths + j0, rep),
                     jax.device_put(request, rep), jnp.int32(j0), jnp.int32(take), jnp.int32(limit),
                     jnp.int32(prompt_slots), jnp.int32(seed))
-            decode = self._compile(f"decode{G}x{n}{with_logits}",
+            decode = self._compile(("decode", G, n, sampling, with_logits),
                                    self._decode_fn(G, n, sampling, with_logits), *args)
             t0 = time.perf_counter()
             new_tokens, new_logits, cache_k, cache_v = decode(*args)

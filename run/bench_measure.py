@@ -169,13 +169,7 @@ def memory_analysis(compiled) -> dict | None:
 
 def program_memory(engine) -> dict:
     """memory_analysis() of every program the engine compiled, by name and shapes."""
-    out = {}
-    for key, compiled in engine._compiled.items():
-        # key: (name, shapes of the arguments after the weights): tokens [B, P] for
-        # prefill, the K cache [L_pad, B, S_cap, K, H] for decode.
-        shape = key[1] if len(key) > 1 and isinstance(key[1], tuple) else ()
-        out[f"{key[0]}[{'x'.join(map(str, shape))}]"] = memory_analysis(compiled)
-    return out
+    return {name: memory_analysis(compiled) for name, compiled in engine.programs.items()}
 
 
 class MemoSource:
