@@ -34,6 +34,14 @@ def _param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
+def _project(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h [B, T, D] times w [heads, H, D] -> [B, T, heads, H], as one [heads*H, D] matrix
+    (with the head axes apart, XLA transposes the weight on every call)."""
+    heads, H, D = w.shape
+    y = jnp.einsum("BTD,ED->BTE", h, w.reshape(heads * H, D))
+    return y.reshape(*h.shape[:2], heads, H)
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm over the last axis, computed in float32 as transformers does."""
 
@@ -54,10 +62,13 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
         D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
         self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        self.q_dnh = _param(rngs, (D, N, H), dtype)
-        self.k_dkh = _param(rngs, (D, K, H), dtype)
-        self.v_dkh = _param(rngs, (D, K, H), dtype)
-        self.o_nhd = _param(rngs, (N, H, D), dtype)
+        # Projections are stored [out, in], as the checkpoint has them: a decode step
+        # (one token against the weights) then reads each row contiguously, which is
+        # what XLA's CPU matrix-vector product runs fastest on; prefill does not mind.
+        self.q_nhd = _param(rngs, (N, H, D), dtype)
+        self.k_khd = _param(rngs, (K, H, D), dtype)
+        self.v_khd = _param(rngs, (K, H, D), dtype)
+        self.o_dnh = _param(rngs, (D, N, H), dtype)
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((N, H), dtype))
             self.k_bias = nnx.Param(jnp.zeros((K, H), dtype))
@@ -67,30 +78,30 @@ class DecoderLayer(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.post_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        self.gate_df = _param(rngs, (D, F), dtype)
-        self.up_df = _param(rngs, (D, F), dtype)
-        self.down_fd = _param(rngs, (F, D), dtype)
+        self.gate_fd = _param(rngs, (F, D), dtype)
+        self.up_fd = _param(rngs, (F, D), dtype)
+        self.down_df = _param(rngs, (D, F), dtype)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], state: Any,
                  attend: Attend) -> tuple[jax.Array, Any]:
         """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state)."""
         h = self.input_norm(x)
-        q = jnp.einsum("BTD,DNH->BTNH", h, self.q_dnh[...])
-        k = jnp.einsum("BTD,DKH->BTKH", h, self.k_dkh[...])
-        v = jnp.einsum("BTD,DKH->BTKH", h, self.v_dkh[...])
+        q, k, v = (_project(h, w[...]) for w in (self.q_nhd, self.k_khd, self.v_khd))
         if self.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(k), *rope)
         o, state = attend(q, k, v, state)
-        attn = jnp.einsum("BTNH,NHD->BTD", o, self.o_nhd[...])
+        # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
+        o_de = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
+        attn = jnp.einsum("BTE,DE->BTD", o.reshape(*o.shape[:2], -1), o_de)
         if self.attention_bias:
             attn = attn + self.o_bias[...]
         x = x + attn
         h = self.post_norm(x)
-        gate = jnp.einsum("BTD,DF->BTF", h, self.gate_df[...])
-        up = jnp.einsum("BTD,DF->BTF", h, self.up_df[...])
-        x = x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_fd[...])
+        gate = jnp.einsum("BTD,FD->BTF", h, self.gate_fd[...])
+        up = jnp.einsum("BTD,FD->BTF", h, self.up_fd[...])
+        x = x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.down_df[...])
         return x, state
 
 
@@ -108,7 +119,7 @@ class Qwen3(nnx.Module):
 
         self.layers = stacked(rngs)
         self.norm = RMSNorm(cfg.D, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head_dv = None if cfg.tie_word_embeddings else _param(rngs, (cfg.D, cfg.V), dtype)
+        self.lm_head_vd = None if cfg.tie_word_embeddings else _param(rngs, (cfg.V, cfg.D), dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, T] int32 -> x [B, T, D]."""
@@ -117,8 +128,5 @@ class Qwen3(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """x [B, T, D] -> logits [B, T, V] float32 (final norm, then lm_head)."""
         h = self.norm(x)
-        if self.lm_head_dv is None:
-            out = jnp.einsum("BTD,VD->BTV", h, self.embed_vd[...])
-        else:
-            out = jnp.einsum("BTD,DV->BTV", h, self.lm_head_dv[...])
-        return out.astype(jnp.float32)
+        head = self.embed_vd if self.lm_head_vd is None else self.lm_head_vd
+        return jnp.einsum("BTD,VD->BTV", h, head[...]).astype(jnp.float32)

@@ -7,7 +7,7 @@ config before anything is read, and then reads parameters on demand through
 so each stage (and later each host) reads only what it keeps.
 
 Parameters are named by their path in the model's NNX state, e.g.
-`("layers", "q_dnh")`; layer parameters come back stacked `[len(layers), ...]`.
+`("layers", "q_nhd")`; layer parameters come back stacked `[len(layers), ...]`.
 """
 
 from __future__ import annotations
@@ -41,67 +41,69 @@ class Entry:
     path: the parameter's path in the NNX state.
     hf: the Hugging Face tensor name ({i} = layer index for stacked layer parameters).
     hf_shape: config -> the shape the checkpoint must have.
-    to_ours: transforms one checkpoint tensor into our layout (transpose/reshape).
+    our_shape: config -> our shape of one tensor (a reshape of the checkpoint's: we keep
+      torch's [out, in] order and only split the head axes).
     """
 
     path: ParamPath
     hf: str
     hf_shape: Callable[[Qwen3Config], tuple[int, ...]]
-    to_ours: Callable[[np.ndarray, Qwen3Config], np.ndarray]
+    our_shape: Callable[[Qwen3Config], tuple[int, ...]]
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
 
+    def to_ours(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
+        return x.reshape(self.our_shape(cfg))
 
-def _same(x, c):
-    return x
-
-
-def _t(x, c):
-    return x.T
+    def to_hf(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
+        return x.reshape(self.hf_shape(cfg))
 
 
-def _proj_in(heads: Callable[[Qwen3Config], int]):
-    """[heads*H, D] (torch Linear) -> [D, heads, H]."""
-    return lambda x, c: x.T.reshape(c.D, heads(c), c.H)
-
-
-def _heads_bias(heads: Callable[[Qwen3Config], int]):
-    return lambda x, c: x.reshape(heads(c), c.H)
+def _vec(n: Callable[[Qwen3Config], int]):
+    return lambda c: (n(c),)
 
 
 _P = "model.layers.{i}."
 _LAYER = [
-    Entry(("layers", "input_norm", "scale"), _P + "input_layernorm.weight", lambda c: (c.D,), _same),
-    Entry(("layers", "q_dnh"), _P + "self_attn.q_proj.weight", lambda c: (c.N * c.H, c.D),
-          _proj_in(lambda c: c.N)),
-    Entry(("layers", "k_dkh"), _P + "self_attn.k_proj.weight", lambda c: (c.K * c.H, c.D),
-          _proj_in(lambda c: c.K)),
-    Entry(("layers", "v_dkh"), _P + "self_attn.v_proj.weight", lambda c: (c.K * c.H, c.D),
-          _proj_in(lambda c: c.K)),
-    Entry(("layers", "o_nhd"), _P + "self_attn.o_proj.weight", lambda c: (c.D, c.N * c.H),
-          lambda x, c: x.T.reshape(c.N, c.H, c.D)),
-    Entry(("layers", "q_norm", "scale"), _P + "self_attn.q_norm.weight", lambda c: (c.H,), _same),
-    Entry(("layers", "k_norm", "scale"), _P + "self_attn.k_norm.weight", lambda c: (c.H,), _same),
+    Entry(("layers", "input_norm", "scale"), _P + "input_layernorm.weight", _vec(lambda c: c.D),
+          _vec(lambda c: c.D)),
+    Entry(("layers", "q_nhd"), _P + "self_attn.q_proj.weight", lambda c: (c.N * c.H, c.D),
+          lambda c: (c.N, c.H, c.D)),
+    Entry(("layers", "k_khd"), _P + "self_attn.k_proj.weight", lambda c: (c.K * c.H, c.D),
+          lambda c: (c.K, c.H, c.D)),
+    Entry(("layers", "v_khd"), _P + "self_attn.v_proj.weight", lambda c: (c.K * c.H, c.D),
+          lambda c: (c.K, c.H, c.D)),
+    Entry(("layers", "o_dnh"), _P + "self_attn.o_proj.weight", lambda c: (c.D, c.N * c.H),
+          lambda c: (c.D, c.N, c.H)),
+    Entry(("layers", "q_norm", "scale"), _P + "self_attn.q_norm.weight", _vec(lambda c: c.H),
+          _vec(lambda c: c.H)),
+    Entry(("layers", "k_norm", "scale"), _P + "self_attn.k_norm.weight", _vec(lambda c: c.H),
+          _vec(lambda c: c.H)),
     Entry(("layers", "post_norm", "scale"), _P + "post_attention_layernorm.weight",
-          lambda c: (c.D,), _same),
-    Entry(("layers", "gate_df"), _P + "mlp.gate_proj.weight", lambda c: (c.F, c.D), _t),
-    Entry(("layers", "up_df"), _P + "mlp.up_proj.weight", lambda c: (c.F, c.D), _t),
-    Entry(("layers", "down_fd"), _P + "mlp.down_proj.weight", lambda c: (c.D, c.F), _t),
+          _vec(lambda c: c.D), _vec(lambda c: c.D)),
+    Entry(("layers", "gate_fd"), _P + "mlp.gate_proj.weight", lambda c: (c.F, c.D),
+          lambda c: (c.F, c.D)),
+    Entry(("layers", "up_fd"), _P + "mlp.up_proj.weight", lambda c: (c.F, c.D),
+          lambda c: (c.F, c.D)),
+    Entry(("layers", "down_df"), _P + "mlp.down_proj.weight", lambda c: (c.D, c.F),
+          lambda c: (c.D, c.F)),
 ]
 _BIAS = [
-    Entry(("layers", "q_bias"), _P + "self_attn.q_proj.bias", lambda c: (c.N * c.H,),
-          _heads_bias(lambda c: c.N)),
-    Entry(("layers", "k_bias"), _P + "self_attn.k_proj.bias", lambda c: (c.K * c.H,),
-          _heads_bias(lambda c: c.K)),
-    Entry(("layers", "v_bias"), _P + "self_attn.v_proj.bias", lambda c: (c.K * c.H,),
-          _heads_bias(lambda c: c.K)),
-    Entry(("layers", "o_bias"), _P + "self_attn.o_proj.bias", lambda c: (c.D,), _same),
+    Entry(("layers", "q_bias"), _P + "self_attn.q_proj.bias", _vec(lambda c: c.N * c.H),
+          lambda c: (c.N, c.H)),
+    Entry(("layers", "k_bias"), _P + "self_attn.k_proj.bias", _vec(lambda c: c.K * c.H),
+          lambda c: (c.K, c.H)),
+    Entry(("layers", "v_bias"), _P + "self_attn.v_proj.bias", _vec(lambda c: c.K * c.H),
+          lambda c: (c.K, c.H)),
+    Entry(("layers", "o_bias"), _P + "self_attn.o_proj.bias", _vec(lambda c: c.D),
+          _vec(lambda c: c.D)),
 ]
-_EMBED = Entry(("embed_vd",), "model.embed_tokens.weight", lambda c: (c.V, c.D), _same)
-_NORM = Entry(("norm", "scale"), "model.norm.weight", lambda c: (c.D,), _same)
-_HEAD = Entry(("lm_head_dv",), "lm_head.weight", lambda c: (c.V, c.D), _t)
+_EMBED = Entry(("embed_vd",), "model.embed_tokens.weight", lambda c: (c.V, c.D),
+               lambda c: (c.V, c.D))
+_NORM = Entry(("norm", "scale"), "model.norm.weight", _vec(lambda c: c.D), _vec(lambda c: c.D))
+_HEAD = Entry(("lm_head_vd",), "lm_head.weight", lambda c: (c.V, c.D), lambda c: (c.V, c.D))
 
 
 def name_table(cfg: Qwen3Config) -> list[Entry]:
@@ -200,7 +202,7 @@ class HFCheckpoint:
         """One parameter in our layout, cast to `dtype`.
 
         Args:
-          path: NNX state path, e.g. ("layers", "q_dnh").
+          path: NNX state path, e.g. ("layers", "q_nhd").
           layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
         """
         e = self.table.get(path)
@@ -211,8 +213,7 @@ class HFCheckpoint:
         ids = range(self.cfg.L) if layers is None else layers
         parts = [e.to_ours(self._read_tensor(e.hf.format(i=i)), self.cfg).astype(dtype) for i in ids]
         if not parts:
-            shape = e.to_ours(np.zeros(e.hf_shape(self.cfg), np.float32), self.cfg).shape
-            return np.zeros((0, *shape), dtype)
+            return np.zeros((0, *e.our_shape(self.cfg)), dtype)
         return np.stack(parts)
 
 

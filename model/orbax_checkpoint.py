@@ -13,9 +13,9 @@ after the completion marker, so a killed conversion leaves no `DIR`, and a folde
 without the marker is refused with an error that says to re-run convert.
 
 Stored layout: one array per parameter and layer. The parameters are those of the NNX
-state of `model.layers.Qwen3` in our layout (e.g. `q_dnh` [D, N, H]); a stacked layer
-parameter `("layers", "q_dnh")` of shape [L, D, N, H] is stored as L arrays
-`layers.q_dnh.0` ... `layers.q_dnh.{L-1}` of shape [D, N, H]. Nothing in it depends on
+state of `model.layers.Qwen3` in our layout (e.g. `q_nhd` [N, H, D]); a stacked layer
+parameter `("layers", "q_nhd")` of shape [L, N, H, D] is stored as L arrays
+`layers.q_nhd.0` ... `layers.q_nhd.{L-1}` of shape [N, H, D]. Nothing in it depends on
 a stage count, so it restores onto any mesh.
 
 Why per-layer arrays rather than one stacked [L, ...] array: the mesh wants
@@ -372,7 +372,7 @@ class OrbaxCheckpoint:
         """One parameter in our layout, cast to `dtype`, on the host.
 
         Args:
-          path: NNX state path, e.g. ("layers", "q_dnh").
+          path: NNX state path, e.g. ("layers", "q_nhd").
           layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
         """
         full = self.shapes.get(path)

@@ -32,18 +32,6 @@ def _import():
     return torch, transformers
 
 
-def _to_hf(x: np.ndarray, entry, cfg) -> np.ndarray:
-    """Our layout -> the checkpoint's: the inverse of entry.to_ours."""
-    shape = entry.hf_shape(cfg)
-    if len(shape) == 1 or x.shape == shape and entry.path == ("embed_vd",):
-        y = x.reshape(shape)
-    else:  # Linear weights: ours [in..., out...], theirs [out, in]
-        y = np.ascontiguousarray(x.reshape(shape[1], shape[0]).T)
-    if not np.array_equal(entry.to_ours(y, cfg), x):
-        raise AssertionError(f"no inverse layout for {entry.hf}")
-    return y
-
-
 def hf_model(spec, source, dtype_name: str):
     torch, transformers = _import()
     from model.loader import name_table
@@ -73,9 +61,9 @@ def hf_model(spec, source, dtype_name: str):
         full = source.full(e.path, np.float32)
         if e.stacked:
             for i in range(cfg.L):
-                weights[e.hf.format(i=i)] = torch.from_numpy(_to_hf(full[i], e, cfg))
+                weights[e.hf.format(i=i)] = torch.from_numpy(np.ascontiguousarray(e.to_hf(full[i], cfg)))
         else:
-            weights[e.hf] = torch.from_numpy(_to_hf(full, e, cfg))
+            weights[e.hf] = torch.from_numpy(np.ascontiguousarray(e.to_hf(full, cfg)))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:

@@ -140,19 +140,8 @@ def hf_config(cfg) -> dict:
 
 
 def to_hf(entry, ours, cfg):
-    """Inverse of the loader's `entry.to_ours`: our layout -> the Hugging Face tensor.
-
-    `to_ours` is a reshape, or (a torch Linear [out, in]) a transpose then a reshape; the
-    candidate that maps back onto `ours` exactly is the one.
-    """
-    hf_shape = entry.hf_shape(cfg)
-    candidates = [ours.reshape(hf_shape)]
-    if len(hf_shape) == 2:
-        candidates.insert(0, ours.reshape(hf_shape[::-1]).T)
-    for x in candidates:
-        if np.array_equal(entry.to_ours(x, cfg), ours):
-            return np.ascontiguousarray(x)
-    raise ValueError(f"cannot invert the layout of {entry.hf}")
+    """Our layout -> the Hugging Face tensor (the inverse of the loader's reshape)."""
+    return np.ascontiguousarray(entry.to_hf(ours, cfg))
 
 
 def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59]]
 
@@ -48,6 +47,12 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--logits-out", metavar="FILE.npy",
                    help="save the first request's logits at each generated step [steps, V]")
+    p.add_argument("--profile", metavar="DIR",
+                   help="write a JAX profiler trace of the generate run into DIR (TensorBoard, "
+                        "Perfetto)")
+    from run import distributed
+
+    distributed.add_flags(p)
     p.set_defaults(func=main)
 
 
@@ -83,17 +88,51 @@ def _prompts(args, text) -> list[list[int]]:
 
 
 def main(args) -> int:
+    from run import distributed
+
+    status = distributed.supervise(args)  # a multi-process run: re-run as a child
+    if status is not None:
+        return status
     from run.cli import CLIError, use_cpu_devices
     from sharding.mesh import parse_mesh
 
     on_cpu = _platform_is_cpu()
     mesh_text = args.mesh or ("2x2" if on_cpu else "1x1")
     stage, seq = parse_mesh(mesh_text)
-    if args.cpu_devices is not None and args.cpu_devices != stage * seq:
-        raise CLIError(f"--mesh {mesh_text} needs {stage * seq} devices but --cpu-devices is "
-                       f"{args.cpu_devices}: make them agree")
-    if on_cpu:
-        use_cpu_devices(args.cpu_devices or stage * seq)
+    distributed.check_flags(args)
+    if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits
+        _local_cpu_devices(args, mesh_text, stage * seq, args.num_processes)
+    procs = distributed.start(args)  # before anything touches a JAX backend
+    try:
+        if on_cpu:
+            use_cpu_devices(_local_cpu_devices(args, mesh_text, stage * seq, procs.count))
+        elif args.cpu_devices is not None:
+            raise CLIError("--cpu-devices emulates CPU devices, but this run is on an "
+                           "accelerator: leave it out (or set JAX_PLATFORMS=cpu)")
+        return _run(args, procs, mesh_text, stage, seq)
+    finally:
+        distributed.finish(procs)
+
+
+def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
+    """CPU devices this process emulates: each process holds total / n_proc of them."""
+    from run.cli import CLIError
+
+    if args.cpu_devices is not None:
+        if args.cpu_devices * n_proc != total:
+            per = (f"{n_proc} processes x --cpu-devices {args.cpu_devices}" if n_proc > 1
+                   else f"--cpu-devices is {args.cpu_devices}")
+            raise CLIError(f"--mesh {mesh_text} needs {total} devices but {per} = "
+                           f"{args.cpu_devices * n_proc}: make them agree")
+        return args.cpu_devices
+    if total % n_proc:
+        raise CLIError(f"--mesh {mesh_text} has {total} devices, which {n_proc} processes cannot "
+                       f"share evenly: choose a mesh with a multiple of {n_proc} devices")
+    return total // n_proc
+
+
+def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
+    from run.cli import CLIError
 
     import jax
     import jax.numpy as jnp
@@ -104,6 +143,7 @@ def main(args) -> int:
     from pipeline.sampling import Sampling
     from pipeline.schedule import decode_grid, prefill_grid, timeline
     from run.models import open_model
+    from run.progress import Progress
     from run.text import Text
     from sharding.mesh import make_mesh
 
@@ -115,33 +155,49 @@ def main(args) -> int:
     spec = open_model(args.model, args.seed)
     text = Text.find(spec.folder)
     prompts = _prompts(args, text)
-    if not prompts and args.model is None:
+    demo = args.model is None and not prompts
+    if demo:
         prompts = DEMO_PROMPTS
+        args.check = args.timeline = True  # the demo shows everything, checked
     if not prompts:
         raise CLIError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
-    mesh = make_mesh(stage, seq, jax.devices()[:stage * seq] if len(jax.devices()) > stage * seq
-                     else None)
+    mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
     max_seq_len = args.max_seq_len or _fitting_seq_len(prompts, args.max_new_tokens, seq)
     eos = spec.eos_ids()
+    show = procs.leader  # only process 0 prints results; the others stay quiet
 
-    engine = Engine(spec.cfg, spec.source, mesh, dtype, max_seq_len, args.microbatches,
-                    args.groups, args.chunk)
-    engine.check(prompts, args.max_new_tokens)
-    stream = _Streamer(text) if not args.json and len(prompts) == 1 else None
-    if not args.json:
-        print(f"model: {spec.label}; mesh {stage}x{seq} ({dtype_name}); "
-              f"stage layers {engine.plan.stage_layers}", flush=True)
-    out = engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,
-                          on_tokens=stream)
+    progress = Progress(enabled=show)
+    try:
+        source = progress.loading(spec.source, _bytes_to_read(spec.cfg, dtype, stage, mesh))
+        engine = Engine(spec.cfg, source, mesh, dtype, max_seq_len, args.microbatches,
+                        args.groups, args.chunk)
+        progress.done_loading()
+        engine.check(prompts, args.max_new_tokens)
+        progress.compiling(engine)
+        stream = None
+        if show and not args.json:
+            print(f"model: {spec.label}\nmesh {stage}x{seq} (stage x seq) over "
+                  f"{stage * seq} {jax.devices()[0].platform.upper()} devices"
+                  f"{f' in {procs.count} processes' if procs.many else ''}, {dtype_name}",
+                  flush=True)
+            stream = (_Streamer(text, progress) if len(prompts) == 1 else
+                      _DoneStreamer(text, progress, prompts, args.max_new_tokens, eos))
+        out = _generate(engine, args, prompts, sampling, eos, stream)
+    finally:
+        progress.stop()
     if stream:
         stream.finish()
 
     S, C = stage, seq
+    read = getattr(spec.source, "bytes_read", 0) or 0
     report = {
         "model": {"name": spec.label, "random_weights": spec.random},
         "dtype": dtype_name,
         "mesh": {"stage": S, "seq": C},
+        "processes": procs.count,
         "stage_layers": engine.plan.stage_layers,
+        "stage_devices": [[int(d.id) for d in row] for row in mesh.devices],
+        "stage_processes": [sorted({int(d.process_index) for d in row}) for row in mesh.devices],
         "requests": [{"prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
                       "text": text.decode(c.token_ids) if text else None,
                       "finish_reason": c.finish_reason} for c in out.completions],
@@ -154,10 +210,16 @@ def main(args) -> int:
         "schedule": engine.schedules(out.layout),
         "kv_bytes_per_device": max(accounting.bytes_per_device(engine.cache[:2])),
         "weight_bytes_per_device": max(accounting.bytes_per_device(engine.state)),
+        # what each process read from the checkpoint (0 for random weights)
+        "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
     }
+    if not show:
+        return 0
     if args.check:
-        single = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.devices()[:1]), dtype,
+        # One local device: in a multi-process job each process could check itself;
+        # only process 0 reports, so only it checks.
+        single = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.local_devices()[:1]), dtype,
                         max_seq_len, 1, 1, args.chunk)
         ref = single.generate(prompts, args.max_new_tokens, sampling, args.seed, eos)
         report["matches_single_device"] = all(
@@ -170,12 +232,72 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    _print_report(report, prompts, text, stream is not None)
-    if args.timeline:
-        steps = min(out.layout["chunk"], max(out.layout["decode_steps"], 1))
-        print(timeline(prefill_grid(engine.M, S), "prefill"))
-        print(timeline(decode_grid(engine.G, S, steps), "decode"))
+    steps = min(out.layout["chunk"], max(out.layout["decode_steps"], 1))
+    timelines = ((timeline(prefill_grid(engine.M, S), "prefill"),
+                  timeline(decode_grid(out.layout["groups"], S, steps), "decode")) if args.timeline else ())
+    print(_readable(report, prompts, text, streamed=stream is not None and stream.shown_all,
+                    timelines=timelines, demo=demo))
     return 0
+
+
+def _generate(engine, args, prompts, sampling, eos, stream):
+    """engine.generate, under the JAX profiler if --profile DIR."""
+    run = lambda: engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,  # noqa: E731
+                                  on_tokens=stream)
+    if not args.profile:
+        return run()
+    import jax
+
+    with jax.profiler.trace(args.profile):
+        return run()
+
+
+def _mesh_devices(n: int, procs, mesh_text: str):
+    """The mesh's devices, process by process: process 0's devices come first, so they
+    form stage 0 (row-major: a stage is a row of C seq devices)."""
+    import jax
+
+    from run.cli import CLIError
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if procs.many and len(devices) != n:
+        raise CLIError(f"--mesh {mesh_text} needs {n} devices, but the {procs.count} processes "
+                       f"hold {len(devices)}: a multi-process mesh must use every device")
+    return devices[:n] if len(devices) > n else devices
+
+
+def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
+    """Bytes this process reads: replicated tensors once, the layers of its stages."""
+    import math
+
+    import jax
+
+    from model.loader import abstract_model, map_params
+    from sharding.plan import StagePlan
+
+    plan = StagePlan(cfg.L, stages)
+    mine = {s for s, row in enumerate(mesh.devices)
+            if any(d.process_index == jax.process_index() for d in row)}
+    layers = sum(plan.counts[s] for s in mine)
+    total = []
+    _, abstract = abstract_model(cfg, dtype)
+
+    def add(path, x):
+        size = math.prod(x.shape) * x.dtype.itemsize
+        total.append(size // x.shape[0] * layers if path[0] == "layers" else size)
+
+    map_params(add, abstract)
+    return sum(total)
+
+
+def _per_process(value: int, procs) -> list[int]:
+    if not procs.many:
+        return [int(value)]
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return [int(v) for v in np.asarray(
+        multihost_utils.process_allgather(np.array([value], np.int64))).reshape(-1)]
 
 
 def _fitting_seq_len(prompts, max_new_tokens: int, seq: int) -> int:
@@ -192,10 +314,14 @@ def _fitting_seq_len(prompts, max_new_tokens: int, seq: int) -> int:
 class _Streamer:
     """Prints one request's text (or ids) as decode chunks arrive."""
 
-    def __init__(self, text):
-        self.text, self.shown = text, 0
+    shown_all = True
+
+    def __init__(self, text, progress=None):
+        self.text, self.shown, self.progress = text, 0, progress
 
     def __call__(self, tokens: list[list[int]]) -> None:
+        if self.progress is not None:
+            self.progress.stop()  # the bar and the streamed text share the terminal
         ids = tokens[0]
         if self.text is not None:
             s = self.text.decode(ids)
@@ -210,17 +336,78 @@ class _Streamer:
         sys.stdout.write("\n")
 
 
-def _print_report(r: dict, prompts, text, streamed: bool) -> None:
+class _DoneStreamer:
+    """Several requests: prints each request's text as soon as it is finished (an EOS
+    id, or --max-new-tokens), in the order they finish."""
+
+    def __init__(self, text, progress, prompts, max_new_tokens: int, eos):
+        self.text, self.progress, self.prompts = text, progress, prompts
+        self.max_new, self.eos = max_new_tokens, set(eos)
+        self.printed: set[int] = set()
+        self.last: list[list[int]] = []
+
+    @property
+    def shown_all(self) -> bool:
+        return len(self.printed) == len(self.prompts)
+
+    def _show(self, n: int, ids: list[int], reason: str) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        shown = self.text.decode(ids) if self.text is not None else " ".join(map(str, ids))
+        print(f"[{n}] ({len(self.prompts[n])} prompt tokens -> {len(ids)} new, {reason}) "
+              f"{shown}", flush=True)
+        self.printed.add(n)
+
+    def __call__(self, tokens: list[list[int]]) -> None:
+        self.last = tokens
+        for n, ids in enumerate(tokens):
+            if n in self.printed:
+                continue
+            if ids and ids[-1] in self.eos:
+                self._show(n, ids, "stop")
+            elif len(ids) >= self.max_new:
+                self._show(n, ids[:self.max_new], "length")
+
+    def finish(self) -> None:
+        for n, ids in enumerate(self.last):
+            if n not in self.printed:
+                self._show(n, ids[:self.max_new], "length")
+
+
+def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) -> str:
+    """The report the way a person reads it."""
+    lines = [""]
     if not streamed:
         for n, req in enumerate(r["requests"]):
             shown = req["text"] if text is not None else " ".join(map(str, req["token_ids"]))
-            print(f"[{n}] ({len(prompts[n])} prompt tokens, {req['finish_reason']}) {shown}")
+            lines.append(f"[{n}] ({len(prompts[n])} prompt tokens -> {len(req['token_ids'])} "
+                         f"new, {req['finish_reason']}) {shown}")
+        lines.append("")
+    lines.append("stages (layers each stage holds, and its seq devices):")
+    for s, (first, last) in enumerate(r["stage_layers"]):
+        procs = r["stage_processes"][s]
+        where = f" in process {', '.join(map(str, procs))}" if r["processes"] > 1 else ""
+        lines.append(f"  stage {s}: layers {first}-{last}  on devices "
+                     f"{', '.join(map(str, r['stage_devices'][s]))}{where}")
+    if timelines:
+        lines += ["", "timeline (a column per tick: the microbatch (prefill) or request group "
+                      "(decode) each stage works on; blank = idle):"]
+        for t in timelines:
+            lines += ["  " + row for row in t.splitlines()]
     t = r["timing"]
-    print(f"prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
-          f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
-          f"compile {t['compile_s']:.1f} s")
-    print(f"bytes between stages: {r['bytes_between_stages']}; KV bytes per device: "
-          f"{r['kv_bytes_per_device']}; weight bytes per device: {r['weight_bytes_per_device']}")
+    lines += ["",
+              f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
+              "at 2 bytes per value)",
+              f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
+              f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
+              f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
+              f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
+              f"compile {t['compile_s']:.1f} s"]
     if "matches_single_device" in r:
-        print(f"matches_single_device: {str(r['matches_single_device']).lower()} "
-              f"(max logits error {r['max_error_vs_single_device']:.2e})")
+        same = "yes" if r["matches_single_device"] else "NO"
+        lines.append(f"tokens match a single-device run: {same} "
+                     f"(max logits error {r['max_error_vs_single_device']:.2e})")
+    if demo:
+        lines += ["", "(the built-in demo: random weights, so the tokens are noise; pass --model "
+                      "a Hugging Face Qwen3 folder for real text)"]
+    return "\n".join(lines)

@@ -87,9 +87,41 @@ def test_folder_without_config(capsys, tmp_path):
 
 
 def test_console_script_sets_cpu_devices_before_jax_starts():
+    # No model and no prompt: the demo, on an emulated 2x2 CPU mesh, checked and drawn.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-m", "run", "generate", "--mesh", "2x2",
-                          "--cpu-devices", "4", "--check", "--max-new-tokens", "4"],
+    out = subprocess.run([sys.executable, "-m", "run", "generate", "--max-new-tokens", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "matches_single_device: true" in out.stdout
+    assert "mesh 2x2 (stage x seq) over 4 CPU devices" in out.stdout
+    assert "stage 0: layers 0-1" in out.stdout and "stage 1: layers 2-3" in out.stdout
+    assert "timeline" in out.stdout and "KV cache bytes per device" in out.stdout
+    assert "bytes between stages" in out.stdout
+    assert "tokens match a single-device run: yes" in out.stdout
+
+
+def test_several_requests_print_each_when_done(capsys):
+    assert main(["generate", "--model", str(FIXTURES / "tiny"), "--mesh", "1x1",
+                 "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("[0] (3 prompt tokens -> 3 new") == 1
+    assert out.count("[1] (2 prompt tokens -> 3 new") == 1
+
+
+def test_profile_writes_a_trace(capsys, tmp_path):
+    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                 "--json", "--profile", str(tmp_path / "trace")]) == 0
+    json.loads(capsys.readouterr().out)
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+def test_bad_distributed_flags_are_one_line_exit_2(capsys):
+    for argv, words in [
+        (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
+        (["--num-processes", "2", "--process-id", "0"], "--coordinator"),
+        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"],
+         "--process-id 5"),
+        (["--peer-timeout", "0"], "--peer-timeout"),
+    ]:
+        assert main(["generate", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and words in err and "\n" not in err

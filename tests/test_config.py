@@ -283,9 +283,9 @@ def test_tiny_preset_counts_and_shapes():
     assert total == cfg.param_count()
     model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
     # Layers are stacked on a leading L axis.
-    assert model.layers.q_dnh.shape == (cfg.L, cfg.D, cfg.N, cfg.H)
-    assert model.layers.o_nhd.shape == (cfg.L, cfg.N, cfg.H, cfg.D)
-    assert model.layers.k_dkh.shape == (cfg.L, cfg.D, cfg.K, cfg.H)
+    assert model.layers.q_nhd.shape == (cfg.L, cfg.N, cfg.H, cfg.D)
+    assert model.layers.o_dnh.shape == (cfg.L, cfg.D, cfg.N, cfg.H)
+    assert model.layers.k_khd.shape == (cfg.L, cfg.K, cfg.H, cfg.D)
     assert cfg.N % cfg.K == 0 and cfg.N != cfg.K  # grouped-query heads
     assert cfg.N * cfg.H != cfg.D  # head_dim independent of the width
 
@@ -294,9 +294,9 @@ def test_32b_model_shapes_without_allocating():
     cfg = PRESETS["32B"]
     model = nnx.eval_shape(lambda: Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
     assert model.embed_vd.shape == (151936, 5120)
-    assert model.lm_head_dv.shape == (5120, 151936)
-    assert model.layers.gate_df.shape == (64, 5120, 25600)
-    assert model.layers.k_dkh.shape == (64, 5120, 8, 128)
+    assert model.lm_head_vd.shape == (151936, 5120)
+    assert model.layers.gate_fd.shape == (64, 25600, 5120)
+    assert model.layers.k_khd.shape == (64, 8, 128, 5120)
     assert model.layers.q_norm.scale.shape == (64, 128)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     # about 65.5 GB of bfloat16 weights, never allocated here

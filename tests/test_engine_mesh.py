@@ -389,7 +389,7 @@ def test_per_device_memory(runs, setup):
 
 def test_identity_slots_hold_zero_weights(runs):
     eng = runs.engine(Setup(S=4, C=2))
-    q = np.asarray(eng.state["layers"]["q_dnh"][...])
+    q = np.asarray(eng.state["layers"]["q_nhd"][...])
     real = eng.plan.real_slots
     assert (~real).sum() == eng.plan.padded_layers - runs.model("tiny")[0].L
     assert not q[~real].any() and q[real].any()

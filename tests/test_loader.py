@@ -154,7 +154,7 @@ def test_tied_checkpoint_may_carry_an_lm_head(tmp_path, tied_cfg):
     folder = _copy(TIED, tmp_path / "ckpt", weights=False)
     save_file(merged, folder / "model.safetensors")
     ckpt = HFCheckpoint(folder, tied_cfg)
-    assert ("lm_head_dv",) not in ckpt.table
+    assert ("lm_head_vd",) not in ckpt.table
 
 
 # ---- what is read ------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_sharded_equals_single_file(tmp_path, tied_cfg):
     single = HFCheckpoint(folder, tied_cfg)
     assert len(set(sharded.files.values())) == 3 and len(set(single.files.values())) == 1
     a, b = _all_params(sharded, tied_cfg), _all_params(single, tied_cfg)
-    assert set(a) == set(b) and ("lm_head_dv",) not in a
+    assert set(a) == set(b) and ("lm_head_vd",) not in a
     for path in a:
         np.testing.assert_array_equal(a[path], b[path], err_msg=str(path))
     assert sharded.bytes_read == single.bytes_read
@@ -192,36 +192,36 @@ def test_layout_of_each_tensor(tiny_cfg, tiny_tensors):
     """Our layouts against the torch Linear [out, in] tensors, index by index."""
     c = tiny_cfg
     ckpt = HFCheckpoint(TINY, c)
-    q = ckpt.read(("layers", "q_dnh"), np.float32)
-    o = ckpt.read(("layers", "o_nhd"), np.float32)
-    k = ckpt.read(("layers", "k_dkh"), np.float32)
-    gate = ckpt.read(("layers", "gate_df"), np.float32)
-    down = ckpt.read(("layers", "down_fd"), np.float32)
-    head = ckpt.read(("lm_head_dv",), np.float32)
-    assert q.shape == (c.L, c.D, c.N, c.H) and o.shape == (c.L, c.N, c.H, c.D)
+    q = ckpt.read(("layers", "q_nhd"), np.float32)
+    o = ckpt.read(("layers", "o_dnh"), np.float32)
+    k = ckpt.read(("layers", "k_khd"), np.float32)
+    gate = ckpt.read(("layers", "gate_fd"), np.float32)
+    down = ckpt.read(("layers", "down_df"), np.float32)
+    head = ckpt.read(("lm_head_vd",), np.float32)
+    assert q.shape == (c.L, c.N, c.H, c.D) and o.shape == (c.L, c.D, c.N, c.H)
     for layer, n, h in [(0, 0, 0), (3, 5, 11), (4, 2, 15)]:
         wq = tiny_tensors[f"model.layers.{layer}.self_attn.q_proj.weight"]
         wo = tiny_tensors[f"model.layers.{layer}.self_attn.o_proj.weight"]
-        np.testing.assert_array_equal(q[layer, :, n, h], wq[n * c.H + h, :])
-        np.testing.assert_array_equal(o[layer, n, h, :], wo[:, n * c.H + h])
+        np.testing.assert_array_equal(q[layer, n, h, :], wq[n * c.H + h, :])
+        np.testing.assert_array_equal(o[layer, :, n, h], wo[:, n * c.H + h])
     wk = tiny_tensors["model.layers.1.self_attn.k_proj.weight"]
-    np.testing.assert_array_equal(k[1, :, 1, 7], wk[1 * c.H + 7, :])
-    np.testing.assert_array_equal(gate[2], tiny_tensors["model.layers.2.mlp.gate_proj.weight"].T)
-    np.testing.assert_array_equal(down[2], tiny_tensors["model.layers.2.mlp.down_proj.weight"].T)
-    np.testing.assert_array_equal(head, tiny_tensors["lm_head.weight"].T)
+    np.testing.assert_array_equal(k[1, 1, 7, :], wk[1 * c.H + 7, :])
+    np.testing.assert_array_equal(gate[2], tiny_tensors["model.layers.2.mlp.gate_proj.weight"])
+    np.testing.assert_array_equal(down[2], tiny_tensors["model.layers.2.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(head, tiny_tensors["lm_head.weight"])
     np.testing.assert_array_equal(ckpt.read(("layers", "q_norm", "scale"), np.float32)[4],
                                   tiny_tensors["model.layers.4.self_attn.q_norm.weight"])
 
 
 def test_layer_subsets_in_the_order_asked(tiny_cfg):
     ckpt = HFCheckpoint(TINY, tiny_cfg)
-    whole = ckpt.read(("layers", "up_df"), np.float32)
-    np.testing.assert_array_equal(ckpt.read(("layers", "up_df"), np.float32, [3, 1]), whole[[3, 1]])
-    empty = ckpt.read(("layers", "up_df"), np.float32, [])
+    whole = ckpt.read(("layers", "up_fd"), np.float32)
+    np.testing.assert_array_equal(ckpt.read(("layers", "up_fd"), np.float32, [3, 1]), whole[[3, 1]])
+    empty = ckpt.read(("layers", "up_fd"), np.float32, [])
     assert empty.shape == (0, *whole.shape[1:])
 
 
-@pytest.mark.parametrize("path", [("layers", "q_dnh"), ("layers", "down_fd"),
+@pytest.mark.parametrize("path", [("layers", "q_nhd"), ("layers", "down_df"),
                                   ("layers", "input_norm", "scale")])
 def test_bytes_read_of_one_layer_is_one_over_L(tiny_cfg, path):
     one = HFCheckpoint(TINY, tiny_cfg)
@@ -249,9 +249,9 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path, tiny_cfg, tiny_tensors):
     bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tiny_tensors.items()}
     folder = _tiny_with(tmp_path, bf16)
     ckpt = HFCheckpoint(folder, tiny_cfg)
-    q = ckpt.read(("layers", "q_dnh"), np.float32)
+    q = ckpt.read(("layers", "q_nhd"), np.float32)
     assert q.dtype == np.float32
-    want = HFCheckpoint(TINY, tiny_cfg).read(("layers", "q_dnh"), np.float32)
+    want = HFCheckpoint(TINY, tiny_cfg).read(("layers", "q_nhd"), np.float32)
     np.testing.assert_array_equal(q, want.astype(ml_dtypes.bfloat16).astype(np.float32))
     assert not np.array_equal(q, want)  # the file really was bfloat16
     assert ckpt.bytes_read == want.nbytes // 2
@@ -267,7 +267,7 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path, tiny_cfg, tiny_tensors):
 def test_load_model_matches_reads(tiny_cfg):
     model = load_model(TINY, tiny_cfg, np.float32)
     ckpt = HFCheckpoint(TINY, tiny_cfg)
-    np.testing.assert_array_equal(np.asarray(model.layers.v_dkh[...]),
-                                  ckpt.read(("layers", "v_dkh"), np.float32))
+    np.testing.assert_array_equal(np.asarray(model.layers.v_khd[...]),
+                                  ckpt.read(("layers", "v_khd"), np.float32))
     np.testing.assert_array_equal(np.asarray(model.norm.scale[...]),
                                   ckpt.read(("norm", "scale"), np.float32))

@@ -90,10 +90,10 @@ def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
 
 def test_read_matches_safetensors(converted, cfg):
     hf, orb = HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg)
-    for path, layers in ((("layers", "q_dnh"), [1, 3]), (("layers", "gate_df"), None),
+    for path, layers in ((("layers", "q_nhd"), [1, 3]), (("layers", "gate_fd"), None),
                          (("embed_vd",), None), (("norm", "scale"), None)):
         assert np.array_equal(orb.read(path, np.float32, layers), hf.read(path, np.float32, layers))
-    assert orb.read(("layers", "up_df"), np.float32, []).shape == (0, cfg.D, cfg.F)
+    assert orb.read(("layers", "up_fd"), np.float32, []).shape == (0, cfg.F, cfg.D)
 
 
 @pytest.mark.parametrize("S, C", MESHES)
@@ -184,11 +184,11 @@ def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("intermediate_size", 96, (r"parameter layers\.down_fd\.0 .* has shape \[104, 48\], "
-                               r"but config\.json implies \[96, 48\]")),
-    ("num_hidden_layers", 4, r"unexpected parameter layers\.down_fd\.4"),
-    ("num_hidden_layers", 6, r"lacks parameter layers\.down_fd\.5"),
-    ("tie_word_embeddings", True, r"unexpected parameter lm_head_dv"),
+    ("intermediate_size", 96, (r"parameter layers\.down_df\.0 .* has shape \[48, 104\], "
+                               r"but config\.json implies \[48, 96\]")),
+    ("num_hidden_layers", 4, r"unexpected parameter layers\.down_df\.4"),
+    ("num_hidden_layers", 6, r"lacks parameter layers\.down_df\.5"),
+    ("tie_word_embeddings", True, r"unexpected parameter lm_head_vd"),
 ])
 def test_config_that_does_not_match_the_arrays(converted, tmp_path, field, value, words):
     folder = tmp_path / "ckpt"
