@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.cache import KVCache
 from model.config import Qwen3Config
 from model.loader import abstract_model, map_params
 from pipeline.decode import build_decode
@@ -56,6 +57,41 @@ def _spec_tree(state):
     return map_params(lambda path, x: param_spec(path), state)
 
 
+def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]],
+                  max_new_tokens: int) -> None:
+    """Every precondition of a request on C = seq devices, in words; needs no weights, so
+    a caller can check before loading them."""
+    if not prompts:
+        raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    if max_new_tokens < 1:
+        raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    for n, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RequestError(f"prompt {n} is empty: give it at least one token")
+        bad = [t for t in p if not 0 <= t < cfg.V]
+        if bad:
+            raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
+                               f"[0, {cfg.V}): use ids the model's tokenizer produces")
+        total = len(p) + max_new_tokens
+        if total > cfg.max_position_embeddings:
+            raise RequestError(
+                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
+        if total > max_seq_len:
+            raise RequestError(
+                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}")
+    P_len = padded_length(max(len(p) for p in prompts), seq)
+    slots = math.ceil(max_seq_len / seq)
+    need = P_len // seq + math.ceil((max_new_tokens - 1) / seq)
+    if need > slots:
+        raise RequestError(
+            f"the longest prompt padded to {P_len} tokens (a multiple of 2C = {2 * seq}) "
+            f"plus {max_new_tokens} new tokens needs {need} cache slots per seq device, but "
+            f"--max-seq-len {max_seq_len} gives {slots}: raise "
+            f"--max-seq-len to {need * seq}")
+
+
 class Engine:
     """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
 
@@ -89,6 +125,8 @@ class Engine:
             raise RequestError(f"--max-seq-len {max_seq_len} must be positive")
         self.max_seq_len = max_seq_len
         self.slots_per_device = math.ceil(max_seq_len / self.C)
+        # Each seq device holds the same number of slots: capacity rounds up to C's multiple.
+        self.capacity = self.slots_per_device * self.C
         self.chunk = chunk
         self.poison = poison
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
@@ -110,35 +148,7 @@ class Engine:
 
     def check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Every precondition of a request, in words, before anything compiles."""
-        cfg = self.cfg
-        if not prompts:
-            raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
-        if max_new_tokens < 1:
-            raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-        for n, p in enumerate(prompts):
-            if len(p) == 0:
-                raise RequestError(f"prompt {n} is empty: give it at least one token")
-            bad = [t for t in p if not 0 <= t < cfg.V]
-            if bad:
-                raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
-                                   f"[0, {cfg.V}): use ids the model's tokenizer produces")
-            total = len(p) + max_new_tokens
-            if total > cfg.max_position_embeddings:
-                raise RequestError(
-                    f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                    f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
-            if total > self.max_seq_len:
-                raise RequestError(
-                    f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                    f"exceeds --max-seq-len {self.max_seq_len}: raise --max-seq-len to {total}")
-        P_len = padded_length(max(len(p) for p in prompts), self.C)
-        need = P_len // self.C + math.ceil((max_new_tokens - 1) / self.C)
-        if need > self.slots_per_device:
-            raise RequestError(
-                f"the longest prompt padded to {P_len} tokens (a multiple of 2C = {2 * self.C}) "
-                f"plus {max_new_tokens} new tokens needs {need} cache slots per seq device, but "
-                f"--max-seq-len {self.max_seq_len} gives {self.slots_per_device}: raise "
-                f"--max-seq-len to {need * self.C}")
+        check_request(self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens)
 
     def groups_for(self, n: int) -> int:
         """Decode groups G for n requests."""
@@ -172,7 +182,8 @@ class Engine:
                 donate_argnums=(2, 3))
         return self._decode[key]
 
-    def new_cache(self, B: int):
+    def new_cache(self, B: int) -> tuple[jax.Array, jax.Array]:
+        """Zeroed k, v [L_pad, B, S_cap, K, H], sharded P('stage', None, 'seq', None, None)."""
         shape = (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
                  self.cfg.H)
         sharding = NamedSharding(self.mesh, SPECS.cache_lbskh)
@@ -294,7 +305,9 @@ class Engine:
             chunks += 1
             if on_tokens:
                 on_tokens([g for g in generated[:n_req]])
-        self.cache = (cache_k, cache_v, slot_pos.reshape(B, C * S_loc))
+        # The cache as the last decode left it (slots of steps never run stay -1).
+        self.cache = KVCache(cache_k, cache_v, jax.device_put(
+            slot_pos.reshape(B, C * S_loc), NamedSharding(mesh, SPECS.slots_bs)))
 
         completions = []
         for b in range(n_req):

@@ -139,7 +139,7 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     import numpy as np
 
     from pipeline import accounting
-    from pipeline.engine import Engine
+    from pipeline.engine import Engine, check_request
     from pipeline.sampling import Sampling
     from pipeline.schedule import decode_grid, prefill_grid, timeline
     from run.models import open_model
@@ -166,6 +166,11 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     eos = spec.eos_ids()
     show = procs.leader  # only process 0 prints results; the others stay quiet
 
+    check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
+    if show and max_seq_len % seq:
+        print(f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
+              f"a multiple of the {seq} seq devices (each holds the same number of slots)",
+              file=sys.stderr)
     progress = Progress(enabled=show)
     try:
         source = progress.loading(spec.source, _bytes_to_read(spec.cfg, dtype, stage, mesh))
@@ -242,14 +247,16 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
 
 def _generate(engine, args, prompts, sampling, eos, stream):
     """engine.generate, under the JAX profiler if --profile DIR."""
-    run = lambda: engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,  # noqa: E731
-                                  on_tokens=stream)
+    # Per-step logits only when something reads them (--logits-out, --check).
+    with_logits = bool(args.logits_out or args.check)
     if not args.profile:
-        return run()
+        return engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,
+                               on_tokens=stream, with_logits=with_logits)
     import jax
 
     with jax.profiler.trace(args.profile):
-        return run()
+        return engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,
+                               on_tokens=stream, with_logits=with_logits)
 
 
 def _mesh_devices(n: int, procs, mesh_text: str):
@@ -307,8 +314,13 @@ def _fitting_seq_len(prompts, max_new_tokens: int, seq: int) -> int:
 
     from ring import padded_length
 
-    padded = padded_length(max(len(p) for p in prompts), seq) if prompts else 0
-    return seq * (padded // seq + math.ceil(max(max_new_tokens - 1, 0) / seq))
+    if not prompts:
+        return 1
+    longest = max(len(p) for p in prompts)
+    slots = padded_length(longest, seq) // seq + math.ceil(max(max_new_tokens - 1, 0) / seq)
+    # The request's own length bounds it too (its last token is never cached, but a
+    # request is prompt + new tokens long).
+    return max(seq * slots, longest + max_new_tokens)
 
 
 class _Streamer:
@@ -404,9 +416,9 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
               f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
               f"compile {t['compile_s']:.1f} s"]
     if "matches_single_device" in r:
-        same = "yes" if r["matches_single_device"] else "NO"
-        lines.append(f"tokens match a single-device run: {same} "
-                     f"(max logits error {r['max_error_vs_single_device']:.2e})")
+        lines.append(f"matches_single_device: {str(r['matches_single_device']).lower()} "
+                     f"(the tokens of a one-device run of the same requests; max logits error "
+                     f"{r['max_error_vs_single_device']:.2e})")
     if demo:
         lines += ["", "(the built-in demo: random weights, so the tokens are noise; pass --model "
                       "a Hugging Face Qwen3 folder for real text)"]

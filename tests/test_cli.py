@@ -96,7 +96,7 @@ def test_console_script_sets_cpu_devices_before_jax_starts():
     assert "stage 0: layers 0-1" in out.stdout and "stage 1: layers 2-3" in out.stdout
     assert "timeline" in out.stdout and "KV cache bytes per device" in out.stdout
     assert "bytes between stages" in out.stdout
-    assert "tokens match a single-device run: yes" in out.stdout
+    assert "matches_single_device: true" in out.stdout
 
 
 def test_several_requests_print_each_when_done(capsys):

@@ -1,0 +1,22 @@
+"""The KV cache: an immutable pytree, passed into the compiled programs and returned.
+
+    k, v: [L_pad, B, S_cap, K, H]   keys and values of every layer slot and cache slot
+    pos:  [B, S_cap] int32          the token position each slot holds, -1 = empty
+
+Attention masks come from `pos` alone (a key is visible when 0 <= pos <= the query's
+position), so the order slots are filled in (zigzag prompt shares, round-robin decode
+slots) needs no special case. The programs take k and v as donated arguments, so XLA
+updates them in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+
+class KVCache(NamedTuple):
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
