@@ -1,12 +1,13 @@
-"""The KV cache: an immutable pytree, passed into the compiled programs and returned.
+"""The KV cache: an immutable pytree the engine holds between programs.
 
     k, v: [L_pad, B, S_cap, K, H]   keys and values of every layer slot and cache slot
     pos:  [B, S_cap] int32          the token position each slot holds, -1 = empty
 
 Attention masks come from `pos` alone (a key is visible when 0 <= pos <= the query's
 position), so the order slots are filled in (zigzag prompt shares, round-robin decode
-slots) needs no special case. The programs take k and v as donated arguments, so XLA
-updates them in place.
+slots) needs no special case. The prefill and decode programs take k and v as donated
+arguments and return them, so XLA updates them in place; `pos` is written by the
+engine (it is the same on every stage) and read by the decode program.
 """
 
 from __future__ import annotations

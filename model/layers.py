@@ -3,8 +3,8 @@ norm and lm_head.
 
 Dimension letters (used in every name and einsum string of the project):
     B batch, T query tokens, S key/cache slots, D model width, N query heads,
-    K KV heads, G = N / K query heads per KV head, H head dim, F MLP width,
-    V vocab, L layers.
+    K KV heads, G = N / K query heads per KV head, H head dim, E = heads * H (the
+    head axes flattened), F MLP width, V vocab, L layers.
 
 The decoder layer does not know how attention is computed or where the KV cache
 lives: it takes an `attend` function,

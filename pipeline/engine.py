@@ -127,6 +127,8 @@ class Engine:
         self.slots_per_device = math.ceil(max_seq_len / self.C)
         # Each seq device holds the same number of slots: capacity rounds up to C's multiple.
         self.capacity = self.slots_per_device * self.C
+        if chunk < 1:
+            raise RequestError(f"--chunk {chunk} must be at least 1 decode step")
         self.chunk = chunk
         self.poison = poison
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
@@ -143,6 +145,8 @@ class Engine:
         self._decode: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}
         self.programs: dict[str, Callable] = {}  # readable name -> compiled program
+        self._zeros: dict[tuple, Callable] = {}  # cache shape -> jitted zeros
+        self._sample = jax.jit(sample, static_argnums=4)
 
     # ---- checks and layout -------------------------------------------------------
 
@@ -167,7 +171,10 @@ class Engine:
         key = (*name, *(getattr(a, "shape", a) for a in args[2:]))
         if key not in self._compiled:
             t0 = time.perf_counter()
-            self._compiled[key] = fn.lower(*args).compile()
+            # float32 means float32: XLA may otherwise run its matmuls in TF32 on GPUs.
+            precision = "highest" if self.dtype == jnp.float32 else "default"
+            with jax.default_matmul_precision(precision):
+                self._compiled[key] = fn.lower(*args).compile()
             self.compile_s += time.perf_counter() - t0
             shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, S, K, H]
             self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = self._compiled[key]
@@ -187,8 +194,10 @@ class Engine:
         shape = (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
                  self.cfg.H)
         sharding = NamedSharding(self.mesh, SPECS.cache_lbskh)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
-        return zeros(), zeros()
+        if shape not in self._zeros:
+            self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
+                                         out_shardings=sharding)
+        return self._zeros[shape](), self._zeros[shape]()
 
     def prefill_memory(self, batch: int, prompt_len: int) -> dict:
         """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
@@ -259,8 +268,8 @@ class Engine:
         logits, cache_k, cache_v = prefill(*args)
         request = np.arange(B, dtype=np.int32)
         request[n_req:] = 0
-        first = jax.jit(sample, static_argnums=4)(logits, jnp.asarray(request), jnp.int32(0),
-                                                   jnp.int32(seed), sampling)
+        first = self._sample(logits, jnp.asarray(request), jnp.int32(0), jnp.int32(seed),
+                             sampling)
         first = np.asarray(first)
         prefill_s = time.perf_counter() - t0
 

@@ -158,10 +158,18 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     demo = args.model is None and not prompts
     if demo:
         prompts = DEMO_PROMPTS
-        args.check = args.timeline = True  # the demo shows everything, checked
+        args.timeline = True  # the demo shows everything, checked where it can be
+        args.check = args.check or not procs.many
     if not prompts:
         raise CLIError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
     mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
+    if args.check and procs.many:
+        raise CLIError("--check reruns the requests on one device of one process, which a "
+                       "multi-process job cannot wait for: compare with a one-process run instead")
+    if not 0 <= args.seed < 2**31:
+        raise CLIError(f"--seed {args.seed} must be in [0, 2**31)")
     max_seq_len = args.max_seq_len or _fitting_seq_len(prompts, args.max_new_tokens, seq)
     eos = spec.eos_ids()
     show = procs.leader  # only process 0 prints results; the others stay quiet
@@ -222,8 +230,6 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     if not show:
         return 0
     if args.check:
-        # One local device: in a multi-process job each process could check itself;
-        # only process 0 reports, so only it checks.
         single = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.local_devices()[:1]), dtype,
                         max_seq_len, 1, 1, args.chunk)
         ref = single.generate(prompts, args.max_new_tokens, sampling, args.seed, eos)
@@ -232,7 +238,10 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
         report["max_error_vs_single_device"] = accounting.max_abs_error(out.first_logits,
                                                                         ref.first_logits)
     if args.logits_out:
-        np.save(args.logits_out, out.first_logits[:len(out.completions[0].token_ids)])
+        try:
+            np.save(args.logits_out, out.first_logits)
+        except OSError as e:
+            raise CLIError(f"--logits-out {args.logits_out}: cannot write it ({e.strerror})") from None
 
     if args.json:
         print(json.dumps(report))

@@ -24,7 +24,10 @@ class ModelSpec:
         if self.folder is not None:
             gen = self.folder / "generation_config.json"
             if gen.is_file():
-                eos = json.loads(gen.read_text()).get("eos_token_id")
+                try:
+                    eos = json.loads(gen.read_text()).get("eos_token_id")
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
                 if eos is not None:
                     return tuple(eos) if isinstance(eos, list) else (eos,)
         return self.cfg.eos_token_ids

@@ -21,9 +21,16 @@ class Text:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise TextError(f"{folder / 'tokenizer.json'} cannot be read ({e}): replace it, "
+                            "or remove it and pass --prompt-ids") from None
         config_path = folder / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise TextError(f"{config_path} is not valid JSON ({e}): fix or remove it") from None
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -68,7 +75,11 @@ class Text:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(template).render(
-            messages=[{"role": "user", "content": user}], add_generation_prompt=True,
-            enable_thinking=enable_thinking, bos_token=self.config.get("bos_token") or "",
-            eos_token=self.config.get("eos_token") or "")
+        try:
+            return env.from_string(template).render(
+                messages=[{"role": "user", "content": user}], add_generation_prompt=True,
+                enable_thinking=enable_thinking, bos_token=self.config.get("bos_token") or "",
+                eos_token=self.config.get("eos_token") or "")
+        except TemplateError as e:
+            raise TextError(f"the chat template of this checkpoint failed ({e}): "
+                            "pass the prompt without --chat") from None
