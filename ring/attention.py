@@ -78,11 +78,38 @@ def check_axis(name: str, axis_name: str) -> int:
         ) from err
 
 
+# Queries per score block. A long block's scores [B, K, G, T, S] would be written and
+# re-read from memory several times (max, exp, sum, the second einsum); cut into query
+# chunks of this size they stay in cache (a 1024 x 1024 half-block pair of a 0.6B-shaped
+# layer: 317 -> 194 ms, temporaries 138 -> 29 MB).
+Q_CHUNK = 128
+
+
 def partial_attention(q, k, v, q_pos, k_pos, scale):
     """`block_attention` without the shape checks, o left in float32.
 
-    Partial results are merged in float32 so a bfloat16 o is rounded only once.
+    Partial results are merged in float32 so a bfloat16 o is rounded only once. Query
+    rows are independent, so a long query block runs as a `lax.map` over Q_CHUNK-row
+    chunks with the same result.
     """
+    t = q.shape[1]
+    if t <= Q_CHUNK or t % Q_CHUNK:
+        return _scores_attention(q, k, v, q_pos, k_pos, scale)
+    chunks = t // Q_CHUNK
+
+    def split(x):  # [B, T, ...] -> [T / Q_CHUNK, B, Q_CHUNK, ...]
+        return jnp.moveaxis(x.reshape(x.shape[0], chunks, Q_CHUNK, *x.shape[2:]), 1, 0)
+
+    def join(x):  # the inverse
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], t, *x.shape[3:])
+
+    o, lse = lax.map(lambda c: _scores_attention(c[0], k, v, c[1], k_pos, scale),
+                     (split(q), split(q_pos)))
+    return join(o), join(lse)
+
+
+def _scores_attention(q, k, v, q_pos, k_pos, scale):
+    """partial_attention on one query block, its whole score matrix at once."""
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)

@@ -288,3 +288,26 @@ def test_ring_bad_axis_name():
     x, pos = jnp.zeros((1, 4, 2, 4)), jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="axis 'seq' is not an axis"):
         ring.ring_attention(x, x, x, pos, pos, scale=1.0)
+
+
+def test_long_query_blocks_run_in_chunks_with_the_same_result():
+    """Past Q_CHUNK queries partial_attention maps over query chunks; every row must
+    come out as the whole-matrix computation gives it, padding rows included."""
+    from ring.attention import Q_CHUNK, _scores_attention, partial_attention
+
+    rng = np.random.default_rng(7)
+    B, T, S, N, K, H = 2, 3 * Q_CHUNK, 320, 6, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    q_pos = np.tile(np.arange(T, dtype=np.int32) + 40, (B, 1))
+    q_pos[1, -50:] = -1  # padding queries see nothing
+    k_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))
+    k_pos[0, 100:120] = -1
+    o, lse = jax.jit(partial_attention, static_argnums=5)(q, k, v, q_pos, k_pos, H**-0.5)
+    o_ref, lse_ref = _scores_attention(q, k, v, q_pos, k_pos, H**-0.5)
+    np.testing.assert_allclose(o, o_ref, atol=1e-6)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_ref))
+    assert np.isinf(lse[1, -50:]).all() and not np.asarray(o[1, -50:]).any()
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=1e-5)
