@@ -8,7 +8,7 @@ Inside the map every device holds its stage's slice of the stacked layers
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,3 @@ def rows(x: jax.Array, start, size: int, axis: int = 0) -> jax.Array:
 
 def put_rows(x: jax.Array, update: jax.Array, start, axis: int = 0) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), start, axis)
-
-
-def merge_model(graphdef: nnx.GraphDef, state: Any) -> Qwen3:
-    return nnx.merge(graphdef, state)

@@ -142,13 +142,6 @@ def start(args) -> Processes:
     return procs
 
 
-def num_processes() -> int:
-    """The job's process count once `start` has run (before any backend is used)."""
-    from jax._src import distributed as _dist
-
-    return _dist.global_state.num_processes or 1
-
-
 def finish(procs: Processes) -> None:
     """Leaves the job together: without this, process 0 (which hosts the coordinator)
     may exit while a peer still talks to it, and that peer dies of a lost coordinator."""
