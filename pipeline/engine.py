@@ -92,6 +92,14 @@ def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[li
             f"--max-seq-len to {need * seq}")
 
 
+def fitting_seq_len(prompt_len: int, new_tokens: int, seq: int) -> int:
+    """The smallest --max-seq-len check_request accepts for a prompt of prompt_len tokens
+    and new_tokens more on C = seq devices: the padded prompt plus the decode slots, at
+    least prompt + new tokens, as a multiple of C."""
+    slots = seq * (padded_length(prompt_len, seq) // seq + math.ceil(max(new_tokens - 1, 0) / seq))
+    return seq * math.ceil(max(slots, prompt_len + new_tokens) / seq)
+
+
 class Engine:
     """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
 

@@ -13,7 +13,6 @@ The engine's own program-only times (`timing["prefill_s"]`, `["decode_s"]`) are 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -125,17 +124,6 @@ def ring_bytes(cfg: Qwen3Config, C: int, B: int, P_len: int, itemsize: int) -> d
 
 
 # ---- the engine, timed --------------------------------------------------------------------
-
-def fitting_seq_len(prompt_len: int, new_tokens: int, C: int) -> int:
-    """The smallest cache that passes Engine.check: the padded prompt plus the decode
-    slots, and at least prompt + new tokens, rounded up to a multiple of C."""
-    from ring import padded_length
-
-    padded = padded_length(prompt_len, C)
-    slots = C * (padded // C + math.ceil(max(new_tokens - 1, 0) / C))
-    need = max(slots, prompt_len + new_tokens)
-    return C * math.ceil(need / C)
-
 
 def prompts_for(cfg: Qwen3Config, B: int, T: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng([seed, B, T])

@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from run.bench_measure import fitting_seq_len, prompts_for, run_once, spread
+from pipeline.engine import fitting_seq_len
+from run.bench_measure import prompts_for, run_once, spread
 
 
 def _import():

@@ -7,11 +7,10 @@ from __future__ import annotations
 import gc
 
 from pipeline import accounting
-from pipeline.engine import Engine
+from pipeline.engine import Engine, fitting_seq_len
 from pipeline.schedule import decode_grid, prefill_grid
-from run.bench_measure import (PlacedSource, decode_bytes_per_step, fitting_seq_len,
-                               prefill_flops, program_memory, prompts_for, ring_bytes,
-                               run_once, spread)
+from run.bench_measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
+                               program_memory, prompts_for, ring_bytes, run_once, spread)
 
 
 class MeshEngines:

@@ -139,7 +139,7 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     import numpy as np
 
     from pipeline import accounting
-    from pipeline.engine import Engine, check_request
+    from pipeline.engine import Engine, check_request, fitting_seq_len
     from pipeline.sampling import Sampling
     from pipeline.schedule import decode_grid, prefill_grid, timeline
     from run.models import open_model
@@ -170,7 +170,8 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
                        "multi-process job cannot wait for: compare with a one-process run instead")
     if not 0 <= args.seed < 2**31:
         raise CLIError(f"--seed {args.seed} must be in [0, 2**31)")
-    max_seq_len = args.max_seq_len or _fitting_seq_len(prompts, args.max_new_tokens, seq)
+    longest = max(len(p) for p in prompts)
+    max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     eos = spec.eos_ids()
     show = procs.leader  # only process 0 prints results; the others stay quiet
 
@@ -314,22 +315,6 @@ def _per_process(value: int, procs) -> list[int]:
 
     return [int(v) for v in np.asarray(
         multihost_utils.process_allgather(np.array([value], np.int64))).reshape(-1)]
-
-
-def _fitting_seq_len(prompts, max_new_tokens: int, seq: int) -> int:
-    """The smallest cache that holds the longest prompt, padded for C devices, plus the
-    new tokens."""
-    import math
-
-    from ring import padded_length
-
-    if not prompts:
-        return 1
-    longest = max(len(p) for p in prompts)
-    slots = padded_length(longest, seq) // seq + math.ceil(max(max_new_tokens - 1, 0) / seq)
-    # The request's own length bounds it too (its last token is never cached, but a
-    # request is prompt + new tokens long).
-    return max(seq * slots, longest + max_new_tokens)
 
 
 class _Streamer:
