@@ -29,7 +29,7 @@ from pipeline.prefill import build_prefill
 from pipeline.sampling import Sampling, sample
 from pipeline.schedule import decode_grid, prefill_grid, stats
 from ring import padded_length, to_device_order, zigzag
-from sharding.place import WeightSource, place_params
+from sharding.place import WeightSource, place_state
 from sharding.plan import StagePlan
 from sharding.specs import SPECS, param_spec
 
@@ -140,11 +140,7 @@ class Engine:
         self.chunk = chunk
         self.poison = poison
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
-        # A source that restores already-sharded arrays (an orbax checkpoint) places
-        # itself; any other is read slice by slice into each device's shard.
-        place = getattr(source, "place", None)
-        self.state = (place(abstract, self.plan, mesh) if place is not None
-                      else place_params(abstract, self.plan, mesh, source))
+        self.state = place_state(abstract, self.plan, mesh, source)
         self.state_specs = _spec_tree(abstract)
         self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         self._prefill = jax.jit(

@@ -176,8 +176,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     mark of its address space, VmHWM, which starts afresh at exec; getrusage's maxrss
     would carry over the parent's at fork).
 
-    The load is what `Engine.__init__` does with the weights: an orbax checkpoint's
-    `place`, or `sharding.place.place_params` over an `HFCheckpoint`.
+    The load is what `Engine.__init__` does with the weights: `sharding.place.place_state`.
     """
     import jax
 
@@ -189,7 +188,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     from model.loader import abstract_model, map_params
     from run.models import open_model
     from sharding.mesh import make_mesh
-    from sharding.place import place_params
+    from sharding.place import place_state
     from sharding.plan import StagePlan
 
     mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
@@ -199,9 +198,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     spec = open_model(folder)
     plan = StagePlan(spec.cfg.L, stage)
     _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype))
-    place = getattr(spec.source, "place", None)
-    state = (place(abstract, plan, mesh) if place is not None
-             else place_params(abstract, plan, mesh, spec.source))
+    state = place_state(abstract, plan, mesh, spec.source)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     peak = _peak_rss()

@@ -23,6 +23,16 @@ class WeightSource(Protocol):
         ...
 
 
+def place_state(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
+    """The model state on `mesh` from any weight source: one that restores already
+    sharded arrays (an orbax checkpoint) places itself; any other is read slice by
+    slice into each device's shard (`place_params`)."""
+    place = getattr(source, "place", None)
+    if place is not None:
+        return place(abstract_state, plan, mesh)
+    return place_params(abstract_state, plan, mesh, source)
+
+
 def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
     """The model state with every leaf a global jax.Array on `mesh`.
 
