@@ -144,7 +144,7 @@ class Engine:
         self.state_specs = _spec_tree(abstract)
         self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         self._prefill = jax.jit(
-            build_prefill(cfg, self.graphdef, self.state_specs, mesh, self.M, poison),
+            build_prefill(cfg, self.graphdef, self.state_specs, mesh, self.M, self.dtype, poison),
             donate_argnums=(5, 6))
         self._decode: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}

@@ -24,12 +24,12 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import Qwen3Config
 from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import ring_attention
+from ring import fused_attention_available, prompt_attention, ring_attention
 from sharding.specs import SPECS
 
 
 def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                  microbatches: int, poison: bool = False):
+                  microbatches: int, dtype, poison: bool = False):
     """The prefill program (not yet jitted).
 
     Returns f(state, real, tokens, positions, last_pos, cache_k, cache_v) ->
@@ -38,7 +38,7 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
       real: [L_pad] bool, False for identity slots;
       tokens, positions: [B, P] int32 in zigzag device order (position -1 = padding);
       last_pos: [B] int32, each request's last prompt position;
-      cache_k, cache_v: [L_pad, B, S_cap, K, H].
+      cache_k, cache_v: [L_pad, B, S_cap, K, H] in `dtype`, the activations' dtype.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
     reads one shows NaN in the logits.
     """
@@ -47,6 +47,9 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     # One stage has no bubbles: no cond is needed around its layers.
     always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
+    # Without a ring a device holds its prompts whole, in position order (zigzag with
+    # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
+    fused = mesh.shape["seq"] == 1 and fused_attention_available(dtype, cfg.head_dim)
 
     def local(state, real, tokens, positions, last_pos, cache_k, cache_v):
         model = nnx.merge(graphdef, state)
@@ -76,6 +79,8 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
 
                 def attend(q, k, v, c: StageCache):
                     c = StageCache(write(c.k, k), write(c.v, v))
+                    if fused:
+                        return prompt_attention(q, k, v, scale=scale), c
                     o, _ = ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)
                     return o, c
 

@@ -154,6 +154,34 @@ def block_attention(
     return o.astype(q.dtype), lse
 
 
+def fused_attention_available(dtype, head_dim: int) -> bool:
+    """Whether `prompt_attention` can use a fused kernel here: cuDNN's flash attention,
+    which XLA offers on GPUs for 16-bit inputs and head dims up to 128 in steps of 8."""
+    return (jax.default_backend() == "gpu"
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and head_dim % 8 == 0 and head_dim <= 128)
+
+
+def prompt_attention(q, k, v, *, scale: float, implementation: str = "cudnn"):
+    """Causal attention of one device's whole prompt over itself (no ring), through
+    `jax.nn.dot_product_attention`: one fused kernel where cuDNN runs it, so the
+    [T, T] scores never reach memory.
+
+    The prompt is laid out by position: row t holds position t, a shorter request's
+    padding follows its tokens. Causality by slot index is then causality by position,
+    and no real query sees a padding key; padding rows get some finite output, which
+    nothing reads (`block_attention` gives them 0).
+
+    Args:
+      q: [B, T, N, H]; k, v: [B, T, K, H] with N a multiple of K.
+      implementation: "cudnn" (needs `fused_attention_available`) or "xla".
+    Returns:
+      o: [B, T, N, H] in q's dtype.
+    """
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
 def varying_axes(x) -> frozenset:
     """The mesh axes along which `x` varies inside shard_map (its vma type)."""
     aval = jax.typeof(x)

@@ -46,15 +46,19 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
 
 def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     """Memory bandwidth (a jitted sum over a large array) and matmul throughput (a
-    jitted square matmul in `dtype`), both on the first device."""
+    jitted square matmul in `dtype`), both on the first device.
+
+    An accelerator gets a larger array and matmul (2 GiB, 8192^2) than a CPU (256 MiB,
+    2048^2): each must take milliseconds there, so launch and dispatch stay out of it."""
     dev = jax.devices()[0]
-    n_bytes = (32 if smoke else 256) * 2**20
+    big = dev.platform != "cpu"
+    n_bytes = (32 if smoke else 2048 if big else 256) * 2**20
     x = jax.device_put(jnp.ones((n_bytes // 4,), jnp.float32), dev)
     reduce = jax.jit(lambda a: jnp.sum(a))
     t_bw = timed(lambda: reduce(x).block_until_ready(), repeats, warmup)
     del x
 
-    n = 512 if smoke else 2048
+    n = 512 if smoke else 8192 if big else 2048
     a = jax.device_put(jnp.ones((n, n), dtype) * 0.5, dev)
     b = jax.device_put(jnp.ones((n, n), dtype) * 0.25, dev)
     mm = jax.jit(lambda a, b: a @ b)

@@ -7,7 +7,8 @@ copied from our source, each tensor turned back into Hugging Face's layout (chec
 turning it forward again). Their generate runs greedily with its KV cache,
 `attn_implementation="sdpa"`, under torch.no_grad, min_new_tokens = max_new_tokens; a
 logits processor marks the end of the prefill (first call) and of the last step, the
-same cut points as our engine's streaming callback.
+same cut points as our engine's streaming callback. When our engine runs on a GPU and
+torch sees one, theirs runs on it too (the marks then wait for the GPU).
 """
 
 from __future__ import annotations
@@ -74,16 +75,25 @@ def hf_model(spec, source, dtype_name: str):
     return model.to(tdtype).eval()
 
 
+def _device(torch) -> str:
+    import jax
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
 def _theirs(model, prompts, new_tokens: int) -> dict:
     torch, transformers = _import()
     marks = []
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     class Mark(transformers.LogitsProcessor):
         def __call__(self, input_ids, scores):
+            sync()
             marks.append(time.perf_counter())
             return scores
 
-    ids = torch.tensor(prompts, dtype=torch.long)
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
     t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -116,10 +126,11 @@ def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
 
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    model = hf_model(spec, source, engines.dtype.name)
+    device = _device(torch)
+    model = hf_model(spec, source, engines.dtype.name).to(device)
     cfg, s = spec.cfg, settings
     out = {"transformers": transformers.__version__, "torch": torch.__version__,
-           "threads": threads, "attn_implementation": "sdpa", "mesh": "1x1",
+           "threads": threads, "device": device, "attn_implementation": "sdpa", "mesh": "1x1",
            "prefill": [], "decode": []}
     say("peer: transformers")
     if "prefill" in scenarios:

@@ -28,7 +28,8 @@ def _target(value, target: float, at_least: bool) -> dict:
 
 
 def check_targets(report: dict) -> dict:
-    """The issue's CPU targets, from whatever this run measured (value None: not run)."""
+    """The issue's targets for this backend (CPU, or a GPU in bfloat16), from whatever
+    this run measured (value None: not run)."""
     d1 = _find(report, "1x1", "decode", "batch", 1)
     peer = report.get("peer") or {}
 
@@ -38,9 +39,21 @@ def check_targets(report: dict) -> dict:
                 return j["speedup"]["median"]
         return None
 
+    compiles = [m["compile_s_max"] for m in report.get("meshes", [])]
+    if report["machine"]["backend"] == "gpu":
+        p8192 = _find(report, "1x1", "prefill", "prompt_len", 8192)
+        return {
+            "decode_b1_bandwidth_roofline_fraction": _target(
+                d1.get("bandwidth_roofline_fraction") if d1 else None, 0.5, True),
+            "prefill_8192_compute_roofline_fraction": _target(
+                p8192.get("compute_roofline_fraction") if p8192 else None, 0.4, True),
+            "decode_b1_speedup_vs_peer": _target(peer_speedup("decode", "batch", 1), 2.0, True),
+            "prefill_8192_speedup_vs_peer": _target(
+                peer_speedup("prefill", "prompt_len", 8192), 2.0, True),
+            "compile_s_max": _target(max(compiles) if compiles else None, 20.0, False),
+        }
     p2048 = _find(report, "2x2", "prefill", "prompt_len", 2048)
     d8 = _find(report, "2x1", "decode", "batch", 8)
-    compiles = [m["compile_s_max"] for m in report.get("meshes", [])]
     return {
         "decode_b1_bandwidth_roofline_fraction": _target(
             d1.get("bandwidth_roofline_fraction") if d1 else None, 0.8, True),

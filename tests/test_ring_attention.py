@@ -311,3 +311,22 @@ def test_long_query_blocks_run_in_chunks_with_the_same_result():
     assert np.isinf(lse[1, -50:]).all() and not np.asarray(o[1, -50:]).any()
     finite = np.isfinite(lse_ref)
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "cudnn"])
+def test_prompt_attention_is_block_attention_on_real_rows(implementation):
+    """The fused prompt path (one device, prompts in position order, padding after)
+    agrees with position-masked block attention on every real row; "cudnn" runs where
+    a GPU offers it, in bfloat16."""
+    if implementation == "cudnn" and not ring.fused_attention_available(jnp.bfloat16, 64):
+        pytest.skip("cuDNN fused attention needs a GPU")
+    dtype = jnp.float32 if implementation == "xla" else jnp.bfloat16
+    q, k, v, lengths = _case(3, b=3, length=64, n=8, kh=2, h=64, row_lengths=[64, 37, 1])
+    pos = np.where(np.arange(64)[None] < lengths, np.arange(64)[None], -1).astype(np.int32)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    o = ring.prompt_attention(q, k, v, scale=0.125, implementation=implementation)
+    o_ref, _ = ring.block_attention(q, k, v, pos, pos, scale=0.125)
+    real = pos >= 0
+    assert o.shape == q.shape and o.dtype == dtype
+    np.testing.assert_allclose(np.asarray(o, np.float32)[real], np.asarray(o_ref, np.float32)[real],
+                               atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=0)
