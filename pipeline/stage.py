@@ -17,7 +17,7 @@ from flax import nnx
 from model.config import Qwen3Config
 from model.layers import Qwen3
 from model.rope import rope_tables
-from model.stack import run_layers
+from model.stack import run_slots
 from ring.attention import make_varying
 
 AXES = ("stage", "seq")
@@ -56,12 +56,24 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
               gated: bool) -> tuple[jax.Array, StageCache]:
     """This stage's layers on x [B, T, D] at global positions [B, T].
 
-    attend_at(layer) -> attend function for local layer index `layer` (see
-    model.layers.Attend); it reads and writes `cache`. gated: see model.stack.run_layers.
+    The model's layer weights are per-slot tuples (`sharding.place.to_slots`): slot j of
+    every leaf is a [1, ...] local buffer. real: [L_pad / S] bool, this stage's slots.
+    attend_at(j) -> attend function for local slot j (see model.layers.Attend); it
+    reads and writes `cache`. gated: see model.stack.run_layers.
     """
     layer_def, layer_state = nnx.split(model.layers)
+    n = len(jax.tree.leaves(layer_state, is_leaf=_is_slots)[0])
+    slots = [jax.tree.map(lambda t, j=j: t[j][0], layer_state, is_leaf=_is_slots)
+             for j in range(n)]
+    # Each stage's real layers come first; the first L // S slots are real everywhere.
+    always = cfg.L // jax.lax.axis_size("stage")
     rope = rope_tables(cfg, positions, x.dtype)
-    return run_layers(layer_def, layer_state, x, rope, cache, attend_at, real, gated)
+    return run_slots(layer_def, slots, x, rope, cache, attend_at,
+                     [None if j < always else real[j] for j in range(n)], gated)
+
+
+def _is_slots(x) -> bool:
+    return isinstance(x, tuple)
 
 
 def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: bool,

@@ -45,28 +45,38 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
 # ---- rooflines ------------------------------------------------------------------------
 
 def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
-    """Memory bandwidth (a jitted sum over a large array) and matmul throughput (a
-    jitted square matmul in `dtype`), both on the first device.
+    """Memory bandwidth and matmul throughput, both on the first device.
 
-    An accelerator gets a larger array and matmul (2 GiB, 8192^2) than a CPU (256 MiB,
-    2048^2): each must take milliseconds there, so launch and dispatch stay out of it."""
+    Bandwidth is the faster of two jitted kernels that read a large float32 array once:
+    a sum, and a matrix-vector product (XLA CPU runs its reductions on one thread and
+    its matvecs on all of them, so either alone can understate what the memory gives).
+    Throughput is a jitted square matmul in `dtype`. An accelerator gets a larger array
+    and matmul (2 GiB, 8192^2) than a CPU (256 MiB, 2048^2): each must take
+    milliseconds there, so launch and dispatch stay out of it."""
     dev = jax.devices()[0]
     big = dev.platform != "cpu"
     n_bytes = (32 if smoke else 2048 if big else 256) * 2**20
-    x = jax.device_put(jnp.ones((n_bytes // 4,), jnp.float32), dev)
-    reduce = jax.jit(lambda a: jnp.sum(a))
-    t_bw = timed(lambda: reduce(x).block_until_ready(), repeats, warmup)
-    del x
+    cols = 4096
+    a = jax.device_put(jnp.ones((n_bytes // 4 // cols, cols), jnp.float32), dev)
+    v = jax.device_put(jnp.ones((cols,), jnp.float32), dev)
+    kernels = {"sum": (jax.jit(jnp.sum), (a,)), "matvec": (jax.jit(jnp.matmul), (a, v))}
+    per_kernel = {}
+    for name, (fn, args) in kernels.items():
+        times = timed(lambda: fn(*args).block_until_ready(), repeats, warmup)
+        per_kernel[name] = spread([n_bytes / t for t in times])
+    del a, v
+    best = max(per_kernel, key=lambda k: per_kernel[k]["median"])
 
     n = 512 if smoke else 8192 if big else 2048
     a = jax.device_put(jnp.ones((n, n), dtype) * 0.5, dev)
     b = jax.device_put(jnp.ones((n, n), dtype) * 0.25, dev)
     mm = jax.jit(lambda a, b: a @ b)
     t_mm = timed(lambda: mm(a, b).block_until_ready(), repeats, warmup)
-    bw = [n_bytes / t for t in t_bw]
     fl = [2 * n**3 / t for t in t_mm]
     return {
-        "bandwidth_bytes_per_s": spread(bw),
+        "bandwidth_bytes_per_s": per_kernel[best],
+        "bandwidth_kernel": best,
+        "bandwidth_by_kernel": per_kernel,
         "bandwidth_array_bytes": n_bytes,
         "matmul_flops_per_s": spread(fl),
         "matmul_size": n,

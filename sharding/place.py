@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sharding.plan import StagePlan
-from sharding.specs import param_spec
+from sharding.specs import SPECS, param_spec
 
 
 class WeightSource(Protocol):
@@ -69,3 +69,26 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
         return place(path, x)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
+
+
+def to_slots(state: Any, plan: StagePlan, mesh: Mesh):
+    """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')) turned
+    into a tuple of L_pad / S per-slot arrays [S, ...] (P('stage')): element j holds
+    slot j of every stage. Separate buffers let each layer's matmuls read their weights
+    in place (see model.stack.run_slots). Done leaf by leaf on the devices, each stacked
+    leaf deleted once split, so the extra memory is at most one leaf; leaves already
+    split pass.
+    """
+    S, per = plan.stages, plan.per_stage
+    sharding = NamedSharding(mesh, SPECS.layers)
+    split = jax.jit(lambda a: tuple(a.reshape(S, per, *a.shape[1:])[:, j] for j in range(per)),
+                    out_shardings=(sharding,) * per)
+
+    def leaf(keypath, x):
+        if isinstance(x, tuple) or str(keypath[0].key) != "layers":
+            return x
+        slots = split(x)
+        x.delete()  # no output can alias it (other shapes), so donating would not free it
+        return slots
+
+    return jax.tree_util.tree_map_with_path(leaf, state, is_leaf=lambda x: isinstance(x, tuple))
