@@ -85,13 +85,25 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], state: Any,
                  attend: Attend) -> tuple[jax.Array, Any]:
         """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state)."""
+        o, state = attend(*self.attention_inputs(x, rope), state)
+        return self.finish(x, o), state
+
+    def attention_inputs(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]: normed, projected, rotated.
+
+        The layer's work before attention; with `finish`, all of its work that needs no
+        other device (so a pipeline bubble can skip both and still join the ring)."""
         h = self.input_norm(x)
         q, k, v = (_project(h, w[...]) for w in (self.q_nhd, self.k_khd, self.v_khd))
         if self.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(self.q_norm(q), *rope)
         k = apply_rope(self.k_norm(k), *rope)
-        o, state = attend(q, k, v, state)
+        return q, k, v
+
+    def finish(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """The residual x [B, T, D] and attention output o [B, T, N, H] -> the layer's
+        output [B, T, D] (output projection, then the MLP)."""
         # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
         o_de = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
         attn = jnp.einsum("BTE,DE->BTD", o.reshape(*o.shape[:2], -1), o_de)
@@ -101,8 +113,7 @@ class DecoderLayer(nnx.Module):
         h = self.post_norm(x)
         gate = jnp.einsum("BTD,FD->BTF", h, self.gate_fd[...])
         up = jnp.einsum("BTD,FD->BTF", h, self.up_fd[...])
-        x = x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.down_df[...])
-        return x, state
+        return x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.down_df[...])
 
 
 class Qwen3(nnx.Module):
