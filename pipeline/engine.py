@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -148,6 +149,8 @@ class Engine:
             donate_argnums=(5, 6))
         self._decode: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}
+        self._ahead: dict[tuple, Future] = {}  # compiles started on self._pool
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
         self.programs: dict[str, Callable] = {}  # readable name -> compiled program
         self._zeros: dict[tuple, Callable] = {}  # cache shape -> jitted zeros
         self._sample = jax.jit(sample, static_argnums=4)
@@ -171,18 +174,37 @@ class Engine:
 
     def _compile(self, name: tuple, fn, *args):
         """fn compiled for args' shapes, once per (name, shapes); name must say every
-        static choice that shapes the program (sampling, groups, chunk)."""
-        key = (*name, *(getattr(a, "shape", a) for a in args[2:]))
+        static choice that shapes the program (sampling, groups, chunk). The time the
+        caller waits (compiling, or for a compile started ahead) counts in compile_s."""
+        key = self._key(name, args)
         if key not in self._compiled:
             t0 = time.perf_counter()
-            # float32 means float32: XLA may otherwise run its matmuls in TF32 on GPUs.
-            precision = "highest" if self.dtype == jnp.float32 else "default"
-            with jax.default_matmul_precision(precision):
-                self._compiled[key] = fn.lower(*args).compile()
+            ahead = self._ahead.pop(key, None)
+            # result() re-raises whatever the background compile raised.
+            compiled = ahead.result() if ahead is not None else self._build(fn, args)
             self.compile_s += time.perf_counter() - t0
+            self._compiled[key] = compiled
             shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, S, K, H]
-            self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = self._compiled[key]
+            self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = compiled
         return self._compiled[key]
+
+    def _compile_ahead(self, name: tuple, fn, *args) -> None:
+        """Starts compiling fn for args (arrays or ShapeDtypeStructs with shardings) on a
+        background thread, so it overlaps the compile and run of another program (XLA
+        compiles outside the GIL); the `_compile` call with the same key collects it."""
+        key = self._key(name, args)
+        if key not in self._compiled and key not in self._ahead:
+            self._ahead[key] = self._pool.submit(self._build, fn, args)
+
+    @staticmethod
+    def _key(name: tuple, args) -> tuple:
+        return (*name, *(getattr(a, "shape", a) for a in args[2:]))
+
+    def _build(self, fn, args):
+        # float32 means float32: XLA may otherwise run its matmuls in TF32 on GPUs.
+        precision = "highest" if self.dtype == jnp.float32 else "default"
+        with jax.default_matmul_precision(precision):
+            return fn.lower(*args).compile()
 
     def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
         key = (groups, steps, sampling, with_logits)
@@ -193,10 +215,18 @@ class Engine:
                 donate_argnums=(2, 3))
         return self._decode[key]
 
+    def _abstract(self, shape, dtype, spec) -> jax.ShapeDtypeStruct:
+        """An argument's shape, dtype and sharding on the mesh, for lowering ahead."""
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+
+    def cache_shape(self, B: int) -> tuple[int, ...]:
+        """[L_pad, B, S_cap, K, H]."""
+        return (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
+                self.cfg.H)
+
     def new_cache(self, B: int) -> tuple[jax.Array, jax.Array]:
         """Zeroed k, v [L_pad, B, S_cap, K, H], sharded P('stage', None, 'seq', None, None)."""
-        shape = (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
-                 self.cfg.H)
+        shape = self.cache_shape(B)
         sharding = NamedSharding(self.mesh, SPECS.cache_lbskh)
         if shape not in self._zeros:
             self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
@@ -211,12 +241,8 @@ class Engine:
         (the donated cache is updated in place, so it counts once).
         """
         P_len = padded_length(prompt_len, self.C)
-
-        def arg(shape, dtype, spec):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
-
-        cache = arg((self.plan.padded_layers, batch, self.slots_per_device * self.C, self.cfg.K,
-                     self.cfg.H), self.dtype, SPECS.cache_lbskh)
+        arg = self._abstract
+        cache = arg(self.cache_shape(batch), self.dtype, SPECS.cache_lbskh)
         tokens = arg((batch, P_len), jnp.int32, SPECS.tokens_bt)
         args = (self.state, self.real, tokens, tokens, arg((batch,), jnp.int32, P()), cache, cache)
         m = self._prefill.lower(*args).compile().memory_analysis()
@@ -263,6 +289,16 @@ class Engine:
         slot_pos = np.full((B, C, S_loc), -1, np.int32)
         slot_pos[:, :, :prompt_slots] = positions.reshape(B, C, prompt_slots)
 
+        if max_new_tokens > 1:
+            # The first decode chunk's program compiles while the prefill compiles and runs.
+            arg = self._abstract
+            cache = arg(self.cache_shape(B), self.dtype, SPECS.cache_lbskh)
+            vec, scalar = arg((B,), jnp.int32, P()), jax.ShapeDtypeStruct((), jnp.int32)
+            self._compile_ahead(("decode", G, self.chunk, sampling, with_logits),
+                                self._decode_fn(G, self.chunk, sampling, with_logits),
+                                self.state, self.real, cache, cache,
+                                arg((B, C * S_loc), jnp.int32, SPECS.slots_bs), vec, vec, vec,
+                                *[scalar] * 5)
         cache_k, cache_v = self.new_cache(B)
         args = (self.state, self.real, jax.device_put(tokens, tok_sharding),
                 jax.device_put(positions, tok_sharding), jax.device_put(lengths - 1, rep),

@@ -75,7 +75,7 @@ def to_slots(state: Any, plan: StagePlan, mesh: Mesh):
     """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')) turned
     into a tuple of L_pad / S per-slot arrays [S, ...] (P('stage')): element j holds
     slot j of every stage. Separate buffers let each layer's matmuls read their weights
-    in place (see model.stack.run_slots). Done leaf by leaf on the devices, each stacked
+    in place (see pipeline.stage.run_stage). Done leaf by leaf on the devices, each stacked
     leaf deleted once split, so the extra memory is at most one leaf; leaves already
     split pass.
     """

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class Specs:
-    layers: P = P("stage")  # stacked layer weights [L_pad, ...]
+    layers: P = P("stage")  # layer weights: stacked [L_pad, ...] as placed, then per slot [S, ...]
     replicated: P = P()  # embedding, final norm, lm_head; scalars
     cache_lbskh: P = P("stage", None, "seq", None, None)  # KV cache k, v
     slots_bs: P = P(None, "seq")  # cache slot positions, -1 = empty

@@ -171,3 +171,22 @@ def test_bfloat16_engine_is_finite_and_agrees_where_robust():
             assert out16.completions[i].token_ids[0] == out32.completions[i].token_ids[0], i
     assert robust >= 1
     assert all(len(c.token_ids) == int(ref["max_new_tokens"]) for c in out16.completions)
+
+
+def test_decode_program_compiled_ahead_is_collected():
+    """generate starts compiling the first decode chunk's program in the background
+    while the prefill compiles and runs. A call that never decodes (every request stops
+    at its first token) leaves it pending; the next call collects it, once, and gives
+    the reference tokens with it."""
+    folder, cfg, ref, prompts = _fixture("tiny")
+    eng = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]),
+                 max_seq_len=128, chunk=4)
+    firsts = tuple({int(ref[f"greedy_tokens_{i}"][0]) for i in range(len(prompts))})
+    stopped = eng.generate(prompts, int(ref["max_new_tokens"]), eos_ids=firsts)
+    assert all(c.finish_reason == "stop" and len(c.token_ids) == 1 for c in stopped.completions)
+    assert len(eng._ahead) == 1 and not any(n.startswith("decode") for n in eng.programs)
+    out = eng.generate(prompts, int(ref["max_new_tokens"]))
+    assert not eng._ahead
+    assert sum(n.startswith("decode") for n in eng.programs) == 1
+    for i, c in enumerate(out.completions):
+        assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
