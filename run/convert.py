@@ -176,7 +176,8 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     mark of its address space, VmHWM, which starts afresh at exec; getrusage's maxrss
     would carry over the parent's at fork).
 
-    The load is what `Engine.__init__` does with the weights: `sharding.place.place_state`.
+    The load is what `Engine.__init__` does with the weights: `sharding.place.place_state`,
+    then `to_slots` (each stacked layer leaf split into per-slot buffers on the devices).
     """
     import jax
 
@@ -188,7 +189,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     from model.loader import abstract_model, map_params
     from run.models import open_model
     from sharding.mesh import make_mesh
-    from sharding.place import place_state
+    from sharding.place import place_state, to_slots
     from sharding.plan import StagePlan
 
     mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
@@ -198,7 +199,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     spec = open_model(folder)
     plan = StagePlan(spec.cfg.L, stage)
     _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype))
-    state = place_state(abstract, plan, mesh, spec.source)
+    state = to_slots(place_state(abstract, plan, mesh, spec.source), plan, mesh)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     peak = _peak_rss()
@@ -209,7 +210,8 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
         int(np.prod(x.shape[1:] if path[0] == "layers" else x.shape)) * x.dtype.itemsize), abstract)
     largest = max(sizes)
     target = 1.5 * kept + largest
-    return {"format": "orbax" if place is not None else "safetensors", "mesh": f"{stage}x{seq}",
+    fmt = "orbax" if hasattr(spec.source, "place") else "safetensors"
+    return {"format": fmt, "mesh": f"{stage}x{seq}",
             "dtype": dtype, "load_s": round(seconds, 3), "peak_rss_bytes": peak,
             "rss_before_load_bytes": rss_before, "kept_bytes": kept,
             "largest_tensor_bytes": largest, "target_bytes": int(target),

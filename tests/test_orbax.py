@@ -21,7 +21,7 @@ from model.config import ConfigError, Qwen3Config
 from model.loader import HFCheckpoint, LoadError, abstract_model, map_params
 from pipeline.engine import Engine
 from run.cli import main
-from run.convert import to_hf
+from run.convert import measure, to_hf
 from run.models import open_model
 from sharding.mesh import make_mesh
 from sharding.place import place_params
@@ -274,3 +274,15 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
     shared = sum(n for path, n in sizes.items() if path[0] != "layers")
     assert results == [["True", str(b), str(b)] for b in (3 * per_layer + shared,
                                                           2 * per_layer + shared)]
+
+
+def test_load_measurement_runs_both_formats(converted):
+    """`convert --measure`: each format loads in a fresh process, as the engine loads it
+    (placement, then per-slot buffers), and reports its time, memory and format."""
+    got = measure(TINY, converted / "f32", [(2, 1)], say=lambda *_: None)
+    assert [r["format"] for r in got] == ["safetensors", "orbax"]
+    for r in got:
+        assert r["mesh"] == "2x1" and r["load_s"] > 0
+        assert r["peak_rss_bytes"] >= r["rss_before_load_bytes"] > 0
+        assert r["kept_bytes"] > r["largest_tensor_bytes"] > 0
+    assert got[0]["kept_bytes"] == got[1]["kept_bytes"]
