@@ -38,31 +38,37 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
 
     Args:
       abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...].
-      plan: the stage plan; layer leaves become [L_pad, ...] sharded P('stage').
+      plan: the stage plan; each layer leaf becomes a tuple of L_pad / S per-slot arrays
+        [S, ...] sharded P('stage') (the layout of `to_slots`), placed straight from the
+        source.
     """
     slots = plan.layer_of_slot
+    per = plan.per_stage
 
     def place(path, x):
         sharding = NamedSharding(mesh, param_spec(path))
         if path[0] != "layers":
             whole = functools.cache(lambda: source.read(path, x.dtype))
             return jax.make_array_from_callback(x.shape, sharding, lambda index: whole()[index])
-        shape = (plan.padded_layers, *x.shape[1:])
 
         @functools.cache
-        def stage_block(start: int, stop: int) -> np.ndarray:
-            ids = slots[start:stop]
+        def stage_block(stage: int) -> np.ndarray:
+            """[per, ...]: the stage's slots, its real layers read once for all slots."""
+            ids = slots[stage * per:(stage + 1) * per]
             real = [i for i in ids if i is not None]
             values = iter(source.read(path, x.dtype, real))
-            return np.stack([next(values) if i is not None else np.zeros(shape[1:], x.dtype)
+            return np.stack([next(values) if i is not None else np.zeros(x.shape[1:], x.dtype)
                              for i in ids])
 
-        def shard(index):
-            rows = index[0]
-            start, stop, _ = rows.indices(shape[0])
-            return stage_block(start, stop)[(slice(None), *index[1:])]
+        def slot(j: int) -> jax.Array:
+            def shard(index):
+                start, stop, _ = index[0].indices(plan.stages)
+                return np.stack([stage_block(s)[j] for s in range(start, stop)])[
+                    (slice(None), *index[1:])]
 
-        return jax.make_array_from_callback(shape, sharding, shard)
+            return jax.make_array_from_callback((plan.stages, *x.shape[1:]), sharding, shard)
+
+        return tuple(slot(j) for j in range(per))
 
     def leaf(keypath, x):
         path = tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
@@ -72,9 +78,9 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
 
 
 def to_slots(state: Any, plan: StagePlan, mesh: Mesh):
-    """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')) turned
-    into a tuple of L_pad / S per-slot arrays [S, ...] (P('stage')): element j holds
-    slot j of every stage. Separate buffers let each layer's matmuls read their weights
+    """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')), as a
+    source that places itself restores it (orbax), turned into a tuple of L_pad / S
+    per-slot arrays [S, ...] (P('stage')): element j holds slot j of every stage. Separate buffers let each layer's matmuls read their weights
     in place (see pipeline.stage.run_stage). Done leaf by leaf on the devices, each stacked
     leaf deleted once split, so the extra memory is at most one leaf; leaves already
     split pass.
