@@ -80,10 +80,11 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
 def to_slots(state: Any, plan: StagePlan, mesh: Mesh):
     """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')), as a
     source that places itself restores it (orbax), turned into a tuple of L_pad / S
-    per-slot arrays [S, ...] (P('stage')): element j holds slot j of every stage. Separate buffers let each layer's matmuls read their weights
-    in place (see pipeline.stage.run_stage). Done leaf by leaf on the devices, each stacked
-    leaf deleted once split, so the extra memory is at most one leaf; leaves already
-    split pass.
+    per-slot arrays [S, ...] (P('stage')): element j holds slot j of every stage.
+    Separate buffers let each layer's matmuls read their weights in place (see
+    pipeline.stage.run_stage). Done leaf by leaf on the devices, each stacked leaf
+    deleted once split, so the extra memory is at most one leaf; leaves already split
+    (as `place_params` places them) pass.
     """
     S, per = plan.stages, plan.per_stage
     sharding = NamedSharding(mesh, SPECS.layers)
