@@ -105,12 +105,8 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
 
                 return attend
 
-            # Without gating a bubble still joins the collectives; its layers skip their own work.
-            bubble_gate = None if gated or always_active else active
-
-            def compute(x, cache):
-                x, cache = run_stage(model, cfg, real, x, q_pos, cache, attend_at, gated,
-                                     bubble_gate)
+            def compute(x, cache, gate):
+                x, cache = run_stage(model, cfg, real, x, q_pos, cache, attend_at, gated, gate)
                 return vary(x), cache
 
             x, cache = when(active, compute, x_in, cache, gated, always_active)

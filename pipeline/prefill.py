@@ -87,11 +87,8 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
 
                 return attend
 
-            # Without gating a bubble still joins the collectives; its layers skip their own work.
-            bubble_gate = None if gated or always_active else active
-
-            def compute(x, c):
-                x, c = run_stage(model, cfg, real, x, pos, c, attend_at, gated, bubble_gate)
+            def compute(x, c, gate):
+                x, c = run_stage(model, cfg, real, x, pos, c, attend_at, gated, gate)
                 return vary(x), c
 
             x, cache = when(active, compute, x_in, cache, gated, always_active)

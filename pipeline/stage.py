@@ -110,20 +110,23 @@ def _is_slots(x) -> bool:
 
 def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: bool,
          always_active: bool = False):
-    """compute(x, cache) on ticks where this stage is active, else (x, cache) unchanged.
+    """compute(x, cache, gate) on ticks where this stage is active, else (x, cache)
+    unchanged.
 
     XLA runs a collective only when every device of the program reaches it, so the
     stage is skipped whole with `lax.cond` only where it holds none (gated: no `seq`
-    axis to communicate along). Otherwise `compute` runs on a bubble too, and must
-    itself skip its layers' own work (`run_stage`'s `active`) and leave the cache alone;
-    its x is dropped.
+    axis to communicate along). Otherwise `compute` runs on a bubble too: it gets
+    gate = `active` and must skip its layers' own work with it (`run_stage`'s
+    `active`) and leave the cache alone; its x is dropped. Where the stage is skipped
+    whole or never idles, gate is None.
     always_active: the schedule has no bubbles (one stage), so no test is needed.
     """
     if always_active:
-        return compute(x, cache)
+        return compute(x, cache, None)
     if gated:
-        return jax.lax.cond(active, compute, lambda x, c: (x, c), x, cache)
-    y, cache = compute(x, cache)
+        return jax.lax.cond(active, lambda x, c: compute(x, c, None), lambda x, c: (x, c),
+                            x, cache)
+    y, cache = compute(x, cache, active)
     return jnp.where(active, y, x), cache
 
 
