@@ -1,6 +1,8 @@
 """The KV cache: an immutable pytree the engine holds between programs.
 
-    k, v: [L_pad, B, S_cap, K, H]   keys and values of every layer slot and cache slot
+    k, v: [L_pad, B, K, S_cap, H]   keys and values of every layer slot and cache slot,
+                                    heads-major (ring.attention.heads_major: the layout
+                                    attention reads without a copy)
     pos:  [B, S_cap] int32          the token position each slot holds, -1 = empty
 
 Attention masks come from `pos` alone (a key is visible when 0 <= pos <= the query's

@@ -34,12 +34,31 @@ def _param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
+# Up to this many rows (B * T), a CPU matmul runs as w @ h^T (see `dense`).
+FEW_ROWS = 32
+
+
+def dense(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h [B, T, I] times w [O, I] (stored [out, in]) -> [B, T, O].
+
+    On XLA's CPU backend a product with few rows (decode: a row per request) runs
+    twice as fast as w @ h^T with an [O, rows] result, transposed after: measured on
+    2 cores, [8, 1024] x [3072, 1024]^T reads the weight at 9 GB/s as h @ w^T and at
+    17 GB/s as w @ h^T (2-32 rows alike; 1 row and 128 rows the same either way). The
+    barrier keeps XLA from folding the transpose back into the product. GPUs, and
+    prompts, take the plain form."""
+    B, T, I = h.shape
+    if B * T > FEW_ROWS or jax.default_backend() != "cpu":
+        return jnp.einsum("BTI,OI->BTO", h, w)
+    y = jax.lax.optimization_barrier(jnp.einsum("OI,RI->OR", w, h.reshape(B * T, I)))
+    return y.T.reshape(B, T, w.shape[0])
+
+
 def _project(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [B, T, D] times w [heads, H, D] -> [B, T, heads, H], as one [heads*H, D] matrix
     (with the head axes apart, XLA transposes the weight on every call)."""
     heads, H, D = w.shape
-    y = jnp.einsum("BTD,ED->BTE", h, w.reshape(heads * H, D))
-    return y.reshape(*h.shape[:2], heads, H)
+    return dense(h, w.reshape(heads * H, D)).reshape(*h.shape[:2], heads, H)
 
 
 class RMSNorm(nnx.Module):
@@ -106,14 +125,13 @@ class DecoderLayer(nnx.Module):
         output [B, T, D] (output projection, then the MLP)."""
         # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
         o_de = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
-        attn = jnp.einsum("BTE,DE->BTD", o.reshape(*o.shape[:2], -1), o_de)
+        attn = dense(o.reshape(*o.shape[:2], -1), o_de)
         if self.attention_bias:
             attn = attn + self.o_bias[...]
         x = x + attn
         h = self.post_norm(x)
-        gate = jnp.einsum("BTD,FD->BTF", h, self.gate_fd[...])
-        up = jnp.einsum("BTD,FD->BTF", h, self.up_fd[...])
-        return x + jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.down_df[...])
+        gate, up = dense(h, self.gate_fd[...]), dense(h, self.up_fd[...])
+        return x + dense(jax.nn.silu(gate) * up, self.down_df[...])
 
 
 class Qwen3(nnx.Module):

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from model.config import Qwen3Config
 from pipeline.sampling import Sampling, sample
 from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import decode_attention
+from ring import decode_attention, heads_major
 from sharding.specs import SPECS
 
 
@@ -63,7 +63,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
         B = tokens.shape[0]
         Bg = B // G
-        _, _, S_loc, K, H = cache_k.shape
+        _, _, K, S_loc, H = cache_k.shape
         dtype = cache_k.dtype
         period = max(G, S)
         busy = run_steps * period
@@ -89,14 +89,14 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
             group_slot_pos = rows(slot_pos, row0, Bg)
 
             def attend_at(layer):
-                def write(a, new):
-                    at = (layer, row0, slot, 0, 0)
-                    old = jax.lax.dynamic_slice(a, at, (1, Bg, 1, K, H))
+                def write(a, new):  # new [Bg, 1, K, H]
+                    new, at = heads_major(new), (layer, row0, 0, slot, 0)
+                    old = jax.lax.dynamic_slice(a, at, (1, Bg, K, 1, H))
                     return jax.lax.dynamic_update_slice(a, jnp.where(mine, new[None].astype(dtype), old), at)
 
                 def attend(q, k, v, cache: StageCache):
                     cache = StageCache(write(cache.k, k), write(cache.v, v))
-                    at, size = (layer, row0, 0, 0, 0), (1, Bg, S_loc, K, H)
+                    at, size = (layer, row0, 0, 0, 0), (1, Bg, K, S_loc, H)
                     k_g = jax.lax.dynamic_slice(cache.k, at, size)[0]
                     v_g = jax.lax.dynamic_slice(cache.v, at, size)[0]
                     o, _ = decode_attention(q, k_g, v_g, q_pos, group_slot_pos, axis_name="seq",
@@ -140,6 +140,6 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     rep = SPECS.replicated
     return jax.shard_map(
         local, mesh=mesh,
-        in_specs=(state_specs, SPECS.layers, SPECS.cache_lbskh, SPECS.cache_lbskh, SPECS.slots_bs,
+        in_specs=(state_specs, SPECS.layers, SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs,
                   rep, rep, rep, rep, rep, rep, rep, rep),
-        out_specs=(P(), P(), SPECS.cache_lbskh, SPECS.cache_lbskh))
+        out_specs=(P(), P(), SPECS.cache_lbksh, SPECS.cache_lbksh))

@@ -184,7 +184,7 @@ class Engine:
             compiled = ahead.result() if ahead is not None else self._build(fn, args)
             self.compile_s += time.perf_counter() - t0
             self._compiled[key] = compiled
-            shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, S, K, H]
+            shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, K, S, H]
             self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = compiled
         return self._compiled[key]
 
@@ -220,14 +220,14 @@ class Engine:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
 
     def cache_shape(self, B: int) -> tuple[int, ...]:
-        """[L_pad, B, S_cap, K, H]."""
-        return (self.plan.padded_layers, B, self.slots_per_device * self.C, self.cfg.K,
+        """[L_pad, B, K, S_cap, H] (heads-major: model.cache)."""
+        return (self.plan.padded_layers, B, self.cfg.K, self.slots_per_device * self.C,
                 self.cfg.H)
 
     def new_cache(self, B: int) -> tuple[jax.Array, jax.Array]:
-        """Zeroed k, v [L_pad, B, S_cap, K, H], sharded P('stage', None, 'seq', None, None)."""
+        """Zeroed k, v [L_pad, B, K, S_cap, H], sharded P('stage', None, None, 'seq', None)."""
         shape = self.cache_shape(B)
-        sharding = NamedSharding(self.mesh, SPECS.cache_lbskh)
+        sharding = NamedSharding(self.mesh, SPECS.cache_lbksh)
         if shape not in self._zeros:
             self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
                                          out_shardings=sharding)
@@ -242,7 +242,7 @@ class Engine:
         """
         P_len = padded_length(prompt_len, self.C)
         arg = self._abstract
-        cache = arg(self.cache_shape(batch), self.dtype, SPECS.cache_lbskh)
+        cache = arg(self.cache_shape(batch), self.dtype, SPECS.cache_lbksh)
         tokens = arg((batch, P_len), jnp.int32, SPECS.tokens_bt)
         args = (self.state, self.real, tokens, tokens, arg((batch,), jnp.int32, P()), cache, cache)
         m = self._prefill.lower(*args).compile().memory_analysis()
@@ -292,7 +292,7 @@ class Engine:
         if max_new_tokens > 1:
             # The first decode chunk's program compiles while the prefill compiles and runs.
             arg = self._abstract
-            cache = arg(self.cache_shape(B), self.dtype, SPECS.cache_lbskh)
+            cache = arg(self.cache_shape(B), self.dtype, SPECS.cache_lbksh)
             vec, scalar = arg((B,), jnp.int32, P()), jax.ShapeDtypeStruct((), jnp.int32)
             self._compile_ahead(("decode", G, self.chunk, sampling, with_logits),
                                 self._decode_fn(G, self.chunk, sampling, with_logits),

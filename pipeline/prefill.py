@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import Qwen3Config
 from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import fused_attention_available, prompt_attention, ring_attention
+from ring import fused_attention_available, heads_major, prompt_attention, ring_attention
 from sharding.specs import SPECS
 
 
@@ -39,7 +39,7 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
       real: [L_pad] bool, False for identity slots;
       tokens, positions: [B, P] int32 in zigzag device order (position -1 = padding);
       last_pos: [B] int32, each request's last prompt position;
-      cache_k, cache_v: [L_pad, B, S_cap, K, H] in `dtype`, the activations' dtype.
+      cache_k, cache_v: [L_pad, B, K, S_cap, H] in `dtype`, the activations' dtype.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
     reads one shows NaN in the logits.
     """
@@ -73,8 +73,8 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
             ring_pos = jnp.where(active, pos, -1)
 
             def attend_at(layer):
-                def write(a, new):
-                    at = (layer, row0, 0, 0, 0)
+                def write(a, new):  # new [Bm, T, K, H]
+                    new, at = heads_major(new), (layer, row0, 0, 0, 0)
                     old = jax.lax.dynamic_slice(a, at, (1, *new.shape))
                     return jax.lax.dynamic_update_slice(a, jnp.where(active, new[None].astype(dtype), old), at)
 
@@ -111,5 +111,5 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(state_specs, SPECS.layers, SPECS.tokens_bt, SPECS.tokens_bt, SPECS.replicated,
-                  SPECS.cache_lbskh, SPECS.cache_lbskh),
-        out_specs=(P(), SPECS.cache_lbskh, SPECS.cache_lbskh))
+                  SPECS.cache_lbksh, SPECS.cache_lbksh),
+        out_specs=(P(), SPECS.cache_lbksh, SPECS.cache_lbksh))

@@ -2,7 +2,7 @@
 prefill and decode loops.
 
 Inside the map every device holds its stage's layers, one [1, ...] buffer per slot and
-weight, its stage's slice of the KV cache `[L_pad / S, B, S_cap / C, K, H]`, and its
+weight, its stage's slice of the KV cache `[L_pad / S, B, K, S_cap / C, H]`, and its
 `seq` share of the tokens.
 """
 
@@ -23,7 +23,7 @@ AXES = ("stage", "seq")
 
 
 class StageCache(NamedTuple):
-    """This stage's KV cache: k, v [L_pad / S, B, S_cap / C, K, H]."""
+    """This stage's KV cache: k, v [L_pad / S, B, K, S_cap / C, H]."""
 
     k: jax.Array
     v: jax.Array

@@ -2,8 +2,8 @@
 accounting, the LSE merge, ring attention for prefill and sharded-cache decode
 attention. Depends on JAX and numpy only."""
 
-from ring.attention import (block_attention, fused_attention_available, prompt_attention,
-                            ring_attention)
+from ring.attention import (block_attention, fused_attention_available, heads_major,
+                            prompt_attention, ring_attention)
 from ring.decode import decode_attention
 from ring.merge import merge
 from ring.partition import (
@@ -28,6 +28,7 @@ __all__ = [
     "device_positions",
     "from_device_order",
     "fused_attention_available",
+    "heads_major",
     "merge",
     "padded_length",
     "prompt_attention",

@@ -30,7 +30,8 @@ def decode_attention(
 
     Args:
       q: [B, T, N, H] queries of the new tokens (T usually 1), the same on every device.
-      k_cache, v_cache: [B, S, K, H] this device's cache slots.
+      k_cache, v_cache: [B, K, S, H] this device's cache slots, heads-major (the layout
+        attention reads in place: `ring.attention.heads_major`).
       q_pos: [B, T] int32 positions of the new tokens.
       slot_pos: [B, S] int32 positions held in this device's slots (-1: empty).
       axis_name: the mesh axis the cache is sharded along.
@@ -40,7 +41,8 @@ def decode_attention(
       o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: no visible slot on
       any device). Both invariant along `axis_name`.
     """
-    check_attention_shapes("decode_attention", q, k_cache, v_cache, q_pos, slot_pos)
+    check_attention_shapes("decode_attention", q, k_cache, v_cache, q_pos, slot_pos,
+                           heads_major=True)
     check_axis("decode_attention", axis_name)
     o, lse = partial_attention(q, k_cache, v_cache, q_pos, slot_pos, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 class Specs:
     layers: P = P("stage")  # layer weights: stacked [L_pad, ...] as placed, then per slot [S, ...]
     replicated: P = P()  # embedding, final norm, lm_head; scalars
-    cache_lbskh: P = P("stage", None, "seq", None, None)  # KV cache k, v
+    cache_lbksh: P = P("stage", None, None, "seq", None)  # KV cache k, v (heads-major)
     slots_bs: P = P(None, "seq")  # cache slot positions, -1 = empty
     tokens_bt: P = P(None, "seq")  # prompt tokens and positions, zigzag order
 

@@ -24,7 +24,7 @@ def test_programs_alias_the_cache(S, C):
     assert isinstance(eng.cache, KVCache)
     k, v, pos = eng.cache
     kv_bytes = 2 * k.addressable_shards[0].data.nbytes  # one device's k and v
-    assert np.asarray(pos).shape == (k.shape[1], k.shape[2])
+    assert np.asarray(pos).shape == (k.shape[1], k.shape[3])  # k [L_pad, B, K, S_cap, H]
     names = list(eng.programs)
     assert any(n.startswith("prefill") for n in names) and any(n.startswith("decode") for n in names)
     for name, program in eng.programs.items():

@@ -308,8 +308,10 @@ def test_decode_slots_follow_the_placement_rule(runs, setup):
     # every seq device received decode slots
     assert all((sp[:, c, P // C:] >= 0).any() for c in range(C))
     # slots that hold no position were never written (the cache starts as zeros)
-    k = np.asarray(run.k).reshape(run.k.shape[0], run.k.shape[1], C, -1, *run.k.shape[3:])
-    v = np.asarray(run.v).reshape(k.shape)
+    # [L_pad, B, K, S_cap, H] -> [L_pad, B, C, S_cap / C, K, H]
+    by_slot = lambda a: np.moveaxis(np.asarray(a), 2, 3)  # noqa: E731
+    k = by_slot(run.k).reshape(run.k.shape[0], run.k.shape[1], C, -1, *run.k.shape[2:5:2])
+    v = by_slot(run.v).reshape(k.shape)
     unwritten = np.zeros(sp.shape, bool)
     unwritten[:, :, P // C:] = sp[:, :, P // C:] < 0
     assert unwritten.any()
@@ -322,11 +324,11 @@ def test_decode_slots_follow_the_placement_rule(runs, setup):
 
 
 def _by_position(run, layer_slot, b):
-    """{position: k vector} of request b on stacked layer slot `layer_slot`."""
-    k = np.asarray(run.k)[layer_slot, b]
+    """{position: (k, v) [K, H]} of request b on stacked layer slot `layer_slot`."""
+    k = np.asarray(run.k)[layer_slot, b]  # [K, S_cap, H]
     v = np.asarray(run.v)[layer_slot, b]
     cols = {int(p): col for col, p in enumerate(run.slot_pos[b]) if p >= 0}
-    return {p: (k[col], v[col]) for p, col in cols.items()}
+    return {p: (k[:, col], v[:, col]) for p, col in cols.items()}
 
 
 def _check_cache_matches(run, base):
@@ -362,7 +364,8 @@ def _check_memory(run):
         assert len({tuple((s.start, s.stop) for s in sh.index) for sh in shards}) == S * C
         for sh in shards:
             assert sh.data.nbytes * S * C == a.nbytes
-            assert sh.data.shape == (L_pad // S, a.shape[1], eng.slots_per_device, *a.shape[3:])
+            # [L_pad, B, K, S_cap, H]: layers split over stages, slots over seq
+            assert sh.data.shape == (L_pad // S, *a.shape[1:3], eng.slots_per_device, a.shape[4])
     n_slots = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(eng.state):
         name = jax.tree_util.keystr(path)

@@ -298,8 +298,8 @@ def test_long_query_blocks_run_in_chunks_with_the_same_result():
     rng = np.random.default_rng(7)
     B, T, S, N, K, H = 2, 3 * Q_CHUNK, 320, 6, 2, 8
     q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32)  # heads-major
+    v = jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32)
     q_pos = np.tile(np.arange(T, dtype=np.int32) + 40, (B, 1))
     q_pos[1, -50:] = -1  # padding queries see nothing
     k_pos = np.tile(np.arange(S, dtype=np.int32), (B, 1))

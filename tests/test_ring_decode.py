@@ -15,6 +15,7 @@ import ring
 from run.ring_demo import dense_attention
 
 SEQ = P(None, "seq")
+CACHE = P(None, None, "seq")  # a heads-major cache [B, K, S, H], slots along seq
 SLOTS = 4  # cache slots per device
 
 
@@ -30,7 +31,7 @@ def _decode(c):
         return o[None], lse[None]
 
     mesh = jax.make_mesh((c,), ("seq",), devices=jax.devices()[:c])
-    in_specs = (P(), SEQ, SEQ, P(), SEQ)
+    in_specs = (P(), CACHE, CACHE, P(), SEQ)
     return mesh, jax.jit(
         jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P("seq"), P("seq")))
     )
@@ -65,8 +66,8 @@ def _run(c, q, k, v, q_pos, slot_pos, dtype=jnp.float32):
     put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
     o, lse = fn(
         put(jnp.asarray(q, dtype), P()),
-        put(jnp.asarray(k, dtype), SEQ),
-        put(jnp.asarray(v, dtype), SEQ),
+        put(ring.heads_major(jnp.asarray(k, dtype)), CACHE),
+        put(ring.heads_major(jnp.asarray(v, dtype)), CACHE),
         put(q_pos, P()),
         put(slot_pos, SEQ),
     )
@@ -117,7 +118,7 @@ def test_decode_inside_stage_seq_mesh():
             q, k_cache, v_cache, q_pos, slot_pos, axis_name="seq", scale=0.25
         )
 
-    in_specs = (P("stage"), P("stage", "seq"), P("stage", "seq"), P(), SEQ)
+    in_specs = (P("stage"), P("stage", None, "seq"), P("stage", None, "seq"), P(), SEQ)
     sharded = jax.jit(
         jax.shard_map(
             fn, mesh=mesh, in_specs=in_specs, out_specs=(P("stage"), P("stage"))
@@ -127,9 +128,8 @@ def test_decode_inside_stage_seq_mesh():
     q, k, v, q_pos, slot_pos = _case(3, 4)
     q_pos, slot_pos = q_pos[:1], slot_pos[:1]
     put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
-    o, lse = sharded(
-        *(put(x, spec) for x, spec in zip((q, k, v, q_pos, slot_pos), in_specs))
-    )
+    cached = (q, ring.heads_major(k), ring.heads_major(v), q_pos, slot_pos)
+    o, lse = sharded(*(put(x, spec) for x, spec in zip(cached, in_specs)))
     for stage in range(2):
         rows = slice(stage, stage + 1)
         o_ref, lse_ref = dense_attention(
@@ -162,8 +162,8 @@ def test_decode_collectives_are_small_reductions():
     b, t, n, h, s = 2, 1, 4, 8, SLOTS * c
     jaxpr = jax.make_jaxpr(fn)(
         spec((b, t, n, h), jnp.float32, P()),
-        spec((b, s, 2, h), jnp.float32, SEQ),
-        spec((b, s, 2, h), jnp.float32, SEQ),
+        spec((b, 2, s, h), jnp.float32, CACHE),
+        spec((b, 2, s, h), jnp.float32, CACHE),
         spec((b, t), jnp.int32, P()),
         spec((b, s), jnp.int32, SEQ),
     ).jaxpr
@@ -217,15 +217,15 @@ def test_decode_bad_input(kwargs, message):
     )
     args = (
         spec((2, 1, n, 8), jnp.float32, P()),
-        spec((2, 8, kh, 8), jnp.float32, SEQ),
-        spec((2, 8, kh, 8), jnp.float32, SEQ),
+        spec((2, kh, 8, 8), jnp.float32, CACHE),
+        spec((2, kh, 8, 8), jnp.float32, CACHE),
         spec((2, 1), jnp.int32, P()),
         spec((2, slots), jnp.int32, SEQ),
     )
     with pytest.raises(ValueError, match=message):
         jax.eval_shape(
             jax.shard_map(
-                fn, mesh=mesh, in_specs=(P(), SEQ, SEQ, P(), SEQ), out_specs=(P(), P())
+                fn, mesh=mesh, in_specs=(P(), CACHE, CACHE, P(), SEQ), out_specs=(P(), P())
             ),
             *args,
         )
