@@ -13,6 +13,7 @@ The engine's own program-only times (`timing["prefill_s"]`, `["decode_s"]`) are 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -47,9 +48,11 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
 def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     """Memory bandwidth and matmul throughput, both on the first device.
 
-    Bandwidth is the faster of two jitted kernels that read a large float32 array once:
-    a sum, and a matrix-vector product (XLA CPU runs its reductions on one thread and
-    its matvecs on all of them, so either alone can understate what the memory gives).
+    Bandwidth is the fastest of three jitted kernels that read a large float32 array
+    once: a sum, a matrix-vector product, and sums of one part per CPU core (XLA CPU
+    runs a reduction on one thread, its matvecs on all of them, and independent
+    reductions side by side: on 2 cores 25, 28 and 35 GB/s; any one alone can
+    understate what the memory gives).
     Throughput is a jitted square matmul in `dtype`. An accelerator gets a larger array
     and matmul (2 GiB, 8192^2) than a CPU (256 MiB, 2048^2): each must take
     milliseconds there, so launch and dispatch stay out of it."""
@@ -59,12 +62,17 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     cols = 4096
     a = jax.device_put(jnp.ones((n_bytes // 4 // cols, cols), jnp.float32), dev)
     v = jax.device_put(jnp.ones((cols,), jnp.float32), dev)
-    kernels = {"sum": (jax.jit(jnp.sum), (a,)), "matvec": (jax.jit(jnp.matmul), (a, v))}
+    n_parts = max(2, os.cpu_count() or 1)
+    parts = [jax.device_put(jnp.ones((a.shape[0] // n_parts, cols), jnp.float32), dev)
+             for _ in range(n_parts)]
+    kernels = {"sum": (jax.jit(jnp.sum), (a,)), "matvec": (jax.jit(jnp.matmul), (a, v)),
+               "split_sum": (jax.jit(lambda ps: [p.sum() for p in ps]), (parts,))}
     per_kernel = {}
     for name, (fn, args) in kernels.items():
-        times = timed(lambda: fn(*args).block_until_ready(), repeats, warmup)
-        per_kernel[name] = spread([n_bytes / t for t in times])
-    del a, v
+        times = timed(lambda: jax.block_until_ready(fn(*args)), repeats, warmup)
+        read = sum(x.nbytes for x in args[0]) if name == "split_sum" else n_bytes
+        per_kernel[name] = spread([read / t for t in times])
+    del a, v, parts
     best = max(per_kernel, key=lambda k: per_kernel[k]["median"])
 
     n = 512 if smoke else 8192 if big else 2048

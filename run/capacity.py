@@ -25,6 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-run", action="store_true", help="only compile, do not run the prefill")
     args = p.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        from run.cli import size_cpu_threads
+
+        size_cpu_threads(args.devices)
         import jax
 
         jax.config.update("jax_num_cpu_devices", args.devices)

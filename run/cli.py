@@ -41,12 +41,26 @@ def use_cpu_devices(n: int | None) -> None:
         return
     if n < 1:
         raise CLIError(f"--cpu-devices {n} must be at least 1")
+    size_cpu_threads(n)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags:
         return  # the environment already chose; the mesh check reports a mismatch
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
+
+
+def size_cpu_threads(devices: int) -> None:
+    """Gives XLA's CPU client one thread per core plus one per emulated device (unless
+    PJRT_NPROC is set). Must run before any JAX computation.
+
+    Every device's program runs on the client's thread pool, and one waiting in a
+    collective holds its thread (blocked): with one thread per core, a pipeline stage
+    in its bubble takes a core's thread from the stage at work, whose matmuls then run
+    on fewer threads. 0.6B f32 decode on a 2x1 mesh, 2 cores: 146-171 -> 123-125 ms
+    per token at batch 1, 545 -> 420 at batch 8 (1x1 unchanged)."""
+    if devices > 1:
+        os.environ.setdefault("PJRT_NPROC", str((os.cpu_count() or 1) + devices))
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
