@@ -33,13 +33,13 @@ from jax import lax
 from ring.merge import finite_or_zero, merge
 
 
-def check_attention_shapes(name: str, q, k, v, q_pos, k_pos, heads_major: bool = False) -> None:
+def check_attention_shapes(name: str, q, k, v, q_pos, k_pos, kv_heads_major: bool = False) -> None:
     """Raises ValueError naming the sizes unless the shapes below agree.
 
-    q [B, T, N, H], k and v [B, S, K, H] (heads_major: [B, K, S, H]) with K dividing
+    q [B, T, N, H], k and v [B, S, K, H] (kv_heads_major: [B, K, S, H]) with K dividing
     N, q_pos [B, T] and k_pos [B, S] of an integer dtype.
     """
-    kv = "[B, K, S, H]" if heads_major else "[B, S, K, H]"
+    kv = "[B, K, S, H]" if kv_heads_major else "[B, S, K, H]"
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"{name}: q, k, v must be [B, T, N, H], {kv}, {kv}; "
@@ -48,7 +48,7 @@ def check_attention_shapes(name: str, q, k, v, q_pos, k_pos, heads_major: bool =
     if k.shape != v.shape:
         raise ValueError(f"{name}: k and v shapes differ: {k.shape} vs {v.shape}")
     (b, t, n, h), (bk, s, kh, hk) = q.shape, k.shape
-    if heads_major:
+    if kv_heads_major:
         s, kh = kh, s
     if b != bk or h != hk:
         raise ValueError(

@@ -42,7 +42,7 @@ def decode_attention(
       any device). Both invariant along `axis_name`.
     """
     check_attention_shapes("decode_attention", q, k_cache, v_cache, q_pos, slot_pos,
-                           heads_major=True)
+                           kv_heads_major=True)
     check_axis("decode_attention", axis_name)
     o, lse = partial_attention(q, k_cache, v_cache, q_pos, slot_pos, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))
