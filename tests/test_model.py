@@ -190,3 +190,18 @@ def test_decode_program_compiled_ahead_is_collected():
     assert sum(n.startswith("decode") for n in eng.programs) == 1
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
+
+
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (4, 8), (2, 17)])
+def test_dense_is_the_plain_product_for_any_row_count(B, T):
+    """`dense` takes the w @ h^T form up to FEW_ROWS rows on CPU (B * T = 1, 3, 32) and
+    the plain form past them (34): each must be h @ w^T, laid out [B, T, O]."""
+    from model.layers import FEW_ROWS, dense
+
+    rng = np.random.default_rng(B * 100 + T)
+    h = rng.standard_normal((B, T, 48), dtype=np.float32)
+    w = rng.standard_normal((80, 48), dtype=np.float32)
+    y = jax.jit(dense)(jnp.asarray(h), jnp.asarray(w))
+    assert y.shape == (B, T, 80)
+    np.testing.assert_allclose(y, np.einsum("bti,oi->bto", h, w), rtol=1e-5, atol=1e-5)
+    assert (B * T <= FEW_ROWS) == (B * T != 34)
