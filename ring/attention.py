@@ -33,7 +33,8 @@ from jax import lax
 from ring.merge import finite_or_zero, merge
 
 
-def check_attention_shapes(name: str, q, k, v, q_pos, k_pos, kv_heads_major: bool = False) -> None:
+def check_attention_shapes(name: str, q, k, v, q_pos, k_pos,
+                           kv_heads_major: bool = False) -> None:
     """Raises ValueError naming the sizes unless the shapes below agree.
 
     q [B, T, N, H], k and v [B, S, K, H] (kv_heads_major: [B, K, S, H]) with K dividing

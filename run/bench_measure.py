@@ -51,8 +51,8 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     Bandwidth is the fastest of three jitted kernels that read a large float32 array
     once: a sum, a matrix-vector product, and sums of one part per CPU core (XLA CPU
     runs a reduction on one thread, its matvecs on all of them, and independent
-    reductions side by side: on 2 cores 25, 28 and 35 GB/s; any one alone can
-    understate what the memory gives).
+    reductions side by side: on 2 cores 24-25, 22-28 and 27-35 GB/s across runs; any
+    one alone can understate what the memory gives).
     Throughput is a jitted square matmul in `dtype`. An accelerator gets a larger array
     and matmul (2 GiB, 8192^2) than a CPU (256 MiB, 2048^2): each must take
     milliseconds there, so launch and dispatch stay out of it."""
