@@ -65,12 +65,14 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     n_parts = max(2, os.cpu_count() or 1)
     parts = [jax.device_put(jnp.ones((a.shape[0] // n_parts, cols), jnp.float32), dev)
              for _ in range(n_parts)]
-    kernels = {"sum": (jax.jit(jnp.sum), (a,)), "matvec": (jax.jit(jnp.matmul), (a, v)),
-               "split_sum": (jax.jit(lambda ps: [p.sum() for p in ps]), (parts,))}
+    # name -> (kernel, its arguments, the bytes it reads)
+    kernels = {"sum": (jax.jit(jnp.sum), (a,), a.nbytes),
+               "matvec": (jax.jit(jnp.matmul), (a, v), a.nbytes),
+               "split_sum": (jax.jit(lambda ps: [p.sum() for p in ps]), (parts,),
+                             sum(p.nbytes for p in parts))}
     per_kernel = {}
-    for name, (fn, args) in kernels.items():
+    for name, (fn, args, read) in kernels.items():
         times = timed(lambda: jax.block_until_ready(fn(*args)), repeats, warmup)
-        read = sum(x.nbytes for x in args[0]) if name == "split_sum" else n_bytes
         per_kernel[name] = spread([read / t for t in times])
     del a, v, parts
     best = max(per_kernel, key=lambda k: per_kernel[k]["median"])

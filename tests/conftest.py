@@ -9,8 +9,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# A device waiting in a collective holds a thread of XLA's CPU pool (run.cli).
-os.environ.setdefault("PJRT_NPROC", str((os.cpu_count() or 1) + 8))
+from run.cli import size_cpu_threads  # noqa: E402
+
+size_cpu_threads(8)  # a device waiting in a collective holds a thread of XLA's CPU pool
 
 import jax  # noqa: E402
 
