@@ -158,4 +158,4 @@ class Qwen3(nnx.Module):
         """x [B, T, D] -> logits [B, T, V] float32 (final norm, then lm_head)."""
         h = self.norm(x)
         head = self.embed_vd if self.lm_head_vd is None else self.lm_head_vd
-        return jnp.einsum("BTD,VD->BTV", h, head[...]).astype(jnp.float32)
+        return dense(h, head[...]).astype(jnp.float32)
