@@ -25,13 +25,13 @@ shard of any regular sharding of [L, ...] when S does not divide L (5 layers on 
 stages: 3 + 2), and orbax restores whole arrays, never a row range. With one array per
 layer, a host asks orbax for exactly the layers of its own stages.
 
-How a restore goes (`OrbaxCheckpoint.place`), one parameter at a time: orbax reads the
-host's layers of that parameter (tensorstore, in parallel, cast to the target dtype
-on read) into host memory; each stage block [L_pad / S, ...] is stacked once (zeros in
-identity slots) and `jax.make_array_from_callback` puts it on that stage's devices
-with the target `NamedSharding(mesh, param_spec(path))`; the host copies are then
-dropped before the next parameter. The embedding, final norm and lm_head are read once
-per host and put on every device (they are replicated).
+How a restore goes: the same placement as every weight source
+(`sharding.place.place_params`), one parameter at a time: `OrbaxCheckpoint.read` has
+orbax read the host's layers of that parameter (tensorstore, in parallel, cast to the
+target dtype on read) into host memory, stacked; each device's shard is cut from them
+by `jax.make_array_from_callback`; the host copy is dropped before the next parameter.
+The embedding, final norm and lm_head are read once per host and put on every device
+(they are replicated).
 
 Why not restore jax.Arrays onto per-stage sub-mesh shardings and stack on device
 (tried first): orbax 0.12 cannot restore an array that has no shard on the calling
@@ -42,7 +42,7 @@ How much each host reads: the bytes of the layers of the stages its devices belo
 to, plus the replicated tensors, once each (`bytes_read` counts them; a two-process
 test checks it equals what the safetensors path reads). How much it holds beyond what
 it keeps: one parameter's layers for its stages, twice (the read arrays and the
-stacked blocks), at the peak.
+stacked copy), at the peak.
 
 Restoring into a different dtype than the stored one casts on read (float32 stored,
 bfloat16 restored, or the other way).
@@ -50,7 +50,6 @@ bfloat16 restored, or the other way).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -60,7 +59,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 
 from model.config import Qwen3Config
 from model.loader import LoadError, ParamPath, abstract_model, map_params
@@ -381,57 +379,14 @@ class OrbaxCheckpoint:
         if path[0] != "layers":
             return self._read(path, dtype, ())[0]
         parts = self._read(path, dtype, list(range(self.cfg.L) if layers is None else layers))
-        return np.stack(parts) if parts else np.zeros((0, *full[1:]), dtype)
-
-    def place(self, abstract_state, plan, mesh: Mesh):
-        """The model state on `mesh`: every leaf a global jax.Array with the sharding
-        `sharding.specs.param_spec` gives it; layer leaves [L_pad, ...] over `stage`.
-
-        One parameter at a time: orbax reads this host's layers of it (in parallel,
-        cast to the target dtype on read), each stage block is stacked once on the host
-        and put on that stage's devices; then the host copies are dropped.
-
-        Args:
-          abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...] (their
-            dtype is the dtype restored into).
-          plan: the stage plan (which layers each stage holds, identity slots).
-        """
-        from sharding.specs import param_spec
-
-        slots = plan.layer_of_slot
-
-        def place(path, x):
-            sharding = NamedSharding(mesh, param_spec(path))
-            if path[0] != "layers":
-                (whole,) = self._read(path, x.dtype, ())
-                out = jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
-                del whole
-                _release_host_memory()
-                return out
-            shape = (plan.padded_layers, *x.shape[1:])
-            rows = {index[0].indices(shape[0])[:2]
-                    for index in sharding.addressable_devices_indices_map(shape).values()}
-            mine = sorted({i for start, stop in rows for i in slots[start:stop] if i is not None})
-            layers = dict(zip(mine, self._read(path, x.dtype, mine)))
-            zeros = np.zeros(shape[1:], x.dtype)
-
-            @functools.cache
-            def stage_block(start: int, stop: int) -> np.ndarray:
-                return np.stack([zeros if i is None else layers.pop(i) for i in slots[start:stop]])
-
-            def shard(index):
-                start, stop, _ = index[0].indices(shape[0])
-                return stage_block(start, stop)[(slice(None), *index[1:])]
-
-            out = jax.make_array_from_callback(shape, sharding, shard)
-            _release_host_memory()
-            return out
-
-        return map_params(place, abstract_state)
+        stacked = np.stack(parts) if parts else np.zeros((0, *full[1:]), dtype)
+        del parts
+        _release_host_memory()
+        return stacked
 
 
 def _release_host_memory() -> None:
-    """Gives the host copies of the parameter just placed back to the system.
+    """Gives orbax's read buffers of the parameter just read back to the system.
 
     Tensorstore's reader threads allocate orbax's read buffers from per-thread malloc
     arenas, which glibc does not return to the system by itself once they are freed;

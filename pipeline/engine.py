@@ -30,7 +30,7 @@ from pipeline.prefill import build_prefill
 from pipeline.sampling import Sampling, sample
 from pipeline.schedule import decode_grid, prefill_grid, stats
 from ring import padded_length, to_device_order, zigzag
-from sharding.place import WeightSource, place_state, to_slots
+from sharding.place import WeightSource, place_state
 from sharding.plan import StagePlan
 from sharding.specs import SPECS, param_spec
 
@@ -141,7 +141,7 @@ class Engine:
         self.chunk = chunk
         self.poison = poison
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
-        self.state = to_slots(place_state(abstract, self.plan, mesh, source), self.plan, mesh)
+        self.state = place_state(abstract, self.plan, mesh, source)
         self.state_specs = _spec_tree(self.state)
         self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         self._prefill = jax.jit(

@@ -35,7 +35,7 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     Returns f(state, real, tokens, positions, last_pos, cache_k, cache_v) ->
     (logits [B, V] float32, cache_k, cache_v), where
       state: model state, each layer leaf a tuple of per-slot [S, ...] sharded P('stage')
-        (sharding.place.to_slots);
+        (sharding.place.place_params);
       real: [L_pad] bool, False for identity slots;
       tokens, positions: [B, P] int32 in zigzag device order (position -1 = padding);
       last_pos: [B] int32, each request's last prompt position;

@@ -55,7 +55,7 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
               active: jax.Array | None = None) -> tuple[jax.Array, StageCache]:
     """This stage's layers on x [B, T, D] at global positions [B, T], unrolled.
 
-    The model's layer weights are per-slot tuples (`sharding.place.to_slots`): slot j of
+    The model's layer weights are per-slot tuples (`sharding.place.place_params`): slot j of
     every leaf is a [1, ...] local buffer, so each matmul reads its weight in place (XLA
     copies a layer's slice out of a stacked array first, on CPU and GPU alike: 0.6B f32
     decode at batch 1 took 222-237 ms per token that way, 113 ms with slots).

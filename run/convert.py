@@ -176,8 +176,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     mark of its address space, VmHWM, which starts afresh at exec; getrusage's maxrss
     would carry over the parent's at fork).
 
-    The load is what `Engine.__init__` does with the weights: `sharding.place.place_state`,
-    then `to_slots` (each stacked layer leaf split into per-slot buffers on the devices).
+    The load is what `Engine.__init__` does with the weights: `sharding.place.place_state`.
     """
     import jax
 
@@ -187,9 +186,10 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     import numpy as np
 
     from model.loader import abstract_model, map_params
+    from model.orbax_checkpoint import OrbaxCheckpoint
     from run.models import open_model
     from sharding.mesh import make_mesh
-    from sharding.place import place_state, to_slots
+    from sharding.place import place_state
     from sharding.plan import StagePlan
 
     mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
@@ -199,7 +199,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     spec = open_model(folder)
     plan = StagePlan(spec.cfg.L, stage)
     _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype))
-    state = to_slots(place_state(abstract, plan, mesh, spec.source), plan, mesh)
+    state = place_state(abstract, plan, mesh, spec.source)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     peak = _peak_rss()
@@ -210,7 +210,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
         int(np.prod(x.shape[1:] if path[0] == "layers" else x.shape)) * x.dtype.itemsize), abstract)
     largest = max(sizes)
     target = 1.5 * kept + largest
-    fmt = "orbax" if hasattr(spec.source, "place") else "safetensors"
+    fmt = "orbax" if isinstance(spec.source, OrbaxCheckpoint) else "safetensors"
     return {"format": fmt, "mesh": f"{stage}x{seq}",
             "dtype": dtype, "load_s": round(seconds, 3), "peak_rss_bytes": peak,
             "rss_before_load_bytes": rss_before, "kept_bytes": kept,

@@ -1,13 +1,13 @@
 """Placing parameters onto the mesh straight from a weight source.
 
-Each device's shard is built by a callback that reads only the layers that device
-holds (`jax.make_array_from_callback`), so no host ever materialises the full stacked
-weights unless it holds all stages. Identity slots of the stage plan are zeros.
+A host reads only the layers of the stages its devices hold, and each device's shard is
+cut from them by a callback (`jax.make_array_from_callback`), so no host ever
+materialises the full stacked weights unless it holds all stages. Identity slots of
+the stage plan are zeros.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Protocol, Sequence
 
 import jax
@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from sharding.plan import StagePlan
-from sharding.specs import SPECS, param_spec
+from sharding.specs import param_spec
 
 
 class WeightSource(Protocol):
@@ -24,9 +24,8 @@ class WeightSource(Protocol):
 
 
 def place_state(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
-    """The model state on `mesh` from any weight source: one that restores already
-    sharded arrays (an orbax checkpoint) places itself; any other is read slice by
-    slice into each device's shard (`place_params`)."""
+    """The model state on `mesh` from a weight source: `place_params`, unless the source
+    holds a state already placed on this mesh and places itself (`place`)."""
     place = getattr(source, "place", None)
     if place is not None:
         return place(abstract_state, plan, mesh)
@@ -36,11 +35,15 @@ def place_state(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weight
 def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
     """The model state with every leaf a global jax.Array on `mesh`.
 
+    One parameter at a time: the source reads the layers of this host's stages (one
+    call, so a checkpoint reader can fetch them in parallel), and each device's shard
+    is cut from them; the host copy is dropped before the next parameter.
+
     Args:
       abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...].
       plan: the stage plan; each layer leaf becomes a tuple of L_pad / S per-slot arrays
-        [S, ...] sharded P('stage') (the layout of `to_slots`), placed straight from the
-        source.
+        [S, ...] sharded P('stage') (slot j of every stage: see pipeline.stage.run_stage),
+        zeros in identity slots.
     """
     slots = plan.layer_of_slot
     per = plan.per_stage
@@ -48,25 +51,24 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
     def place(path, x):
         sharding = NamedSharding(mesh, param_spec(path))
         if path[0] != "layers":
-            whole = functools.cache(lambda: source.read(path, x.dtype))
-            return jax.make_array_from_callback(x.shape, sharding, lambda index: whole()[index])
-
-        @functools.cache
-        def stage_block(stage: int) -> np.ndarray:
-            """[per, ...]: the stage's slots, its real layers read once for all slots."""
-            ids = slots[stage * per:(stage + 1) * per]
-            real = [i for i in ids if i is not None]
-            values = iter(source.read(path, x.dtype, real))
-            return np.stack([next(values) if i is not None else np.zeros(x.shape[1:], x.dtype)
-                             for i in ids])
+            whole = source.read(path, x.dtype)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
+        shape = (plan.stages, *x.shape[1:])  # one slot of every stage
+        stages = sorted({s for index in sharding.addressable_devices_indices_map(shape).values()
+                         for s in range(*index[0].indices(plan.stages)[:2])})
+        mine = [i for s in stages for i in slots[s * per:(s + 1) * per] if i is not None]
+        row = {layer: r for r, layer in enumerate(mine)}
+        read = source.read(path, x.dtype, mine)  # [len(mine), ...]
+        zeros = np.zeros(x.shape[1:], x.dtype)
 
         def slot(j: int) -> jax.Array:
             def shard(index):
                 start, stop, _ = index[0].indices(plan.stages)
-                return np.stack([stage_block(s)[j] for s in range(start, stop)])[
+                ids = (slots[s * per + j] for s in range(start, stop))
+                return np.stack([zeros if i is None else read[row[i]] for i in ids])[
                     (slice(None), *index[1:])]
 
-            return jax.make_array_from_callback((plan.stages, *x.shape[1:]), sharding, shard)
+            return jax.make_array_from_callback(shape, sharding, shard)
 
         return tuple(slot(j) for j in range(per))
 
@@ -75,27 +77,3 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
         return place(path, x)
 
     return jax.tree_util.tree_map_with_path(leaf, abstract_state)
-
-
-def to_slots(state: Any, plan: StagePlan, mesh: Mesh):
-    """The placed state with each stacked layer leaf [L_pad, ...] (P('stage')), as a
-    source that places itself restores it (orbax), turned into a tuple of L_pad / S
-    per-slot arrays [S, ...] (P('stage')): element j holds slot j of every stage.
-    Separate buffers let each layer's matmuls read their weights in place (see
-    pipeline.stage.run_stage). Done leaf by leaf on the devices, each stacked leaf
-    deleted once split, so the extra memory is at most one leaf; leaves already split
-    (as `place_params` places them) pass.
-    """
-    S, per = plan.stages, plan.per_stage
-    sharding = NamedSharding(mesh, SPECS.layers)
-    split = jax.jit(lambda a: tuple(a.reshape(S, per, *a.shape[1:])[:, j] for j in range(per)),
-                    out_shardings=(sharding,) * per)
-
-    def leaf(keypath, x):
-        if isinstance(x, tuple) or str(keypath[0].key) != "layers":
-            return x
-        slots = split(x)
-        x.delete()  # no output can alias it (other shapes), so donating would not free it
-        return slots
-
-    return jax.tree_util.tree_map_with_path(leaf, state, is_leaf=lambda x: isinstance(x, tuple))

@@ -24,7 +24,7 @@ from run.cli import main
 from run.convert import measure, to_hf
 from run.models import open_model
 from sharding.mesh import make_mesh
-from sharding.place import place_params, to_slots
+from sharding.place import place_params
 from sharding.plan import StagePlan
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -74,14 +74,13 @@ def test_folder_has_params_config_tokenizer_and_marker(converted):
 
 @pytest.mark.parametrize("S, C", MESHES)
 def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
-    """Every leaf, every device's shard: same bytes and same sharding as place_params
-    (which places per-slot buffers straight away; the stacked restore is split)."""
+    """Every leaf, every device's shard: same bytes and same sharding as from the
+    safetensors checkpoint."""
     mesh, plan = _mesh(S, C), StagePlan(cfg.L, S)
     for dtype, folder in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16"), (jnp.bfloat16, "f32")):
         _, abstract = abstract_model(cfg, dtype)
         want = place_params(abstract, plan, mesh, HFCheckpoint(TINY, cfg))
-        got = to_slots(ob.OrbaxCheckpoint(converted / folder, cfg).place(abstract, plan, mesh),
-                       plan, mesh)
+        got = place_params(abstract, plan, mesh, ob.OrbaxCheckpoint(converted / folder, cfg))
         for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got),
                         strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype and g.sharding == w.sharding
@@ -235,14 +234,14 @@ from model import orbax_checkpoint as ob
 from model.config import Qwen3Config
 from model.loader import HFCheckpoint, abstract_model
 from sharding.mesh import make_mesh
-from sharding.place import place_params, to_slots
+from sharding.place import place_params
 from sharding.plan import StagePlan
 cfg = Qwen3Config.from_hf(tiny)
 mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)
 hf, orb = HFCheckpoint(tiny, cfg), ob.OrbaxCheckpoint(ckpt, cfg)
 want = place_params(abstract, plan, mesh, hf)
-got = to_slots(orb.place(abstract, plan, mesh), plan, mesh)
+got = place_params(abstract, plan, mesh, orb)
 same = all(ws.device == gs.device and np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
            for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got))
            for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True))
@@ -281,7 +280,7 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
 
 def test_load_measurement_runs_both_formats(converted):
     """`convert --measure`: each format loads in a fresh process, as the engine loads it
-    (placement, then per-slot buffers), and reports its time, memory and format."""
+    (placement into per-slot buffers), and reports its time, memory and format."""
     got = measure(TINY, converted / "f32", [(2, 1)], say=lambda *_: None)
     assert [r["format"] for r in got] == ["safetensors", "orbax"]
     for r in got:
