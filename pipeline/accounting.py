@@ -9,6 +9,7 @@ every tick's payload, padding and bubbles included, at the compute dtype.
 from __future__ import annotations
 
 import collections
+import math
 
 import jax
 import numpy as np
@@ -39,13 +40,15 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
 
 
 def bytes_per_device(tree) -> list[int]:
-    """Bytes of the addressable shards of every array in `tree`, per device (in
-    jax.devices() order, devices holding nothing omitted)."""
+    """Bytes every array in `tree` keeps on each device of its sharding, per device (in
+    device id order, devices holding nothing omitted). Counted from the shardings, so
+    in a job of several processes every device is counted, not only this process's."""
     per = collections.Counter()
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
-            for shard in leaf.addressable_shards:
-                per[shard.device.id] += shard.data.nbytes
+            for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+                elements = math.prod(len(range(*i.indices(n))) for i, n in zip(index, leaf.shape))
+                per[device.id] += elements * leaf.dtype.itemsize
     return [per[d] for d in sorted(per)]
 
 

@@ -1,5 +1,8 @@
 """Traffic and memory accounting, derived from configs without building big models."""
 
+import collections
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -41,8 +44,16 @@ def test_bytes_sent_counts_padding_and_bubbles():
     assert accounting.bytes_sent(cfg, 1, 2, layout, 4)["total"] == 0
 
 
-def test_bytes_per_device_reads_addressable_shards():
+@pytest.mark.parametrize("spec", [("stage", "seq"), ("stage",), ("seq", None), ()])
+def test_bytes_per_device_counts_each_devices_shard(spec):
+    """From the sharding alone, the bytes of the shard each device holds."""
     mesh = jax.make_mesh((2, 2), ("stage", "seq"), devices=jax.devices()[:4])
     x = jax.device_put(np.zeros((4, 6), np.float32),
-                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("stage", "seq")))
-    assert accounting.bytes_per_device(x) == [2 * 3 * 4] * 4
+                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    y = jax.device_put(np.zeros((3,), np.int32), jax.devices()[5])
+    want = collections.Counter()
+    for a in (x, y):
+        for shard in a.addressable_shards:
+            want[shard.device.id] += shard.data.nbytes
+    assert accounting.bytes_per_device({"x": x, "y": y}) == [want[d] for d in sorted(want)]
+    assert sum(want.values()) == 4 * 6 * 4 * 4 // math.prod(mesh.shape[a] for a in spec if a) + 3 * 4
