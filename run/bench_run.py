@@ -90,7 +90,8 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
     out = {
-        "batch": B, "padded_batch": layout["batch"], "prompt_len": T, "steps": N,
+        "batch": B, "padded_batch": layout["batch"], "groups": layout["groups"],
+        "prompt_len": T, "steps": N,
         "chunks": layout["chunks"],
         "time_s": t,
         "time_per_output_token_s": spread([r["decode_s"] / N for r in job["runs"]]),

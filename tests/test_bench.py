@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from run.bench_report import add_ratios
 from run.cli import main
 
 
@@ -95,9 +96,27 @@ def test_decode_and_memory_on_2x1(capsys):
     one, two = out["meshes"]
     assert one["decode"][0]["stage_bytes_per_token"] == 0
     assert two["decode"][0]["stage_bytes_per_token"] > 0
+    assert one["decode"][0]["groups"] == 1 and two["decode"][0]["groups"] == 2
+    # Groups of 1 were not run on 1x1: no ratio to them.
+    assert "time_ratio_vs_1x1_groups_in_turn" not in two["decode"][0]
     # Two stages hold half the layers each (plus the replicated embedding).
     assert two["memory"]["max_weight_bytes"] < one["memory"]["max_weight_bytes"]
     assert two["memory"]["max_kv_bytes"] == one["memory"]["max_kv_bytes"] // 2
+
+
+def test_decode_groups_compare_with_the_groups_run_in_turn_on_1x1():
+    def job(batch, groups, seconds):
+        return {"batch": batch, "padded_batch": batch, "groups": groups,
+                "time_s": {"median": seconds}}
+
+    meshes = [{"mesh": "1x1", "decode": [job(1, 1, 1.0), job(2, 1, 1.5)]},
+              {"mesh": "2x1", "decode": [job(1, 1, 1.1), job(2, 2, 2.4)]}]
+    add_ratios(meshes)
+    one, two = meshes[1]["decode"]
+    assert one["time_ratio_vs_1x1"] == pytest.approx(1.1)
+    assert "time_ratio_vs_1x1_groups_in_turn" not in one  # one group
+    assert two["time_ratio_vs_1x1"] == pytest.approx(2.4 / 1.5)
+    assert two["time_ratio_vs_1x1_groups_in_turn"] == pytest.approx(2.4 / (2 * 1.0))
 
 
 def test_table_and_plot(capsys, tmp_path):
