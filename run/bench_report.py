@@ -18,9 +18,9 @@ def add_ratios(meshes: list[dict]) -> None:
             for j in m.get(kind, []):
                 j["time_ratio_vs_1x1"] = j["time_s"]["median"] / ref[j[key]]
                 G = j.get("groups", 1)
-                if G > 1 and j["padded_batch"] // G in ref:
-                    j["time_ratio_vs_1x1_groups_in_turn"] = (
-                        j["time_s"]["median"] / (G * ref[j["padded_batch"] // G]))
+                group = j["padded_batch"] // G if G > 1 else None
+                if group in ref:
+                    j["time_ratio_vs_1x1_groups_in_turn"] = j["time_s"]["median"] / (G * ref[group])
 
 
 def _find(report, mesh: str, kind: str, key: str, value):
