@@ -313,6 +313,21 @@ def test_long_query_blocks_run_in_chunks_with_the_same_result():
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_ref)[finite], atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 32, 33])
+def test_scores_in_either_product_order_are_q_dot_k(rows):
+    """Up to FEW_ROWS rows the scores are computed as k @ q^T on CPU (33: the plain
+    order); either way score [b, k, r, s] is q[b, k, r] . k[b, k, s]."""
+    from ring.attention import FEW_ROWS, _scores
+
+    assert FEW_ROWS == 32
+    rng = np.random.default_rng(rows)
+    qr = rng.standard_normal((2, 3, rows, 16)).astype(np.float32)
+    k = rng.standard_normal((2, 3, 40, 16)).astype(np.float32)
+    s = jax.jit(_scores)(qr, k)
+    assert s.shape == (2, 3, rows, 40) and s.dtype == jnp.float32
+    np.testing.assert_allclose(s, np.einsum("bkrh,bksh->bkrs", qr, k), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "cudnn"])
 def test_prompt_attention_is_block_attention_on_real_rows(implementation):
     """The fused prompt path (one device, prompts in position order, padding after)
