@@ -63,7 +63,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
         B = tokens.shape[0]
         Bg = B // G
-        _, _, K, S_loc, H = cache_k.shape
+        _, _, K, _, H = cache_k.shape
         dtype = cache_k.dtype
         period = max(G, S)
         busy = run_steps * period
@@ -96,11 +96,10 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
 
                 def attend(q, k, v, cache: StageCache):
                     cache = StageCache(write(cache.k, k), write(cache.v, v))
-                    at, size = (layer, row0, 0, 0, 0), (1, Bg, K, S_loc, H)
-                    k_g = jax.lax.dynamic_slice(cache.k, at, size)[0]
-                    v_g = jax.lax.dynamic_slice(cache.v, at, size)[0]
-                    o, _ = decode_attention(q, k_g, v_g, q_pos, group_slot_pos, axis_name="seq",
-                                            scale=scale)
+                    # Slots past this step's hold nothing the group can see yet.
+                    o, _ = decode_attention(q, cache.k, cache.v, q_pos, group_slot_pos,
+                                            axis_name="seq", scale=scale, at=(layer, row0),
+                                            filled=slot + 1)
                     return o, cache
 
                 return attend

@@ -10,6 +10,8 @@ terms and done with collectives on (o, lse)-sized values only:
     o   = psum(o_c * w_c) / psum(w_c),    lse = m + log(psum(w_c))
 
 The cache is never gathered. The result is the same (invariant) on every device.
+Given how far the cache is filled, a device reads only its filled blocks of slots (on
+CPU; see DECODE_BLOCK).
 
 Dimension letters: B batch, T query tokens, S local cache slots, N query heads,
 K KV heads, H head dim, C devices on the axis.
@@ -19,34 +21,99 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ring.attention import check_attention_shapes, check_axis, partial_attention
-from ring.merge import finite_or_zero
+from ring.attention import (check_attention_shapes, check_axis, make_varying,
+                            partial_attention, varying_axes)
+from ring.merge import finite_or_zero, merge
+
+# Cache slots per block when decode attention reads only the filled part of the cache
+# (on CPU). A cache has room for every token its requests may reach; a request early
+# in its generation has most of it empty, and reading it all costs: 0.6B f32 at batch
+# 8 with 1024 slots, 300 of them filled, 363 -> 203 ms per step for the attention of
+# 28 layers (the full cache: 355 -> 325).
+DECODE_BLOCK = 256
 
 
 def decode_attention(
-    q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float
+    q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float,
+    at: tuple = (0,), filled=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of new tokens over a sequence-sharded cache; call inside shard_map.
 
     Args:
       q: [B, T, N, H] queries of the new tokens (T usually 1), the same on every device.
-      k_cache, v_cache: [B, K, S, H] this device's cache slots, heads-major (the layout
-        attention reads in place: `ring.attention.heads_major`).
+      k_cache, v_cache: [*A, B', K, S, H] this device's cache slots, heads-major (the
+        layout attention reads in place: `ring.attention.heads_major`). The queries'
+        rows are the B from index `at` = (*A indices, first row): a layer-stacked
+        cache [L, B', K, S, H] is read at (layer, row0), and where blocks are read
+        only they are sliced out of it (XLA copies a slice before a product). A plain
+        [B, K, S, H] cache takes the default (0,).
       q_pos: [B, T] int32 positions of the new tokens.
       slot_pos: [B, S] int32 positions held in this device's slots (-1: empty).
       axis_name: the mesh axis the cache is sharded along.
       scale: multiplier of the scores, usually H ** -0.5.
+      filled: optional int32 scalar (traced or not): slots at or past it are ignored
+        (a cache filled in slot order holds nothing visible there yet). On CPU, with
+        more than DECODE_BLOCK slots, attention then reads only the blocks below it.
 
     Returns:
       o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: no visible slot on
       any device). Both invariant along `axis_name`.
     """
-    check_attention_shapes("decode_attention", q, k_cache, v_cache, q_pos, slot_pos,
-                           kv_heads_major=True)
+    b = q.shape[0]
+    if k_cache.ndim != len(at) + 3 or v_cache.ndim != len(at) + 3:
+        raise ValueError(
+            f"decode_attention: caches {k_cache.shape}, {v_cache.shape} must have the "
+            f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]")
+    rows = jax.ShapeDtypeStruct((b, *k_cache.shape[-3:]), k_cache.dtype)
+    check_attention_shapes("decode_attention", q, rows,
+                           jax.ShapeDtypeStruct((b, *v_cache.shape[-3:]), v_cache.dtype),
+                           q_pos, slot_pos, kv_heads_major=True)
     check_axis("decode_attention", axis_name)
-    o, lse = partial_attention(q, k_cache, v_cache, q_pos, slot_pos, scale)
+    S = k_cache.shape[-2]
+    if filled is not None:
+        slot_pos = jnp.where(jnp.arange(S) < filled, slot_pos, -1)
+    if filled is None or S <= DECODE_BLOCK or jax.default_backend() != "cpu":
+        o, lse = partial_attention(q, _rows(k_cache, at, b), _rows(v_cache, at, b), q_pos,
+                                   slot_pos, scale)
+    else:
+        o, lse = _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))
     w = jnp.exp(lse - m)  # [B, T, N]
     den = lax.psum(w, axis_name)
     o = lax.psum(o * w[..., None], axis_name) / jnp.where(den > 0, den, 1.0)[..., None]
     return o.astype(q.dtype), m + jnp.log(den)
+
+
+def _rows(x, at, b: int, start=0, size: int | None = None):
+    """The [b, K, size, H] block of cache x [*A, B', K, S, H] at rows at[-1] .. + b of
+    index at[:-1], slots start .. start + size (all of them by default)."""
+    size = x.shape[-2] if size is None else size
+    lead = len(at) - 1
+    sizes = (1,) * lead + (b, x.shape[-3], size, x.shape[-1])
+    return lax.dynamic_slice(x, (*at, 0, start, 0), sizes).reshape(sizes[lead:])
+
+
+def _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale):
+    """partial_attention over the DECODE_BLOCK-slot blocks below `filled`, merged one by
+    one in a loop whose trip count is the number of such blocks, then over the slots
+    after the last whole block (fewer than DECODE_BLOCK) if `filled` reaches them. Each
+    block is sliced from the cache as it is read: the rest is neither copied nor read."""
+    b, t, n, h = q.shape
+    S, block = k_cache.shape[-2], DECODE_BLOCK
+    whole = S // block
+    axes = frozenset().union(*(varying_axes(x) for x in (q, k_cache, v_cache, q_pos, slot_pos)))
+
+    def attend(carry, start, size):
+        pos = lax.dynamic_slice_in_dim(slot_pos, start, size, axis=1)
+        part = partial_attention(q, _rows(k_cache, at, b, start, size),
+                                 _rows(v_cache, at, b, start, size), q_pos, pos, scale)
+        return tuple(make_varying(x, axes) for x in merge(*carry, *part))
+
+    init = (make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
+            make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes))
+    blocks = jnp.clip((filled + block - 1) // block, 0, whole)
+    carry = lax.fori_loop(0, blocks, lambda i, c: attend(c, i * block, block), init)
+    if S % block:
+        carry = lax.cond(filled > whole * block, lambda c: attend(c, whole * block, S % block),
+                         lambda c: c, carry)
+    return carry

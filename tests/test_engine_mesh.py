@@ -162,6 +162,32 @@ def test_mesh_matches_1x1_and_the_fixture(runs, setup):
     np.testing.assert_allclose(run.gen.first_logits[:8], ref["step_logits_0"], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("setup", [BASE, Setup(S=2, C=2), Setup(S=2, C=1, M=2, G=4, poison=True)],
+                         ids=str)
+def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch):
+    """With decode attention blocks of 12 slots (the cache holds 64 per device on 1x1,
+    32 with C = 2; neither a multiple of 12), each step reads only the blocks below its
+    own slot, in a loop (one more `while` per layer of a stage): the same tokens as the one-pass
+    read of the fixture runs, and logits within float rounding."""
+    import ring.decode
+
+    base = runs.run(setup)  # traced with the default block, more slots than the cache
+    monkeypatch.setattr(ring.decode, "DECODE_BLOCK", 12)
+    cfg, source, prompts, _, max_seq = runs.model(setup.model)
+    mesh = make_mesh(setup.S, setup.C, jax.devices()[:setup.S * setup.C])
+    engine = Engine(cfg, source, mesh, max_seq_len=max_seq, microbatches=setup.M,
+                    groups=setup.G, chunk=4, poison=setup.poison)
+    gen = engine.generate(prompts, N_NEW, sampling=GREEDY, seed=SEED)
+
+    def loops(engine):
+        return sum(c.as_text().count(" while(") for name, c in engine.programs.items()
+                   if name.startswith("decode"))
+
+    assert loops(engine) >= loops(base.engine) + -(-cfg.L // setup.S)  # a stage's layers
+    assert [c.token_ids for c in gen.completions] == base.tokens
+    np.testing.assert_allclose(gen.first_logits, base.gen.first_logits, atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("setup,batch", [
     (BASE, 5), (Setup(S=2, C=2, M=2, poison=True), 6), (Setup(S=2, C=1, M=2, G=4, poison=True), 8),
     (Setup(S=4, C=2), 8), (Setup(S=3, C=1, G=2), 6), (Setup(S=1, C=8), 5),

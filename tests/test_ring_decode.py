@@ -229,3 +229,53 @@ def test_decode_bad_input(kwargs, message):
             ),
             *args,
         )
+
+
+@pytest.mark.parametrize("c", [1, 4])
+@pytest.mark.parametrize("filled", [0, 5, 8, 9, 10])
+def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monkeypatch):
+    """With blocks of 4 of a device's 10 slots, decode attention reads rows 1..2 of
+    layer 1 of a stacked cache [L, B', K, S, H] block by block below `filled` (slots 8
+    and 9 as a last, shorter block). It matches
+    dense attention over the slots below `filled`: the slots at or past it hold
+    positions the queries could see, and are ignored. Whole blocks past `filled` hold
+    NaN keys and values: on CPU they are never read."""
+    import ring.decode
+
+    monkeypatch.setattr(ring.decode, "DECODE_BLOCK", 4)  # read when fn is traced below
+    layers, rows, b, n, kh, h, s_loc = 2, 3, 2, 4, 2, 8, 10
+    layer, row0 = 1, 1
+    rng = np.random.default_rng(filled + 10 * c)
+    q = rng.standard_normal((b, 1, n, h), dtype=np.float32)
+    k, v = rng.standard_normal((2, layers, rows, c * s_loc, kh, h), dtype=np.float32)
+    local = np.tile(np.arange(s_loc), c)  # local slot index of each global slot
+    slot_pos = np.stack([rng.permutation(c * s_loc) for _ in range(b)]).astype(np.int32)
+    slot_pos[1, rng.random(c * s_loc) < 0.2] = -1  # some empty slots
+    q_pos = np.array([[c * s_loc], [c * s_loc // 2]], np.int32)
+    unread = local >= min(-(-filled // 4) * 4, s_loc)
+    k_in, v_in = k.copy(), v.copy()
+    if jax.default_backend() == "cpu":  # elsewhere the cache is read in one pass
+        k_in[:, :, unread] = v_in[:, :, unread] = np.nan
+    assert unread.any() == (filled <= 8)
+
+    mesh = jax.make_mesh((c,), ("seq",), devices=jax.devices()[:c])
+    stacked = P(None, None, None, "seq")
+
+    def fn(q, k_cache, v_cache, q_pos, slot_pos, filled):
+        return ring.decode_attention(q, k_cache, v_cache, q_pos, slot_pos, axis_name="seq",
+                                     scale=0.25, at=(layer, row0), filled=filled)
+
+    in_specs = (P(), stacked, stacked, P(), SEQ, P())
+    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(), P())))
+    put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
+    args = (q, np.swapaxes(k_in, 2, 3), np.swapaxes(v_in, 2, 3), q_pos, slot_pos, np.int32(filled))
+    o, lse = sharded(*(put(x, spec) for x, spec in zip(args, in_specs)))
+
+    seen = np.where(local < filled, slot_pos, -1)
+    group = slice(row0, row0 + b)
+    o_ref, lse_ref = dense_attention(q, k[layer, group], v[layer, group], q_pos, seen, 0.25)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=0)
+    finite = ~np.isneginf(lse_ref)
+    np.testing.assert_allclose(np.asarray(lse)[finite], lse_ref[finite], atol=1e-5, rtol=0)
+    assert filled > 0 or not np.asarray(o).any()
