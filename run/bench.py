@@ -47,6 +47,9 @@ def register(subparsers) -> None:
                    help="prompt length before the decode steps (default: the shortest "
                         "--prompt-lens)")
     p.add_argument("--decode-steps", type=int, help="decode steps timed per job (default 32)")
+    p.add_argument("--decode-cache-len", type=int,
+                   help="KV cache slots per request in decode jobs, as a server sized for "
+                        "long requests has (default: just enough for the prompt and steps)")
     p.add_argument("--chunk", type=int, help="decode steps per on-device chunk (default 16)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
     p.add_argument("--groups", type=int, help="decode groups G (default: S)")
@@ -93,6 +96,7 @@ def _settings(args) -> dict:
         "prefill_batch": args.prefill_batch,
         "seed": args.seed,
         "smoke": bool(args.smoke),
+        "decode_cache_len": args.decode_cache_len,
     }
     s["decode_prompt_len"] = args.decode_prompt_len or min(s["prompt_lens"])
     for name in ("decode_steps", "repeats", "chunk", "microbatches", "prefill_batch",
@@ -101,6 +105,10 @@ def _settings(args) -> dict:
             raise CLIError(f"--{name.replace('_', '-')} {s[name]} must be at least 1")
     if s["warmup"] < 0:
         raise CLIError(f"--warmup {s['warmup']} must not be negative")
+    if s["decode_cache_len"] is not None:
+        from run.bench_run import decode_cache_len
+
+        decode_cache_len(s, 1)  # too small for one device is too small for any mesh
     return s
 
 

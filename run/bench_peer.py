@@ -20,6 +20,7 @@ import numpy as np
 
 from pipeline.engine import fitting_seq_len
 from run.bench_measure import prompts_for, run_once, spread
+from run.bench_run import decode_cache_len
 
 
 def _import():
@@ -146,7 +147,7 @@ def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
     if "decode" in scenarios:
         T, N = s["decode_prompt_len"], s["decode_steps"]
         for B in s["batches"]:
-            engine = engines.get(fitting_seq_len(T, N + 1, 1))
+            engine = engines.get(decode_cache_len(s, 1))
             job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), N + 1, s, "decode_s",
                          B * N)
             out["decode"].append({"batch": B, "prompt_len": T, "steps": N, **job})

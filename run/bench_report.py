@@ -120,8 +120,10 @@ def print_table(r: dict) -> None:
              f"{j['ring_bytes_per_token']:.0f}", f"{j['compile_s']:.1f}"]
             for m in r["meshes"] for j in m.get("decode", [])]
     if rows:
+        cache = r["settings"].get("decode_cache_len")
         print(f"\ndecode ({r['settings']['decode_steps']} steps after "
-              f"{r['settings']['decode_prompt_len']} prompt tokens)")
+              f"{r['settings']['decode_prompt_len']} prompt tokens"
+              f"{f', {cache} cache slots per request' if cache else ''})")
         print(_table(["mesh", "B", "tokens/s", "ms/token", "x 1x1", "x 1x1 groups in turn",
                       "of BW roof", "host frac",
                       "idle", "stage B/tok", "ring B/tok", "compile s"], rows))

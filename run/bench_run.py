@@ -77,11 +77,28 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
     return out
 
 
+def decode_cache_len(s: dict, C: int) -> int:
+    """Cache slots per request of the decode jobs on C `seq` devices: --decode-cache-len
+    rounded up to a multiple of C, or just enough for the prompt and the steps."""
+    T, N = s["decode_prompt_len"], s["decode_steps"]
+    need = fitting_seq_len(T, N + 1, C)
+    asked = s.get("decode_cache_len")
+    if asked is None:
+        return need
+    if asked < need:
+        from run.cli import CLIError
+
+        raise CLIError(f"--decode-cache-len {asked} is below the {need} slots a decode job of "
+                       f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}")
+    return C * -(-asked // C)
+
+
 def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
     cfg, s, dtype = engines.cfg, engines.s, engines.dtype
     S, C = engines.mesh.shape["stage"], engines.mesh.shape["seq"]
     T, N = s["decode_prompt_len"], s["decode_steps"]
-    engine = engines.get(fitting_seq_len(T, N + 1, C))
+    cache_len = decode_cache_len(s, C)
+    engine = engines.get(cache_len)
     job = time_job(engine, prompts_for(cfg, B, T, s["seed"]), N + 1, s)
     t = spread([r["decode_s"] for r in job["runs"]])
     layout = job["layout"]
@@ -91,7 +108,7 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
     out = {
         "batch": B, "padded_batch": layout["batch"], "groups": layout["groups"],
-        "prompt_len": T, "steps": N,
+        "prompt_len": T, "steps": N, "cache_len": cache_len,
         "chunks": layout["chunks"],
         "time_s": t,
         "time_per_output_token_s": spread([r["decode_s"] / N for r in job["runs"]]),

@@ -72,12 +72,13 @@ def test_prefill_and_rooflines_on_2x2(capsys):
 
 def test_decode_and_memory_on_2x1(capsys):
     out = run_json(capsys, "--scenario", "decode", "--scenario", "memory", "--scenario",
-                   "roofline", "--mesh", "2x1", "--batches", "2")
+                   "roofline", "--mesh", "2x1", "--batches", "2", "--decode-cache-len", "41")
     check_common(out, ["1x1", "2x1"])
     for mesh in out["meshes"]:
         assert "prefill" not in mesh
         (job,) = mesh["decode"]
         assert job["batch"] == 2 and job["steps"] == 4 and job["chunks"] == 1
+        assert job["cache_len"] == 41  # 16 prompt tokens and 4 steps need 21
         for key in ("time_s", "time_per_output_token_s", "tokens_per_s", "program_time_s"):
             check_spread(job[key])
         assert all(math.isfinite(job["host_overhead_fraction"][k]) for k in ("min", "max"))
@@ -154,6 +155,7 @@ def test_peer_transformers(capsys):
     (["--prompt-lens", "0"], "positive"),
     (["--scenario", "peer"], "--peer transformers"),
     (["--mesh", "2x2", "--cpu-devices", "2"], "needs 4 devices"),
+    (["--decode-cache-len", "20"], "--decode-cache-len 20 is below the 21 slots"),
 ])
 def test_bad_input(capsys, argv, words):
     assert main(["bench", "--smoke", *argv]) == 2
