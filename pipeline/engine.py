@@ -265,7 +265,7 @@ class Engine:
         every request's tokens so far (for streaming).
         """
         self.check(prompts, max_new_tokens)
-        cfg, C, mesh = self.cfg, self.C, self.mesh
+        C, mesh = self.C, self.mesh
         self.compile_s = 0.0
         n_req = len(prompts)
         G = self.groups_for(n_req)
