@@ -124,7 +124,8 @@ def partial_attention(q, k, v, q_pos, k_pos, scale):
 
 
 # Up to this many score rows per KV head (decode: G query heads times a few tokens),
-# XLA's CPU dot reads the keys faster as k @ q^T, an [S, R] result.
+# XLA's CPU dot reads the keys faster as k @ q^T, an [S, R] result (the same effect
+# as model.layers.FEW_ROWS for weights; ring does not import model).
 FEW_ROWS = 32
 
 

@@ -64,10 +64,11 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} must have the "
             f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]")
-    rows = jax.ShapeDtypeStruct((b, *k_cache.shape[-3:]), k_cache.dtype)
-    check_attention_shapes("decode_attention", q, rows,
-                           jax.ShapeDtypeStruct((b, *v_cache.shape[-3:]), v_cache.dtype),
-                           q_pos, slot_pos, kv_heads_major=True)
+    def rows(x):  # the queries' rows of a cache, as a shape
+        return jax.ShapeDtypeStruct((b, *x.shape[-3:]), x.dtype)
+
+    check_attention_shapes("decode_attention", q, rows(k_cache), rows(v_cache), q_pos, slot_pos,
+                           kv_heads_major=True)
     check_axis("decode_attention", axis_name)
     S = k_cache.shape[-2]
     if filled is not None:

@@ -166,8 +166,8 @@ def test_mesh_matches_1x1_and_the_fixture(runs, setup):
 def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch):
     """With decode attention blocks of 12 slots (the cache holds 64 per device on 1x1,
     32 with C = 2; neither a multiple of 12), each step reads only the blocks below its
-    own slot, in a loop (one more `while` per layer of a stage): the same tokens as the one-pass
-    read of the fixture runs, and logits within float rounding."""
+    own slot, in a loop (one more `while` per layer of a stage): the same tokens as the
+    one-pass read of the fixture runs, and logits within float rounding."""
     import ring.decode
 
     base = runs.run(setup)  # traced with the default block, more slots than the cache

@@ -236,10 +236,10 @@ def test_decode_bad_input(kwargs, message):
 def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monkeypatch):
     """With blocks of 4 of a device's 10 slots, decode attention reads rows 1..2 of
     layer 1 of a stacked cache [L, B', K, S, H] block by block below `filled` (slots 8
-    and 9 as a last, shorter block). It matches
-    dense attention over the slots below `filled`: the slots at or past it hold
-    positions the queries could see, and are ignored. Whole blocks past `filled` hold
-    NaN keys and values: on CPU they are never read."""
+    and 9 as a last, shorter block). It matches dense attention over the slots below
+    `filled`: the slots at or past it hold positions the queries could see, and are
+    ignored. Whole blocks past `filled` hold NaN keys and values: on CPU they are never
+    read."""
     import ring.decode
 
     monkeypatch.setattr(ring.decode, "DECODE_BLOCK", 4)  # read when fn is traced below
