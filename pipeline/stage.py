@@ -62,8 +62,8 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
 
     Args:
       real: [L_pad / S] bool, this stage's slots (False: padded identity layer).
-      attend_at(j) -> attend function for local slot j (see model.layers.Attend); it
-        reads and writes `cache`.
+      attend_at(j) -> attend function for local slot j, a traced int32 (see
+        model.layers.Attend); it reads and writes `cache`.
       gated: attend holds no collectives, so a slot that does not run (padding) is
         skipped whole with `lax.cond`. Otherwise attend runs on every device (XLA runs
         a collective only when every device joins it): only the layer's own work
@@ -78,28 +78,50 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
     # Each stage's real layers come first: the first L // S slots are real everywhere.
     always = cfg.L // jax.lax.axis_size("stage")
     rope = rope_tables(cfg, positions, x.dtype)
+
+    # Slots differ only in their weights and their index j into the cache, so each
+    # kind of call below is one jitted function with j traced: JAX traces a layer once
+    # per program instead of once per slot, and XLA inlines the calls (the compiled
+    # program is the same). Tracing 28 unrolled layers was most of the time a 0.6B
+    # job waited for its programs.
+    def layer(params):
+        return nnx.merge(layer_def, params)
+
+    @jax.jit
+    def whole(params, x, cache, j):
+        return layer(params)(x, rope, cache, attend_at(j))
+
+    @jax.jit
+    def inputs(params, x):
+        return layer(params).attention_inputs(x, rope)
+
+    @jax.jit
+    def attend(q, k, v, cache, j):
+        return attend_at(j)(q, k, v, cache)
+
+    @jax.jit
+    def finish(params, x, o):
+        return layer(params).finish(x, o)
+
     for j in range(n):
         params = jax.tree.map(lambda t, j=j: t[j][0], layer_state, is_leaf=_is_slots)
+        slot = jnp.int32(j)
         runs = None if j < always else real[j]
         if active is not None:
             runs = active if runs is None else runs & active
 
-        def layer(params=params):
-            return nnx.merge(layer_def, params)
-
         if runs is None:
-            x, cache = layer()(x, rope, cache, attend_at(j))
+            x, cache = whole(params, x, cache, slot)
         elif gated:
-            x, cache = jax.lax.cond(
-                runs, lambda x, c, j=j, layer=layer: layer()(x, rope, c, attend_at(j)),
-                lambda x, c: (x, c), x, cache)
+            x, cache = jax.lax.cond(runs, lambda x, c, p=params, j=slot: whole(p, x, c, j),
+                                    lambda x, c: (x, c), x, cache)
         else:
-            inputs = lambda x, layer=layer: layer().attention_inputs(x, rope)  # noqa: E731
             zeros = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)),
-                                 jax.eval_shape(inputs, x))
-            q, k, v = jax.lax.cond(runs, inputs, lambda x, zeros=zeros: zeros, x)
-            o, cache = attend_at(j)(q, k, v, cache)
-            x = jax.lax.cond(runs, lambda x, o, layer=layer: layer().finish(x, o),
+                                 jax.eval_shape(inputs, params, x))
+            q, k, v = jax.lax.cond(runs, lambda x, p=params: inputs(p, x),
+                                   lambda x, zeros=zeros: zeros, x)
+            o, cache = attend(q, k, v, cache, slot)
+            x = jax.lax.cond(runs, lambda x, o, p=params: finish(p, x, o),
                              lambda x, o: x, x, o)
     return x, cache
 
