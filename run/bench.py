@@ -172,6 +172,10 @@ def main(args) -> int:
     import jax
     import jax.numpy as jnp
 
+    # Compile times are part of the figures: every program compiles here, none is read
+    # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
+    jax.config.update("jax_enable_compilation_cache", False)
+
     from run.bench_measure import MemoSource, rooflines
     from run.bench_report import add_ratios, check_targets, print_table
     from run.bench_run import MeshEngines, run_mesh

@@ -50,8 +50,9 @@ def register(subparsers) -> None:
     p.add_argument("--profile", metavar="DIR",
                    help="write a JAX profiler trace of the generate run into DIR (TensorBoard, "
                         "Perfetto)")
-    from run import distributed
+    from run import compile_cache, distributed
 
+    compile_cache.add_argument(p)
     distributed.add_flags(p)
     p.set_defaults(func=main)
 
@@ -88,7 +89,7 @@ def _prompts(args, text) -> list[list[int]]:
 
 
 def main(args) -> int:
-    from run import distributed
+    from run import compile_cache, distributed
 
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
     if status is not None:
@@ -109,7 +110,7 @@ def main(args) -> int:
         elif args.cpu_devices is not None:
             raise CLIError("--cpu-devices emulates CPU devices, but this run is on an "
                            "accelerator: leave it out (or set JAX_PLATFORMS=cpu)")
-        return _run(args, procs, mesh_text, stage, seq)
+        return _run(args, procs, mesh_text, stage, seq, compile_cache.use(args.compile_cache))
     finally:
         distributed.finish(procs)
 
@@ -131,7 +132,7 @@ def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
     return total // n_proc
 
 
-def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
+def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
     from run.cli import CLIError
 
     import jax
@@ -216,6 +217,7 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int) -> int:
                       "text": text.decode(c.token_ids) if text else None,
                       "finish_reason": c.finish_reason} for c in out.completions],
         "timing": out.timing,
+        "compile_cache": cache.report(),
         "max_seq_len": max_seq_len,
         "bytes_between_stages": accounting.bytes_between_stages(
             spec.cfg, S, [len(p) for p in prompts],
@@ -380,6 +382,11 @@ class _DoneStreamer:
                 self._show(n, ids[:self.max_new], "length")
 
 
+def _from_cache(c: dict) -> str:
+    n = c["programs_read"]
+    return f" ({n} program{'s' * (n != 1)} read from the compile cache)" if n else ""
+
+
 def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) -> str:
     """The report the way a person reads it."""
     lines = [""]
@@ -408,7 +415,7 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
               f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
               f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
               f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
-              f"compile {t['compile_s']:.1f} s"]
+              f"compile {t['compile_s']:.1f} s{_from_cache(r['compile_cache'])}"]
     if "matches_single_device" in r:
         lines.append(f"matches_single_device: {str(r['matches_single_device']).lower()} "
                      f"(the tokens of a one-device run of the same requests; max logits error "

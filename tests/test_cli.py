@@ -125,3 +125,34 @@ def test_bad_distributed_flags_are_one_line_exit_2(capsys):
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path):
+    """Two runs with one --compile-cache folder: the first compiles and writes its
+    programs there, the second reads them back (and gives the same tokens)."""
+    argv = [sys.executable, "-m", "run", "generate", "--model", str(FIXTURES / "tiny"),
+            "--mesh", "1x2", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "5", "--json",
+            "--compile-cache", str(tmp_path / "xla")]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout))
+    first, second = runs
+    assert first["compile_cache"] == {"dir": str(tmp_path / "xla"), "programs_read": 0}
+    assert list((tmp_path / "xla").iterdir())
+    assert second["compile_cache"]["programs_read"] >= 2  # prefill and decode at least
+    assert second["requests"][0]["token_ids"] == first["requests"][0]["token_ids"]
+
+
+def test_compile_cache_off_and_unusable(capsys, tmp_path):
+    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2", "--max-new-tokens", "2",
+                 "--json", "--compile-cache", "off"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile_cache"] == {"dir": None,
+                                                                   "programs_read": 0}
+    (tmp_path / "file").write_text("")
+    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2",
+                 "--compile-cache", str(tmp_path / "file" / "xla")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --compile-cache") and "\n" not in err
