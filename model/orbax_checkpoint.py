@@ -235,10 +235,17 @@ def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, fo
         dtype = named if named in DTYPES else "float32"
     if dtype not in DTYPES:
         raise LoadError(f"--dtype {dtype} is not supported: use {' or '.join(DTYPES)}")
+    if out.resolve() == hf_folder.resolve() or out.resolve() in hf_folder.resolve().parents:
+        raise LoadError(f"--out {out} holds the checkpoint being converted ({hf_folder}), which "
+                        "writing it would delete: choose another --out")
     if out.exists() and not force:
         what = "an orbax checkpoint" if is_orbax_checkpoint(out) else "a folder"
         raise LoadError(f"{out} already exists ({what}): pass --force to replace it, or choose "
                         "another --out")
+    # --force replaces what convert wrote, never another folder's files.
+    if out.exists() and not (is_orbax_checkpoint(out) or (out.is_dir() and not any(out.iterdir()))):
+        raise LoadError(f"{out} exists and is not an orbax checkpoint, which is all --force "
+                        "replaces: choose another --out, or remove it yourself")
     for stale in partial_folders(out):
         pid = stale.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
@@ -247,7 +254,11 @@ def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, fo
         shutil.rmtree(stale)
 
     partial = out.parent / f"{out.name}.partial-{os.getpid()}"
-    partial.mkdir(parents=True)
+    try:
+        partial.mkdir(parents=True)
+    except OSError as e:
+        raise LoadError(f"--out {out}: cannot write there ({e.strerror}): choose a writable "
+                        "folder") from None
     meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "layout":
             "our NNX state, one array per parameter and layer (layers.<name>.<i>)",
             "source": str(hf_folder.resolve())}

@@ -107,13 +107,16 @@ class _progress_bar:
         self.title, self.tasks = title, {}
 
     def __enter__(self):
-        self.bar.start()
         return self
 
     def __exit__(self, *exc):
-        self.bar.stop()
+        if self.tasks:
+            self.bar.stop()
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        # Started at the first progress, so an error found before any work is one line.
+        if not self.tasks:
+            self.bar.start()
         if phase not in self.tasks:
             label = {"read": "reading safetensors", "write": "writing orbax"}.get(phase, phase)
             self.tasks[phase] = self.bar.add_task(label, total=total)

@@ -288,3 +288,39 @@ def test_load_measurement_runs_both_formats(converted):
         assert r["peak_rss_bytes"] >= r["rss_before_load_bytes"] > 0
         assert r["kept_bytes"] > r["largest_tensor_bytes"] > 0
     assert got[0]["kept_bytes"] == got[1]["kept_bytes"]
+
+
+def test_convert_never_deletes_what_it_did_not_write(tmp_path, capsys):
+    """--out the checkpoint itself, or a folder holding it, is refused even with --force;
+    --force replaces an orbax checkpoint or an empty folder, not another folder's files;
+    an --out that cannot be written is one line naming it."""
+    hf = tmp_path / "work" / "hf"
+    shutil.copytree(TINY, hf)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    before = sorted(p.name for p in hf.iterdir())
+    for out, words in [(hf, "holds the checkpoint being converted"),
+                       (tmp_path / "work", "holds the checkpoint being converted"),
+                       (tmp_path, "holds the checkpoint being converted")]:
+        assert main(["convert", "--model", str(hf), "--out", str(out), "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and words in err and "\n" not in err
+    assert sorted(p.name for p in hf.iterdir()) == before
+    assert (tmp_path / "work" / "notes.txt").read_text() == "mine"
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("keep")
+    assert main(["convert", "--model", str(hf), "--out", str(other), "--force"]) == 2
+    assert "is not an orbax checkpoint" in capsys.readouterr().err
+    assert (other / "keep.txt").read_text() == "keep"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["convert", "--model", str(hf), "--out", str(empty), "--force"]) == 0
+    assert (empty / ob.COMPLETE_FILE).is_file()
+    capsys.readouterr()
+
+    (tmp_path / "file").write_text("")
+    assert main(["convert", "--model", str(hf), "--out", str(tmp_path / "file" / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --out") and "cannot write there" in err and "\n" not in err
