@@ -25,8 +25,9 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise SamplingError(f"--temperature {self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails too
+            raise SamplingError(f"--temperature {self.temperature} must be a finite number >= 0 "
+                                "(0 = greedy)")
         if self.top_k < 0:
             raise SamplingError(f"--top-k {self.top_k} must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
@@ -37,9 +38,10 @@ def greedy(logits: jax.Array) -> jax.Array:
     """argmax over the last axis, first index on ties, [B, V] -> [B] int32.
 
     Written as max, then the smallest index holding it: XLA's CPU argmax over a
-    150K-wide vocabulary is an order of magnitude slower for B > 1."""
+    150K-wide vocabulary is an order of magnitude slower for B > 1. A row holding NaN
+    gives its first NaN, as numpy's argmax does (never an id outside the vocabulary)."""
     V = logits.shape[-1]
-    hit = logits == jnp.max(logits, axis=-1, keepdims=True)
+    hit = (logits == jnp.max(logits, axis=-1, keepdims=True)) | jnp.isnan(logits)
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
 
 

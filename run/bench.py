@@ -68,12 +68,9 @@ def register(subparsers) -> None:
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from run.cli import CLIError
+    from run.cli import CLIError, int_list
 
-    try:
-        xs = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise CLIError(f"{flag} {text!r} is not a comma-separated list of integers") from None
+    xs = int_list(text, flag)
     if not xs or min(xs) < 1:
         raise CLIError(f"{flag} {text!r} needs positive integers")
     return xs
@@ -83,14 +80,18 @@ def _settings(args) -> dict:
     from run.cli import CLIError
 
     smoke = SMOKE if args.smoke else {}
+
+    def given(value, name: str, default):  # a flag given as 0 stays 0 (and is refused)
+        return value if value is not None else smoke.get(name, default)
+
     s = {
-        "prompt_lens": _ints(args.prompt_lens or smoke.get("prompt_lens", "128,512,2048"),
+        "prompt_lens": _ints(given(args.prompt_lens, "prompt_lens", "128,512,2048"),
                              "--prompt-lens"),
-        "batches": _ints(args.batches or smoke.get("batches", "1,8,32"), "--batches"),
-        "decode_steps": args.decode_steps or smoke.get("decode_steps", 32),
-        "repeats": args.repeats or smoke.get("repeats", 5),
+        "batches": _ints(given(args.batches, "batches", "1,8,32"), "--batches"),
+        "decode_steps": given(args.decode_steps, "decode_steps", 32),
+        "repeats": given(args.repeats, "repeats", 5),
         "warmup": args.warmup,
-        "chunk": args.chunk or smoke.get("chunk", 16),
+        "chunk": given(args.chunk, "chunk", 16),
         "microbatches": args.microbatches,
         "groups": args.groups,
         "prefill_batch": args.prefill_batch,
@@ -98,7 +99,8 @@ def _settings(args) -> dict:
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
     }
-    s["decode_prompt_len"] = args.decode_prompt_len or min(s["prompt_lens"])
+    s["decode_prompt_len"] = (args.decode_prompt_len if args.decode_prompt_len is not None
+                              else min(s["prompt_lens"]))
     for name in ("decode_steps", "repeats", "chunk", "microbatches", "prefill_batch",
                  "decode_prompt_len"):
         if s[name] < 1:

@@ -35,6 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def int_list(text: str, flag: str) -> list[int]:
+    """'1,2, 3' -> [1, 2, 3] (a trailing comma is allowed; '' is []). Anything else
+    between the commas, '1 2' included, is an error naming the flag."""
+    items = text.strip().removesuffix(",").split(",") if text.strip() else []
+    try:
+        return [int(t) for t in items]
+    except ValueError:
+        raise CLIError(f"{flag} {text!r} is not a comma-separated list of integers "
+                       "(e.g. 1,2,3)") from None
+
+
 def use_cpu_devices(n: int | None) -> None:
     """Emulates n CPU devices. Must run before any JAX computation."""
     if n is None:

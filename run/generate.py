@@ -70,14 +70,9 @@ def _platform_is_cpu() -> bool:
 
 
 def _prompts(args, text) -> list[list[int]]:
-    from run.cli import CLIError
+    from run.cli import CLIError, int_list
 
-    prompts = []
-    for raw in args.prompt_ids:
-        try:
-            prompts.append([int(t) for t in raw.replace(" ", "").split(",") if t != ""])
-        except ValueError:
-            raise CLIError(f"--prompt-ids {raw!r} is not a comma-separated list of integers") from None
+    prompts = [int_list(raw, "--prompt-ids") for raw in args.prompt_ids]
     for raw in args.prompt:
         if text is None:
             raise CLIError("--prompt needs tokenizer.json in the checkpoint folder, which has "

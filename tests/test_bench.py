@@ -156,6 +156,13 @@ def test_peer_transformers(capsys):
     (["--scenario", "peer"], "--peer transformers"),
     (["--mesh", "2x2", "--cpu-devices", "2"], "needs 4 devices"),
     (["--decode-cache-len", "20"], "--decode-cache-len 20 is below the 21 slots"),
+    # 0 is refused, not taken for "use the default"
+    (["--decode-steps", "0"], "--decode-steps 0 must be at least 1"),
+    (["--repeats", "0"], "--repeats 0 must be at least 1"),
+    (["--chunk", "0"], "--chunk 0 must be at least 1"),
+    (["--decode-prompt-len", "0"], "--decode-prompt-len 0 must be at least 1"),
+    (["--prompt-lens", ""], "positive"),
+    (["--prompt-lens", "16 32"], "comma-separated"),
 ])
 def test_bad_input(capsys, argv, words):
     assert main(["bench", "--smoke", *argv]) == 2

@@ -66,6 +66,9 @@ def test_chat_prompt_uses_template(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--model", "/no/such/folder"], "no such folder"),
     (["--prompt-ids", "1,2,x"], "comma-separated"),
+    (["--prompt-ids", "1 2 3"], "comma-separated"),  # not the one token 123
+    (["--prompt-ids", "1,,2"], "comma-separated"),
+    (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature nan"),
     (["--prompt-ids", ""], "empty"),
     (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),

@@ -36,6 +36,16 @@ def test_greedy_is_argmax():
     assert got.dtype == jnp.int32
 
 
+def test_greedy_of_a_row_with_nan_is_its_first_nan_as_numpy_argmax():
+    logits = np.array(_logits(3, seed=2))
+    logits[0, [5, 9]] = np.nan
+    logits[2, :] = np.nan
+    got = np.asarray(_sample(jnp.asarray(logits), jnp.arange(3, dtype=jnp.int32), jnp.int32(0),
+                             jnp.int32(0), Sampling()))
+    np.testing.assert_array_equal(got, np.argmax(logits, -1))  # [5, argmax, 0]
+    assert got.max() < V
+
+
 @pytest.mark.parametrize("temperature", [0.3, 5.0])
 def test_top_k_one_is_greedy_at_any_temperature(temperature):
     logits = _logits(8, seed=2)
@@ -120,6 +130,9 @@ def test_per_row_steps_equal_scalar_steps():
 
 @pytest.mark.parametrize("kwargs,word", [
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top-p"),
     (dict(top_k=-1), "top-k"),
     (dict(top_p=0.0), "top-p"),
     (dict(top_p=1.5), "top-p"),
