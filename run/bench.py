@@ -148,7 +148,7 @@ def machine(device_count: int) -> dict:
 
 
 def main(args) -> int:
-    from run.cli import CLIError, use_cpu_devices
+    from run.cli import CLIError, check_output_file, use_cpu_devices
     from run.generate import _platform_is_cpu
 
     settings = _settings(args)
@@ -170,6 +170,13 @@ def main(args) -> int:
         except ImportError:
             raise CLIError("--plot needs matplotlib, which is not installed: "
                            "pip install matplotlib") from None
+        from matplotlib.figure import Figure
+
+        kinds = Figure().canvas.get_supported_filetypes()
+        if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
+            raise CLIError(f"--plot {args.plot}: the name must end in an image format matplotlib "
+                           f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png")
+        check_output_file(args.plot, "--plot")
 
     import jax
     import jax.numpy as jnp

@@ -23,8 +23,15 @@ def _subcommands():
     return [generate, ring_demo, bench, convert]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="qwen3-spmd",
         description="Qwen3 inference in JAX over a (stage, seq) device mesh: pipeline "
                     "parallelism, ring attention, decode context parallelism.")
@@ -44,6 +51,30 @@ def int_list(text: str, flag: str) -> list[int]:
     except ValueError:
         raise CLIError(f"{flag} {text!r} is not a comma-separated list of integers "
                        "(e.g. 1,2,3)") from None
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Before any work: a file can be written at `path` (else the work's result would be
+    lost at the end)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CLIError(f"{flag} {path} is a folder: give a file name")
+    if not os.path.isdir(parent):
+        raise CLIError(f"{flag} {path}: there is no folder {parent}: create it, or choose "
+                       "another path")
+    if not os.access(parent, os.W_OK):
+        raise CLIError(f"{flag} {path}: the folder {parent} is not writable: choose another path")
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """Before any work: `path` is (or is made) a writable folder."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot make that folder ({e.strerror}): choose another "
+                       "path") from None
+    if not os.access(path, os.W_OK):
+        raise CLIError(f"{flag} {path}: the folder is not writable: choose another path")
 
 
 def use_cpu_devices(n: int | None) -> None:
@@ -89,7 +120,10 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error (printed already)
+        return int(e.code or 0)
     if args.command is None:
         parser.print_help()
         return 2
@@ -98,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`| head`): stop quietly, as a program killed by
+        # SIGPIPE does, and keep Python's exit-time flush from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except _known_errors() as e:
         if args.debug:
             raise

@@ -128,7 +128,7 @@ def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
 
 
 def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
-    from run.cli import CLIError
+    from run.cli import CLIError, check_output_file, check_output_folder
 
     import jax
     import jax.numpy as jnp
@@ -158,6 +158,10 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
         args.check = args.check or not procs.many
     if not prompts:
         raise CLIError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    if args.logits_out:
+        check_output_file(args.logits_out, "--logits-out")
+    if args.profile:
+        check_output_folder(args.profile, "--profile")
     mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
@@ -237,7 +241,8 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
                                                                         ref.first_logits)
     if args.logits_out:
         try:
-            np.save(args.logits_out, out.first_logits)
+            with open(args.logits_out, "wb") as f:  # the path given (np.save would add .npy)
+                np.save(f, out.first_logits)
         except OSError as e:
             raise CLIError(f"--logits-out {args.logits_out}: cannot write it ({e.strerror})") from None
 

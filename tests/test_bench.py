@@ -167,3 +167,11 @@ def test_peer_transformers(capsys):
 def test_bad_input(capsys, argv, words):
     assert main(["bench", "--smoke", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plot, words", [("bench.txt", "image format"), ("bench", "image format"),
+                                         ("/no/such/folder/b.png", "there is no folder")])
+def test_plot_path_is_checked_before_the_run(capsys, plot, words):
+    assert main(["bench", "--smoke", "--plot", plot]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --plot") and words in err and "\n" not in err

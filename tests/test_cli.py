@@ -77,6 +77,14 @@ def test_chat_prompt_uses_template(capsys):
     (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
     (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
     (["--prompt", "hello"], "tokenizer"),
+    # outputs are checked before the work, whose result would otherwise be lost
+    (["--prompt-ids", "1,2", "--logits-out", "/no/such/folder/l.npy"], "there is no folder"),
+    (["--prompt-ids", "1,2", "--logits-out", str(FIXTURES)], "is a folder"),
+    (["--prompt-ids", "1,2", "--profile", str(FIXTURES / "tiny" / "config.json")],
+     "cannot make that folder"),
+    # argparse's own errors, one line too
+    (["--prompt-ids", "1,2", "--max-new-tokens", "x"], "invalid int value"),
+    (["--prompt-ids", "1,2", "--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_exit_2(capsys, argv, words):
     assert main(["generate", *argv]) == 2
