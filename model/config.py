@@ -124,7 +124,39 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads")
 
 
+def _check_types(raw: Any) -> None:
+    """Every field the engine reads has the JSON type a Qwen3 config gives it (a hand-edited
+    or foreign file otherwise fails deep inside with a Python error)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config.json holds a {type(raw).__name__}, not an object of fields: "
+                          "replace it with the checkpoint's own")
+
+    def check(name, ok, what):
+        if name in raw and not ok(raw[name]):
+            raise ConfigError(f"config field {name}={raw[name]!r} must be {what}: fix config.json")
+
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for name in (*_REQUIRED, "max_position_embeddings"):
+        check(name, integer, "an integer")
+    for name in ("num_key_value_heads", "head_dim", "bos_token_id"):
+        check(name, lambda v: v is None or integer(v), "an integer (or null)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        check(name, number, "a number")
+    for name in ("tie_word_embeddings", "attention_bias"):
+        check(name, lambda v: isinstance(v, bool), "true or false")
+    check("eos_token_id", lambda v: v is None or integer(v) or (
+        isinstance(v, list) and all(map(integer, v))), "an integer or a list of integers")
+    for name in ("rope_parameters", "rope_scaling"):
+        check(name, lambda v: v is None or isinstance(v, dict), "an object (or null)")
+
+
 def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
+    _check_types(raw)
     model_type = raw.get("model_type", "qwen3")
     if model_type != "qwen3":
         raise ConfigError(

@@ -12,6 +12,7 @@ Parameters are named by their path in the model's NNX state, e.g.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from model.config import Qwen3Config
 from model.layers import Qwen3
@@ -32,6 +33,10 @@ ParamPath = tuple[str, ...]
 
 class LoadError(ValueError):
     """A checkpoint that does not match its config: the message names the tensor."""
+
+
+# safetensors dtype names of the weights a Qwen3 checkpoint may hold.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,18 @@ def name_table(cfg: Qwen3Config) -> list[Entry]:
     return table
 
 
+@contextlib.contextmanager
+def _opened(file: Path):
+    """safe_open(file), with a damaged file (truncated, not safetensors, a tensor missing
+    where the index puts it) a LoadError naming it."""
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except SafetensorError as e:
+        raise LoadError(f"{file} is not a readable safetensors file, or lacks a tensor its "
+                        f"index puts there ({e}): re-download it") from None
+
+
 def _tensor_files(folder: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file that holds it."""
     index = folder / "model.safetensors.index.json"
@@ -132,7 +149,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         raise LoadError(
             f"no model.safetensors or model.safetensors.index.json in {folder}: "
             "pass a Hugging Face checkpoint folder with safetensors weights")
-    with safe_open(single, framework="numpy") as f:
+    with _opened(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -182,17 +199,22 @@ class HFCheckpoint:
         for name in expected:
             by_file.setdefault(self.files[name], []).append(name)
         for file, names in by_file.items():
-            with safe_open(file, framework="numpy") as f:
+            with _opened(file) as f:
                 for name in names:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    want = expected[name][0]
+                    tensor = f.get_slice(name)
+                    shape, want = tuple(tensor.get_shape()), expected[name][0]
                     if shape != want:
                         raise LoadError(
                             f"tensor {name} in {file.name} has shape {list(shape)}, but config.json "
                             f"implies {list(want)}: the weights and config.json do not match")
+                    if tensor.get_dtype() not in FLOAT_DTYPES:
+                        raise LoadError(
+                            f"tensor {name} in {file.name} holds {tensor.get_dtype()}, not floating "
+                            f"point ({', '.join(FLOAT_DTYPES)}): quantized or foreign weights are "
+                            "not supported")
 
     def _read_tensor(self, name: str) -> np.ndarray:
-        with safe_open(self.files[name], framework="numpy") as f:
+        with _opened(self.files[name]) as f:
             x = f.get_slice(name)[...]
         with self._lock:
             self.bytes_read += x.nbytes

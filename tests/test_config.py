@@ -201,6 +201,24 @@ def test_refuses_non_positive_size(field):
     assert field in _refused(raw)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", None), ("hidden_size", 48.0), ("max_position_embeddings", None),
+    ("num_key_value_heads", "2"), ("rope_theta", "abc"), ("rms_norm_eps", True),
+    ("tie_word_embeddings", "yes"), ("eos_token_id", "abc"), ("eos_token_id", [1, "2"]),
+    ("rope_scaling", "yarn"),
+])
+def test_refuses_a_field_of_the_wrong_type(field, value):
+    raw = _raw("tiny")
+    raw[field] = value
+    assert f"config field {field}=" in _refused(raw)
+
+
+def test_refuses_a_config_that_is_not_an_object(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds a list"):
+        Qwen3Config.from_hf(tmp_path)
+
+
 def test_missing_and_invalid_config_file(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         Qwen3Config.from_hf(tmp_path)

@@ -119,6 +119,31 @@ def test_mis_shaped_tensor(tmp_path, tiny_cfg, tiny_tensors, name):
     assert name in msg and str(list(bad.shape)) in msg and str(list(good.shape)) in msg
 
 
+def test_integer_tensor(tmp_path, tiny_cfg, tiny_tensors):
+    tensors = dict(tiny_tensors)
+    name = "model.norm.weight"
+    tensors[name] = tensors[name].astype(np.int32)
+    msg = _load_error(_tiny_with(tmp_path, tensors), tiny_cfg)
+    assert name in msg and "I32" in msg and "not floating point" in msg
+
+
+def test_truncated_safetensors_file(tmp_path, tiny_cfg):
+    folder = _copy(TINY, tmp_path / "ckpt")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    msg = _load_error(folder, tiny_cfg)
+    assert "model.safetensors is not a readable safetensors file" in msg and "\n" not in msg
+
+
+def test_index_putting_a_tensor_in_the_wrong_shard(tmp_path, tied_cfg):
+    folder = _copy(TIED, tmp_path / "ckpt")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name, file = next(iter(index["weight_map"].items()))
+    index["weight_map"][name] = next(f for f in index["weight_map"].values() if f != file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "not a readable safetensors file, or lacks a tensor" in _load_error(folder, tied_cfg)
+
+
 def test_checks_run_before_any_read(tiny_cfg):
     ckpt = HFCheckpoint(TINY, tiny_cfg)
     assert ckpt.bytes_read == 0
