@@ -114,6 +114,21 @@ def _settings(args) -> dict:
     return s
 
 
+def _check_lengths(s: dict, scenarios, positions: int) -> None:
+    """The jobs' sequences fit the model's positions, said in bench's own flags."""
+    from run.cli import CLIError
+
+    if "prefill" in scenarios and max(s["prompt_lens"]) + 1 > positions:
+        raise CLIError(f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
+                       f"need {max(s['prompt_lens']) + 1} positions, but the model has "
+                       f"{positions}: use lengths up to {positions - 1}")
+    need = s["decode_prompt_len"] + s["decode_steps"] + 1
+    if "decode" in scenarios and need > positions:
+        raise CLIError(f"decode jobs need --decode-prompt-len {s['decode_prompt_len']} + "
+                       f"--decode-steps {s['decode_steps']} + 1 = {need} positions, but the "
+                       f"model has {positions}: shorten one")
+
+
 def _meshes(args) -> list[tuple[int, int]]:
     from sharding.mesh import parse_mesh
 
@@ -199,6 +214,7 @@ def main(args) -> int:
         raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
     dtype = jnp.dtype(dtype_name)
     spec = open_model(args.model, args.seed)
+    _check_lengths(settings, scenarios, spec.cfg.max_position_embeddings)
     source = MemoSource(spec.source)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))

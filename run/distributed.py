@@ -83,8 +83,9 @@ def check_flags(args) -> None:
     """The flags alone, in words, before any process starts to wait for another."""
     from run.cli import CLIError
 
-    if args.peer_timeout <= 0:
-        raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be positive (seconds)")
+    if not 0 < args.peer_timeout < float("inf"):  # NaN fails too
+        raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be a positive number of "
+                       "seconds")
     if not requested(args):
         return
     if args.distributed == "auto":

@@ -80,6 +80,8 @@ def _prompts(args, text) -> list[list[int]]:
         prompts.append(text.encode(text.chat(raw, not args.no_thinking) if args.chat else raw))
     if args.chat and not args.prompt:
         raise CLIError("--chat applies to --prompt TEXT prompts, and none was given")
+    if args.no_thinking and not args.chat:
+        raise CLIError("--no-thinking applies to --chat prompts: add --chat")
     return prompts
 
 
@@ -115,11 +117,13 @@ def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
     from run.cli import CLIError
 
     if args.cpu_devices is not None:
+        if args.cpu_devices < 1:
+            raise CLIError(f"--cpu-devices {args.cpu_devices} must be at least 1")
         if args.cpu_devices * n_proc != total:
-            per = (f"{n_proc} processes x --cpu-devices {args.cpu_devices}" if n_proc > 1
+            per = (f"{n_proc} processes x --cpu-devices {args.cpu_devices} = "
+                   f"{args.cpu_devices * n_proc}" if n_proc > 1
                    else f"--cpu-devices is {args.cpu_devices}")
-            raise CLIError(f"--mesh {mesh_text} needs {total} devices but {per} = "
-                           f"{args.cpu_devices * n_proc}: make them agree")
+            raise CLIError(f"--mesh {mesh_text} needs {total} devices but {per}: make them agree")
         return args.cpu_devices
     if total % n_proc:
         raise CLIError(f"--mesh {mesh_text} has {total} devices, which {n_proc} processes cannot "

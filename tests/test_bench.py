@@ -163,6 +163,8 @@ def test_peer_transformers(capsys):
     (["--decode-prompt-len", "0"], "--decode-prompt-len 0 must be at least 1"),
     (["--prompt-lens", ""], "positive"),
     (["--prompt-lens", "16 32"], "comma-separated"),
+    (["--prompt-lens", "5000"], "--prompt-lens 5000: a prompt and the token after it need 5001"),
+    (["--decode-prompt-len", "4090", "--decode-steps", "8"], "4090 + --decode-steps 8 + 1"),
 ])
 def test_bad_input(capsys, argv, words):
     assert main(["bench", "--smoke", *argv]) == 2

@@ -77,6 +77,8 @@ def test_chat_prompt_uses_template(capsys):
     (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
     (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
     (["--prompt", "hello"], "tokenizer"),
+    (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
+    (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
     # outputs are checked before the work, whose result would otherwise be lost
     (["--prompt-ids", "1,2", "--logits-out", "/no/such/folder/l.npy"], "there is no folder"),
     (["--prompt-ids", "1,2", "--logits-out", str(FIXTURES)], "is a folder"),
@@ -132,6 +134,8 @@ def test_bad_distributed_flags_are_one_line_exit_2(capsys):
         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"],
          "--process-id 5"),
         (["--peer-timeout", "0"], "--peer-timeout"),
+        (["--peer-timeout", "nan"], "--peer-timeout"),
+        (["--peer-timeout", "inf"], "--peer-timeout"),
     ]:
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err.strip()
