@@ -301,6 +301,12 @@ def _fsync_tree(folder: Path, files: bool = True) -> None:
 # ---- reading -----------------------------------------------------------------------
 
 
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """An error's first line, cut to `limit` characters (tensorstore's run to many)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class OrbaxCheckpoint:
     """A checked orbax checkpoint folder written by `convert`.
 
@@ -324,9 +330,12 @@ class OrbaxCheckpoint:
 
     def _check(self) -> None:
         try:
-            stored = _flatten(_checkpointer().metadata(self.params_dir).item_metadata.tree)
-        except (FileNotFoundError, ValueError, OSError) as e:
-            raise LoadError(f"orbax checkpoint {self.folder} cannot be read ({e}): {RERUN}") from e
+            meta = _checkpointer().metadata(self.params_dir)
+            stored = _flatten(meta.item_metadata.tree)
+        except (FileNotFoundError, ValueError, OSError, AttributeError) as e:
+            # AttributeError: orbax finds no item metadata (params/ missing or emptied)
+            raise LoadError(f"orbax checkpoint {self.folder} cannot be read "
+                            f"({type(e).__name__}: {_first_line(e)}): {RERUN}") from None
         expected = {}
         for path, full in self.shapes.items():
             for keys, shape in _stored_keys(path, full, range(self.cfg.L)):
@@ -358,9 +367,13 @@ class OrbaxCheckpoint:
 
         item = _nest({k: jax.ShapeDtypeStruct(shape, self.dtype) for k, (shape, _) in targets.items()})
         args = _nest({k: a for k, (_, a) in targets.items()})
-        out = _checkpointer().restore(
-            self.params_dir,
-            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        try:
+            out = _checkpointer().restore(
+                self.params_dir,
+                args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+        except (ValueError, OSError) as e:  # damaged data files (tensorstore's errors)
+            raise LoadError(f"orbax checkpoint {self.folder} cannot be restored "
+                            f"({type(e).__name__}: {_first_line(e)}): {RERUN}") from None
         return _flatten(out)
 
     def _read(self, path: ParamPath, dtype, layers: Sequence[int]) -> list[np.ndarray]:

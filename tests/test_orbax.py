@@ -324,3 +324,22 @@ def test_convert_never_deletes_what_it_did_not_write(tmp_path, capsys):
     assert main(["convert", "--model", str(hf), "--out", str(tmp_path / "file" / "ckpt")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --out") and "cannot write there" in err and "\n" not in err
+
+
+def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
+    """params/ gone, or its largest data file cut short: a LoadError naming the folder
+    and the fix (orbax and tensorstore raise AttributeError and 80-line errors)."""
+    gone = tmp_path / "gone"
+    shutil.copytree(converted / "f32", gone)
+    shutil.rmtree(gone / ob.PARAMS_DIR)
+    cut = tmp_path / "cut"
+    shutil.copytree(converted / "f32", cut)
+    data = max((p for p in (cut / ob.PARAMS_DIR).rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:1000])
+    for folder in (gone, cut):
+        assert main(["generate", "--model", str(folder), "--mesh", "1x1", "--prompt-ids", "1,2",
+                     "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith(f"error: orbax checkpoint {folder} cannot be")
+        assert err.endswith("re-run `qwen3-spmd convert` to write it again")
