@@ -120,6 +120,9 @@ class Qwen3Config:
         return _from_dict(raw)
 
 
+# transformers' Qwen3Config defaults for fields a config.json may leave out.
+HF_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768}
+
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
@@ -176,6 +179,9 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         raise ConfigError("config field layer_types asks for non-full attention layers, "
                           "which this engine does not implement")
 
+    if raw.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"config field partial_rotary_factor={raw['partial_rotary_factor']!r} "
+                          "is not supported: Qwen3 rotates whole heads (1.0)")
     theta, scaling = _rope(raw)
     n_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
@@ -186,9 +192,13 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         intermediate_size=raw["intermediate_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=n_heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        # Absent fields take transformers' Qwen3Config defaults (32 KV heads, head_dim
+        # 128, 32768 positions); a null KV head count means one per query head there.
+        num_key_value_heads=raw.get("num_key_value_heads", HF_DEFAULTS["num_key_value_heads"])
+        or n_heads,
+        head_dim=raw.get("head_dim", HF_DEFAULTS["head_dim"]) or raw["hidden_size"] // n_heads,
+        max_position_embeddings=raw.get("max_position_embeddings",
+                                        HF_DEFAULTS["max_position_embeddings"]),
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -214,8 +224,10 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             f"config field rope_type={rope_type!r} is not supported: use 'default' or 'yarn'")
     # transformers' defaults: the original window falls back to max_position_embeddings,
     # and a missing factor is the ratio of the two windows.
-    max_pos = raw.get("max_position_embeddings", 40960)
-    original = params.get("original_max_position_embeddings") or raw.get(
+    max_pos = raw.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
+    # A top-level original_max_position_embeddings wins over the one in the rope
+    # parameters, as in transformers (Phi-3 style configs keep it there).
+    original = raw.get("original_max_position_embeddings") or params.get(
         "original_max_position_embeddings") or max_pos
     factor = params.get("factor") or max_pos / original
     return theta, RopeScaling(

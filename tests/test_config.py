@@ -117,13 +117,36 @@ def test_published_0_6b_config_is_the_preset():
     assert isinstance(cfg.rope_theta, float) and cfg.rope_theta == 1e6
 
 
-def test_defaults_for_optional_fields():
+def test_defaults_for_optional_fields_are_transformers_defaults():
+    """A config.json without head_dim, num_key_value_heads or max_position_embeddings
+    means what transformers' Qwen3Config makes of it: 128, 32 and 32768 (not hidden /
+    heads, one KV head per query head, or the published 40960)."""
     raw = {k: v for k, v in _raw("tiny").items()
-           if k not in ("head_dim", "num_key_value_heads", "rope_parameters")}
+           if k not in ("head_dim", "num_key_value_heads", "max_position_embeddings",
+                        "rope_parameters")}
+    raw["num_attention_heads"] = 64
     cfg = Qwen3Config.from_hf(raw)
-    assert cfg.K == raw["num_attention_heads"]
-    assert cfg.H == raw["hidden_size"] // raw["num_attention_heads"]
+    assert (cfg.K, cfg.H, cfg.max_position_embeddings) == (32, 128, 32768)
     assert cfg.rope_scaling is None
+    assert Qwen3Config.from_hf({**raw, "num_key_value_heads": None}).K == 64
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.Qwen3Config(**raw)
+    assert (theirs.num_key_value_heads, theirs.head_dim, theirs.max_position_embeddings) == \
+        (cfg.K, cfg.H, cfg.max_position_embeddings)
+
+
+def test_top_level_original_window_wins_for_yarn():
+    raw = _raw("tiny")
+    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 64}
+    raw["original_max_position_embeddings"] = 16
+    assert Qwen3Config.from_hf(raw).rope_scaling.original_max_position_embeddings == 16
+
+
+def test_refuses_partial_rotary_factor():
+    raw = _raw("tiny")
+    raw["partial_rotary_factor"] = 0.5
+    assert "partial_rotary_factor" in _refused(raw)
 
 
 def test_eos_list_becomes_a_tuple():
