@@ -168,10 +168,16 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
     for name in _REQUIRED:
         if name not in raw:
             raise ConfigError(f"config.json lacks the field {name!r}, which a Qwen3 config must have")
-    if raw.get("use_sliding_window", False):
+    if raw.get("use_sliding_window", False) and raw.get("sliding_window", 4096) is not None \
+            and not raw.get("layer_types") \
+            and raw["num_hidden_layers"] > raw.get("max_window_layers", 28):
+        # transformers slides the window in layers max_window_layers and up only
         raise ConfigError(
-            "config field use_sliding_window=true is not supported: set it to false "
-            "(published Qwen3 checkpoints do)")
+            f"config field use_sliding_window=true with max_window_layers="
+            f"{raw.get('max_window_layers', 28)} below num_hidden_layers="
+            f"{raw['num_hidden_layers']} asks for sliding-window layers, which this engine "
+            "does not implement: set use_sliding_window to false (published Qwen3 "
+            "checkpoints do)")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config field hidden_act={act!r} is not supported: Qwen3 uses 'silu'")
