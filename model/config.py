@@ -20,10 +20,15 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """YaRN parameters (`rope_type: yarn`), as transformers reads them."""
+    """RoPE scaling parameters as transformers reads them: `rope_type` yarn (all fields
+    but the two llama3 ones), linear (factor only) or llama3 (factor, the original
+    window and the two frequency factors)."""
 
     factor: float
     original_max_position_embeddings: int
+    rope_type: str = "yarn"
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attention_factor: float | None = None
@@ -225,9 +230,16 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10_000.0)))
     if rope_type == "default":
         return theta, None
-    if rope_type != "yarn":
+    if rope_type not in ("yarn", "linear", "llama3"):
         raise ConfigError(
-            f"config field rope_type={rope_type!r} is not supported: use 'default' or 'yarn'")
+            f"config field rope_type={rope_type!r} is not supported: use 'default', 'yarn', "
+            "'linear' or 'llama3'")
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+             "yarn": ()}[rope_type]
+    for key in needs:
+        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
+            raise ConfigError(f"config rope parameters of rope_type {rope_type!r} need a number "
+                              f"{key!r}: add it to config.json")
     # transformers' defaults: the original window falls back to max_position_embeddings,
     # and a missing factor is the ratio of the two windows.
     max_pos = raw.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
@@ -236,6 +248,11 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     original = raw.get("original_max_position_embeddings") or params.get(
         "original_max_position_embeddings") or max_pos
     factor = params.get("factor") or max_pos / original
+    if rope_type != "yarn":
+        return theta, RopeScaling(
+            factor=float(factor), original_max_position_embeddings=int(original),
+            rope_type=rope_type, low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)))
     return theta, RopeScaling(
         factor=float(factor),
         original_max_position_embeddings=int(original),

@@ -1,5 +1,6 @@
-"""Rotary position embeddings from global positions: `default` and `yarn`, as transformers
-computes them (same inverse frequencies, same attention factor folded into cos/sin).
+"""Rotary position embeddings from global positions: `default`, `yarn`, `linear` and
+`llama3`, as transformers computes them (same inverse frequencies, same attention factor
+folded into cos/sin).
 
 Positions are global token positions, so a token's rotation does not depend on where
 it sits in a zigzag layout or on which device holds it. Padding positions (-1) give
@@ -25,6 +26,10 @@ def inverse_frequencies(cfg: Qwen3Config) -> tuple[np.ndarray, float]:
     y = cfg.rope_scaling
     if y is None:
         return inv_freq, 1.0
+    if y.rope_type == "linear":
+        return (inv_freq / np.float32(y.factor)).astype(np.float32), 1.0
+    if y.rope_type == "llama3":
+        return _llama3(inv_freq, y), 1.0
 
     def mscale(scale, m=1.0):
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -51,6 +56,20 @@ def inverse_frequencies(cfg: Qwen3Config) -> tuple[np.ndarray, float]:
     interpolation = np.float32(1.0) / (np.float32(y.factor) * pos_freqs)
     inv_freq = interpolation * (1 - extrapolation) + inv_freq * extrapolation
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def _llama3(inv_freq: np.ndarray, y) -> np.ndarray:
+    """Llama 3.1's scaling: wavelengths past the original window / low_freq_factor are
+    divided by `factor`, those under it / high_freq_factor kept, the band between
+    blended (transformers' _compute_llama3_parameters)."""
+    old = y.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / y.low_freq_factor, old / y.high_freq_factor
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(y.factor), inv_freq)
+    smooth = (old / wavelen - y.low_freq_factor) / (y.high_freq_factor - y.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / np.float32(y.factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 def rope_tables(cfg: Qwen3Config, positions: jnp.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -193,7 +193,7 @@ def test_sliding_window_switched_on_for_no_layer_is_full_attention():
 
 
 @pytest.mark.parametrize("layout", ["5.x", "4.x"])
-@pytest.mark.parametrize("rope_type", ["llama3", "linear", "dynamic"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
 def test_refuses_unknown_rope_type(layout, rope_type):
     raw = _raw("yarn")
     raw["rope_parameters"]["rope_type"] = rope_type
@@ -358,3 +358,28 @@ def test_32b_model_shapes_without_allocating():
     # about 65.5 GB of bfloat16 weights, never allocated here
     assert isinstance(model.embed_vd.get_value(), jax.ShapeDtypeStruct)
     assert np.isclose(cfg.param_count() * 2 / 1e9, 65.5, atol=0.1)
+
+
+@pytest.mark.parametrize("layout", ["5.x", "4.x"])
+def test_linear_and_llama3_rope(layout):
+    raw = _raw("yarn")
+    raw["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+    linear = Qwen3Config.from_hf(_as_4x(raw, "type") if layout == "4.x" else raw)
+    assert (linear.rope_scaling.rope_type, linear.rope_scaling.factor) == ("linear", 2.0)
+    assert linear.rope_theta == 5000.0
+    raw["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                              "rope_theta": 5000.0}
+    y = Qwen3Config.from_hf(_as_4x(raw, "type") if layout == "4.x" else raw).rope_scaling
+    assert (y.rope_type, y.factor, y.low_freq_factor, y.high_freq_factor,
+            y.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 64)
+
+
+@pytest.mark.parametrize("rope_type, missing", [("linear", "factor"),
+                                                ("llama3", "low_freq_factor")])
+def test_refuses_scaled_rope_without_its_parameters(rope_type, missing):
+    raw = _raw("yarn")
+    raw["rope_parameters"] = {"rope_type": rope_type, "factor": 2.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "rope_theta": 5000.0}
+    del raw["rope_parameters"][missing]
+    assert missing in _refused(raw)

@@ -222,3 +222,51 @@ def test_scores_depend_only_on_relative_position():
     assert score(10, 3) == pytest.approx(score(107, 100), abs=1e-4)
     assert score(10, 3) == pytest.approx(score(7, 0), abs=1e-4)
     assert score(10, 3) != pytest.approx(score(10, 4), abs=1e-3)
+
+
+def _scaled(rope_type: str, **params) -> Qwen3Config:
+    cfg = PRESETS["tiny"]
+    return dataclasses.replace(cfg, rope_theta=10_000.0, rope_scaling=RopeScaling(
+        rope_type=rope_type, original_max_position_embeddings=params.pop("original", 64),
+        **params))
+
+
+def test_linear_divides_every_frequency_by_the_factor():
+    inv_freq, attention_factor = inverse_frequencies(_scaled("linear", factor=4.0))
+    np.testing.assert_array_equal(inv_freq, reference_default(10_000.0, 32) / np.float32(4.0))
+    assert attention_factor == 1.0
+
+
+def test_llama3_keeps_high_frequencies_divides_low_ones_and_blends_between():
+    """Wavelengths (2 pi / inv_freq) below original / high_freq_factor stay, above
+    original / low_freq_factor are divided by the factor, between them a blend."""
+    cfg = _scaled("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original=64)
+    inv_freq, attention_factor = inverse_frequencies(cfg)
+    base = reference_default(10_000.0, 32)
+    wavelen = 2 * np.pi / base
+    high, low = wavelen < 64 / 4.0, wavelen > 64 / 1.0
+    assert high.any() and low.any() and (~high & ~low).any()  # all three bands occur
+    np.testing.assert_array_equal(inv_freq[high], base[high])
+    np.testing.assert_allclose(inv_freq[low], base[low] / 8.0, rtol=1e-6)
+    mid = ~high & ~low
+    assert np.all(inv_freq[mid] < base[mid]) and np.all(inv_freq[mid] > base[mid] / 8.0)
+    assert attention_factor == 1.0
+
+
+@pytest.mark.parametrize("rope_type, params", [
+    ("linear", {"factor": 4.0}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+])
+def test_scaled_rope_matches_transformers(rope_type, params):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = transformers.Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, rope_parameters={
+            "rope_type": rope_type, "rope_theta": 10_000.0,
+            "original_max_position_embeddings": 64, **params})
+    theirs, their_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+    ours, our_factor = inverse_frequencies(_scaled(rope_type, original=64, **params))
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+    assert our_factor == pytest.approx(their_factor)
