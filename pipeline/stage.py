@@ -82,8 +82,8 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
     # Slots differ only in their weights and their index j into the cache, so each
     # kind of call below is one jitted function with j traced: JAX traces a layer once
     # per program instead of once per slot, and XLA inlines the calls (the compiled
-    # program is the same). Tracing 28 unrolled layers was most of the time a 0.6B
-    # job waited for its programs.
+    # program is the same). 0.6B f32 on 1x1, 2 cores: a prefill program's compile
+    # 9.1 -> 5.4 s, a decode job's (prefill and decode programs) 14.1 -> 9.1 s.
     def layer(params):
         return nnx.merge(layer_def, params)
 
