@@ -180,6 +180,7 @@ def main(args) -> int:
     if "peer" in scenarios and not args.peer:
         raise CLIError("--scenario peer needs --peer transformers")
     if args.plot:
+        check_output_file(args.plot, "--plot")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -191,7 +192,6 @@ def main(args) -> int:
         if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
             raise CLIError(f"--plot {args.plot}: the name must end in an image format matplotlib "
                            f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png")
-        check_output_file(args.plot, "--plot")
 
     import jax
     import jax.numpy as jnp
