@@ -132,6 +132,14 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads")
 
 
+def _integer(v) -> bool:  # JSON's true/false are Python ints too
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _check_types(raw: Any) -> None:
     """Every field the engine reads has the JSON type a Qwen3 config gives it (a hand-edited
     or foreign file otherwise fails deep inside with a Python error)."""
@@ -143,22 +151,16 @@ def _check_types(raw: Any) -> None:
         if name in raw and not ok(raw[name]):
             raise ConfigError(f"config field {name}={raw[name]!r} must be {what}: fix config.json")
 
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
     for name in (*_REQUIRED, "max_position_embeddings"):
-        check(name, integer, "an integer")
+        check(name, _integer, "an integer")
     for name in ("num_key_value_heads", "head_dim", "bos_token_id"):
-        check(name, lambda v: v is None or integer(v), "an integer (or null)")
+        check(name, lambda v: v is None or _integer(v), "an integer (or null)")
     for name in ("rms_norm_eps", "rope_theta"):
-        check(name, number, "a number")
+        check(name, _number, "a number")
     for name in ("tie_word_embeddings", "attention_bias"):
         check(name, lambda v: isinstance(v, bool), "true or false")
-    check("eos_token_id", lambda v: v is None or integer(v) or (
-        isinstance(v, list) and all(map(integer, v))), "an integer or a list of integers")
+    check("eos_token_id", lambda v: v is None or _integer(v) or (
+        isinstance(v, list) and all(map(_integer, v))), "an integer or a list of integers")
     for name in ("rope_parameters", "rope_scaling"):
         check(name, lambda v: v is None or isinstance(v, dict), "an object (or null)")
 
@@ -237,7 +239,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
              "yarn": ()}[rope_type]
     for key in needs:
-        if not isinstance(params.get(key), (int, float)) or isinstance(params.get(key), bool):
+        if not _number(params.get(key)):
             raise ConfigError(f"config rope parameters of rope_type {rope_type!r} need a number "
                               f"{key!r}: add it to config.json")
     # transformers' defaults: the original window falls back to max_position_embeddings,

@@ -303,7 +303,8 @@ def _fsync_tree(folder: Path, files: bool = True) -> None:
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
     """An error's first line, cut to `limit` characters (tensorstore's run to many)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
     return text if len(text) <= limit else text[:limit] + "..."
 
 

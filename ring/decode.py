@@ -64,6 +64,7 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} must have the "
             f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]")
+
     def rows(x):  # the queries' rows of a cache, as a shape
         return jax.ShapeDtypeStruct((b, *x.shape[-3:]), x.dtype)
 

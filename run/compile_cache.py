@@ -52,25 +52,18 @@ def use(setting: str | None) -> CompileCache:
     one is skipped with a note."""
     import jax
 
-    from run.cli import CLIError
+    from run.cli import CLIError, check_output_folder
 
     path = setting or os.environ.get(ENV) or default_dir()
     if path == "off":
         jax.config.update("jax_enable_compilation_cache", False)
         return CompileCache(None)
     try:
-        os.makedirs(path, exist_ok=True)
-        writable = os.access(path, os.W_OK)
-    except OSError as e:
-        writable, why = False, e.strerror
-    else:
-        why = "not writable"
-    if not writable:
+        check_output_folder(path, "--compile-cache")
+    except CLIError as e:
         if setting is not None:
-            raise CLIError(f"--compile-cache {setting}: cannot use it ({why}): give a writable "
-                           "folder, or 'off'")
-        print(f"note: no compile cache ({path}: {why}); --compile-cache DIR names another",
-              file=sys.stderr)
+            raise
+        print(f"note: no compile cache ({e})", file=sys.stderr)
         jax.config.update("jax_enable_compilation_cache", False)
         return CompileCache(None)
     jax.config.update("jax_enable_compilation_cache", True)
