@@ -26,6 +26,7 @@ from flax import nnx
 
 from model.config import Qwen3Config
 from model.rope import apply_rope
+from ring.matmul import few_rows, turned_product
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -34,24 +35,13 @@ def _param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
 
 
-# Up to this many rows (B * T), a CPU matmul runs as w @ h^T (see `dense`).
-FEW_ROWS = 32
-
-
 def dense(h: jax.Array, w: jax.Array) -> jax.Array:
-    """h [B, T, I] times w [O, I] (stored [out, in]) -> [B, T, O].
-
-    On XLA's CPU backend a product with few rows (decode: a row per request) runs
-    twice as fast as w @ h^T with an [O, rows] result, transposed after: measured on
-    2 cores, [8, 1024] x [3072, 1024]^T reads the weight at 9 GB/s as h @ w^T and at
-    17 GB/s as w @ h^T (2-32 rows alike; 1 row and 128 rows the same either way). The
-    barrier keeps XLA from folding the transpose back into the product. GPUs, and
-    prompts, take the plain form."""
+    """h [B, T, I] times w [O, I] (stored [out, in]) -> [B, T, O]; a decode step's few
+    rows as w @ h^T on CPU (`ring.matmul`)."""
     B, T, I = h.shape
-    if B * T > FEW_ROWS or jax.default_backend() != "cpu":
+    if not few_rows(B * T):
         return jnp.einsum("BTI,OI->BTO", h, w)
-    y = jax.lax.optimization_barrier(jnp.einsum("OI,RI->OR", w, h.reshape(B * T, I)))
-    return y.T.reshape(B, T, w.shape[0])
+    return turned_product("OI,RI->OR", w, h.reshape(B * T, I)).reshape(B, T, w.shape[0])
 
 
 def _project(h: jax.Array, w: jax.Array) -> jax.Array:

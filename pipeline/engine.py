@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.cache import KVCache
 from model.config import Qwen3Config
-from model.loader import abstract_model, map_params
+from model.params import abstract_model, map_params
 from pipeline.decode import build_decode
 from pipeline.prefill import build_prefill
 from pipeline.sampling import Sampling, sample

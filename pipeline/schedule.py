@@ -7,8 +7,8 @@ microbatch t - s at tick t. For M = 3, S = 2:
     stage 0  0  1  2  .
     stage 1  .  0  1  2
 
-Decode (round-robin over G groups, n steps each, period P = max(G, S)): stage s works
-on group (t - s) mod P at tick t (idle when that is G or more), step (t - s) // P.
+Decode (round-robin over G groups, n steps each, period max(G, S)): stage s works on
+group (t - s) mod period at tick t (idle when that is G or more), step (t - s) // period.
 For G = S = 2, n = 2:
 
     tick     0  1  2  3  4
@@ -16,7 +16,11 @@ For G = S = 2, n = 2:
     stage 1  .  0  1  0  1
 
 Group g's token from the last stage reaches stage 0 by the time stage 0 needs it
-(P >= S); with G >= S no stage is idle in steady state.
+(period >= S); with G >= S no stage is idle in steady state.
+
+`decode_period` and `decode_ticks` are the one statement of the decode schedule's
+length: the decode program loops over `decode_ticks` ticks, the engine counts them, and
+`decode_grid` draws them.
 """
 
 from __future__ import annotations
@@ -30,9 +34,21 @@ def prefill_grid(microbatches: int, stages: int) -> Grid:
             for s in range(stages)]
 
 
+def decode_period(groups: int, stages: int) -> int:
+    """Ticks between two steps of one group: G, or S when there are fewer groups than
+    stages (a group's token must come round from the last stage first)."""
+    return max(groups, stages)
+
+
+def decode_ticks(groups: int, stages: int, steps):
+    """Ticks of a decode chunk of `steps` steps (an int, or a traced int32): the last
+    group's last step starts at (steps - 1) * period + G - 1 and takes S ticks."""
+    return (steps - 1) * decode_period(groups, stages) + groups + stages - 1
+
+
 def decode_grid(groups: int, stages: int, steps: int) -> Grid:
-    period = max(groups, stages)
-    ticks = (steps - 1) * period + groups + stages - 1
+    period = decode_period(groups, stages)
+    ticks = decode_ticks(groups, stages, steps)
 
     def cell(u):
         return u % period if 0 <= u < steps * period and u % period < groups else None

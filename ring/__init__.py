@@ -4,16 +4,16 @@ attention. Depends on JAX and numpy only."""
 
 from ring.attention import (block_attention, fused_attention_available, heads_major,
                             prompt_attention, ring_attention)
-from ring.decode import decode_attention
+from ring.decode import decode_attention, decode_slot
 from ring.merge import merge
 from ring.partition import (
     PAD,
     causal_work,
-    check_fits,
     contiguous,
     device_positions,
     from_device_order,
     padded_length,
+    slots_per_device,
     to_device_order,
     zigzag,
 )
@@ -22,9 +22,9 @@ __all__ = [
     "PAD",
     "block_attention",
     "causal_work",
-    "check_fits",
     "contiguous",
     "decode_attention",
+    "decode_slot",
     "device_positions",
     "from_device_order",
     "fused_attention_available",
@@ -33,6 +33,7 @@ __all__ = [
     "padded_length",
     "prompt_attention",
     "ring_attention",
+    "slots_per_device",
     "to_device_order",
     "zigzag",
 ]

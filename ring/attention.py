@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ring.matmul import few_rows, turned_product
 from ring.merge import finite_or_zero, merge
 
 
@@ -123,23 +124,11 @@ def partial_attention(q, k, v, q_pos, k_pos, scale):
     return join(o), join(lse)
 
 
-# Up to this many score rows per KV head (decode: G query heads times a few tokens),
-# XLA's CPU dot reads the keys faster as k @ q^T, an [S, R] result (the same effect
-# as model.layers.FEW_ROWS for weights; ring does not import model).
-FEW_ROWS = 32
-
-
 def _scores(qr, k):
-    """qr [B, K, R, H] against k [B, K, S, H] -> scores [B, K, R, S] float32.
-
-    With few rows on XLA's CPU backend the product runs as k @ q^T, turned after (the
-    barrier keeps XLA from folding the turn back into the product). 0.6B f32 decode at
-    batch 8 on 2 cores: 401 -> 294 ms per token after a 512-token prompt, 187 -> 162
-    after 128 tokens; batch 1 the same."""
-    if qr.shape[2] <= FEW_ROWS and jax.default_backend() == "cpu":
-        s = lax.optimization_barrier(
-            jnp.einsum("BKSH,BKRH->BKSR", k, qr, preferred_element_type=jnp.float32))
-        return jnp.swapaxes(s, 2, 3)
+    """qr [B, K, R, H] against k [B, K, S, H] -> scores [B, K, R, S] float32 (decode's
+    few rows as k @ q^T on CPU: `ring.matmul`)."""
+    if few_rows(qr.shape[2]):
+        return turned_product("BKSH,BKRH->BKSR", k, qr, preferred_element_type=jnp.float32)
     return jnp.einsum("BKRH,BKSH->BKRS", qr, k, preferred_element_type=jnp.float32)
 
 

@@ -33,6 +33,13 @@ from ring.merge import finite_or_zero, merge
 DECODE_BLOCK = 256
 
 
+def decode_slot(step, prompt_slots, n):
+    """Where decode step `step` writes its K/V: (device j mod n, local slot
+    prompt_slots + j // n), after the prompt's `prompt_slots` slots per device, so every
+    device's cache fills at the same rate. Ints or traced int32 alike."""
+    return step % n, prompt_slots + step // n
+
+
 def decode_attention(
     q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float,
     at: tuple = (0,), filled=None,

@@ -112,24 +112,12 @@ def from_device_order(x, partition: list[np.ndarray]):
     return xp.take(x, valid[np.argsort(positions[valid])], axis=1)
 
 
-def check_fits(seq_len: int, n: int, capacity: int, new_tokens: int = 0) -> None:
-    """Raises ValueError unless a prompt fits a KV cache sharded over n devices.
+def slots_per_device(prompt_len: int, new_tokens: int, n: int) -> int:
+    """Cache slots each of n `seq` devices needs for a prompt of `prompt_len` tokens
+    and `new_tokens` generated ones.
 
-    The prompt is padded to P = `padded_length(seq_len, n)`, so each device stores
-    P/n prompt slots; decode step j then writes to device j mod n, so each device
-    needs ceil(new_tokens / n) more. `capacity` is the global slot count S of the
-    cache, split evenly: S/n slots per device.
+    The prompt is padded to `padded_length(prompt_len, n)`, so each device stores 1/n
+    of it; decode step j writes to device j mod n (`ring.decode.decode_slot`), and the
+    last generated token is never fed back, so new_tokens - 1 steps write.
     """
-    if capacity % n:
-        raise ValueError(
-            f"cache capacity {capacity} does not split evenly over {n} seq devices"
-        )
-    padded = padded_length(seq_len, n)
-    per_device = padded // n + -(-new_tokens // n)
-    if per_device > capacity // n:
-        raise ValueError(
-            f"a prompt of {seq_len} tokens padded to {padded} (a multiple of 2*{n}) plus "
-            f"{new_tokens} new tokens needs {per_device} slots per device, but a cache of "
-            f"{capacity} slots over {n} devices holds {capacity // n}; raise the capacity "
-            f"to at least {per_device * n}"
-        )
+    return padded_length(prompt_len, n) // n + -(-max(new_tokens - 1, 0) // n)

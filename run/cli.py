@@ -18,7 +18,8 @@ class CLIError(ValueError):
 
 
 def _subcommands():
-    from run import bench, convert, generate, ring_demo
+    from run import convert, generate, ring_demo
+    from run.bench import command as bench
 
     return [generate, ring_demo, bench, convert]
 
@@ -77,6 +78,18 @@ def check_output_folder(path: str, flag: str) -> None:
         raise CLIError(f"{flag} {path}: the folder is not writable: choose another path")
 
 
+def platform_is_cpu() -> bool:
+    """Whether JAX will run on the CPU, decided without starting a backend (which would
+    fix the device count before --cpu-devices can set it)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0] == "cpu"
+    import importlib.util
+
+    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
+                                                         "jax_rocm60_plugin", "libtpu"))
+
+
 def use_cpu_devices(n: int | None) -> None:
     """Emulates n CPU devices. Must run before any JAX computation."""
     if n is None:
@@ -107,7 +120,7 @@ def size_cpu_threads(devices: int) -> None:
 
 def _known_errors() -> tuple[type[BaseException], ...]:
     from model.config import ConfigError
-    from model.loader import LoadError
+    from model.checkpoint.hf import LoadError
     from pipeline.engine import RequestError
     from pipeline.sampling import SamplingError
     from run.text import TextError

@@ -2,7 +2,7 @@
 
     qwen3-spmd convert --model HF_DIR --out DIR [--dtype float32|bfloat16] [--force]
 
-writes `DIR` (see `model.orbax_checkpoint` for the layout and the restore), which
+writes `DIR` (see `model.checkpoint.orbax_io` for the layout and the restore), which
 `generate`/`bench --model DIR` then restore onto any mesh. A killed conversion leaves
 only `DIR.partial-<pid>`, which nothing loads; re-running the command removes it and
 writes `DIR` again.
@@ -51,7 +51,8 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from model import orbax_checkpoint
+    from model.checkpoint import orbax_io
+    from run import conversion
     from run.cli import CLIError
     from sharding.mesh import parse_mesh
 
@@ -71,13 +72,13 @@ def main(args) -> int:
                 f"({time.perf_counter() - t0:.1f} s)")
     report: dict = {"model": args.model, "out": args.out}
     out = Path(args.out)
-    if meshes and orbax_checkpoint.is_orbax_checkpoint(out) and not args.force \
-            and (out / orbax_checkpoint.COMPLETE_FILE).is_file():
+    if meshes and orbax_io.is_orbax_checkpoint(out) and not args.force \
+            and (out / orbax_io.COMPLETE_FILE).is_file():
         say(f"{out} is already converted; measuring it")
     else:
         t0 = time.perf_counter()
         with _progress_bar(f"{args.model} -> {args.out}") as progress:
-            meta = orbax_checkpoint.convert(args.model, args.out, args.dtype, args.force, progress)
+            meta = conversion.convert(args.model, args.out, args.dtype, args.force, progress)
         report["convert"] = {"dtype": meta["dtype"], "bytes": meta["bytes"],
                              "seconds": round(time.perf_counter() - t0, 2)}
         say(f"wrote {args.out}: {meta['bytes'] / 1e6:.1f} MB of {meta['dtype']} parameters in "
@@ -151,8 +152,8 @@ def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
     """A single-file float32 Hugging Face checkpoint with `RandomWeights(cfg, seed)`."""
     from safetensors.numpy import save_file
 
-    from model.loader import name_table
-    from model.random_weights import RandomWeights
+    from model.checkpoint.hf import name_table
+    from model.checkpoint.random_weights import RandomWeights
 
     folder = Path(folder)
     folder.mkdir(parents=True)
@@ -188,8 +189,8 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     import jax.numpy as jnp
     import numpy as np
 
-    from model.loader import abstract_model, map_params
-    from model.orbax_checkpoint import OrbaxCheckpoint
+    from model.params import abstract_model, map_params
+    from model.checkpoint.orbax_io import OrbaxCheckpoint
     from run.models import open_model
     from sharding.mesh import make_mesh
     from sharding.place import place_state

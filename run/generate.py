@@ -57,18 +57,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
-def _platform_is_cpu() -> bool:
-    import os
-
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0] == "cpu"
-    import importlib.util
-
-    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
-                                                         "jax_rocm60_plugin", "libtpu"))
-
-
 def _prompts(args, text) -> list[list[int]]:
     from run.cli import CLIError, int_list
 
@@ -91,10 +79,10 @@ def main(args) -> int:
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
     if status is not None:
         return status
-    from run.cli import CLIError, use_cpu_devices
+    from run.cli import CLIError, platform_is_cpu, use_cpu_devices
     from sharding.mesh import parse_mesh
 
-    on_cpu = _platform_is_cpu()
+    on_cpu = platform_is_cpu()
     mesh_text = args.mesh or ("2x2" if on_cpu else "1x1")
     stage, seq = parse_mesh(mesh_text)
     distributed.check_flags(args)
@@ -295,7 +283,7 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
 
     import jax
 
-    from model.loader import abstract_model, map_params
+    from model.params import abstract_model, map_params
     from sharding.plan import StagePlan
 
     plan = StagePlan(cfg.L, stages)

@@ -36,9 +36,10 @@ class ModelSpec:
 def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
     """A checkpoint folder (Hugging Face or orbax), or a preset (random weights); None
     means the tiny demo."""
-    from model import orbax_checkpoint
-    from model.loader import HFCheckpoint
-    from model.random_weights import RandomWeights
+    from model.checkpoint import orbax_io
+    from run import conversion
+    from model.checkpoint.hf import HFCheckpoint
+    from model.checkpoint.random_weights import RandomWeights
 
     name = "tiny" if spec is None else spec
     if name in PRESETS and not Path(name).exists():
@@ -47,27 +48,27 @@ def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
                          f"preset {name} with seeded RANDOM weights (not a trained model)", True)
     folder = Path(name)
     if not folder.exists():
-        partial = orbax_checkpoint.partial_folders(folder)
+        partial = conversion.partial_folders(folder)
         if partial:
             raise ConfigError(
                 f"--model {name}: no such folder, but {partial[-1]} holds an interrupted "
-                f"conversion into it: {orbax_checkpoint.RERUN}")
+                f"conversion into it: {orbax_io.RERUN}")
         raise ConfigError(f"--model {name}: no such folder, and not a preset "
                           f"({', '.join(PRESETS)}): pass a Hugging Face checkpoint folder "
                           "or an orbax checkpoint folder written by `qwen3-spmd convert`")
     if not folder.is_dir():
         raise ConfigError(f"--model {name} is a file: pass the checkpoint folder that holds it")
-    if orbax_checkpoint.is_orbax_checkpoint(folder):
-        orbax_checkpoint.read_metadata(folder)  # an interrupted conversion: say so first
+    if orbax_io.is_orbax_checkpoint(folder):
+        orbax_io.read_metadata(folder)  # an interrupted conversion: say so first
         cfg = Qwen3Config.from_hf(folder)
-        return ModelSpec(cfg, orbax_checkpoint.OrbaxCheckpoint(folder, cfg), folder,
+        return ModelSpec(cfg, orbax_io.OrbaxCheckpoint(folder, cfg), folder,
                          f"{folder} (orbax)", False)
     if not any((folder / f).is_file() for f in ("model.safetensors",
                                                  "model.safetensors.index.json")):
         raise ConfigError(
             f"--model {name} is neither a Hugging Face checkpoint (config.json with "
             "model.safetensors or model.safetensors.index.json) nor an orbax checkpoint written "
-            f"by `qwen3-spmd convert` ({orbax_checkpoint.METADATA_FILE}): pass a folder of "
+            f"by `qwen3-spmd convert` ({orbax_io.METADATA_FILE}): pass a folder of "
             "either kind")
     cfg = Qwen3Config.from_hf(folder)
     return ModelSpec(cfg, HFCheckpoint(folder, cfg), folder, str(folder), False)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from run.bench_report import add_ratios
+from run.bench.report import add_ratios
 from run.cli import main
 
 

@@ -7,11 +7,11 @@ import pytest
 
 from model.cache import KVCache
 from model.config import Qwen3Config
-from model.loader import HFCheckpoint
+from model.checkpoint.hf import HFCheckpoint
 from pipeline.engine import Engine
 from sharding.mesh import make_mesh
+from reference import TINY
 
-TINY = "tests/fixtures/tiny"
 
 
 @pytest.mark.parametrize("S, C", [(1, 1), (2, 2)])

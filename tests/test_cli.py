@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from run.cli import main
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
 
 

@@ -15,8 +15,8 @@ from flax import nnx
 
 from model.config import PRESETS, ConfigError, Qwen3Config, RopeScaling
 from model.layers import Qwen3
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("tiny", "tied", "yarn")
 
 

@@ -8,13 +8,13 @@ import jax
 import pytest
 
 from model.config import Qwen3Config
-from model.loader import HFCheckpoint
+from model.checkpoint.hf import HFCheckpoint
 from pipeline.engine import Engine, RequestError
 from ring import padded_length
 from sharding.mesh import make_mesh
 from sharding.plan import PlanError
+from reference import TINY
 
-TINY = Path(__file__).parent / "fixtures" / "tiny"
 MAX_SEQ = 64
 
 

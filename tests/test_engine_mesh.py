@@ -16,14 +16,14 @@ import pytest
 
 from model.config import Qwen3Config
 from model.layers import DecoderLayer
-from model.loader import HFCheckpoint
-from model.random_weights import RandomWeights
+from model.checkpoint.hf import HFCheckpoint
+from model.checkpoint.random_weights import RandomWeights
 from pipeline.engine import Engine, Generation
 from pipeline.sampling import Sampling
 from ring import zigzag
 from sharding.mesh import make_mesh
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 TOL = 1e-4
 N_NEW = 12  # 11 decode steps: every seq device of C <= 8 gets at least one decode slot
 GREEDY = Sampling()

@@ -16,9 +16,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from model.config import ConfigError, Qwen3Config
-from model.loader import HFCheckpoint, LoadError, abstract_model, load_model, map_params, name_table
+from model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
+from model.params import abstract_model, map_params
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 TINY, TIED = FIXTURES / "tiny", FIXTURES / "tied"
 
 

@@ -15,12 +15,12 @@ import pytest
 from flax import nnx
 
 from model.config import Qwen3Config
-from model.loader import HFCheckpoint, load_model
+from model.checkpoint.hf import HFCheckpoint, load_model
 from model.stack import forward
 from pipeline.engine import Engine
 from sharding.mesh import make_mesh
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 NAMES = ("tiny", "tied", "yarn")
 TOL = 1e-4
 
@@ -196,7 +196,8 @@ def test_decode_program_compiled_ahead_is_collected():
 def test_dense_is_the_plain_product_for_any_row_count(B, T):
     """`dense` takes the w @ h^T form up to FEW_ROWS rows on CPU (B * T = 1, 3, 32) and
     the plain form past them (34): each must be h @ w^T, laid out [B, T, O]."""
-    from model.layers import FEW_ROWS, dense
+    from model.layers import dense
+    from ring.matmul import FEW_ROWS
 
     rng = np.random.default_rng(B * 100 + T)
     h = rng.standard_normal((B, T, 48), dtype=np.float32)

@@ -19,9 +19,9 @@ import pytest
 from safetensors import safe_open
 
 from run.cli import main
+from reference import TINY
 
 ROOT = Path(__file__).parent.parent
-TINY = ROOT / "tests" / "fixtures" / "tiny"
 REF = np.load(TINY / "reference.npz")
 PROMPTS = [REF[f"prompt_{i}"].tolist() for i in range(3)]
 NEW = 8

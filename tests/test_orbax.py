@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import orbax_checkpoint as ob
+from model.checkpoint import orbax_io as ob
 from model.config import ConfigError, Qwen3Config
-from model.loader import HFCheckpoint, LoadError, abstract_model, map_params
+from model.checkpoint.hf import HFCheckpoint, LoadError
+from model.params import abstract_model, map_params
 from pipeline.engine import Engine
+from run import conversion
 from run.cli import main
 from run.convert import measure, to_hf
 from run.models import open_model
@@ -27,9 +29,7 @@ from sharding.mesh import make_mesh
 from sharding.place import place_params
 from sharding.plan import StagePlan
 
-FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
-TINY = FIXTURES / "tiny"
 MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
 
 
@@ -37,8 +37,8 @@ MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
 def converted(tmp_path_factory):
     """The tiny fixture converted in float32 and in bfloat16."""
     root = tmp_path_factory.mktemp("orbax")
-    ob.convert(TINY, root / "f32", "float32")
-    ob.convert(TINY, root / "bf16", "bfloat16")
+    conversion.convert(TINY, root / "f32", "float32")
+    conversion.convert(TINY, root / "bf16", "bfloat16")
     return root
 
 
@@ -132,13 +132,13 @@ def test_to_hf_inverts_the_loader(cfg):
 _STALL = """
 import sys, time
 from pathlib import Path
-import model.orbax_checkpoint as ob
-real = ob._fsync_tree
+import run.conversion as conversion
+real = conversion._fsync_tree
 def stall(folder, files=True):
     real(folder, files)
     (Path(sys.argv[2]).parent / "stalled").write_text("")
     time.sleep(600)  # killed here: every parameter written, the marker not yet
-ob._fsync_tree = stall
+conversion._fsync_tree = stall
 from run.cli import main
 sys.exit(main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))
 """
@@ -158,7 +158,7 @@ def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert not out.exists()
-    (partial,) = ob.partial_folders(out)
+    (partial,) = conversion.partial_folders(out)
     assert (partial / ob.METADATA_FILE).is_file() and (partial / "params").is_dir()
 
     with pytest.raises(ConfigError, match=rf"{partial.name}.*re-run `qwen3-spmd convert`"):
@@ -171,7 +171,7 @@ def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path
 
     # A re-run removes the leftover and finishes the job; a second one refuses to overwrite.
     assert main(["convert", "--model", str(TINY), "--out", str(out)]) == 0
-    assert ob.partial_folders(out) == [] and (out / ob.COMPLETE_FILE).is_file()
+    assert conversion.partial_folders(out) == [] and (out / ob.COMPLETE_FILE).is_file()
     assert isinstance(open_model(str(out)).source, ob.OrbaxCheckpoint)
     assert main(["convert", "--model", str(TINY), "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
@@ -230,12 +230,14 @@ jax.config.update("jax_num_cpu_devices", 2)
 rank, port, ckpt, tiny = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
 import jax.numpy as jnp, numpy as np
-from model import orbax_checkpoint as ob
+from model.checkpoint import orbax_io as ob
 from model.config import Qwen3Config
-from model.loader import HFCheckpoint, abstract_model
+from model.checkpoint.hf import HFCheckpoint
+from model.params import abstract_model
 from sharding.mesh import make_mesh
 from sharding.place import place_params
 from sharding.plan import StagePlan
+from reference import FIXTURES, TINY
 cfg = Qwen3Config.from_hf(tiny)
 mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ring
-from run.ring_demo import dense_attention
+from reference import dense_attention
 
 SEQ = P(None, "seq")
 CACHE = P(None, None, "seq")  # a heads-major cache [B, K, S, H], slots along seq

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import ring
-from run.ring_demo import dense_attention
+from reference import dense_attention
 
 SCALE = 8**-0.5
 

@@ -92,14 +92,21 @@ def test_device_order_shape_errors():
         ring.from_device_order(np.zeros((1, 9)), partition)
 
 
-def test_check_fits():
-    ring.check_fits(64, 4, capacity=64)
-    ring.check_fits(60, 4, capacity=80, new_tokens=16)  # 16 + 4 slots per device of 20
-    with pytest.raises(
-        ValueError, match="65 tokens padded to 72.*needs 18 slots per device.*holds 16"
-    ):
-        ring.check_fits(65, 4, capacity=64)
-    with pytest.raises(ValueError, match="needs 21 slots per device"):
-        ring.check_fits(60, 4, capacity=80, new_tokens=17)
-    with pytest.raises(ValueError, match="capacity 10 does not split evenly over 4"):
-        ring.check_fits(8, 4, capacity=10)
+def test_slots_per_device():
+    """The padded prompt's share, then one slot per fed-back token, round-robin."""
+    assert ring.slots_per_device(64, 1, 4) == 16  # one new token: only the prompt
+    assert ring.slots_per_device(60, 17, 4) == 16 + 4  # 16 steps write, 4 per device
+    assert ring.slots_per_device(60, 18, 4) == 16 + 5  # the 17th step opens a fifth
+    assert ring.slots_per_device(65, 1, 4) == 72 // 4  # padded to a multiple of 2C = 8
+    assert ring.slots_per_device(5, 3, 1) == 6 + 2  # C = 1 still pads to even
+
+
+def test_decode_slot_balances_devices():
+    """Step j goes to device j mod C, after the prompt's slots, so every device's cache
+    fills at the same rate."""
+    placed = [ring.decode_slot(j, prompt_slots=3, n=4) for j in range(9)]
+    assert placed == [(0, 3), (1, 3), (2, 3), (3, 3), (0, 4), (1, 4), (2, 4), (3, 4), (0, 5)]
+    # the slots steps 0..J-1 take on their devices fit slots_per_device's count
+    for J in range(1, 12):
+        slots = max(ring.decode_slot(j, 6, 4)[1] for j in range(J)) + 1
+        assert slots == ring.slots_per_device(24, J + 1, 4) == 6 + -(-J // 4)

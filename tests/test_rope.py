@@ -12,8 +12,8 @@ import pytest
 
 from model.config import PRESETS, Qwen3Config, RopeScaling
 from model.rope import apply_rope, inverse_frequencies, rope_tables
+from reference import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def reference_default(theta: float, dim: int) -> np.ndarray:

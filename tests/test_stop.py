@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from model.config import Qwen3Config
-from model.loader import HFCheckpoint
+from model.checkpoint.hf import HFCheckpoint
 from pipeline.engine import Engine
 from sharding.mesh import make_mesh
+from reference import TINY
 
-TINY = "tests/fixtures/tiny"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,8 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from model.config import Qwen3Config
 from model.layers import Qwen3
-
-ParamPath = tuple[str, ...]
+from model.params import ParamPath, abstract_model, map_params
 
 
 class LoadError(ValueError):
@@ -237,21 +235,6 @@ class HFCheckpoint:
         if not parts:
             return np.zeros((0, *e.our_shape(self.cfg)), dtype)
         return np.stack(parts)
-
-
-def map_params(fn: Callable[[ParamPath, jax.ShapeDtypeStruct], jax.Array], state: nnx.State):
-    """Builds a state whose leaves are fn(path, abstract leaf), e.g. read from a checkpoint."""
-
-    def leaf(keypath, x):
-        path = tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
-        return fn(path, x)
-
-    return jax.tree_util.tree_map_with_path(leaf, state)
-
-
-def abstract_model(cfg: Qwen3Config, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) of the model, without allocating it."""
-    return nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
 
 
 def load_model(folder: str | Path, cfg: Qwen3Config, dtype) -> Qwen3:

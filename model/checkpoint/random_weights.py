@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from model.config import Qwen3Config
-from model.loader import ParamPath, abstract_model, map_params
+from model.params import ParamPath, abstract_model, map_params
 
 
 class RandomWeights:

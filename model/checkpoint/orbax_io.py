@@ -8,9 +8,9 @@ Folder layout (everything but `params/` is copied from the Hugging Face folder):
     DIR/config.json, generation_config.json, tokenizer.json, tokenizer_config.json, ...
     DIR/CONVERSION_COMPLETE     written last, after every byte above is on disk
 
-A conversion writes into the sibling `DIR.partial-<pid>` and renames it to `DIR` only
-after the completion marker, so a killed conversion leaves no `DIR`, and a folder
-without the marker is refused with an error that says to re-run convert.
+`run.conversion` writes a folder into the sibling `DIR.partial-<pid>` and renames it
+to `DIR` only after the completion marker, so a killed conversion leaves no `DIR`; a
+folder without the marker is refused here with an error that says to re-run convert.
 
 Stored layout: one array per parameter and layer. The parameters are those of the NNX
 state of `model.layers.Qwen3` in our layout (e.g. `q_nhd` [N, H, D]); a stacked layer
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -61,7 +60,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.config import Qwen3Config
-from model.loader import LoadError, ParamPath, abstract_model, map_params
+from model.checkpoint.hf import LoadError
+from model.params import ParamPath, abstract_model, map_params
 
 FORMAT = "qwen3-spmd-orbax"
 VERSION = 1
@@ -81,14 +81,6 @@ Progress = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
 def is_orbax_checkpoint(folder: str | Path) -> bool:
     """Whether `folder` was written by `convert` (complete or not): it has our metadata."""
     return (Path(folder) / METADATA_FILE).is_file()
-
-
-def partial_folders(out: str | Path) -> list[Path]:
-    """Leftover `OUT.partial-<pid>` folders of conversions into `out`."""
-    out = Path(out)
-    if not out.parent.is_dir():
-        return []
-    return sorted(out.parent.glob(f"{out.name}.partial-*"))
 
 
 # ---- the stored tree ------------------------------------------------------------------
@@ -199,103 +191,6 @@ def _du(folder: Path) -> int:
             except OSError:
                 pass  # orbax renames its temporary files as it goes
     return n
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, force: bool = False,
-            progress: Progress | None = None) -> dict:
-    """Converts a Hugging Face checkpoint folder into an orbax checkpoint folder `out`.
-
-    Writes into `out.partial-<pid>` and renames it to `out` after the completion marker;
-    removes partial folders left by killed conversions. An existing complete `out` is
-    refused unless `force` (then it is replaced once the new one is complete).
-
-    Returns the metadata written (format, version, dtype, bytes, source).
-    """
-    from model.loader import HFCheckpoint
-
-    hf_folder, out = Path(hf_folder), Path(out)
-    if is_orbax_checkpoint(hf_folder):
-        raise LoadError(f"{hf_folder} is already an orbax checkpoint: convert reads a Hugging "
-                        "Face checkpoint folder (config.json + safetensors)")
-    cfg = Qwen3Config.from_hf(hf_folder)
-    source = HFCheckpoint(hf_folder, cfg)  # checks every tensor before anything is written
-    if dtype is None:
-        raw = json.loads((hf_folder / "config.json").read_text())
-        named = raw.get("dtype") or raw.get("torch_dtype")
-        dtype = named if named in DTYPES else "float32"
-    if dtype not in DTYPES:
-        raise LoadError(f"--dtype {dtype} is not supported: use {' or '.join(DTYPES)}")
-    if out.resolve() == hf_folder.resolve() or out.resolve() in hf_folder.resolve().parents:
-        raise LoadError(f"--out {out} holds the checkpoint being converted ({hf_folder}), which "
-                        "writing it would delete: choose another --out")
-    if out.exists() and not force:
-        what = "an orbax checkpoint" if is_orbax_checkpoint(out) else "a folder"
-        raise LoadError(f"{out} already exists ({what}): pass --force to replace it, or choose "
-                        "another --out")
-    # --force replaces what convert wrote, never another folder's files.
-    if out.exists() and not (is_orbax_checkpoint(out) or (out.is_dir() and not any(out.iterdir()))):
-        raise LoadError(f"{out} exists and is not an orbax checkpoint, which is all --force "
-                        "replaces: choose another --out, or remove it yourself")
-    for stale in partial_folders(out):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-            raise LoadError(f"{stale} belongs to a conversion still running (pid {pid}): wait "
-                            "for it, or stop it and re-run")
-        shutil.rmtree(stale)
-
-    partial = out.parent / f"{out.name}.partial-{os.getpid()}"
-    try:
-        partial.mkdir(parents=True)
-    except OSError as e:
-        raise LoadError(f"--out {out}: cannot write there ({e.strerror}): choose a writable "
-                        "folder") from None
-    meta = {"format": FORMAT, "version": VERSION, "dtype": dtype, "layout":
-            "our NNX state, one array per parameter and layer (layers.<name>.<i>)",
-            "source": str(hf_folder.resolve())}
-    (partial / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    for name in COPIED:
-        if (hf_folder / name).is_file():
-            shutil.copy2(hf_folder / name, partial / name)
-    meta["bytes"] = write_params(partial / PARAMS_DIR, source, cfg, dtype, progress)
-    _fsync_tree(partial)
-    marker = partial / COMPLETE_FILE
-    marker.write_text(json.dumps(meta, indent=2) + "\n")
-    _fsync_tree(partial, files=False)
-    if out.exists():  # --force: swap the new one in, then drop the old one
-        old = out.parent / f"{out.name}.old-{os.getpid()}"
-        out.rename(old)
-        partial.rename(out)
-        shutil.rmtree(old)
-    else:
-        partial.rename(out)
-    return meta
-
-
-def _fsync_tree(folder: Path, files: bool = True) -> None:
-    """Flushes the files (and directories) under `folder`, so the marker never lands
-    before the data it vouches for."""
-    for root, dirs, names in os.walk(folder):
-        for name in names if files else []:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ---- reading -----------------------------------------------------------------------

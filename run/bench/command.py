@@ -108,7 +108,7 @@ def _settings(args) -> dict:
     if s["warmup"] < 0:
         raise CLIError(f"--warmup {s['warmup']} must not be negative")
     if s["decode_cache_len"] is not None:
-        from run.bench_run import decode_cache_len
+        from run.bench.jobs import decode_cache_len
 
         decode_cache_len(s, 1)  # too small for one device is too small for any mesh
     return s
@@ -164,7 +164,7 @@ def machine(device_count: int) -> dict:
 
 def main(args) -> int:
     from run.cli import CLIError, check_output_file, use_cpu_devices
-    from run.generate import _platform_is_cpu
+    from run.cli import platform_is_cpu
 
     settings = _settings(args)
     meshes = _meshes(args)
@@ -172,7 +172,7 @@ def main(args) -> int:
     if args.cpu_devices is not None and args.cpu_devices < need:
         raise CLIError(f"--mesh {'x'.join(map(str, max(meshes, key=lambda m: m[0] * m[1])))} "
                        f"needs {need} devices but --cpu-devices is {args.cpu_devices}: raise it")
-    if _platform_is_cpu():
+    if platform_is_cpu():
         use_cpu_devices(args.cpu_devices or need)
     scenarios = set(args.scenario) or {"prefill", "decode", "memory", "roofline"}
     if args.peer:
@@ -200,9 +200,9 @@ def main(args) -> int:
     # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
     jax.config.update("jax_enable_compilation_cache", False)
 
-    from run.bench_measure import MemoSource, rooflines
-    from run.bench_report import add_ratios, check_targets, print_table
-    from run.bench_run import MeshEngines, run_mesh
+    from run.bench.measure import MemoSource, rooflines
+    from run.bench.report import add_ratios, check_targets, print_table
+    from run.bench.jobs import MeshEngines, run_mesh
     from run.models import open_model
     from sharding.mesh import make_mesh
 
@@ -248,13 +248,13 @@ def main(args) -> int:
     add_ratios(report["meshes"])
 
     if "peer" in scenarios:
-        from run.bench_peer import run_peer
+        from run.bench.peer import run_peer
 
         report["peer"] = run_peer(spec, source, single, settings, scenarios, say)
     report["targets"] = check_targets(report)
 
     if args.plot:
-        from run.bench_report import plot
+        from run.bench.report import plot
 
         plot(report, args.plot)
         report["plot"] = args.plot

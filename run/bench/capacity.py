@@ -1,5 +1,5 @@
 """How long a prompt fits a per-device memory budget, on one device and on C `seq`
-devices: `python -m run.capacity [--budget-mib 64] [--devices 8]`.
+devices: `python -m run.bench.capacity [--budget-mib 64] [--devices 8]`.
 
 For each mesh 1xC it compiles the prefill program at growing prompt lengths and reads
 XLA's per-device memory analysis (weights + KV cache + activations and temporaries),
@@ -18,7 +18,7 @@ import time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m run.capacity")
+    p = argparse.ArgumentParser(prog="python -m run.bench.capacity")
     p.add_argument("--budget-mib", type=float, default=64.0)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--model", default="tiny")

@@ -1,5 +1,5 @@
 """The jobs of one mesh shape: prefill per prompt length, decode per batch size, and the
-memory each left behind (see run.bench for the scenarios, run.bench_measure for how
+memory each left behind (see run.bench for the scenarios, run.bench.measure for how
 each figure is taken)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import gc
 from pipeline import accounting
 from pipeline.engine import Engine, fitting_seq_len
 from pipeline.schedule import decode_grid, prefill_grid
-from run.bench_measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
+from run.bench.measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
                                program_memory, prompts_for, ring_bytes, run_once, spread)
 
 

@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from pipeline.engine import fitting_seq_len
-from run.bench_measure import prompts_for, run_once, spread
-from run.bench_run import decode_cache_len
+from run.bench.measure import prompts_for, run_once, spread
+from run.bench.jobs import decode_cache_len
 
 
 def _import():
@@ -37,7 +37,7 @@ def _import():
 
 def hf_model(spec, source, dtype_name: str):
     torch, transformers = _import()
-    from model.loader import name_table
+    from model.checkpoint.hf import name_table
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     if spec.folder is not None:

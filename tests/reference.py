@@ -1,0 +1,36 @@
+"""Test references: float64 numpy computations that the sharded and fused paths are
+checked against, and the fixture folders."""
+
+from pathlib import Path
+
+import numpy as np
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY = FIXTURES / "tiny"
+
+
+def dense_attention(q, k, v, q_pos, k_pos, scale):
+    """Reference attention in float64 numpy, masked by positions (0 <= k_pos <= q_pos).
+
+    q [B, T, N, H], k and v [B, S, K, H], q_pos [B, T], k_pos [B, S]; query head n
+    uses KV head n // (N/K). Returns o [B, T, N, H] (0 on rows that see no key) and
+    lse [B, T, N] (-inf on those rows).
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    visible = (k_pos[:, None, :] >= 0) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    s = np.where(visible[:, None], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(axis=-1)
+    o = (
+        np.einsum("bnts,bsnh->btnh", p, v)
+        / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
+    )
+    with np.errstate(divide="ignore"):
+        lse = (m[..., 0] + np.log(l)).transpose(0, 2, 1)
+    return o, lse
