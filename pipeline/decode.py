@@ -1,21 +1,23 @@
 """Decode: round-robin groups along `stage`, sharded-KV attention along `seq`.
 
 One `shard_map` over the whole ('stage', 'seq') mesh runs a chunk of decode steps for
-every request. The batch is cut into G groups of B / G requests. With period
-P = max(G, S), at tick t stage s runs group (t - s) mod P, when that is below G (see
-pipeline.schedule). Per tick, one cyclic `ppermute` along `stage` carries the hidden
-state [B/G, 1, D] from stage s to s + 1 and, from the last stage back to stage 0, the
-tokens it just sampled; stage 0 files those and embeds them when the group comes
-round again, P >= S ticks later. With G >= S no stage is ever idle in steady state;
-a batch smaller than S runs with bubbles.
+every request. The batch is cut into `groups` groups of B / groups requests. At tick t
+stage s runs group (t - s) mod period, when that is a group (`pipeline.schedule`: the
+period is max(groups, stages)). Per tick, one cyclic `ppermute` along `stage` carries
+the hidden state [B/groups, 1, D] from stage s to s + 1 and, from the last stage back to
+stage 0, the tokens it just sampled; stage 0 files those and embeds them when the group
+comes round again, a period >= stages ticks later. With groups >= stages no stage is
+ever idle in steady state; a batch smaller than the stage count runs with bubbles.
 
 Inside a layer the new token's hidden state is the same on every `seq` device. Decode
-step j writes its K/V on `seq` device j mod C at local slot P/C + j // C (P = padded
-prompt length), so every device's cache fills at the same rate; attention runs over
+step j writes its K/V where `ring.decode_slot` puts it (device j mod C, after the
+prompt's slots), so every device's cache fills at the same rate; attention runs over
 each device's own slots and the partial results merge with LSE (ring.decode_attention).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,122 +25,145 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from model.cache import KVCache
 from model.config import Qwen3Config
 from pipeline.sampling import Sampling, sample
-from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import decode_attention, heads_major
-from sharding.specs import SPECS
+from pipeline.schedule import decode_period, decode_ticks
+from pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
+                            on_last_stage, put_rows, rows, run_stage, shift, vary, when)
+from ring import decode_attention, decode_slot
+
+
+class DecodeInputs(NamedTuple):
+    """What a decode chunk starts from, besides the weights and the cache. Every field is
+    replicated (P()): a new per-row field is one line here."""
+
+    tokens: jax.Array  # [B] int32: the token each row feeds at step `first_step`
+    positions: jax.Array  # [B] int32: its position
+    request: jax.Array  # [B] int32: the row's request index (sampling keys)
+    first_step: jax.Array  # [] int32: decode step index j of the chunk's first step
+    run_steps: jax.Array  # [] int32: how many of the chunk's steps run (the last chunk may need fewer)
+    limit: jax.Array  # [] int32: steps j >= limit write nothing (past the request's last token)
+    prompt_slots: jax.Array  # [] int32: P_pad / C, the local slots the prompt took
+    seed: jax.Array  # [] int32: sampling seed
+
+    @classmethod
+    def specs(cls) -> DecodeInputs:
+        return cls(*[P()] * len(cls._fields))
+
+
+class DecodeOutputs(NamedTuple):
+    tokens: jax.Array  # [B, steps] int32, P(): each row's new tokens
+    logits: jax.Array  # [steps, V] float32, P(): row 0's logits at each step ([0, V] without)
+
+
+class DecodeCarry(NamedTuple):
+    """The tick loop's state on one device."""
+
+    h: jax.Array  # [B/groups, 1, D]: the hidden state received from the previous stage
+    tok_recv: jax.Array  # [B/groups] int32: tokens received from the last stage
+    tok_buf: jax.Array  # [B] int32: the token each row feeds next (stage 0 files them)
+    cache: StageCache  # this stage's cache slice
+    out: DecodeOutputs  # filled by the last stage
 
 
 def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
                  groups: int, steps: int, sampling: Sampling, with_logits: bool = True):
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
-    Returns f(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
-    first_step, run_steps, limit, prompt_slots, seed) -> (new_tokens [B, steps] int32,
-    first_logits [steps, V] float32, cache_k, cache_v), where
-      slot_pos: [B, S_cap] int32 positions held by the cache slots, -1 = empty (must
-        already list the slots this chunk writes: future positions are masked anyway);
-      tokens: [B] int32 the token each request feeds at step `first_step`;
-      positions: [B] int32 its position;
-      request: [B] int32 request index (for sampling keys);
-      first_step: decode step index j of the chunk's first step;
-      run_steps: how many of the `steps` to run (the last chunk may need fewer);
-      limit: steps j >= limit write nothing (past the request's last token);
-      prompt_slots: P / C, the local slots the prompt took;
-      seed: sampling seed.
-    first_logits are request row 0's logits at each step (for --logits-out and checks);
-    with_logits=False leaves them out ([0, V]), sparing a [steps, V] buffer per chunk.
+    Returns f(weights: Weights, cache: KVCache, inputs: DecodeInputs) ->
+    (DecodeOutputs, KVCache). `cache.pos` must already list the slots this chunk
+    writes (positions ahead of a query are masked anyway); the program writes k and v
+    only, so `cache` is donated and updated in place. with_logits=False leaves row 0's
+    per-step logits out, sparing a [steps, V] buffer per chunk.
     """
-    G = groups
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    # One stage has no bubbles (P = G): no cond is needed around its layers.
+    # One stage has no bubbles (period = groups): no cond is needed around its layers.
     always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
 
-    def local(state, real, cache_k, cache_v, slot_pos, tokens, positions, request,
-              first_step, run_steps, limit, prompt_slots, seed):
-        model = nnx.merge(graphdef, state)
-        S, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
-        B = tokens.shape[0]
-        Bg = B // G
-        _, _, K, _, H = cache_k.shape
-        dtype = cache_k.dtype
-        period = max(G, S)
-        busy = run_steps * period
+    def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
+        model = nnx.merge(graphdef, weights.state)
+        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
+        C = jax.lax.axis_size("seq")
+        c = jax.lax.axis_index("seq")
+        B = inputs.tokens.shape[0]
+        Bg = B // groups
+        period = decode_period(groups, stages)
+        busy = inputs.run_steps * period
 
         def slot_of(u):
             """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
-            runs = (u >= 0) & (u < busy) & (u % period < G)
+            runs = (u >= 0) & (u < busy) & (u % period < groups)
             u = jnp.clip(u, 0, busy - 1)
-            return runs, jnp.minimum(u % period, G - 1) * Bg, u // period
+            return runs, jnp.minimum(u % period, groups - 1) * Bg, u // period
 
-        def tick(t, carry):
-            h_recv, tok_recv, tok_buf, cache, out_tok, out_logits = carry
+        def tick(t, carry: DecodeCarry) -> DecodeCarry:
             # Stage 0 files the tokens the last stage sampled at tick t - 1.
-            got, got_row0, _ = slot_of(t - S)
-            tok_buf = jnp.where(got, put_rows(tok_buf, tok_recv, got_row0), tok_buf)
+            got, got_row0, _ = slot_of(t - stages)
+            tok_buf = jnp.where(got, put_rows(carry.tok_buf, carry.tok_recv, got_row0),
+                                carry.tok_buf)
 
             active, row0, i = slot_of(t - s)
-            j = first_step + i
-            q_pos = (rows(positions, row0, Bg) + i)[:, None]  # [Bg, 1]
-            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), h_recv))
-            slot = prompt_slots + j // C
-            mine = active & (c == j % C) & (j < limit)
-            group_slot_pos = rows(slot_pos, row0, Bg)
+            j = inputs.first_step + i
+            q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
+            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]),
+                                  carry.h))
+            device, slot = decode_slot(j, inputs.prompt_slots, C)
+            mine = active & (c == device) & (j < inputs.limit)
+            group_slot_pos = rows(cache.pos, row0, Bg)
 
             def attend_at(layer):
-                def write(a, new):  # new [Bg, 1, K, H]
-                    new, at = heads_major(new), (layer, row0, 0, slot, 0)
-                    old = jax.lax.dynamic_slice(a, at, (1, Bg, K, 1, H))
-                    return jax.lax.dynamic_update_slice(a, jnp.where(mine, new[None].astype(dtype), old), at)
-
-                def attend(q, k, v, cache: StageCache):
-                    cache = StageCache(write(cache.k, k), write(cache.v, v))
+                def attention(q, k, v, kv: StageCache):
                     # Slots past this step's hold nothing the group can see yet.
-                    o, _ = decode_attention(q, cache.k, cache.v, q_pos, group_slot_pos,
+                    o, _ = decode_attention(q, kv.k, kv.v, q_pos, group_slot_pos,
                                             axis_name="seq", scale=scale, at=(layer, row0),
                                             filled=slot + 1)
-                    return o, cache
+                    return o
 
-                return attend
+                return cache_attend(layer, row0, slot, mine, attention)
 
-            def compute(x, cache, gate):
-                x, cache = run_stage(model, cfg, real, x, q_pos, cache, attend_at, gated, gate)
-                return vary(x), cache
+            def compute(x, kv, gate):
+                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+                return vary(x), kv
 
-            x, cache = when(active, compute, x_in, cache, gated, always_active)
+            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
             def head(x):
                 logits = model.logits(x)[:, 0]  # [Bg, V]
-                tok = sample(logits, rows(request, row0, Bg), j + 1, seed, sampling)
-                return vary(logits), vary(tok)
+                return logits, sample(logits, rows(inputs.request, row0, Bg), j + 1,
+                                      inputs.seed, sampling)
 
-            def idle(x):
-                return vary(jnp.zeros((Bg, cfg.V), jnp.float32)), vary(jnp.zeros((Bg,), jnp.int32))
-
-            on_last = active & (s == S - 1)
-            logits, tok = jax.lax.cond(on_last, head, idle, x)
-            out_tok = jnp.where(on_last, jax.lax.dynamic_update_slice(out_tok, tok[:, None], (row0, i)),
-                                out_tok)
+            shapes = (jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),
+                      jax.ShapeDtypeStruct((Bg,), jnp.int32))
+            on_last, (logits, tok) = on_last_stage(active, head, shapes, x)
+            out = carry.out
+            out = out._replace(tokens=jnp.where(
+                on_last, jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (row0, i)),
+                out.tokens))
             if with_logits:
-                out_logits = jnp.where(on_last & (row0 == 0),
-                                       put_rows(out_logits, logits[:1], i), out_logits)
+                out = out._replace(logits=jnp.where(on_last & (row0 == 0),
+                                                    put_rows(out.logits, logits[:1], i),
+                                                    out.logits))
             h_next, tok_next = shift((x, tok), cyclic=True)
-            return h_next, tok_next, tok_buf, cache, out_tok, out_logits
+            return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
 
-        carry = (vary(jnp.zeros((Bg, 1, cfg.D), dtype)), vary(jnp.zeros((Bg,), jnp.int32)),
-                 vary(tokens), StageCache(cache_k, cache_v),
-                 vary(jnp.zeros((B, steps), jnp.int32)), vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)))
-        ticks = (run_steps - 1) * period + G + S - 1
-        _, _, _, cache, out_tok, out_logits = jax.lax.fori_loop(0, ticks, tick, carry)
-        return (from_device(out_tok, S - 1, 0), from_device(out_logits, S - 1, 0),
-                cache.k, cache.v)
+        out = DecodeOutputs(vary(jnp.zeros((B, steps), jnp.int32)),
+                            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)))
+        carry = DecodeCarry(vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
+                            vary(jnp.zeros((Bg,), jnp.int32)), vary(inputs.tokens),
+                            StageCache(cache.k, cache.v), out)
+        ticks = decode_ticks(groups, stages, inputs.run_steps)
+        carry = jax.lax.fori_loop(0, ticks, tick, carry)
+        out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
+        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
-    rep = SPECS.replicated
-    return jax.shard_map(
+    mapped = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(state_specs, SPECS.layers, SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs,
-                  rep, rep, rep, rep, rep, rep, rep, rep),
-        out_specs=(P(), P(), SPECS.cache_lbksh, SPECS.cache_lbksh))
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs()),
+        out_specs=(DecodeOutputs(P(), P()), CACHE_SPECS))
+
+    def decode(weights: Weights, cache: KVCache, inputs: DecodeInputs):
+        return mapped(weights, cache, inputs)
+
+    return decode

@@ -1,11 +1,10 @@
 """The generate engine: one code path for every mesh shape, 1x1 included.
 
-`Engine` places the weights on a ('stage', 'seq') mesh, then for a batch of prompts:
-checks everything up front; pads the batch to a multiple of the microbatch and group
-counts (with copies of the first prompt, whose results are dropped) and the prompts to
-a multiple of 2C in zigzag order; runs the prefill program once and the decode
-program chunk by chunk (each chunk on device; the host only looks at the new tokens
-between chunks, to stream them and to stop once every request has finished).
+`Engine` places the weights on a ('stage', 'seq') mesh once. `generate` then checks a
+batch of prompts up front, lays it out (`pipeline.layout`), runs the prefill program
+once and the decode program chunk by chunk (each chunk on device; the host only looks
+at the new tokens between chunks, to stream them and to stop once every request has
+finished), and returns the completions with their own timing and the cache.
 """
 
 from __future__ import annotations
@@ -13,92 +12,57 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from model.cache import KVCache
 from model.config import Qwen3Config
 from model.params import abstract_model, map_params
-from pipeline.decode import build_decode
-from pipeline.prefill import build_prefill
+from pipeline.decode import DecodeInputs, build_decode
+from pipeline.layout import Batch, lay_out
+from pipeline.prefill import PrefillInputs, build_prefill
+from pipeline.programs import OnCompile, Programs
+from pipeline.requests import Completion, RequestError, check_request
 from pipeline.sampling import Sampling, sample
-from pipeline.schedule import decode_grid, prefill_grid, stats
-from ring import padded_length, to_device_order, zigzag
+from pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
+from pipeline.stage import CACHE_SPECS, Weights
+from ring import decode_slot
 from sharding.place import WeightSource, place_state
 from sharding.plan import StagePlan
 from sharding.specs import SPECS, param_spec
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked: the message says what to change."""
-
-
-@dataclasses.dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str  # "stop" (an EOS id was produced, and kept) or "length"
 
 
 @dataclasses.dataclass
 class Generation:
     completions: list[Completion]
     first_logits: np.ndarray  # [steps, V] float32: request 0's logits at each generated token
-    timing: dict
+    timing: dict  # compile_s, prefill_s, decode_s and tokens per second of this call
     layout: dict  # batch and prompt padding, microbatches, groups, chunks run
+    cache: KVCache  # the cache as the last decode left it (slots of steps never run: -1)
 
 
-def _spec_tree(state):
-    return map_params(lambda path, x: param_spec(path), state)
+@dataclasses.dataclass
+class _Clock:
+    """Seconds one generate call spent waiting for compiles and running programs."""
+
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
-def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]],
-                  max_new_tokens: int) -> None:
-    """Every precondition of a request on C = seq devices, in words; needs no weights, so
-    a caller can check before loading them."""
-    if not prompts:
-        raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
-    if max_new_tokens < 1:
-        raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    for n, p in enumerate(prompts):
-        if len(p) == 0:
-            raise RequestError(f"prompt {n} is empty: give it at least one token")
-        bad = [t for t in p if not 0 <= t < cfg.V]
-        if bad:
-            raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
-                               f"[0, {cfg.V}): use ids the model's tokenizer produces")
-        total = len(p) + max_new_tokens
-        if total > cfg.max_position_embeddings:
-            raise RequestError(
-                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
-        if total > max_seq_len:
-            raise RequestError(
-                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}")
-    P_len = padded_length(max(len(p) for p in prompts), seq)
-    slots = math.ceil(max_seq_len / seq)
-    need = P_len // seq + math.ceil((max_new_tokens - 1) / seq)
-    if need > slots:
-        raise RequestError(
-            f"the longest prompt padded to {P_len} tokens (a multiple of 2C = {2 * seq}) "
-            f"plus {max_new_tokens} new tokens needs {need} cache slots per seq device, but "
-            f"--max-seq-len {max_seq_len} gives {slots}: raise "
-            f"--max-seq-len to {need * seq}")
+@dataclasses.dataclass
+class _Decoding:
+    """The host's view of a batch being decoded."""
 
-
-def fitting_seq_len(prompt_len: int, new_tokens: int, seq: int) -> int:
-    """The smallest --max-seq-len check_request accepts for a prompt of prompt_len tokens
-    and new_tokens more on C = seq devices: the padded prompt plus the decode slots, at
-    least prompt + new tokens, as a multiple of C."""
-    slots = seq * (padded_length(prompt_len, seq) // seq + math.ceil(max(new_tokens - 1, 0) / seq))
-    return seq * math.ceil(max(slots, prompt_len + new_tokens) / seq)
+    generated: list[list[int]]  # [B] the tokens of each row so far
+    done: np.ndarray  # [B] bool: the row produced an EOS id
+    steps_run: int = 0
+    chunks: int = 0
+    ticks: int = 0
 
 
 class Engine:
@@ -112,126 +76,82 @@ class Engine:
       max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
         device holds ceil(max_seq_len / C) slots.
       microbatches: M for prefill.
-      groups: G for decode (default: S, or the number of requests when fewer; a batch
-        smaller than S then runs with bubbles).
+      groups: decode groups (default: the stage count, or the number of requests when
+        fewer; a batch smaller than the stage count then runs with bubbles).
       chunk: decode steps per on-device chunk.
       poison: NaN in pipeline bubbles (tests).
+      on_compile: called with a program's name around each compile the caller waits for
+        (`pipeline.programs.OnCompile`).
     """
 
     def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
                  max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
-                 chunk: int = 16, poison: bool = False):
+                 chunk: int = 16, poison: bool = False, on_compile: OnCompile | None = None):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
-        self.S, self.C = mesh.shape["stage"], mesh.shape["seq"]
-        self.plan = StagePlan(cfg.L, self.S)
-        if microbatches < 1:
-            raise RequestError(f"--microbatches {microbatches} must be at least 1")
-        self.M = microbatches
-        if groups is not None and groups < 1:
-            raise RequestError(f"--groups {groups} must be at least 1")
-        self.groups = groups
-        if max_seq_len < 1:
-            raise RequestError(f"--max-seq-len {max_seq_len} must be positive")
+        self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
+        self.plan = StagePlan(cfg.L, self.stages)
+        for flag, value, least in (("--microbatches", microbatches, 1), ("--groups", groups, 1),
+                                   ("--max-seq-len", max_seq_len, 1), ("--chunk", chunk, 1)):
+            if value is not None and value < least:
+                raise RequestError(f"{flag} {value} must be at least {least}")
+        self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
         self.slots_per_device = math.ceil(max_seq_len / self.C)
-        # Each seq device holds the same number of slots: capacity rounds up to C's multiple.
-        self.capacity = self.slots_per_device * self.C
-        if chunk < 1:
-            raise RequestError(f"--chunk {chunk} must be at least 1 decode step")
-        self.chunk = chunk
-        self.poison = poison
-        self.graphdef, abstract = abstract_model(cfg, self.dtype)
-        self.state = place_state(abstract, self.plan, mesh, source)
-        self.state_specs = _spec_tree(self.state)
-        self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
-        self._prefill = jax.jit(
-            build_prefill(cfg, self.graphdef, self.state_specs, mesh, self.M, self.dtype, poison),
-            donate_argnums=(5, 6))
+        graphdef, abstract = abstract_model(cfg, self.dtype)
+        self.graphdef = graphdef
+        state = place_state(abstract, self.plan, mesh, source)
+        self.weights = Weights(state, jax.device_put(self.plan.real_slots,
+                                                     NamedSharding(mesh, SPECS.layers)))
+        self.state_specs = map_params(lambda path, x: param_spec(path), state)
+        self.programs = Programs(self.dtype, on_compile)
+        self._prefill = jax.jit(build_prefill(cfg, graphdef, self.state_specs, mesh, self.M,
+                                              self.dtype, poison), donate_argnames="cache")
         self._decode: dict[tuple, Callable] = {}
-        self._compiled: dict[tuple, Callable] = {}
-        self._ahead: dict[tuple, Future] = {}  # compiles started on self._pool
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
-        self.programs: dict[str, Callable] = {}  # readable name -> compiled program
         self._zeros: dict[tuple, Callable] = {}  # cache shape -> jitted zeros
         self._sample = jax.jit(sample, static_argnums=4)
 
-    # ---- checks and layout -------------------------------------------------------
+    # ---- checks and sizes ----------------------------------------------------------
 
     def check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         """Every precondition of a request, in words, before anything compiles."""
         check_request(self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens)
 
     def groups_for(self, n: int) -> int:
-        """Decode groups G for n requests."""
-        return self.groups if self.groups is not None else min(self.S, n)
+        """Decode groups for n requests."""
+        return self.groups if self.groups is not None else min(self.stages, n)
 
-    def batch_size(self, n: int) -> int:
-        """Requests padded to a multiple of lcm(M, G)."""
-        unit = math.lcm(self.M, self.groups_for(n))
-        return math.ceil(n / unit) * unit
-
-    # ---- the programs --------------------------------------------------------------
-
-    def _compile(self, name: tuple, fn, *args):
-        """fn compiled for args' shapes, once per (name, shapes); name must say every
-        static choice that shapes the program (sampling, groups, chunk). The time the
-        caller waits (compiling, or for a compile started ahead) counts in compile_s."""
-        key = self._key(name, args)
-        if key not in self._compiled:
-            t0 = time.perf_counter()
-            ahead = self._ahead.pop(key, None)
-            # result() re-raises whatever the background compile raised.
-            compiled = ahead.result() if ahead is not None else self._build(fn, args)
-            self.compile_s += time.perf_counter() - t0
-            self._compiled[key] = compiled
-            shapes = "x".join(map(str, args[2].shape))  # tokens [B, P] / cache [L_pad, B, K, S, H]
-            self.programs[f"{' '.join(map(str, name))} [{shapes}]"] = compiled
-        return self._compiled[key]
-
-    def _compile_ahead(self, name: tuple, fn, *args) -> None:
-        """Starts compiling fn for args (arrays or ShapeDtypeStructs with shardings) on a
-        background thread, so it overlaps the compile and run of another program (XLA
-        compiles outside the GIL); the `_compile` call with the same key collects it."""
-        key = self._key(name, args)
-        if key not in self._compiled and key not in self._ahead:
-            self._ahead[key] = self._pool.submit(self._build, fn, args)
-
-    @staticmethod
-    def _key(name: tuple, args) -> tuple:
-        return (*name, *(getattr(a, "shape", a) for a in args[2:]))
-
-    def _build(self, fn, args):
-        # float32 means float32: XLA may otherwise run its matmuls in TF32 on GPUs.
-        precision = "highest" if self.dtype == jnp.float32 else "default"
-        with jax.default_matmul_precision(precision):
-            return fn.lower(*args).compile()
-
-    def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
-        key = (groups, steps, sampling, with_logits)
-        if key not in self._decode:
-            self._decode[key] = jax.jit(
-                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, groups, steps,
-                             sampling, with_logits),
-                donate_argnums=(2, 3))
-        return self._decode[key]
-
-    def _abstract(self, shape, dtype, spec) -> jax.ShapeDtypeStruct:
-        """An argument's shape, dtype and sharding on the mesh, for lowering ahead."""
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec))
+    def lay_out(self, prompts: list[list[int]]) -> Batch:
+        return lay_out(prompts, self.M, self.groups_for(len(prompts)), self.C,
+                       self.slots_per_device)
 
     def cache_shape(self, B: int) -> tuple[int, ...]:
-        """[L_pad, B, K, S_cap, H] (heads-major: model.cache)."""
+        """k and v [L_pad, B, K, S_cap, H] (heads-major: model.cache)."""
         return (self.plan.padded_layers, B, self.cfg.K, self.slots_per_device * self.C,
                 self.cfg.H)
 
-    def new_cache(self, B: int) -> tuple[jax.Array, jax.Array]:
-        """Zeroed k, v [L_pad, B, K, S_cap, H], sharded P('stage', None, None, 'seq', None)."""
-        shape = self.cache_shape(B)
-        sharding = NamedSharding(self.mesh, SPECS.cache_lbksh)
+    def _placed(self, x: np.ndarray, spec) -> jax.Array:
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def new_cache(self, batch: Batch) -> KVCache:
+        """Zeroed k, v and the batch's slot positions, sharded as CACHE_SPECS."""
+        shape = self.cache_shape(batch.B)
         if shape not in self._zeros:
             self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
-                                         out_shardings=sharding)
-        return self._zeros[shape](), self._zeros[shape]()
+                                         out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh))
+        return KVCache(self._zeros[shape](), self._zeros[shape](), self._slot_pos(batch))
+
+    def _slot_pos(self, batch: Batch) -> jax.Array:
+        return self._placed(batch.slot_pos.reshape(batch.B, -1), SPECS.slots_bs)
+
+    def _abstract(self, tree, specs):
+        """Arrays' shapes, dtypes and shardings on the mesh, for lowering ahead."""
+        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)), tree, specs)
+
+    def _abstract_cache(self, B: int) -> KVCache:
+        kv = jax.ShapeDtypeStruct(self.cache_shape(B), self.dtype)
+        return self._abstract(KVCache(kv, kv, jax.ShapeDtypeStruct(
+            (B, self.slots_per_device * self.C), jnp.int32)), CACHE_SPECS)
 
     def prefill_memory(self, batch: int, prompt_len: int) -> dict:
         """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
@@ -240,16 +160,51 @@ class Engine:
         total = arguments (weights, cache, tokens) + outputs + temporaries - aliased
         (the donated cache is updated in place, so it counts once).
         """
-        P_len = padded_length(prompt_len, self.C)
-        arg = self._abstract
-        cache = arg(self.cache_shape(batch), self.dtype, SPECS.cache_lbksh)
-        tokens = arg((batch, P_len), jnp.int32, SPECS.tokens_bt)
-        args = (self.state, self.real, tokens, tokens, arg((batch,), jnp.int32, P()), cache, cache)
-        m = self._prefill.lower(*args).compile().memory_analysis()
+        laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
+        inputs = self._abstract(laid.prefill, PrefillInputs.specs())
+        m = self._prefill.lower(self.weights, self._abstract_cache(batch),
+                                inputs).compile().memory_analysis()
         out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
                "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
         out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
         return out
+
+    # ---- the programs --------------------------------------------------------------
+
+    def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
+        key = (groups, steps, sampling, with_logits)
+        if key not in self._decode:
+            self._decode[key] = jax.jit(
+                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, groups, steps,
+                             sampling, with_logits),
+                donate_argnames="cache")
+        return self._decode[key]
+
+    def _decode_inputs(self, batch: Batch, tokens: np.ndarray, first_step: int, run_steps: int,
+                       limit: int, seed: int) -> DecodeInputs:
+        scalar = np.int32
+        return DecodeInputs(
+            tokens=tokens.astype(np.int32), positions=batch.lengths + first_step,
+            request=batch.request, first_step=scalar(first_step), run_steps=scalar(run_steps),
+            limit=scalar(limit), prompt_slots=scalar(batch.prompt_slots), seed=scalar(seed))
+
+    def _compile_decode_ahead(self, batch: Batch, sampling: Sampling, with_logits: bool) -> None:
+        """Starts compiling the first decode chunk's program while the prefill compiles
+        and runs."""
+        inputs = self._decode_inputs(batch, batch.request, 0, 1, 1, 0)
+        self.programs.ahead(("decode", batch.groups, self.chunk, sampling, with_logits),
+                            self._decode_fn(batch.groups, self.chunk, sampling, with_logits),
+                            self.weights, self._abstract_cache(batch.B),
+                            self._abstract(inputs, DecodeInputs.specs()))
+
+    def _run(self, name: tuple, fn, clock: _Clock, cache: KVCache, inputs, specs):
+        """The compiled program `name` on (weights, cache, inputs placed as `specs`)."""
+        inputs = jax.tree.map(self._placed, inputs, specs)
+        program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
+        clock.compile_s += waited
+        return program(self.weights, cache, inputs)
+
+    # ---- generate: lay out, prefill, decode chunk by chunk, complete ------------------
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: Sampling = Sampling(), seed: int = 0,
@@ -265,125 +220,101 @@ class Engine:
         every request's tokens so far (for streaming).
         """
         self.check(prompts, max_new_tokens)
-        C, mesh = self.C, self.mesh
-        self.compile_s = 0.0
-        n_req = len(prompts)
-        G = self.groups_for(n_req)
-        B = self.batch_size(n_req)
-        batch = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
-        lengths = np.array([len(p) for p in batch], np.int32)
-        P_len = padded_length(int(lengths.max()), C)
-        part = zigzag(P_len, C)
-        tokens = np.zeros((B, P_len), np.int32)
-        positions = np.full((B, P_len), -1, np.int32)
-        for b, p in enumerate(batch):
-            tokens[b, :len(p)] = p
-            positions[b, :len(p)] = np.arange(len(p))
-        tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
-        tok_sharding = NamedSharding(mesh, SPECS.tokens_bt)
-        rep = NamedSharding(mesh, P())
-
-        # Slot positions: device c's first P/C slots hold its zigzag share of the prompt.
-        S_loc = self.slots_per_device
-        prompt_slots = P_len // C
-        slot_pos = np.full((B, C, S_loc), -1, np.int32)
-        slot_pos[:, :, :prompt_slots] = positions.reshape(B, C, prompt_slots)
-
+        batch = self.lay_out(prompts)
+        clock = _Clock()
         if max_new_tokens > 1:
-            # The first decode chunk's program compiles while the prefill compiles and runs.
-            arg = self._abstract
-            cache = arg(self.cache_shape(B), self.dtype, SPECS.cache_lbksh)
-            vec, scalar = arg((B,), jnp.int32, P()), jax.ShapeDtypeStruct((), jnp.int32)
-            self._compile_ahead(("decode", G, self.chunk, sampling, with_logits),
-                                self._decode_fn(G, self.chunk, sampling, with_logits),
-                                self.state, self.real, cache, cache,
-                                arg((B, C * S_loc), jnp.int32, SPECS.slots_bs), vec, vec, vec,
-                                *[scalar] * 5)
-        cache_k, cache_v = self.new_cache(B)
-        args = (self.state, self.real, jax.device_put(tokens, tok_sharding),
-                jax.device_put(positions, tok_sharding), jax.device_put(lengths - 1, rep),
-                cache_k, cache_v)
-        prefill = self._compile(("prefill",), self._prefill, *args)
+            self._compile_decode_ahead(batch, sampling, with_logits)
+        first, logits, cache = self._prefill_batch(batch, sampling, seed, clock)
+        state = _Decoding([[int(t)] for t in first], np.isin(first, eos_ids))
+        step_logits = [np.asarray(logits[:1])]
+        if on_tokens:
+            on_tokens(state.generated[:batch.requests])
+        limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
+        while state.steps_run < limit and not state.done[:batch.requests].all():
+            new_logits, cache = self._decode_chunk(batch, state, cache, limit, sampling, seed,
+                                                   eos_ids, with_logits, clock)
+            if with_logits:
+                step_logits.append(new_logits)
+            if on_tokens:
+                on_tokens(state.generated[:batch.requests])
+        return self._complete(prompts, batch, state, step_logits, max_new_tokens, eos_ids,
+                              clock, cache)
+
+    def _prefill_batch(self, batch: Batch, sampling: Sampling, seed: int, clock: _Clock):
+        """Runs the prefill: (first tokens [B] numpy, logits [B, V], the cache)."""
+        cache = self.new_cache(batch)
+        compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache_k, cache_v = prefill(*args)
-        request = np.arange(B, dtype=np.int32)
-        request[n_req:] = 0
-        first = self._sample(logits, jnp.asarray(request), jnp.int32(0), jnp.int32(seed),
+        logits, cache = self._run(("prefill",), self._prefill, clock, cache, batch.prefill,
+                                  PrefillInputs.specs())
+        first = self._sample(logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed),
                              sampling)
         first = np.asarray(first)
-        prefill_s = time.perf_counter() - t0
+        clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        return first, logits, cache
 
-        generated = [[int(first[b])] for b in range(B)]
-        step_logits = [np.asarray(logits[:1])]
-        done = np.array([t in eos_ids for t in first])
-        if on_tokens:
-            on_tokens([g for g in generated[:n_req]])
-        limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
-        steps_run, chunks, decode_ticks = 0, 0, 0
-        t_decode = 0.0
-        while steps_run < limit and not done[:n_req].all():
-            n = self.chunk
-            j0 = steps_run
-            take = min(n, limit - j0)
-            # List the slots this chunk writes; positions ahead of a query are masked.
-            for j in range(j0, j0 + take):
-                slot_pos[:, j % C, prompt_slots + j // C] = lengths + j
-            cur = np.array([g[-1] for g in generated], np.int32)
-            args = (self.state, self.real, cache_k, cache_v,
-                    jax.device_put(slot_pos.reshape(B, C * S_loc), NamedSharding(mesh, SPECS.slots_bs)),
-                    jax.device_put(cur, rep), jax.device_put(lengths + j0, rep),
-                    jax.device_put(request, rep), jnp.int32(j0), jnp.int32(take), jnp.int32(limit),
-                    jnp.int32(prompt_slots), jnp.int32(seed))
-            decode = self._compile(("decode", G, n, sampling, with_logits),
-                                   self._decode_fn(G, n, sampling, with_logits), *args)
-            t0 = time.perf_counter()
-            new_tokens, new_logits, cache_k, cache_v = decode(*args)
-            new_tokens = np.asarray(new_tokens)
-            t_decode += time.perf_counter() - t0
-            decode_ticks += (take - 1) * max(G, self.S) + G + self.S - 1
-            for b in range(B):
-                if not done[b]:
-                    for t in new_tokens[b, :take]:
-                        generated[b].append(int(t))
-                        if t in eos_ids:
-                            done[b] = True
-                            break
-            if with_logits:
-                step_logits.append(np.asarray(new_logits)[:take])
-            steps_run += take
-            chunks += 1
-            if on_tokens:
-                on_tokens([g for g in generated[:n_req]])
-        # The cache as the last decode left it (slots of steps never run stay -1).
-        self.cache = KVCache(cache_k, cache_v, jax.device_put(
-            slot_pos.reshape(B, C * S_loc), NamedSharding(mesh, SPECS.slots_bs)))
+    def _decode_chunk(self, batch: Batch, state: _Decoding, cache: KVCache, limit: int,
+                      sampling: Sampling, seed: int, eos_ids, with_logits: bool, clock: _Clock):
+        """One decode chunk of up to `self.chunk` steps; appends each row's new tokens
+        (up to its first EOS id) to `state`. Returns (row 0's logits [take, V], cache)."""
+        j0 = state.steps_run
+        take = min(self.chunk, limit - j0)
+        # List the slots this chunk writes; positions ahead of a query are masked.
+        for j in range(j0, j0 + take):
+            device, slot = decode_slot(j, batch.prompt_slots, self.C)
+            batch.slot_pos[:, device, slot] = batch.lengths + j
+        cache = cache._replace(pos=self._slot_pos(batch))
+        tokens = np.array([g[-1] for g in state.generated], np.int32)
+        inputs = self._decode_inputs(batch, tokens, j0, take, limit, seed)
+        name = ("decode", batch.groups, self.chunk, sampling, with_logits)
+        fn = self._decode_fn(batch.groups, self.chunk, sampling, with_logits)
+        compile_before = clock.compile_s
+        t0 = time.perf_counter()
+        out, cache = self._run(name, fn, clock, cache, inputs, DecodeInputs.specs())
+        new_tokens = np.asarray(out.tokens)
+        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        state.ticks += decode_ticks(batch.groups, self.stages, take)
+        for b in range(batch.B):
+            if state.done[b]:
+                continue
+            for t in new_tokens[b, :take]:
+                state.generated[b].append(int(t))
+                if t in eos_ids:
+                    state.done[b] = True
+                    break
+        state.steps_run += take
+        state.chunks += 1
+        return (np.asarray(out.logits)[:take] if with_logits else None), cache
 
+    def _complete(self, prompts, batch: Batch, state: _Decoding, step_logits, max_new_tokens,
+                  eos_ids, clock: _Clock, cache: KVCache) -> Generation:
         completions = []
-        for b in range(n_req):
-            toks = generated[b][:max_new_tokens]
+        for b in range(batch.requests):
+            toks = state.generated[b][:max_new_tokens]
             stop = bool(toks) and toks[-1] in eos_ids
             completions.append(Completion(list(prompts[b]), toks, "stop" if stop else "length"))
-        n_prompt = int(lengths[:n_req].sum())
+        n_prompt = int(batch.lengths[:batch.requests].sum())
         n_new = sum(len(c.token_ids) - 1 for c in completions)
         timing = {
-            "compile_s": self.compile_s,
-            "prefill_s": prefill_s,
-            "decode_s": t_decode,
-            "prefill_tokens_per_s": n_prompt / prefill_s if prefill_s > 0 else 0.0,
-            "decode_tokens_per_s": n_new / t_decode if t_decode > 0 else 0.0,
+            "compile_s": clock.compile_s,
+            "prefill_s": clock.prefill_s,
+            "decode_s": clock.decode_s,
+            "prefill_tokens_per_s": n_prompt / clock.prefill_s if clock.prefill_s > 0 else 0.0,
+            "decode_tokens_per_s": n_new / clock.decode_s if clock.decode_s > 0 else 0.0,
         }
-        layout = {"batch": B, "requests": n_req, "padded_prompt": P_len, "microbatches": self.M,
-                  "groups": G, "decode_steps": steps_run, "chunks": chunks,
-                  "chunk": self.chunk, "decode_ticks": decode_ticks}
+        layout = {"batch": batch.B, "requests": batch.requests, "padded_prompt": batch.P_pad,
+                  "microbatches": self.M, "groups": batch.groups,
+                  "decode_steps": state.steps_run, "chunks": state.chunks,
+                  "chunk": self.chunk, "decode_ticks": state.ticks}
         first_logits = np.concatenate(step_logits)[:len(completions[0].token_ids)]
-        return Generation(completions, first_logits, timing, layout)
+        return Generation(completions, first_logits, timing, layout, cache)
 
     # ---- reporting -------------------------------------------------------------------
 
     def schedules(self, layout: dict) -> dict:
-        pre = prefill_grid(self.M, self.S)
-        dec = decode_grid(layout["groups"], self.S,
+        pre = prefill_grid(self.M, self.stages)
+        dec = decode_grid(layout["groups"], self.stages,
                           min(layout["chunk"], max(layout["decode_steps"], 1)))
-        steady = stats(dec, skip_edges=self.S - 1)
+        steady = stats(dec, skip_edges=self.stages - 1)
         return {"prefill": stats(pre),
                 "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]}}

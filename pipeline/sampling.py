@@ -24,6 +24,11 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
 
+    def __str__(self) -> str:
+        if self.temperature == 0.0:
+            return "greedy"
+        return f"temperature {self.temperature} top-k {self.top_k} top-p {self.top_p}"
+
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
             raise SamplingError(f"--temperature {self.temperature} must be a finite number >= 0 "

@@ -8,18 +8,36 @@ weight, its stage's slice of the KV cache `[L_pad / S, B, K, S_cap / C, H]`, and
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model.cache import KVCache
 from model.config import Qwen3Config
 from model.layers import Qwen3
 from model.rope import rope_tables
-from ring.attention import make_varying
+from ring.attention import heads_major, make_varying
+from sharding.specs import SPECS
 
 AXES = ("stage", "seq")
+
+
+class Weights(NamedTuple):
+    """The placed model: read by every program, written by none."""
+
+    state: Any  # nnx.State: each layer leaf a tuple of per-slot [stages, ...] buffers
+    #             sharded P('stage') (sharding.place.place_params), the rest P()
+    real: jax.Array  # [L_pad] bool, P('stage'): False for identity (padding) slots
+
+    @staticmethod
+    def specs(state_specs) -> Weights:
+        return Weights(state_specs, SPECS.layers)
+
+
+# The KV cache as the programs take it: k, v [L_pad, B, K, S_cap, H] and pos [B, S_cap].
+CACHE_SPECS = KVCache(SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs)
 
 
 class StageCache(NamedTuple):
@@ -50,6 +68,39 @@ def shift(x, cyclic: bool):
     return jax.lax.ppermute(x, "stage", perm) if perm else jax.tree.map(jnp.zeros_like, x)
 
 
+def write_kv(cache: jax.Array, new: jax.Array, at: tuple, ok) -> jax.Array:
+    """cache [L/S, B, K, S_cap/C, H] with new [B', T', K, H] written heads-major at `at`
+    = (layer, row0, 0, slot0, 0) where `ok`, else left as it was (a bubble, or a decode
+    step whose slot lies on another `seq` device)."""
+    new = heads_major(new)[None].astype(cache.dtype)
+    old = jax.lax.dynamic_slice(cache, at, new.shape)
+    return jax.lax.dynamic_update_slice(cache, jnp.where(ok, new, old), at)
+
+
+def cache_attend(layer, row0, slot0, ok, attention):
+    """An attend function (`model.layers.Attend`) for local layer slot `layer` that
+    first writes the new k, v into the stage cache at rows row0.. and slots slot0.. (where
+    `ok`), then returns attention(q, k, v, cache) -> o with the updated cache."""
+
+    def attend(q, k, v, cache: StageCache):
+        at = (layer, row0, 0, slot0, 0)
+        cache = StageCache(write_kv(cache.k, k, at, ok), write_kv(cache.v, v, at, ok))
+        return attention(q, k, v, cache), cache
+
+    return attend
+
+
+def on_last_stage(active, fn, shapes, x):
+    """fn(x) on the last stage when `active`, else zeros of `shapes` (a pytree of
+    ShapeDtypeStructs): the final norm, lm_head and sampling run only where they count."""
+    last = active & (jax.lax.axis_index("stage") == jax.lax.axis_size("stage") - 1)
+
+    def zeros(x):
+        return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), shapes)
+
+    return last, jax.lax.cond(last, lambda x: jax.tree.map(vary, fn(x)), zeros, x)
+
+
 def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
               positions: jax.Array, cache: StageCache, attend_at, gated: bool,
               active: jax.Array | None = None) -> tuple[jax.Array, StageCache]:
@@ -57,8 +108,8 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
 
     The model's layer weights are per-slot tuples (`sharding.place.place_params`): slot j of
     every leaf is a [1, ...] local buffer, so each matmul reads its weight in place (XLA
-    copies a layer's slice out of a stacked array first, on CPU and GPU alike: 0.6B f32
-    decode at batch 1 took 222-237 ms per token that way, 113 ms with slots).
+    copies a layer's slice out of a stacked array first, on CPU and GPU alike, which
+    about doubled a decode step).
 
     Args:
       real: [L_pad / S] bool, this stage's slots (False: padded identity layer).
@@ -81,9 +132,8 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
 
     # Slots differ only in their weights and their index j into the cache, so each
     # kind of call below is one jitted function with j traced: JAX traces a layer once
-    # per program instead of once per slot, and XLA inlines the calls (the compiled
-    # program is the same). 0.6B f32 on 1x1, 2 cores: a prefill program's compile
-    # 9.1 -> 5.4 s, a decode job's (prefill and decode programs) 14.1 -> 9.1 s.
+    # per program instead of once per slot (tracing was a large part of compile time),
+    # and XLA inlines the calls: the compiled program is the same.
     def layer(params):
         return nnx.merge(layer_def, params)
 

@@ -27,9 +27,8 @@ from ring.merge import finite_or_zero, merge
 
 # Cache slots per block when decode attention reads only the filled part of the cache
 # (on CPU). A cache has room for every token its requests may reach; a request early
-# in its generation has most of it empty, and reading it all costs: 0.6B f32 decode at
-# batch 8 after 128 prompt tokens in a 1024-slot cache, 402 -> 206 ms per token (2
-# cores); a cache just big enough (529 slots) 313 -> 304.
+# in its generation has most of it empty, and reading all of it at every step cost up
+# to half of a decode step (CHANGELOG.md, 2026-11-30).
 DECODE_BLOCK = 256
 
 

@@ -3,9 +3,8 @@ with the same model, mesh, dtype and shapes as an earlier one reads its programs
 instead of compiling them (JAX's persistent cache; its key covers the program, the
 devices, the compile options and the JAX/XLA versions, so a change of any recompiles).
 
-Tracing still runs on a hit (the key is the traced program); XLA's compiling does not.
-0.6B float32, 8-token prompt, 2 CPU cores: the first run waited 9.2 s for its two
-programs on 1x1 (7.7 s on 2x2), a second run 1.8 s (2.3 s), with the same tokens.
+Tracing still runs on a hit (the key is the traced program); XLA's compiling does not
+(README, "The command line", has the measured times).
 """
 
 from __future__ import annotations

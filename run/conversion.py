@@ -17,8 +17,8 @@ from pathlib import Path
 
 from model.checkpoint.hf import HFCheckpoint, LoadError
 from model.checkpoint.orbax_io import (COMPLETE_FILE, COPIED, DTYPES, FORMAT, METADATA_FILE,
-                                       PARAMS_DIR, VERSION, Progress, is_orbax_checkpoint,
-                                       write_params)
+                                       PARAMS_DIR, VERSION, Progress, data_files,
+                                       is_orbax_checkpoint, write_params)
 from model.config import Qwen3Config
 
 
@@ -96,7 +96,10 @@ def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, fo
     meta["bytes"] = write_params(partial / PARAMS_DIR, source, cfg, dtype, progress)
     _fsync_tree(partial)
     marker = partial / COMPLETE_FILE
-    marker.write_text(json.dumps(meta, indent=2) + "\n")
+    # The marker lists the data files with their sizes: a file cut short later is named
+    # before orbax reads it.
+    marker.write_text(json.dumps({**meta, "files": data_files(partial / PARAMS_DIR)}, indent=2)
+                      + "\n")
     _fsync_tree(partial, files=False)
     if out.exists():  # --force: swap the new one in, then drop the old one
         old = out.parent / f"{out.name}.old-{os.getpid()}"
@@ -111,7 +114,7 @@ def convert(hf_folder: str | Path, out: str | Path, dtype: str | None = None, fo
 def _fsync_tree(folder: Path, files: bool = True) -> None:
     """Flushes the files (and directories) under `folder`, so the marker never lands
     before the data it vouches for."""
-    for root, dirs, names in os.walk(folder):
+    for root, _, names in os.walk(folder):
         for name in names if files else []:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:

@@ -115,6 +115,8 @@ class _progress_bar:
             self.bar.stop()
 
     def __call__(self, phase: str, done: int, total: int) -> None:
+        if not sys.stderr.isatty():  # bars are for a person watching, not for a log
+            return
         # Started at the first progress, so an error found before any work is one line.
         if not self.tasks:
             self.bar.start()

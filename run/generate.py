@@ -7,6 +7,7 @@ plan, schedules, ring, sharded cache, the check against one device) is all real.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -25,17 +26,18 @@ def register(subparsers) -> None:
                    help="wrap each text prompt in the checkpoint's chat template")
     p.add_argument("--no-thinking", action="store_true",
                    help="with --chat: enable_thinking=False (Qwen3 answers without <think>)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens to generate per prompt (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--max-seq-len", type=int,
                    help="KV cache capacity per request (default: just enough for the request)")
     p.add_argument("--mesh", default=None,
-                   help="SxC: S pipeline stages x C sequence devices (default: 2x2 on CPU, "
-                        "1x1 on an accelerator)")
+                   help="SxC: S pipeline stages x C sequence devices (default: 2x2 emulated CPU "
+                        "devices for the built-in demo, else 1x1)")
     p.add_argument("--cpu-devices", type=int,
                    help="emulate this many CPU devices (default on CPU: S*C of --mesh)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
@@ -83,7 +85,8 @@ def main(args) -> int:
     from sharding.mesh import parse_mesh
 
     on_cpu = platform_is_cpu()
-    mesh_text = args.mesh or ("2x2" if on_cpu else "1x1")
+    # Emulated devices are for the demo and tests: a real checkpoint runs on the real ones.
+    mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
     stage, seq = parse_mesh(mesh_text)
     distributed.check_flags(args)
     if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits
@@ -119,26 +122,57 @@ def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
     return total // n_proc
 
 
+@dataclasses.dataclass
+class _Job:
+    """What the command line asks for, checked before any weight is loaded."""
+
+    spec: object  # run.models.ModelSpec
+    text: object  # run.text.Text, or None without tokenizer.json
+    prompts: list[list[int]]
+    demo: bool
+    dtype_name: str
+    sampling: object  # pipeline.sampling.Sampling
+    max_seq_len: int
+    eos: tuple[int, ...]
+    mesh: object  # jax.sharding.Mesh
+    unused_devices: int  # devices this process sees that the mesh leaves out
+
+
 def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
-    from run.cli import CLIError, check_output_file, check_output_folder
+    """Checks the job, loads and generates (a progress bar meanwhile), then reports."""
+    job = _job(args, procs, mesh_text, stage, seq)
+    show = procs.leader  # only process 0 prints results; the others stay quiet
+    out, engine, stream = _load_and_generate(args, job, procs, show)
+    report = _report(args, job, engine, out, procs, cache)
+    if not show:
+        return 0
+    if args.check:
+        report.update(_check_single_device(args, job, out))
+    if args.logits_out:
+        _write_logits(args.logits_out, out.first_logits)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(_readable(report, job.prompts, job.text,
+                    streamed=stream is not None and stream.shown_all,
+                    timelines=_timelines(engine, out.layout) if args.timeline else (),
+                    demo=job.demo))
+    return 0
 
+
+def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from pipeline import accounting
-    from pipeline.engine import Engine, check_request, fitting_seq_len
+    from pipeline.requests import check_request, fitting_seq_len
     from pipeline.sampling import Sampling
-    from pipeline.schedule import decode_grid, prefill_grid, timeline
+    from run.cli import CLIError, check_output_file, check_output_folder
     from run.models import open_model
-    from run.progress import Progress
     from run.text import Text
     from sharding.mesh import make_mesh
 
     dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     if dtype_name not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
-    dtype = jnp.dtype(dtype_name)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     spec = open_model(args.model, args.seed)
     text = Text.find(spec.folder)
@@ -154,7 +188,8 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
         check_output_file(args.logits_out, "--logits-out")
     if args.profile:
         check_output_folder(args.profile, "--profile")
-    mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
+    devices = _mesh_devices(stage * seq, procs, mesh_text)
+    mesh = make_mesh(stage, seq, devices)
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
     if args.check and procs.many:
@@ -164,43 +199,74 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
         raise CLIError(f"--seed {args.seed} must be in [0, 2**31)")
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
-    eos = spec.eos_ids()
-    show = procs.leader  # only process 0 prints results; the others stay quiet
-
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    if show and max_seq_len % seq:
+    if procs.leader and max_seq_len % seq:
         print(f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
               f"a multiple of the {seq} seq devices (each holds the same number of slots)",
               file=sys.stderr)
+    return _Job(spec, text, prompts, demo, dtype_name, sampling, max_seq_len, spec.eos_ids(),
+                mesh, len(jax.devices()) - len(devices))
+
+
+def _load_and_generate(args, job: _Job, procs, show: bool):
+    """(Generation, Engine, the streamer or None): loads the weights onto the mesh and
+    generates, streaming text when a person reads it."""
+    import jax.numpy as jnp
+
+    from pipeline.engine import Engine
+    from run.progress import Progress
+
+    dtype = jnp.dtype(job.dtype_name)
+    stage, seq = job.mesh.shape["stage"], job.mesh.shape["seq"]
     progress = Progress(enabled=show)
+    stream = None
     try:
-        source = progress.loading(spec.source, _bytes_to_read(spec.cfg, dtype, stage, mesh))
-        engine = Engine(spec.cfg, source, mesh, dtype, max_seq_len, args.microbatches,
-                        args.groups, args.chunk)
+        source = progress.loading(job.spec.source, _bytes_to_read(job.spec.cfg, dtype, stage,
+                                                                  job.mesh))
+        engine = Engine(job.spec.cfg, source, job.mesh, dtype, job.max_seq_len,
+                        args.microbatches, args.groups, args.chunk,
+                        on_compile=progress.compiling)
         progress.done_loading()
-        engine.check(prompts, args.max_new_tokens)
-        progress.compiling(engine)
-        stream = None
+        engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
-            print(f"model: {spec.label}\nmesh {stage}x{seq} (stage x seq) over "
-                  f"{stage * seq} {jax.devices()[0].platform.upper()} devices"
-                  f"{f' in {procs.count} processes' if procs.many else ''}, {dtype_name}",
-                  flush=True)
-            stream = (_Streamer(text, progress) if len(prompts) == 1 else
-                      _DoneStreamer(text, progress, prompts, args.max_new_tokens, eos))
-        out = _generate(engine, args, prompts, sampling, eos, stream)
+            print(f"model: {job.spec.label}\n{_mesh_line(job, procs, stage, seq)}", flush=True)
+            stream = (_Streamer(job.text, progress) if len(job.prompts) == 1 else
+                      _DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens,
+                                    job.eos))
+        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream)
     finally:
         progress.stop()
     if stream:
         stream.finish()
+    return out, engine, stream
 
-    S, C = stage, seq
-    read = getattr(spec.source, "bytes_read", 0) or 0
-    report = {
-        "model": {"name": spec.label, "random_weights": spec.random},
-        "dtype": dtype_name,
+
+def _mesh_line(job: _Job, procs, stage: int, seq: int) -> str:
+    """'mesh 2x2 (stage x seq) over 4 CPU devices, float32', and what is left unused."""
+    n = stage * seq
+    platform = job.mesh.devices.flat[0].platform.upper()
+    line = (f"mesh {stage}x{seq} (stage x seq) over {n} {platform} device{'s' * (n != 1)}"
+            f"{f' in {procs.count} processes' if procs.many else ''}, {job.dtype_name}")
+    if job.unused_devices:
+        line += (f" ({job.unused_devices} more device{'s' * (job.unused_devices != 1)} left "
+                 "unused: pass --mesh SxC to use them)")
+    return line
+
+
+def _report(args, job: _Job, engine, out, procs, cache) -> dict:
+    """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
+    from pipeline import accounting
+
+    cfg, mesh = job.spec.cfg, job.mesh
+    S, C = mesh.shape["stage"], mesh.shape["seq"]
+    read = getattr(job.spec.source, "bytes_read", 0) or 0
+    text = job.text
+    return {
+        "model": {"name": job.spec.label, "random_weights": job.spec.random},
+        "dtype": job.dtype_name,
         "mesh": {"stage": S, "seq": C},
         "processes": procs.count,
+        "devices_unused": job.unused_devices,
         "stage_layers": engine.plan.stage_layers,
         "stage_devices": [[int(d.id) for d in row] for row in mesh.devices],
         "stage_processes": [sorted({int(d.process_index) for d in row}) for row in mesh.devices],
@@ -209,44 +275,56 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
                       "finish_reason": c.finish_reason} for c in out.completions],
         "timing": out.timing,
         "compile_cache": cache.report(),
-        "max_seq_len": max_seq_len,
+        "max_seq_len": job.max_seq_len,
         "bytes_between_stages": accounting.bytes_between_stages(
-            spec.cfg, S, [len(p) for p in prompts],
+            cfg, S, [len(p) for p in job.prompts],
             [len(c.token_ids) - 1 for c in out.completions]),
-        "bytes_sent": accounting.bytes_sent(spec.cfg, S, C, out.layout, dtype.itemsize),
+        "bytes_sent": accounting.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
         "schedule": engine.schedules(out.layout),
-        "kv_bytes_per_device": max(accounting.bytes_per_device(engine.cache[:2])),
-        "weight_bytes_per_device": max(accounting.bytes_per_device(engine.state)),
+        "kv_bytes_per_device": max(accounting.bytes_per_device((out.cache.k, out.cache.v))),
+        "weight_bytes_per_device": max(accounting.bytes_per_device(engine.weights.state)),
         # what each process read from the checkpoint (0 for random weights)
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
     }
-    if not show:
-        return 0
-    if args.check:
-        single = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.local_devices()[:1]), dtype,
-                        max_seq_len, 1, 1, args.chunk)
-        ref = single.generate(prompts, args.max_new_tokens, sampling, args.seed, eos)
-        report["matches_single_device"] = all(
-            a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions))
-        report["max_error_vs_single_device"] = accounting.max_abs_error(out.first_logits,
-                                                                        ref.first_logits)
-    if args.logits_out:
-        try:
-            with open(args.logits_out, "wb") as f:  # the path given (np.save would add .npy)
-                np.save(f, out.first_logits)
-        except OSError as e:
-            raise CLIError(f"--logits-out {args.logits_out}: cannot write it ({e.strerror})") from None
 
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    steps = min(out.layout["chunk"], max(out.layout["decode_steps"], 1))
-    timelines = ((timeline(prefill_grid(engine.M, S), "prefill"),
-                  timeline(decode_grid(out.layout["groups"], S, steps), "decode")) if args.timeline else ())
-    print(_readable(report, prompts, text, streamed=stream is not None and stream.shown_all,
-                    timelines=timelines, demo=demo))
-    return 0
+
+def _check_single_device(args, job: _Job, out) -> dict:
+    """--check: the same requests on one device; do the tokens and logits agree?"""
+    import jax
+    import jax.numpy as jnp
+
+    from pipeline import accounting
+    from pipeline.engine import Engine
+    from sharding.mesh import make_mesh
+
+    single = Engine(job.spec.cfg, job.spec.source, make_mesh(1, 1, jax.local_devices()[:1]),
+                    jnp.dtype(job.dtype_name), job.max_seq_len, 1, 1, args.chunk)
+    ref = single.generate(job.prompts, args.max_new_tokens, job.sampling, args.seed, job.eos)
+    return {"matches_single_device": all(
+                a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)),
+            "max_error_vs_single_device": accounting.max_abs_error(out.first_logits,
+                                                                   ref.first_logits)}
+
+
+def _write_logits(path: str, logits) -> None:
+    import numpy as np
+
+    from run.cli import CLIError
+
+    try:
+        with open(path, "wb") as f:  # the path given (np.save would add .npy)
+            np.save(f, logits)
+    except OSError as e:
+        raise CLIError(f"--logits-out {path}: cannot write it ({e.strerror})") from None
+
+
+def _timelines(engine, layout: dict) -> tuple[str, str]:
+    from pipeline.schedule import decode_grid, prefill_grid, timeline
+
+    steps = min(layout["chunk"], max(layout["decode_steps"], 1))
+    return (timeline(prefill_grid(engine.M, engine.stages), "prefill"),
+            timeline(decode_grid(layout["groups"], engine.stages, steps), "decode"))
 
 
 def _generate(engine, args, prompts, sampling, eos, stream):
@@ -271,6 +349,10 @@ def _mesh_devices(n: int, procs, mesh_text: str):
     from run.cli import CLIError
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if len(devices) < n:
+        raise CLIError(f"--mesh {mesh_text} needs {n} devices, but {len(devices)} "
+                       f"{'is' if len(devices) == 1 else 'are'} visible: choose a smaller "
+                       f"--mesh, or (on CPU) --cpu-devices {n}")
     if procs.many and len(devices) != n:
         raise CLIError(f"--mesh {mesh_text} needs {n} devices, but the {procs.count} processes "
                        f"hold {len(devices)}: a multi-process mesh must use every device")
@@ -388,12 +470,14 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
             lines.append(f"[{n}] ({len(prompts[n])} prompt tokens -> {len(req['token_ids'])} "
                          f"new, {req['finish_reason']}) {shown}")
         lines.append("")
-    lines.append("stages (layers each stage holds, and its seq devices):")
+    lines.append("stages (layers each stage holds, and its seq devices, numbered by mesh "
+                 "position):")
+    C = r["mesh"]["seq"]
     for s, (first, last) in enumerate(r["stage_layers"]):
         procs = r["stage_processes"][s]
         where = f" in process {', '.join(map(str, procs))}" if r["processes"] > 1 else ""
         lines.append(f"  stage {s}: layers {first}-{last}  on devices "
-                     f"{', '.join(map(str, r['stage_devices'][s]))}{where}")
+                     f"{', '.join(str(s * C + c) for c in range(C))}{where}")
     if timelines:
         lines += ["", "timeline (a column per tick: the microbatch (prefill) or request group "
                       "(decode) each stage works on; blank = idle):"]

@@ -7,6 +7,7 @@ a live bar and text streaming to the same terminal would overwrite each other.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -30,36 +31,29 @@ class Progress:
             self.bar = None
 
     def loading(self, source, total_bytes: int):
-        """`source` with each read counted against `total_bytes` (this process's share).
-        A source that places itself (orbax) is returned as is."""
-        if self.bar is None or hasattr(source, "place"):
+        """`source` with each read counted against `total_bytes` (this process's share)."""
+        if self.bar is None or hasattr(source, "place"):  # a state placed already (bench)
             return source
         task = self.bar.add_task("loading weights", total=total_bytes,
                                  detail=f"0/{total_bytes / 1e6:.1f} MB")
         return _Counted(source, self, task)
 
-    def compiling(self, engine) -> None:
-        """Shows which program compiles (wraps the engine's compile step of this
-        instance; a no-op if the engine has none)."""
-        inner = getattr(engine, "_compile", None)
-        if self.bar is None or inner is None:
+    @contextlib.contextmanager
+    def compiling(self, name: str):
+        """Shows that program `name` compiles while the block runs (the engine's
+        `on_compile`), and how long it took."""
+        if self.bar is None:
+            yield
             return
-
-        def compile_step(name, fn, *args):
-            if self.bar is None:
-                return inner(name, fn, *args)
-            task = self.bar.add_task(f"compiling {name}", total=None, detail="")
-            t0 = time.perf_counter()
-            try:
-                return inner(name, fn, *args)
-            finally:
-                if self.bar is not None:
-                    if time.perf_counter() - t0 > 0.05:  # a real compile, not a cache hit
-                        self.bar.console.print(f"compiled {name} in "
-                                               f"{time.perf_counter() - t0:.1f} s")
-                    self.bar.remove_task(task)
-
-        engine._compile = compile_step
+        task = self.bar.add_task(f"compiling {name}", total=None, detail="")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                if time.perf_counter() - t0 > 0.05:  # a real compile, not a cache hit
+                    self.bar.console.print(f"compiled {name} in {time.perf_counter() - t0:.1f} s")
+                self.bar.remove_task(task)
 
     def done_loading(self) -> None:
         if self.bar is not None:

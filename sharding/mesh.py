@@ -26,10 +26,15 @@ def parse_mesh(text: str) -> tuple[int, int]:
 
 def make_mesh(stage: int, seq: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ('stage', 'seq') mesh over `devices` (default: every visible device)."""
+    given_devices = devices is not None
     devices = list(jax.devices() if devices is None else devices)
-    if stage * seq != len(devices):
+    n = stage * seq
+    if n != len(devices):
+        given = "given" if given_devices else "visible"
         raise MeshError(
-            f"mesh {stage}x{seq} needs {stage * seq} devices, but {len(devices)} are visible: "
-            f"choose --mesh with stage*seq = {len(devices)}, or (on CPU) --cpu-devices {stage * seq}")
+            f"mesh {stage}x{seq} needs {n} devices, but {len(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} {given}: pass a mesh of {len(devices)} "
+            f"devices, or on CPU emulate {n} with jax.config.update('jax_num_cpu_devices', {n}) "
+            "before the first JAX computation")
     return jax.make_mesh((stage, seq), ("stage", "seq"), devices=devices,
                          axis_types=(AxisType.Auto, AxisType.Auto))

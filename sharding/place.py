@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from model.params import map_params
 from sharding.plan import StagePlan
 from sharding.specs import param_spec
 
@@ -72,8 +73,4 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
 
         return tuple(slot(j) for j in range(per))
 
-    def leaf(keypath, x):
-        path = tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
-        return place(path, x)
-
-    return jax.tree_util.tree_map_with_path(leaf, abstract_state)
+    return map_params(place, abstract_state)

@@ -5,7 +5,6 @@ import copy
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,6 @@ each run makes N_NEW tokens so that every `seq` device receives decode slots.
 """
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -61,7 +60,7 @@ class Run:
     engine: Engine
     prompts: list
     gen: Generation
-    k: Any  # the returned cache, jax arrays [L_pad, B, C * S_loc, K, H]
+    k: Any  # the returned cache, jax arrays [L_pad, B, K, C * S_loc, H]
     v: Any
     slot_pos: np.ndarray  # [B, C * S_loc]
 
@@ -112,7 +111,7 @@ class Runs:
             all_prompts = self.model(setup.model)[2]
             prompts = all_prompts if batch is None else [all_prompts[i] for i in batch]
             gen = eng.generate(prompts, n_new, sampling=sampling, seed=SEED)
-            k, v, slot_pos = eng.cache
+            k, v, slot_pos = gen.cache
             self.runs[key] = Run(setup, eng, prompts, gen, k, v, np.asarray(slot_pos))
         return self.runs[key]
 
@@ -180,7 +179,7 @@ def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch)
     gen = engine.generate(prompts, N_NEW, sampling=GREEDY, seed=SEED)
 
     def loops(engine):
-        return sum(c.as_text().count(" while(") for name, c in engine.programs.items()
+        return sum(c.as_text().count(" while(") for name, c in engine.programs.compiled.items()
                    if name.startswith("decode"))
 
     assert loops(engine) >= loops(base.engine) + -(-cfg.L // setup.S)  # a stage's layers
@@ -262,7 +261,7 @@ def test_a_layer_is_traced_once_per_program(setup, monkeypatch):
 
     monkeypatch.setattr(DecoderLayer, "attention_inputs", counted)
     run = Runs().run(setup)
-    assert len(run.engine.programs) == 2  # prefill, decode
+    assert len(run.engine.programs.compiled) == 2  # prefill, decode
     assert len(traced) == 2, traced
     assert all(len(t) == N_NEW for t in run.tokens)
 
@@ -404,7 +403,7 @@ def test_cache_contents_match_1x1(runs, setup):
 
 def _check_memory(run):
     eng = run.engine
-    S, C = eng.S, eng.C
+    S, C = eng.stages, eng.C
     L_pad = eng.plan.padded_layers
     for a in (run.k, run.v):
         shards = a.addressable_shards
@@ -415,7 +414,7 @@ def _check_memory(run):
             # [L_pad, B, K, S_cap, H]: layers split over stages, slots over seq
             assert sh.data.shape == (L_pad // S, *a.shape[1:3], eng.slots_per_device, a.shape[4])
     n_slots = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(eng.state):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(eng.weights.state):
         name = jax.tree_util.keystr(path)
         shards = leaf.addressable_shards
         assert len(shards) == S * C
@@ -442,7 +441,7 @@ def test_per_device_memory(runs, setup):
 def test_identity_slots_hold_zero_weights(runs):
     eng = runs.engine(Setup(S=4, C=2))
     # slot j of stage s is stacked slot s * L_pad / S + j
-    q = np.stack([np.asarray(a) for a in eng.state["layers"]["q_nhd"].get_value()], axis=1)
+    q = np.stack([np.asarray(a) for a in eng.weights.state["layers"]["q_nhd"].get_value()], axis=1)
     q = q.reshape(-1, *q.shape[2:])
     real = eng.plan.real_slots
     assert (~real).sum() == eng.plan.padded_layers - runs.model("tiny")[0].L

@@ -6,7 +6,6 @@ runs in one padded batch: padding positions are -1 and masked out by position.
 """
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -184,10 +183,11 @@ def test_decode_program_compiled_ahead_is_collected():
     firsts = tuple({int(ref[f"greedy_tokens_{i}"][0]) for i in range(len(prompts))})
     stopped = eng.generate(prompts, int(ref["max_new_tokens"]), eos_ids=firsts)
     assert all(c.finish_reason == "stop" and len(c.token_ids) == 1 for c in stopped.completions)
-    assert len(eng._ahead) == 1 and not any(n.startswith("decode") for n in eng.programs)
+    assert eng.programs.pending == 1
+    assert not any(n.startswith("decode") for n in eng.programs.compiled)
     out = eng.generate(prompts, int(ref["max_new_tokens"]))
-    assert not eng._ahead
-    assert sum(n.startswith("decode") for n in eng.programs) == 1
+    assert eng.programs.pending == 0
+    assert sum(n.startswith("decode") for n in eng.programs.compiled) == 1
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
 

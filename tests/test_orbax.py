@@ -29,6 +29,8 @@ from sharding.mesh import make_mesh
 from sharding.place import place_params
 from sharding.plan import StagePlan
 
+from reference import TINY
+
 ROOT = Path(__file__).parent.parent
 MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
 
@@ -237,7 +239,6 @@ from model.params import abstract_model
 from sharding.mesh import make_mesh
 from sharding.place import place_params
 from sharding.plan import StagePlan
-from reference import FIXTURES, TINY
 cfg = Qwen3Config.from_hf(tiny)
 mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)
@@ -330,10 +331,11 @@ def test_convert_never_deletes_what_it_did_not_write(tmp_path, capsys):
 
 def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
     """params/ gone, or its largest data file cut short: a LoadError naming the folder
-    and the fix (orbax and tensorstore raise AttributeError and 80-line errors). The cut
-    file runs in its own process: orbax's failed restore leaves reads in flight whose
-    callbacks find its event loop closed and print a RuntimeError of their own (not
-    ours to silence), so there the error line is looked for among the lines."""
+    and the fix, and nothing else on stderr (orbax and tensorstore raise AttributeError
+    and 80-line errors, and a restore that fails part-way leaves reads in flight that
+    print errors of their own: the completion marker's list of data files and their
+    sizes finds the cut file before orbax reads it). A second process runs the cut
+    case too, so late output of orbax's threads would show on its stderr."""
     gone = tmp_path / "gone"
     shutil.copytree(converted / "f32", gone)
     shutil.rmtree(gone / ob.PARAMS_DIR)
@@ -343,13 +345,15 @@ def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
                key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[:1000])
     argv = ["generate", "--mesh", "1x1", "--prompt-ids", "1,2", "--max-new-tokens", "2"]
-    assert main([*argv, "--model", str(gone)]) == 2
-    errors = {gone: capsys.readouterr().err.strip()}
+    errors = {}
+    for folder in (gone, cut):
+        assert main([*argv, "--model", str(folder)]) == 2
+        errors[folder] = capsys.readouterr().err.strip()
+    assert f"{data.relative_to(cut).as_posix()} is 1,000 bytes" in errors[cut]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-m", "run", *argv, "--model", str(cut)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2
-    (errors[cut],) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and out.stderr.strip() == errors[cut]
     for folder, err in errors.items():
         assert "\n" not in err and err.startswith(f"error: orbax checkpoint {folder} cannot be")
         assert err.endswith("re-run `qwen3-spmd convert` to write it again")

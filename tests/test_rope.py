@@ -4,7 +4,6 @@ transformers.modeling_rope_utils), and the rotation's algebra."""
 
 import dataclasses
 import math
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np

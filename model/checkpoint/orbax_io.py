@@ -33,8 +33,8 @@ by `jax.make_array_from_callback`; the host copy is dropped before the next para
 The embedding, final norm and lm_head are read once per host and put on every device
 (they are replicated).
 
-Why not restore jax.Arrays onto per-stage sub-mesh shardings and stack on device
-(tried first): orbax 0.12 cannot restore an array that has no shard on the calling
+Why not restore jax.Arrays onto per-stage sub-mesh shardings and stack on device:
+orbax 0.12 cannot restore an array that has no shard on the calling
 host (every host would then read every layer), and on the emulated CPU devices it
 was slower and held more memory than reading to host once and placing the blocks.
 
@@ -206,9 +206,8 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
 class OrbaxCheckpoint:
     """A checked orbax checkpoint folder written by `convert`.
 
-    `place(abstract_state, plan, mesh)` restores the whole state onto a mesh (the
-    Engine calls it); `read(path, dtype, layers)` reads one parameter to host memory,
-    like `HFCheckpoint.read`.
+    A weight source like `HFCheckpoint`: `read(path, dtype, layers)` reads one parameter
+    to host memory, and `sharding.place.place_params` cuts the devices' shards from it.
     """
 
     def __init__(self, folder: str | Path, cfg: Qwen3Config):
@@ -225,6 +224,7 @@ class OrbaxCheckpoint:
         return jnp.dtype(self.meta["dtype"])
 
     def _check(self) -> None:
+        _check_data_files(self.folder)
         try:
             meta = _checkpointer().metadata(self.params_dir)
             stored = _flatten(meta.item_metadata.tree)
@@ -249,7 +249,7 @@ class OrbaxCheckpoint:
                 f"orbax checkpoint {self.folder} has unexpected parameter "
                 f"{'.'.join(unexpected[0])}{more}: not a weight of the Qwen3 its config.json "
                 "describes")
-        for keys, (path, want) in expected.items():
+        for keys, (_, want) in expected.items():
             shape = tuple(stored[keys].shape)
             if shape != want:
                 raise LoadError(
@@ -310,8 +310,8 @@ def _release_host_memory() -> None:
 
     Tensorstore's reader threads allocate orbax's read buffers from per-thread malloc
     arenas, which glibc does not return to the system by itself once they are freed;
-    left alone they add about half the parameter bytes to the peak RSS of a load (a
-    0.6B float32 load on 1x1: 4.3 GB peak without this, 3.2 GB with it; 0.3 s).
+    left alone they add about half the parameter bytes to the peak RSS of a load
+    (README, "Orbax checkpoints", has the measured loads).
     """
     import ctypes
 
@@ -319,6 +319,32 @@ def _release_host_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc
+
+
+def data_files(params_dir: Path) -> dict[str, int]:
+    """Every file under params/ -> its size in bytes (paths relative, '/'-separated).
+    `run.conversion` records them in the completion marker once they are on disk."""
+    return {p.relative_to(params_dir).as_posix(): p.stat().st_size
+            for p in sorted(params_dir.rglob("*")) if p.is_file()}
+
+
+def _check_data_files(folder: Path) -> None:
+    """A file the completion marker lists that is gone or of another size is a one-line
+    error here, before orbax reads it: a restore that fails part-way leaves reads in
+    flight that print errors of their own after ours."""
+    try:
+        listed = json.loads((folder / COMPLETE_FILE).read_text()).get("files")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        listed = None
+    if not isinstance(listed, dict):
+        return  # written before the marker listed its files
+    for rel, size in listed.items():
+        path = folder / PARAMS_DIR / rel
+        now = path.stat().st_size if path.is_file() else None
+        if now != size:
+            state = "is missing" if now is None else f"is {now:,} bytes, {size:,} when written"
+            raise LoadError(f"orbax checkpoint {folder} cannot be restored: its data file "
+                            f"{PARAMS_DIR}/{rel} {state}: {RERUN}")
 
 
 def read_metadata(folder: Path) -> dict:

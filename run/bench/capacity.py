@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     for C in sorted({1, args.devices}):
         mesh = make_mesh(1, C, jax.devices()[:C])
 
-        def footprint(T):
+        def footprint(T, mesh=mesh, C=C):
             eng = Engine(spec.cfg, spec.source, mesh, max_seq_len=T + 2 * C)
             return eng, eng.prefill_memory(1, T)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 
+from model.cache import KVCache
 from pipeline import accounting
-from pipeline.engine import Engine, fitting_seq_len
+from pipeline.engine import Engine
+from pipeline.requests import fitting_seq_len
 from pipeline.schedule import decode_grid, prefill_grid
 from run.bench.measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
                                program_memory, prompts_for, ring_bytes, run_once, spread)
@@ -38,7 +40,8 @@ def time_job(engine, prompts, new_tokens: int, settings) -> dict:
     for _ in range(settings["warmup"]):
         run_once(engine, prompts, new_tokens)
     runs = [run_once(engine, prompts, new_tokens) for _ in range(settings["repeats"])]
-    return {"compile_s": first["compile_s"], "runs": runs, "layout": runs[-1]["out"].layout}
+    return {"compile_s": first["compile_s"], "runs": runs, "layout": runs[-1]["out"].layout,
+            "cache": runs[-1]["out"].cache}
 
 
 def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
@@ -93,7 +96,7 @@ def decode_cache_len(s: dict, C: int) -> int:
     return C * -(-asked // C)
 
 
-def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
+def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Engine, KVCache]]:
     cfg, s, dtype = engines.cfg, engines.s, engines.dtype
     S, C = engines.mesh.shape["stage"], engines.mesh.shape["seq"]
     T, N = s["decode_prompt_len"], s["decode_steps"]
@@ -133,12 +136,13 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, Engine]:
     say(f"  decode B={B}: {out['tokens_per_s']['median']:.1f} tok/s, "
         f"{tp['median'] * 1e3:.1f} ms/token (min {tp['min'] * 1e3:.1f}, max {tp['max'] * 1e3:.1f})"
         f"; compile {job['compile_s']:.1f} s")
-    return out, engine
+    return out, (engine, job["cache"])
 
 
-def memory_of(engine: Engine) -> dict:
-    weights = accounting.bytes_per_device(engine.state)
-    kv = accounting.bytes_per_device(engine.cache[:2])
+def memory_of(engine: Engine, cache: KVCache) -> dict:
+    """Bytes per device of the weights and of a cache the engine left, and of its programs."""
+    weights = accounting.bytes_per_device(engine.weights.state)
+    kv = accounting.bytes_per_device((cache.k, cache.v))
     return {"weight_bytes_per_device": weights, "kv_bytes_per_device": kv,
             "max_weight_bytes": max(weights), "max_kv_bytes": max(kv),
             "programs": program_memory(engine)}
@@ -163,7 +167,7 @@ def run_mesh(cfg, source, mesh, dtype, settings, scenarios, roof, say,
     if "memory" in scenarios:
         if last is None:  # memory alone: one small decode job leaves a cache to measure
             _, last = decode_job(engines, max(settings["batches"]), None, say)
-        entry["memory"] = {**memory_of(last), "after": f"decode batch {last.cache[0].shape[1]}"}
+        entry["memory"] = {**memory_of(*last), "after": f"decode batch {last[1].k.shape[1]}"}
         m = entry["memory"]
         say(f"  memory: weights {m['max_weight_bytes'] / 2**20:.1f} MiB, KV "
             f"{m['max_kv_bytes'] / 2**20:.1f} MiB per device")

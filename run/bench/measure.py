@@ -51,8 +51,7 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     Bandwidth is the fastest of three jitted kernels that read a large float32 array
     once: a sum, a matrix-vector product, and sums of one part per CPU core (XLA CPU
     runs a reduction on one thread, its matvecs on all of them, and independent
-    reductions side by side: on 2 cores 24-25, 22-28 and 27-35 GB/s across runs; any
-    one alone can understate what the memory gives).
+    reductions side by side; any one alone can understate what the memory gives).
     Throughput is a jitted square matmul in `dtype`. An accelerator gets a larger array
     and matmul (2 GiB, 8192^2) than a CPU (256 MiB, 2048^2): each must take
     milliseconds there, so launch and dispatch stay out of it."""
@@ -72,7 +71,7 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
                              sum(p.nbytes for p in parts))}
     per_kernel = {}
     for name, (fn, args, read) in kernels.items():
-        times = timed(lambda: jax.block_until_ready(fn(*args)), repeats, warmup)
+        times = timed(lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), repeats, warmup)
         per_kernel[name] = spread([read / t for t in times])
     del a, v, parts
     best = max(per_kernel, key=lambda k: per_kernel[k]["median"])
@@ -182,7 +181,7 @@ def memory_analysis(compiled) -> dict | None:
 
 def program_memory(engine) -> dict:
     """memory_analysis() of every program the engine compiled, by name and shapes."""
-    return {name: memory_analysis(compiled) for name, compiled in engine.programs.items()}
+    return {name: memory_analysis(compiled) for name, compiled in engine.programs.compiled.items()}
 
 
 class MemoSource:

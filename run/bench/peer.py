@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from pipeline.engine import fitting_seq_len
+from pipeline.requests import fitting_seq_len
 from run.bench.measure import prompts_for, run_once, spread
 from run.bench.jobs import decode_cache_len
 

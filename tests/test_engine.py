@@ -1,19 +1,28 @@
-"""Engine.check: every request precondition refused in words before anything compiles.
-No program runs here: the engines are built once and only `check` is called."""
+"""The engine's contract beyond the mesh (tests/test_engine_mesh.py checks the meshes):
+bad requests refused in words before anything compiles, stopping at EOS, and the KV
+cache updated in place by the programs."""
 
 import math
-from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
-from model.config import Qwen3Config
+from model.cache import KVCache
 from model.checkpoint.hf import HFCheckpoint
-from pipeline.engine import Engine, RequestError
+from model.config import Qwen3Config
+from pipeline.engine import Engine
+from pipeline.requests import RequestError
 from ring import padded_length
 from sharding.mesh import make_mesh
 from sharding.plan import PlanError
+
 from reference import TINY
+
+
+# ---- bad requests ------------------------------------------------------------
+# Engine.check: every request precondition refused in words before anything compiles.
+# No program runs here: the engines are built once and only `check` is called.
 
 MAX_SEQ = 64
 
@@ -128,3 +137,70 @@ def test_more_stages_than_layers_is_refused(cfg):
     with pytest.raises(PlanError) as e:
         Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(8, 1, jax.devices()[:8]))
     assert "8" in str(e.value) and str(cfg.L) in str(e.value)
+
+
+# ---- stopping at eos ---------------------------------------------------------
+# Stopping at EOS: a request ends at its first EOS id (kept, finish_reason "stop"),
+# mid-chunk and on any mesh, while the others go on; all finished ends the loop early.
+
+@pytest.fixture(scope="module")
+def fixture():
+    cfg = Qwen3Config.from_hf(TINY)
+    ref = np.load(f"{TINY}/reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
+    greedy = [ref[f"greedy_tokens_{i}"].tolist() for i in range(3)]
+    return cfg, prompts, greedy
+
+
+def expected(tokens, eos):
+    for n, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:n + 1], "stop"
+    return tokens, "length"
+
+
+@pytest.mark.parametrize("S, C", [(1, 1), (2, 2)])
+def test_request_stops_at_its_first_eos(fixture, S, C):
+    cfg, prompts, greedy = fixture
+    eos = (greedy[0][4],)  # request 0's fifth token: inside the second chunk of 3 steps
+    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(S, C, jax.devices()[:S * C]),
+                 max_seq_len=64, chunk=3)
+    out = eng.generate(prompts, 8, eos_ids=eos)
+    for got, want in zip(out.completions, greedy):
+        tokens, reason = expected(want, eos)
+        assert got.token_ids == tokens and got.finish_reason == reason
+    assert out.completions[0].finish_reason == "stop"
+    assert len(out.first_logits) == len(out.completions[0].token_ids)
+
+
+def test_all_finished_ends_the_loop_early(fixture):
+    cfg, prompts, greedy = fixture
+    eos = tuple(g[1] for g in greedy)  # every request stops by its second token
+    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]),
+                 max_seq_len=64, chunk=2)
+    out = eng.generate(prompts, 8, eos_ids=eos)
+    assert all(c.finish_reason == "stop" and len(c.token_ids) <= 2 for c in out.completions)
+    assert out.layout["chunks"] == 1  # no chunk ran after every request had stopped
+
+
+# ---- the cache updated in place ----------------------------------------------
+# The KV cache is donated to the compiled programs and updated in place: XLA's memory
+# analysis shows the cache aliased between input and output and no cache-sized copy.
+
+@pytest.mark.parametrize("S, C", [(1, 1), (2, 2)])
+def test_programs_alias_the_cache(S, C):
+    cfg = Qwen3Config.from_hf(TINY)
+    # A cache large against everything else, so a copy of it could not hide in temp.
+    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(S, C, jax.devices()[:S * C]),
+                 max_seq_len=4096, chunk=4)
+    out = eng.generate([[5, 6, 7, 8, 9]] * S, 6, with_logits=False)
+    assert isinstance(out.cache, KVCache)
+    k, v, pos = out.cache
+    kv_bytes = 2 * k.addressable_shards[0].data.nbytes  # one device's k and v
+    assert np.asarray(pos).shape == (k.shape[1], k.shape[3])  # k [L_pad, B, K, S_cap, H]
+    names = list(eng.programs.compiled)
+    assert any(n.startswith("prefill") for n in names) and any(n.startswith("decode") for n in names)
+    for name, program in eng.programs.compiled.items():
+        m = program.memory_analysis()
+        assert m.alias_size_in_bytes >= kv_bytes, name  # k and v updated in place
+        assert m.temp_size_in_bytes < kv_bytes / 4, name  # no copy of either

@@ -1,0 +1,63 @@
+"""What a request may ask, checked in words before anything is loaded or compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from model.config import Qwen3Config
+from ring import padded_length, slots_per_device
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked: the message says what to change."""
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "stop" (an EOS id was produced, and kept) or "length"
+
+
+def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]],
+                  max_new_tokens: int) -> None:
+    """Every precondition of a request on C = seq devices, in words; needs no weights, so
+    a caller can check before loading them."""
+    if not prompts:
+        raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+    if max_new_tokens < 1:
+        raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+    for n, p in enumerate(prompts):
+        if len(p) == 0:
+            raise RequestError(f"prompt {n} is empty: give it at least one token")
+        bad = [t for t in p if not 0 <= t < cfg.V]
+        if bad:
+            raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
+                               f"[0, {cfg.V}): use ids the model's tokenizer produces")
+        total = len(p) + max_new_tokens
+        if total > cfg.max_position_embeddings:
+            raise RequestError(
+                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
+        if total > max_seq_len:
+            raise RequestError(
+                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
+                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}")
+    longest = max(len(p) for p in prompts)
+    slots = math.ceil(max_seq_len / seq)
+    need = slots_per_device(longest, max_new_tokens, seq)
+    if need > slots:
+        raise RequestError(
+            f"the longest prompt padded to {padded_length(longest, seq)} tokens (a multiple "
+            f"of 2C = {2 * seq}) plus {max_new_tokens} new tokens needs {need} cache slots "
+            f"per seq device, but --max-seq-len {max_seq_len} gives {slots}: raise "
+            f"--max-seq-len to {need * seq}")
+
+
+def fitting_seq_len(prompt_len: int, new_tokens: int, seq: int) -> int:
+    """The smallest --max-seq-len check_request accepts for a prompt of prompt_len tokens
+    and new_tokens more on C = seq devices: the cache slots they need, at least prompt +
+    new tokens, as a multiple of C."""
+    slots = seq * slots_per_device(prompt_len, new_tokens, seq)
+    return seq * math.ceil(max(slots, prompt_len + new_tokens) / seq)
