@@ -29,7 +29,7 @@ class MeshEngines:
             src = self.source if self.state is None else PlacedSource(self.state)
             e = Engine(self.cfg, src, self.mesh, self.dtype, max_seq_len,
                        self.s["microbatches"], self.s["groups"], self.s["chunk"])
-            self.state = e.state
+            self.state = e.weights.state
             self.engines[max_seq_len] = e
         return self.engines[max_seq_len]
 
