@@ -1,4 +1,4 @@
-"""The KV cache: an immutable pytree the engine holds between programs.
+"""The KV cache: an immutable pytree passed from program to program.
 
     k, v: [L_pad, B, K, S_cap, H]   keys and values of every layer slot and cache slot,
                                     heads-major (ring.attention.heads_major: the layout

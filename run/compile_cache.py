@@ -4,7 +4,7 @@ instead of compiling them (JAX's persistent cache; its key covers the program, t
 devices, the compile options and the JAX/XLA versions, so a change of any recompiles).
 
 Tracing still runs on a hit (the key is the traced program); XLA's compiling does not
-(README, "The command line", has the measured times).
+(CHANGELOG.md, 2026-11-30 08:10, has the measured times).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The jobs of one mesh shape: prefill per prompt length, decode per batch size, and the
-memory each left behind (see run.bench for the scenarios, run.bench.measure for how
+memory each left behind (see run.bench.command for the scenarios, run.bench.measure for how
 each figure is taken)."""
 
 from __future__ import annotations
