@@ -10,14 +10,16 @@ softmax over all E experts in float32, the top A, divided by their sum only when
 norm_topk_prob, cast back to the activation dtype. Here the logits are float32 too
 (highest precision), and the weighted sum of the experts' outputs is float32.
 
-Three formulations of the experts compute the same sum:
+Four formulations of the experts compute the same sum:
 - `experts_dense`: every expert on every row, weight 0 where not chosen: the exact
-  reference (and a prefill formulation, chunked over rows);
-- `experts_gathered`: for few rows (decode), the chosen experts' weights are gathered
-  per row, so a step reads about A/E of the expert bytes;
-- `experts_grouped`: for many rows (prefill), the (row, choice) pairs are sorted by
-  expert and each expert's run of rows is one matmul (`jax.lax.ragged_dot`).
-`experts` picks one by the number of rows and the platform (see PREFILL).
+  reference, and a prefill formulation (chunked over rows);
+- `experts_gathered`: for few rows (decode), the chosen experts' weights gathered per
+  row and one batched product, so a step reads about A/E of the expert bytes;
+- `experts_looped`: the same reads as a loop over the (row, choice) pairs, each a
+  slice of the stacked weights and three matrix-vector products;
+- `experts_grouped`: for many rows (prefill), the (row, choice) pairs sorted by expert,
+  each expert's run of rows one matmul (`jax.lax.ragged_dot`).
+`formulation` picks one by the number of rows and the platform (DECODE, PREFILL).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from model.config import Qwen3Config
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# Prefill formulation per platform: "grouped" (sorted rows, ragged_dot) or "dense"
-# (every expert on a chunk of rows). Chosen from measurements (README, MoE section).
-PREFILL = {"cpu": "grouped", "gpu": "grouped", "tpu": "grouped"}
-# Rows per chunk of the dense formulation (bounds its [rows, E, F] intermediate).
-DENSE_CHUNK = 64
+# Formulation per platform (README, MoE section: `python -m run.moe_measure`). On XLA's
+# CPU backend a gather of whole experts and a batched product over them run far below
+# the memory bandwidth, and ragged_dot has no grouped kernel (it runs slower than
+# computing every expert), so CPU loops for decode and computes every expert for a
+# prefill; other platforms take the batched forms (not measured here: no GPU).
+DECODE = {"cpu": "looped"}
+PREFILL = {"cpu": "dense"}
+# Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
+DENSE_CHUNK = 256
 
 
 def route(x: jax.Array, router_ed: jax.Array, top: int, normalize: bool):
@@ -55,18 +61,25 @@ def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
 
 def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENSE_CHUNK):
     """All E experts on every row, chunked over rows. x [R, D], weights and ids [R, A]
-    -> [R, D] float32."""
+    -> [R, D] float32.
+
+    The experts are flattened to one [E * F, D] matrix per projection (XLA's CPU
+    backend runs an einsum with the expert axis apart an order of magnitude slower),
+    and each expert's activation is weighted before the down projection, whose
+    float32 accumulation over E * F is then the weighted sum."""
     R, D = x.shape
-    E = gate_efd.shape[0]
+    E, F, _ = gate_efd.shape
     combine = jnp.zeros((R, E), jnp.float32).at[jnp.arange(R)[:, None], ids].add(
         weights.astype(jnp.float32))
+    gate, up = gate_efd.reshape(E * F, D), up_efd.reshape(E * F, D)
+    down = down_edf.transpose(0, 2, 1).reshape(E * F, D)  # once per call, not per chunk
 
     def block(args):
         xb, cb = args  # [c, D], [c, E]
-        h = _swiglu(jnp.einsum("RD,EFD->REF", xb, gate_efd),
-                    jnp.einsum("RD,EFD->REF", xb, up_efd))
-        y = jnp.einsum("REF,EDF->RED", h, down_edf)
-        return jnp.einsum("RED,RE->RD", y.astype(jnp.float32), cb, precision=HIGHEST)
+        h = _swiglu(jnp.einsum("RD,MD->RM", xb, gate), jnp.einsum("RD,MD->RM", xb, up))
+        hw = h.reshape(-1, E, F).astype(jnp.float32) * cb[:, :, None]
+        return jnp.einsum("RM,MD->RD", hw.reshape(-1, E * F).astype(x.dtype), down,
+                          preferred_element_type=jnp.float32)
 
     c = min(chunk, R)
     pad = -R % c
@@ -83,6 +96,23 @@ def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     y = jnp.einsum("RAF,RADF->RAD", h, down)
     return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
                       precision=HIGHEST)
+
+
+def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
+    """A loop over the R * A (row, choice) pairs: the pair's expert sliced out of the
+    stacked weights, three matrix-vector products, the weighted outputs summed per row
+    in float32. x [R, D], weights and ids [R, A] -> [R, D] float32."""
+    R, A = ids.shape
+
+    def pair(p):  # no carry: under shard_map its type would have to track x's axes
+        r, e, w = p
+        xr = x[r]
+        h = _swiglu(gate_efd[e] @ xr, up_efd[e] @ xr)
+        return w.astype(jnp.float32) * (down_edf[e] @ h).astype(jnp.float32)
+
+    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), A)
+    ys = jax.lax.map(pair, (rows, ids.reshape(-1), weights.reshape(-1)))  # [R * A, D]
+    return jnp.sum(ys.reshape(R, A, -1), axis=1)
 
 
 def _ragged(lhs, rhs_egk, sizes):
@@ -111,15 +141,16 @@ def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
 
 
 FORMULATIONS = {"dense": experts_dense, "gathered": experts_gathered,
-                "grouped": experts_grouped}
+                "looped": experts_looped, "grouped": experts_grouped}
 
 
 def formulation(rows: int, experts: int, top: int) -> str:
-    """Which formulation runs `rows` rows: gathering reads rows * A experts, the others
-    read all E once, so gathering wins while rows * A <= E (decode)."""
+    """Which formulation runs `rows` rows: a decode formulation reads rows * A experts,
+    a prefill one all E once, so decode's wins while rows * A <= E."""
+    backend = jax.default_backend()
     if rows * top <= experts:
-        return "gathered"
-    return PREFILL.get(jax.default_backend(), "grouped")
+        return DECODE.get(backend, "gathered")
+    return PREFILL.get(backend, "grouped")
 
 
 class MoE(nnx.Module):
