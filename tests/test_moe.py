@@ -378,3 +378,45 @@ def test_orbax_round_trip_of_a_moe_checkpoint(tmp_path):
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
     np.testing.assert_array_equal(out.first_logits, _generate("moe", 2, 2).first_logits)
+
+
+# ---- bench: the transformers peer and random checkpoints of a MoE preset -----------------------
+
+
+def test_bench_peer_and_random_checkpoint_hold_the_same_moe(tmp_path):
+    """The bench's transformers peer (fused experts, built from a weight source) and
+    `convert --random-preset`'s safetensors (per-expert tensors) are the same model as
+    ours on the mixed fixture config."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from model.random_weights import RandomWeights
+    from run.bench_measure import MemoSource
+    from run.bench_peer import hf_model
+    from run.convert import write_random_hf
+    from run.models import ModelSpec, open_model
+
+    cfg = _fixture("moe")[1]
+    source = RandomWeights(cfg, 3)
+    theirs = hf_model(ModelSpec(cfg, source, None, "random", True), MemoSource(source), "float32")
+    theirs.config._experts_implementation = "eager"  # grouped_mm wants 16-byte strides
+    ids = np.array([[1, 5, 9, 200, 3]])
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(ids)).logits.numpy()
+    write_random_hf(cfg, tmp_path / "hf", 3)
+    spec = open_model(str(tmp_path / "hf"))
+    assert spec.cfg == cfg
+    ours = forward(load_model(tmp_path / "hf", cfg, jnp.float32), cfg, jnp.asarray(ids),
+                   jnp.arange(5)[None])
+    np.testing.assert_allclose(ours, want, atol=TOL, rtol=0)
+
+
+def test_decode_roofline_counts_the_experts_a_step_needs():
+    from model.config import PRESETS
+    from run.bench_measure import decode_bytes_per_step, distinct_experts
+
+    cfg = PRESETS["30B-A3B"]
+    assert distinct_experts(cfg, 1) == pytest.approx(8)
+    assert 8 < distinct_experts(cfg, 8) < 64
+    one = decode_bytes_per_step(cfg, 1, 0, 2)["weights"]
+    # a token meets its active parameters (and one embedding row) only
+    assert one == 2 * (cfg.param_count(active=True) - cfg.V * cfg.D + cfg.D)
