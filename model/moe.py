@@ -10,7 +10,7 @@ softmax over all E experts in float32, the top A, divided by their sum only when
 norm_topk_prob, cast back to the activation dtype. Here the logits are float32 too
 (highest precision), and the weighted sum of the experts' outputs is float32.
 
-Four formulations of the experts compute the same sum:
+Five formulations of the experts compute the same sum:
 - `experts_dense`: every expert on every row, weight 0 where not chosen: the exact
   reference, and a prefill formulation (chunked over rows);
 - `experts_gathered`: for few rows (decode), the chosen experts' weights gathered per
@@ -18,7 +18,9 @@ Four formulations of the experts compute the same sum:
 - `experts_looped`: the same reads as a loop over the (row, choice) pairs, each a
   slice of the stacked weights and three matrix-vector products;
 - `experts_grouped`: for many rows (prefill), the (row, choice) pairs sorted by expert,
-  each expert's run of rows one matmul (`jax.lax.ragged_dot`).
+  each expert's run of rows one matmul (`jax.lax.ragged_dot`);
+- `experts_blocked`: the same sort, each expert's run padded to blocks of rows, and a
+  loop of one expert's matmul per block (a grouped matmul without ragged_dot).
 `formulation` picks one by the number of rows and the platform (DECODE, PREFILL).
 """
 
@@ -35,10 +37,11 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # Formulation per platform (README, MoE section: `python -m run.moe_measure`). On XLA's
 # CPU backend a gather of whole experts and a batched product over them run far below
 # the memory bandwidth, and ragged_dot has no grouped kernel (it runs slower than
-# computing every expert), so CPU loops for decode and computes every expert for a
-# prefill; other platforms take the batched forms (not measured here: no GPU).
+# computing every expert), so CPU loops over the chosen experts for decode and over
+# blocks of sorted rows for a prefill; other platforms take the batched forms (not
+# measured here: no GPU).
 DECODE = {"cpu": "looped"}
-PREFILL = {"cpu": "dense"}
+PREFILL = {"cpu": "blocked"}
 # Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
 DENSE_CHUNK = 256
 
@@ -140,8 +143,46 @@ def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
                       precision=HIGHEST)
 
 
+def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
+    """The grouped matmul by hand: the (row, choice) pairs sorted by expert, each
+    expert's run padded to whole blocks of b rows, and a loop over the blocks, each one
+    expert's slice of the stack times b rows. x [R, D], weights and ids [R, A] ->
+    [R, D] float32.
+
+    b is about the mean run length (R * A / E, in multiples of 8), so the loop runs at
+    most R * A / b + E <= 2E + 1 blocks and reads each chosen expert about once."""
+    R, A = ids.shape
+    E = gate_efd.shape[0]
+    P = R * A
+    b = 8 * max(1, -(-P // (8 * E)))
+    blocks = P // b + E  # sum over experts of ceil(run / b) never exceeds this
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted pair -> pair
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=E)
+    padded = -(-sizes // b) * b
+    ends = jnp.cumsum(padded)
+    rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[expert]
+    dest = (ends - padded)[expert] + rank  # sorted pair -> its place among the blocks
+    row = jnp.full((blocks * b,), R, jnp.int32).at[dest].set((order // A).astype(jnp.int32))
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row]  # row R: zeros
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"),
+                               E - 1)
+
+    def block(args):
+        xb, e = args  # [b, D]; padding rows are zeros and give zeros
+        h = _swiglu(xb @ gate_efd[e].T, xb @ up_efd[e].T)
+        return h @ down_edf[e].T
+
+    ys = jax.lax.map(block, (xs.reshape(blocks, b, -1), block_expert)).reshape(blocks * b, -1)
+    y = ys[dest][jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
+    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
+                      precision=HIGHEST)
+
+
 FORMULATIONS = {"dense": experts_dense, "gathered": experts_gathered,
-                "looped": experts_looped, "grouped": experts_grouped}
+                "looped": experts_looped, "grouped": experts_grouped,
+                "blocked": experts_blocked}
 
 
 def formulation(rows: int, experts: int, top: int) -> str:

@@ -39,7 +39,7 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
         weights, ids, _ = moe.route(x, router, A, True)
         distinct = len(np.unique(np.asarray(ids)))
         for how, f in moe.FORMULATIONS.items():
-            if how in ("gathered", "looped") and R * A > 4 * E:
+            if how in ("gathered", "looped") and R * A > 4 * E or how == "grouped" and R > 64:
                 continue  # gathers R * A experts' weights: far past its use
             fn = jax.jit(f)
             fn(x, weights, ids, gate, up, down).block_until_ready()
