@@ -420,3 +420,17 @@ def test_decode_roofline_counts_the_experts_a_step_needs():
     one = decode_bytes_per_step(cfg, 1, 0, 2)["weights"]
     # a token meets its active parameters (and one embedding row) only
     assert one == 2 * (cfg.param_count(active=True) - cfg.V * cfg.D + cfg.D)
+
+
+def test_other_platforms_formulations_on_a_mesh(monkeypatch):
+    """GPU and TPU take `gathered` for decode and `grouped` for prefill (not the CPU's
+    choice): forced here, inside the mesh program of a 2x2 engine, they give
+    transformers' tokens too."""
+    monkeypatch.setitem(moe.DECODE, jax.default_backend(), "gathered")
+    monkeypatch.setitem(moe.PREFILL, jax.default_backend(), "grouped")
+    folder, cfg, ref, prompts = _fixture("moe")
+    out = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(2, 2, jax.devices()[:4]),
+                 max_seq_len=64, chunk=4).generate(prompts, int(ref["max_new_tokens"]))
+    for i, c in enumerate(out.completions):
+        assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
+    np.testing.assert_allclose(out.first_logits, ref["step_logits_0"], atol=TOL, rtol=0)
