@@ -39,8 +39,14 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
-    """The dense Qwen3 architecture. Letters: V vocab, D width, F MLP width, L layers,
-    N query heads, K KV heads, H head dim."""
+    """The Qwen3 architecture, dense or mixture-of-experts (Qwen3-MoE). Letters: V vocab,
+    D width, F MLP width, L layers, N query heads, K KV heads, H head dim, E experts,
+    A experts chosen per token.
+
+    num_experts = 0 is dense Qwen3. Otherwise layer i is sparse (a router and E experts
+    of width moe_intermediate_size) when it is not in mlp_only_layers and
+    (i + 1) % decoder_sparse_step == 0, as transformers' Qwen3MoeDecoderLayer decides;
+    the other layers keep a dense MLP of width intermediate_size."""
 
     vocab_size: int
     hidden_size: int
@@ -57,6 +63,12 @@ class Qwen3Config:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -67,6 +79,20 @@ class Qwen3Config:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention needs it")
+        if self.num_experts < 0:
+            raise ConfigError(f"config field num_experts must be 0 (dense) or positive, got "
+                              f"{self.num_experts}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"config field num_experts_per_tok={self.num_experts_per_tok} must be "
+                    f"between 1 and num_experts={self.num_experts}: fix config.json")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError(f"config field moe_intermediate_size must be positive, got "
+                                  f"{self.moe_intermediate_size}")
+            if self.decoder_sparse_step <= 0:
+                raise ConfigError(f"config field decoder_sparse_step must be positive, got "
+                                  f"{self.decoder_sparse_step}")
 
     # Letter-legend aliases, so shape code reads like the einsum strings.
     @property
@@ -97,15 +123,47 @@ class Qwen3Config:
     def H(self) -> int:
         return self.head_dim
 
-    def param_count(self) -> int:
-        """Parameters as the published model cards count them (tied lm_head counted once)."""
+    @property
+    def E(self) -> int:
+        return self.num_experts
+
+    @property
+    def A(self) -> int:
+        return self.num_experts_per_tok
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) is a mixture of experts (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """[L] whether each layer is sparse."""
+        return tuple(self.is_sparse(i) for i in range(self.L))
+
+    @property
+    def has_sparse(self) -> bool:
+        return any(self.sparse_layers)
+
+    @property
+    def has_dense(self) -> bool:
+        return not all(self.sparse_layers)
+
+    def param_count(self, active: bool = False) -> int:
+        """Parameters as the published model cards count them (tied lm_head counted once).
+
+        active: count only the A experts a token uses in each sparse layer (the
+        "A3B" / "A22B" of Qwen3-MoE's names; embedding and lm_head included)."""
         D, F, N, K, H, V = self.D, self.F, self.N, self.K, self.H, self.V
-        per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D + 2 * H
+        attention = D * N * H + 2 * D * K * H + N * H * D + 2 * D + 2 * H
         if self.attention_bias:
-            per_layer += N * H + 2 * K * H + D
+            attention += N * H + 2 * K * H + D
+        experts = self.A if active else self.E
+        sparse = self.E * D + experts * 3 * D * self.moe_intermediate_size
+        mlp = sum(sparse if s else 3 * D * F for s in self.sparse_layers)
         embed = V * D
         head = 0 if self.tie_word_embeddings else V * D
-        return self.L * per_layer + embed + head + D
+        return self.L * attention + mlp + embed + head + D
 
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> "Qwen3Config":
@@ -157,7 +215,12 @@ def _check_types(raw: Any) -> None:
         check(name, lambda v: v is None or _integer(v), "an integer (or null)")
     for name in ("rms_norm_eps", "rope_theta"):
         check(name, _number, "a number")
-    for name in ("tie_word_embeddings", "attention_bias"):
+    for name in ("num_experts", "num_local_experts", "num_experts_per_tok",
+                 "moe_intermediate_size", "decoder_sparse_step"):
+        check(name, _integer, "an integer")
+    check("mlp_only_layers", lambda v: v is None or (isinstance(v, list) and all(map(_integer, v))),
+          "a list of layer indices (or null)")
+    for name in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         check(name, lambda v: isinstance(v, bool), "true or false")
     check("eos_token_id", lambda v: v is None or _integer(v) or (
         isinstance(v, list) and all(map(_integer, v))), "an integer or a list of integers")
@@ -168,10 +231,18 @@ def _check_types(raw: Any) -> None:
 def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
     _check_types(raw)
     model_type = raw.get("model_type", "qwen3")
-    if model_type != "qwen3":
+    if model_type == "qwen3_next":
         raise ConfigError(
-            f"config field model_type={model_type!r} is not supported: this engine runs dense "
-            "Qwen3 (model_type 'qwen3') only")
+            "config field model_type='qwen3_next' is Qwen3-Next, a different architecture "
+            "(linear-attention layers, shared experts): this engine runs Qwen3 ('qwen3') and "
+            "Qwen3-MoE ('qwen3_moe') only")
+    if model_type not in ("qwen3", "qwen3_moe"):
+        raise ConfigError(
+            f"config field model_type={model_type!r} is not supported: this engine runs "
+            "Qwen3 (model_type 'qwen3') and Qwen3-MoE ('qwen3_moe') only")
+    moe = _moe(raw) if model_type == "qwen3_moe" else {}
+    if moe:  # transformers' Qwen3MoeConfig default: a dense layer's width may go unsaid
+        raw = {"intermediate_size": 6144, **raw}
     for name in _REQUIRED:
         if name not in raw:
             raise ConfigError(f"config.json lacks the field {name!r}, which a Qwen3 config must have")
@@ -219,6 +290,27 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         attention_bias=raw.get("attention_bias", False),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **moe,
+    )
+
+
+def _moe(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config, with transformers'
+    Qwen3MoeConfig defaults. The hub's config.json says num_experts, transformers 5.x
+    writes num_local_experts (its attribute_map makes them one field)."""
+    if "num_experts" in raw and "num_local_experts" in raw \
+            and raw["num_experts"] != raw["num_local_experts"]:
+        raise ConfigError(
+            f"config fields num_experts={raw['num_experts']} and num_local_experts="
+            f"{raw['num_local_experts']} disagree: keep one of them")
+    experts = raw.get("num_experts", raw.get("num_local_experts", 128))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=raw.get("num_experts_per_tok", 8),
+        moe_intermediate_size=raw.get("moe_intermediate_size", 768),
+        norm_topk_prob=raw.get("norm_topk_prob", False),
+        decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
     )
 
 
@@ -274,6 +366,12 @@ def _preset(vocab, D, F, L, N, K, max_pos=40960, tie=False) -> Qwen3Config:
                        bos_token_id=151643, eos_token_ids=(151645, 151643))
 
 
+def _moe_preset(D, F, F_expert, L, N, K) -> Qwen3Config:
+    return dataclasses.replace(
+        _preset(151936, D, F, L, N, K), num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=F_expert, norm_topk_prob=True)
+
+
 # The six published dense sizes (from their config.json files) and a tiny one for tests
 # and the demo. The tiny preset keeps Qwen3's shape rules (head_dim independent of the
 # width, grouped-query heads) at a size that runs in seconds on a laptop CPU.
@@ -288,4 +386,7 @@ PRESETS: dict[str, Qwen3Config] = {
     "8B": _preset(151936, 4096, 12288, 36, 32, 8),
     "14B": _preset(151936, 5120, 17408, 40, 40, 8),
     "32B": _preset(151936, 5120, 25600, 64, 64, 8),
+    # The two published Qwen3-MoE sizes (their config.json: every layer sparse).
+    "30B-A3B": _moe_preset(2048, 6144, 768, 48, 32, 4),
+    "235B-A22B": _moe_preset(4096, 12288, 1536, 94, 64, 4),
 }

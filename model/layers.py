@@ -3,8 +3,8 @@ norm and lm_head.
 
 Dimension letters (used in every name and einsum string of the project):
     B batch, T query tokens, S key/cache slots, D model width, N query heads,
-    K KV heads, G = N / K query heads per KV head, H head dim, E = heads * H (the
-    head axes flattened), F MLP width, V vocab, L layers.
+    K KV heads, G = N / K query heads per KV head, H head dim, F MLP width, V vocab,
+    L layers, E experts, A experts chosen per token (model.moe).
 
 The decoder layer does not know how attention is computed or where the KV cache
 lives: it takes an `attend` function,
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.config import Qwen3Config
+from model.moe import MoE
 from model.rope import apply_rope
 from ring.matmul import few_rows, turned_product
 
@@ -66,7 +67,11 @@ class RMSNorm(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm attention (per-head RMSNorm on q and k, RoPE, grouped-query heads) and a
-    SwiGLU MLP, each added to the residual stream."""
+    SwiGLU MLP (or Qwen3-MoE's experts, model.moe), each added to the residual stream.
+
+    Layers are stacked, so each holds the parameters of every MLP kind its config has:
+    a config that mixes dense and sparse layers gives every layer both (the unused kind
+    zeros), and the caller says which one runs (`sparse`, per layer)."""
 
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
         D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
@@ -87,15 +92,22 @@ class DecoderLayer(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
         self.post_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
-        self.gate_fd = _param(rngs, (F, D), dtype)
-        self.up_fd = _param(rngs, (F, D), dtype)
-        self.down_df = _param(rngs, (D, F), dtype)
+        self.dense_mlp, self.sparse_mlp = cfg.has_dense, cfg.has_sparse
+        if self.dense_mlp:
+            self.gate_fd = _param(rngs, (F, D), dtype)
+            self.up_fd = _param(rngs, (F, D), dtype)
+            self.down_df = _param(rngs, (D, F), dtype)
+        if self.sparse_mlp:
+            self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], state: Any,
-                 attend: Attend) -> tuple[jax.Array, Any]:
-        """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state)."""
+                 attend: Attend, sparse: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state).
+
+        sparse: bool scalar (may be traced), whether this layer is a mixture of experts;
+        needed only when the config mixes dense and sparse layers."""
         o, state = attend(*self.attention_inputs(x, rope), state)
-        return self.finish(x, o), state
+        return self.finish(x, o, sparse), state
 
     def attention_inputs(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
         """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H]: normed, projected, rotated.
@@ -110,18 +122,27 @@ class DecoderLayer(nnx.Module):
         k = apply_rope(self.k_norm(k), *rope)
         return q, k, v
 
-    def finish(self, x: jax.Array, o: jax.Array) -> jax.Array:
+    def finish(self, x: jax.Array, o: jax.Array, sparse: jax.Array | None = None) -> jax.Array:
         """The residual x [B, T, D] and attention output o [B, T, N, H] -> the layer's
-        output [B, T, D] (output projection, then the MLP)."""
+        output [B, T, D] (output projection, then the MLP; sparse as in __call__)."""
         # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
-        o_de = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
-        attn = dense(o.reshape(*o.shape[:2], -1), o_de)
+        o_2d = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
+        attn = dense(o.reshape(*o.shape[:2], -1), o_2d)
         if self.attention_bias:
             attn = attn + self.o_bias[...]
         x = x + attn
         h = self.post_norm(x)
+        if not self.sparse_mlp:
+            return x + self._dense(h)
+        if not self.dense_mlp:
+            return x + self.moe(h)
+        if sparse is None:
+            raise ValueError("this config mixes dense and sparse layers: pass `sparse`")
+        return x + jax.lax.cond(sparse, lambda h: self.moe(h), self._dense, h)
+
+    def _dense(self, h: jax.Array) -> jax.Array:
         gate, up = dense(h, self.gate_fd[...]), dense(h, self.up_fd[...])
-        return x + dense(jax.nn.silu(gate) * up, self.down_df[...])
+        return dense(jax.nn.silu(gate) * up, self.down_df[...])
 
 
 class Qwen3(nnx.Module):

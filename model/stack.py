@@ -23,7 +23,7 @@ from model.rope import rope_tables
 def run_layers(layer_def: nnx.GraphDef, layer_state: nnx.State, x: jax.Array,
                rope: tuple[jax.Array, jax.Array], state: Any,
                attend: Callable[[jax.Array], Attend], real: jax.Array | None = None,
-               gated: bool = True):
+               gated: bool = True, sparse: jax.Array | None = None):
     """Applies the stacked layers in order.
 
     Args:
@@ -36,6 +36,8 @@ def run_layers(layer_def: nnx.GraphDef, layer_state: nnx.State, x: jax.Array,
         collectives and `real` differs between devices: a collective that only some
         devices reach deadlocks, so the layer then runs and its result is dropped
         (its cache writes land in the identity slot's own cache, which nothing reads).
+      sparse: optional [L] bool, which layers are a mixture of experts (needed when the
+        config mixes dense and sparse layers).
     Returns:
       (x [B, T, D], state).
     """
@@ -43,20 +45,22 @@ def run_layers(layer_def: nnx.GraphDef, layer_state: nnx.State, x: jax.Array,
     index = jnp.arange(n, dtype=jnp.int32)
     if real is None:
         real = jnp.ones((n,), bool)
+    if sparse is None:
+        sparse = jnp.zeros((n,), bool)
 
     def body(carry, xs):
         x, st = carry
-        params, l, is_real = xs
+        params, l, is_real, is_sparse = xs
 
         def apply(x, st):
-            return nnx.merge(layer_def, params)(x, rope, st, attend(l))
+            return nnx.merge(layer_def, params)(x, rope, st, attend(l), is_sparse)
 
         if gated:
             return jax.lax.cond(is_real, apply, lambda x, st: (x, st), x, st), None
         y, st = apply(x, st)
         return (jnp.where(is_real, y, x), st), None
 
-    (x, state), _ = jax.lax.scan(body, (x, state), (layer_state, index, real))
+    (x, state), _ = jax.lax.scan(body, (x, state), (layer_state, index, real, sparse))
     return x, state
 
 
@@ -72,5 +76,6 @@ def forward(model: Qwen3, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
     def attend(_):
         return lambda q, k, v, st: (dense_attention(q, k, v, positions, positions), st)
 
-    x, _ = run_layers(layer_def, layer_state, x, rope, None, attend)
+    x, _ = run_layers(layer_def, layer_state, x, rope, None, attend,
+                      sparse=jnp.asarray(cfg.sparse_layers))
     return model.logits(x)

@@ -19,6 +19,7 @@ from model.config import Qwen3Config
 from model.layers import Qwen3
 from model.rope import rope_tables
 from ring.attention import heads_major, make_varying
+from sharding.plan import StagePlan
 from sharding.specs import SPECS
 
 AXES = ("stage", "seq")
@@ -129,6 +130,14 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
     # Each stage's real layers come first: the first L // S slots are real everywhere.
     always = cfg.L // jax.lax.axis_size("stage")
     rope = rope_tables(cfg, positions, x.dtype)
+    stages = jax.lax.axis_size("stage")
+    # Whether slot j of this stage is a sparse (MoE) layer: a constant table indexed by
+    # the stage, read only when the config mixes dense and sparse layers.
+    sparse_slots = jnp.asarray([i is not None and cfg.is_sparse(i)
+                                for i in StagePlan(cfg.L, stages).layer_of_slot])
+
+    def sparse_at(j: int):
+        return sparse_slots[jax.lax.axis_index("stage") * n + j]
 
     # Slots differ only in their weights and their index j into the cache, so each
     # kind of call below is one jitted function with j traced: JAX traces a layer once
@@ -138,8 +147,8 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
         return nnx.merge(layer_def, params)
 
     @jax.jit
-    def whole(params, x, cache, j):
-        return layer(params)(x, rope, cache, attend_at(j))
+    def whole(params, x, cache, j, sparse):
+        return layer(params)(x, rope, cache, attend_at(j), sparse)
 
     @jax.jit
     def inputs(params, x):
@@ -150,28 +159,29 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
         return attend_at(j)(q, k, v, cache)
 
     @jax.jit
-    def finish(params, x, o):
-        return layer(params).finish(x, o)
+    def finish(params, x, o, sparse):
+        return layer(params).finish(x, o, sparse)
 
     for j in range(n):
         params = jax.tree.map(lambda t, j=j: t[j][0], layer_state, is_leaf=_is_slots)
         slot = jnp.int32(j)
+        sparse = sparse_at(j)
         runs = None if j < always else real[j]
         if active is not None:
             runs = active if runs is None else runs & active
 
         if runs is None:
-            x, cache = whole(params, x, cache, slot)
+            x, cache = whole(params, x, cache, slot, sparse)
         elif gated:
-            x, cache = jax.lax.cond(runs, lambda x, c, p=params, j=slot: whole(p, x, c, j),
-                                    lambda x, c: (x, c), x, cache)
+            x, cache = jax.lax.cond(runs, lambda x, c, p=params, j=slot, s=sparse:
+                                    whole(p, x, c, j, s), lambda x, c: (x, c), x, cache)
         else:
             zeros = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)),
                                  jax.eval_shape(inputs, params, x))
             q, k, v = jax.lax.cond(runs, lambda x, p=params: inputs(p, x),
                                    lambda x, zeros=zeros: zeros, x)
             o, cache = attend(q, k, v, cache, slot)
-            x = jax.lax.cond(runs, lambda x, o, p=params: finish(p, x, o),
+            x = jax.lax.cond(runs, lambda x, o, p=params, s=sparse: finish(p, x, o, s),
                              lambda x, o: x, x, o)
     return x, cache
 

@@ -130,7 +130,19 @@ class _progress_bar:
 
 
 def hf_config(cfg) -> dict:
-    """A transformers 4.x-style config.json for `cfg`."""
+    """A transformers 4.x-style config.json for `cfg` (Qwen3-MoE's fields as the hub
+    writes them)."""
+    if cfg.E:
+        return {**_dense_config(cfg), "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe", "num_experts": cfg.E,
+                "num_experts_per_tok": cfg.A, "moe_intermediate_size": cfg.moe_intermediate_size,
+                "norm_topk_prob": cfg.norm_topk_prob,
+                "decoder_sparse_step": cfg.decoder_sparse_step,
+                "mlp_only_layers": list(cfg.mlp_only_layers)}
+    return _dense_config(cfg)
+
+
+def _dense_config(cfg) -> dict:
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "vocab_size": cfg.V, "hidden_size": cfg.D, "intermediate_size": cfg.F,
@@ -162,12 +174,10 @@ def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
     source = RandomWeights(cfg, seed)
     tensors = {}
     for e in name_table(cfg):
-        if e.stacked:
-            for i in range(cfg.L):
-                x = source.read(e.path, np.float32, [i])[0]
-                tensors[e.hf.format(i=i)] = to_hf(e, x, cfg)
-        else:
-            tensors[e.hf] = to_hf(e, source.read(e.path, np.float32), cfg)
+        for i in range(cfg.L) if e.stacked else [None]:
+            x = source.read(e.path, np.float32, None if i is None else [i])
+            for name, t in e.hf_tensors(x if i is None else x[0], cfg, i).items():
+                tensors[name] = np.ascontiguousarray(t)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
 

@@ -163,11 +163,13 @@ def _refused(raw: dict) -> str:
     return str(e.value)
 
 
-def test_refuses_moe():
+def test_refuses_other_architectures():
     raw = _raw("tiny")
-    raw["model_type"] = "qwen3_moe"
+    raw["model_type"] = "llama"
     msg = _refused(raw)
-    assert "model_type" in msg and "qwen3_moe" in msg
+    assert "model_type" in msg and "llama" in msg
+    raw["model_type"] = "qwen3_next"
+    assert "Qwen3-Next, a different architecture" in _refused(raw)
 
 
 def test_refuses_sliding_window():

@@ -46,22 +46,55 @@ class Entry:
     hf_shape: config -> the shape the checkpoint must have.
     our_shape: config -> our shape of one tensor (a reshape of the checkpoint's: we keep
       torch's [out, in] order and only split the head axes).
+    kind: which layers hold the tensor: "all", "dense" (a dense MLP) or "sparse"
+      (Qwen3-MoE's router and experts); in the other layers our parameter is zeros.
+    part: (k, n): ours is the k-th of n equal pieces of the checkpoint's axis 1 (the
+      fused gate_up_proj holds gate, then up).
+
+    An hf name with {e} is one tensor per expert; ours stacks them on a leading E axis.
     """
 
     path: ParamPath
     hf: str
     hf_shape: Callable[[Qwen3Config], tuple[int, ...]]
     our_shape: Callable[[Qwen3Config], tuple[int, ...]]
+    kind: str = "all"
+    part: tuple[int, int] | None = None
 
     @property
     def stacked(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
+
+    def holds(self, cfg: Qwen3Config, layer: int) -> bool:
+        """Whether layer `layer`'s checkpoint tensors include this entry's."""
+        return self.kind == "all" or (self.kind == "sparse") == cfg.is_sparse(layer)
+
+    def names(self, cfg: Qwen3Config, layer: int | None = None) -> list[str]:
+        """The checkpoint tensor names of this entry (of one layer, for a stacked one)."""
+        experts = range(cfg.E) if self.per_expert else [None]
+        return [self.hf.format(i=layer, e=e) for e in experts]
 
     def to_ours(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
         return x.reshape(self.our_shape(cfg))
 
     def to_hf(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
         return x.reshape(self.hf_shape(cfg))
+
+    def hf_tensors(self, x: np.ndarray, cfg: Qwen3Config, layer: int | None = None
+                   ) -> dict[str, np.ndarray]:
+        """Our tensor (one layer's, for a stacked entry) -> {checkpoint name: tensor} in
+        the hub's layout (the inverse of reading; fused entries are read-only)."""
+        if self.part is not None:
+            raise ValueError(f"{self.hf} is a fused layout, which is only read")
+        if self.stacked and not self.holds(cfg, layer):
+            return {}
+        if self.per_expert:
+            return {name: self.to_hf(x[e], cfg) for e, name in enumerate(self.names(cfg, layer))}
+        return {self.names(cfg, layer)[0]: self.to_hf(x, cfg)}
 
 
 def _vec(n: Callable[[Qwen3Config], int]):
@@ -86,13 +119,49 @@ _LAYER = [
           _vec(lambda c: c.H)),
     Entry(("layers", "post_norm", "scale"), _P + "post_attention_layernorm.weight",
           _vec(lambda c: c.D), _vec(lambda c: c.D)),
-    Entry(("layers", "gate_fd"), _P + "mlp.gate_proj.weight", lambda c: (c.F, c.D),
-          lambda c: (c.F, c.D)),
-    Entry(("layers", "up_fd"), _P + "mlp.up_proj.weight", lambda c: (c.F, c.D),
-          lambda c: (c.F, c.D)),
-    Entry(("layers", "down_df"), _P + "mlp.down_proj.weight", lambda c: (c.D, c.F),
-          lambda c: (c.D, c.F)),
 ]
+_DENSE = [
+    Entry(("layers", "gate_fd"), _P + "mlp.gate_proj.weight", lambda c: (c.F, c.D),
+          lambda c: (c.F, c.D), kind="dense"),
+    Entry(("layers", "up_fd"), _P + "mlp.up_proj.weight", lambda c: (c.F, c.D),
+          lambda c: (c.F, c.D), kind="dense"),
+    Entry(("layers", "down_df"), _P + "mlp.down_proj.weight", lambda c: (c.D, c.F),
+          lambda c: (c.D, c.F), kind="dense"),
+]
+
+
+def _experts(c: Qwen3Config, *shape: int) -> tuple[int, ...]:
+    return (c.E, *shape)
+
+
+_ROUTER = Entry(("layers", "moe", "router_ed"), _P + "mlp.gate.weight", lambda c: (c.E, c.D),
+                lambda c: (c.E, c.D), kind="sparse")
+# The hub's layout: one tensor per expert and projection.
+_EXPERTS = [
+    Entry(("layers", "moe", "gate_efd"), _P + "mlp.experts.{e}.gate_proj.weight",
+          lambda c: (c.moe_intermediate_size, c.D),
+          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse"),
+    Entry(("layers", "moe", "up_efd"), _P + "mlp.experts.{e}.up_proj.weight",
+          lambda c: (c.moe_intermediate_size, c.D),
+          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse"),
+    Entry(("layers", "moe", "down_edf"), _P + "mlp.experts.{e}.down_proj.weight",
+          lambda c: (c.D, c.moe_intermediate_size),
+          lambda c: _experts(c, c.D, c.moe_intermediate_size), kind="sparse"),
+]
+# transformers 5.x's in-memory layout (Qwen3MoeExperts): gate_up_proj [E, 2F, D] (gate
+# rows first), down_proj [E, D, F].
+_FUSED = [
+    Entry(("layers", "moe", "gate_efd"), _P + "mlp.experts.gate_up_proj",
+          lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
+          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse", part=(0, 2)),
+    Entry(("layers", "moe", "up_efd"), _P + "mlp.experts.gate_up_proj",
+          lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
+          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse", part=(1, 2)),
+    Entry(("layers", "moe", "down_edf"), _P + "mlp.experts.down_proj",
+          lambda c: _experts(c, c.D, c.moe_intermediate_size),
+          lambda c: _experts(c, c.D, c.moe_intermediate_size), kind="sparse"),
+]
+FUSED_MARK = "mlp.experts.gate_up_proj"  # a checkpoint name ending so is the fused layout
 _BIAS = [
     Entry(("layers", "q_bias"), _P + "self_attn.q_proj.bias", _vec(lambda c: c.N * c.H),
           lambda c: (c.N, c.H)),
@@ -109,9 +178,14 @@ _NORM = Entry(("norm", "scale"), "model.norm.weight", _vec(lambda c: c.D), _vec(
 _HEAD = Entry(("lm_head_vd",), "lm_head.weight", lambda c: (c.V, c.D), lambda c: (c.V, c.D))
 
 
-def name_table(cfg: Qwen3Config) -> list[Entry]:
-    """Every tensor a checkpoint of this config holds, in one place."""
+def name_table(cfg: Qwen3Config, fused: bool = False) -> list[Entry]:
+    """Every tensor a checkpoint of this config holds, in one place; fused: the experts
+    as transformers 5.x holds them (else the hub's per-expert tensors)."""
     table = [_EMBED, *_LAYER, *(_BIAS if cfg.attention_bias else []), _NORM]
+    if cfg.has_dense:
+        table += _DENSE
+    if cfg.has_sparse:
+        table += [_ROUTER, *(_FUSED if fused else _EXPERTS)]
     if not cfg.tie_word_embeddings:
         table.append(_HEAD)
     return table
@@ -162,7 +236,8 @@ class HFCheckpoint:
         self.folder = Path(folder)
         self.cfg = cfg
         self.files = _tensor_files(self.folder)
-        self.table = {e.path: e for e in name_table(cfg)}
+        self.fused = any(name.endswith(FUSED_MARK) for name in self.files)
+        self.table = {e.path: e for e in name_table(cfg, self.fused)}
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._check()
@@ -170,12 +245,28 @@ class HFCheckpoint:
     def _expected(self) -> dict[str, tuple[tuple[int, ...], Entry]]:
         out = {}
         for e in self.table.values():
-            names = [e.hf.format(i=i) for i in range(self.cfg.L)] if e.stacked else [e.hf]
-            for name in names:
+            layers = [i for i in range(self.cfg.L) if e.holds(self.cfg, i)] if e.stacked else [None]
+            for name in (n for i in layers for n in e.names(self.cfg, i)):
                 out[name] = (e.hf_shape(self.cfg), e)
         return out
 
+    def _check_experts(self) -> None:
+        """Per-expert tensors of an expert the config does not have, or too few experts:
+        one line that names the count (the generic checks would name one tensor)."""
+        if not self.cfg.has_sparse or self.fused:
+            return
+        for i in (i for i in range(self.cfg.L) if self.cfg.is_sparse(i)):
+            prefix = _P.format(i=i) + "mlp.experts."
+            found = {int(n[len(prefix):].split(".")[0]) for n in self.files
+                     if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit()}
+            if found and max(found) + 1 != self.cfg.E:
+                raise LoadError(
+                    f"checkpoint {self.folder} has {max(found) + 1} experts in layer {i} "
+                    f"({prefix}*), but config.json says num_experts={self.cfg.E}: the weights "
+                    "and config.json do not belong together")
+
     def _check(self) -> None:
+        self._check_experts()
         expected = self._expected()
         present = set(self.files)
         missing = [n for n in expected if n not in present]
@@ -201,6 +292,13 @@ class HFCheckpoint:
                 for name in names:
                     tensor = f.get_slice(name)
                     shape, want = tuple(tensor.get_shape()), expected[name][0]
+                    e = expected[name][1]
+                    if shape != want and e.stacked and "experts" in e.hf and len(shape) == 3 \
+                            and shape[1:] == want[1:]:
+                        raise LoadError(
+                            f"tensor {name} in {file.name} holds {shape[0]} experts, but "
+                            f"config.json says num_experts={self.cfg.E}: the weights and "
+                            "config.json do not belong together")
                     if shape != want:
                         raise LoadError(
                             f"tensor {name} in {file.name} has shape {list(shape)}, but config.json "
@@ -211,9 +309,15 @@ class HFCheckpoint:
                             f"point ({', '.join(FLOAT_DTYPES)}): quantized or foreign weights are "
                             "not supported")
 
-    def _read_tensor(self, name: str) -> np.ndarray:
+    def _read_tensor(self, name: str, part: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor `name`, or only piece k of n of its axis 1 (part = (k, n))."""
         with _opened(self.files[name]) as f:
-            x = f.get_slice(name)[...]
+            tensor = f.get_slice(name)
+            if part is None:
+                x = tensor[...]
+            else:
+                size = tensor.get_shape()[1] // part[1]
+                x = tensor[:, part[0] * size:(part[0] + 1) * size]
         with self._lock:
             self.bytes_read += x.nbytes
         return x
@@ -231,10 +335,16 @@ class HFCheckpoint:
         if not e.stacked:
             return e.to_ours(self._read_tensor(e.hf), self.cfg).astype(dtype)
         ids = range(self.cfg.L) if layers is None else layers
-        parts = [e.to_ours(self._read_tensor(e.hf.format(i=i)), self.cfg).astype(dtype) for i in ids]
-        if not parts:
-            return np.zeros((0, *e.our_shape(self.cfg)), dtype)
-        return np.stack(parts)
+        out = np.zeros((len(ids), *e.our_shape(self.cfg)), dtype)
+        for n, i in enumerate(ids):
+            if not e.holds(self.cfg, i):
+                continue  # the other MLP kind's parameter of a mixed config: zeros
+            if e.per_expert:
+                for x, name in enumerate(e.names(self.cfg, i)):
+                    out[n, x] = self._read_tensor(name)
+            else:
+                out[n] = e.to_ours(self._read_tensor(e.names(self.cfg, i)[0], e.part), self.cfg)
+        return out
 
 
 def load_model(folder: str | Path, cfg: Qwen3Config, dtype) -> Qwen3:

@@ -59,6 +59,8 @@ def register(subparsers) -> None:
     p.add_argument("--peer", choices=("transformers",),
                    help="also run Hugging Face transformers on the same weights and prompts")
     p.add_argument("--seed", type=int, default=0, help="weights (presets) and prompt ids")
+    p.add_argument("--layers", type=int, metavar="L",
+                   help="a preset cut to its first L layers (full width, random weights)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--plot", metavar="FILE.png",
                    help="throughput against prompt length per mesh, and the pipeline timeline")
@@ -162,6 +164,23 @@ def machine(device_count: int) -> dict:
             "jaxlib": jaxlib.__version__, "flax": flax.__version__, "numpy": np.__version__}
 
 
+def _fewer_layers(spec, layers: int, seed: int):
+    """A preset's first `layers` layers at full width, with seeded random weights."""
+    import dataclasses
+
+    from model.random_weights import RandomWeights
+    from run.cli import CLIError
+
+    if not spec.random:
+        raise CLIError("--layers cuts a preset (random weights): pass --model with a preset "
+                       "name, not a checkpoint folder")
+    if not 1 <= layers <= spec.cfg.L:
+        raise CLIError(f"--layers {layers} must be between 1 and the preset's {spec.cfg.L}")
+    cfg = dataclasses.replace(spec.cfg, num_hidden_layers=layers)
+    return dataclasses.replace(spec, cfg=cfg, source=RandomWeights(cfg, seed),
+                               label=f"{spec.label}, first {layers} layers")
+
+
 def main(args) -> int:
     from run.cli import CLIError, check_output_file, use_cpu_devices
     from run.cli import platform_is_cpu
@@ -214,6 +233,8 @@ def main(args) -> int:
         raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
     dtype = jnp.dtype(dtype_name)
     spec = open_model(args.model, args.seed)
+    if args.layers is not None:
+        spec = _fewer_layers(spec, args.layers, args.seed)
     _check_lengths(settings, scenarios, spec.cfg.max_position_embeddings)
     source = MemoSource(spec.source)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
@@ -223,6 +244,7 @@ def main(args) -> int:
         "machine": machine(len(jax.devices())),
         "model": {"name": spec.label, "random_weights": spec.random,
                   "params": spec.cfg.param_count(), "layers": spec.cfg.L,
+                  "active_params": spec.cfg.param_count(active=True),
                   "vocab": spec.cfg.V},
         "dtype": dtype_name,
         "scenarios": sorted(scenarios),

@@ -103,9 +103,17 @@ def layer_params(cfg: Qwen3Config) -> int:
     return per
 
 
-def non_embedding_params(cfg: Qwen3Config) -> int:
-    """Parameters a token's hidden state meets in the decoder layers and final norm."""
-    return cfg.L * layer_params(cfg) + cfg.D
+def non_embedding_params(cfg: Qwen3Config, active: bool = True) -> int:
+    """Parameters a token's hidden state meets in the decoder layers and final norm (of a
+    mixture of experts, the A experts it is routed to; active=False: all of them)."""
+    embed = cfg.V * cfg.D * (1 if cfg.tie_word_embeddings else 2)
+    return cfg.param_count(active=active) - embed
+
+
+def distinct_experts(cfg: Qwen3Config, B: int) -> float:
+    """Experts B tokens reach in one sparse layer, expected under uniform routing:
+    E * (1 - (1 - A/E)^B) (exactly A for one token)."""
+    return cfg.E * (1 - (1 - cfg.A / cfg.E) ** B) if cfg.E else 0.0
 
 
 def prefill_flops(cfg: Qwen3Config, T: int, B: int) -> float:
@@ -120,8 +128,13 @@ def prefill_flops(cfg: Qwen3Config, T: int, B: int) -> float:
 def decode_bytes_per_step(cfg: Qwen3Config, B: int, context: float, itemsize: int) -> dict:
     """Bytes a decode step must read: every weight once (layers, final norm, lm_head or
     the tied embedding as lm_head, B embedding rows) and the K/V of `context` tokens of
-    every request in every layer."""
-    weights = (non_embedding_params(cfg) + cfg.V * cfg.D + B * cfg.D) * itemsize
+    every request in every layer. Of a sparse layer's experts only those the B tokens
+    reach are needed (`distinct_experts`)."""
+    expert = 3 * cfg.D * cfg.moe_intermediate_size
+    sparse = sum(cfg.sparse_layers)
+    needed = (non_embedding_params(cfg, active=False) - sparse * cfg.E * expert
+              + sparse * distinct_experts(cfg, B) * expert)
+    weights = (needed + cfg.V * cfg.D + B * cfg.D) * itemsize
     kv = 2 * cfg.L * B * context * cfg.K * cfg.H * itemsize
     return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
 

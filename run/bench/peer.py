@@ -40,33 +40,45 @@ def hf_model(spec, source, dtype_name: str):
     from model.checkpoint.hf import name_table
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-    if spec.folder is not None:
-        model = transformers.Qwen3ForCausalLM.from_pretrained(
-            spec.folder, dtype=tdtype, attn_implementation="sdpa")
-        return model.eval()
     cfg = spec.cfg
+    moe = dict(num_experts=cfg.E, num_experts_per_tok=cfg.A,
+               moe_intermediate_size=cfg.moe_intermediate_size,
+               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
+               mlp_only_layers=list(cfg.mlp_only_layers)) if cfg.E else {}
+    kind = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    if spec.folder is not None:
+        model = kind.from_pretrained(spec.folder, dtype=tdtype, attn_implementation="sdpa")
+        return model.eval()
     if cfg.rope_scaling is not None:
         from run.cli import CLIError
 
         raise CLIError("--peer transformers with a YaRN preset is not supported: use a "
                        "checkpoint folder")
-    hf_cfg = transformers.Qwen3Config(
+    hf_cfg = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(
         vocab_size=cfg.V, hidden_size=cfg.D, intermediate_size=cfg.F,
         num_hidden_layers=cfg.L, num_attention_heads=cfg.N, num_key_value_heads=cfg.K,
         head_dim=cfg.H, max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
-        use_sliding_window=False, attn_implementation="sdpa")
-    model = transformers.Qwen3ForCausalLM(hf_cfg).to(tdtype)
+        use_sliding_window=False, attn_implementation="sdpa", **moe)
+    model = kind(hf_cfg).to(tdtype)
     weights = {}
     for e in name_table(cfg):
+        if e.path[:2] == ("layers", "moe") and e.path[2] != "router_ed":
+            continue  # transformers holds the experts fused: below
         full = source.full(e.path, np.float32)
-        if e.stacked:
-            for i in range(cfg.L):
-                weights[e.hf.format(i=i)] = torch.from_numpy(np.ascontiguousarray(e.to_hf(full[i], cfg)))
-        else:
-            weights[e.hf] = torch.from_numpy(np.ascontiguousarray(e.to_hf(full, cfg)))
+        for i in range(cfg.L) if e.stacked else [None]:
+            for name, x in e.hf_tensors(full if i is None else full[i], cfg, i).items():
+                weights[name] = torch.from_numpy(np.ascontiguousarray(x))
+    if moe:  # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D], down_proj [E, D, F]
+        gate, up, down = (source.full(("layers", "moe", n), np.float32)
+                          for n in ("gate_efd", "up_efd", "down_edf"))
+        for i in (i for i in range(cfg.L) if cfg.is_sparse(i)):
+            prefix = f"model.layers.{i}.mlp.experts."
+            weights[prefix + "gate_up_proj"] = torch.from_numpy(
+                np.concatenate([gate[i], up[i]], axis=1))
+            weights[prefix + "down_proj"] = torch.from_numpy(np.ascontiguousarray(down[i]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:

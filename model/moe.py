@@ -1,0 +1,223 @@
+"""Qwen3-MoE's sparse MLP: a router picks A of E experts for each token; each expert is
+a SwiGLU MLP, and the chosen experts' outputs, weighted by the router, are summed.
+Dropless: every token reaches all A of its experts (no capacity factor).
+
+Letters: R rows (the B * T tokens flattened), D width, E experts, A experts chosen per
+token, F one expert's MLP width (moe_intermediate_size).
+
+Routing as transformers' Qwen3MoeTopKRouter computes it: logits = x @ router^T,
+softmax over all E experts in float32, the top A, divided by their sum only when
+norm_topk_prob, cast back to the activation dtype. Here the logits are float32 too
+(highest precision), and the weighted sum of the experts' outputs is float32.
+
+Five formulations of the experts compute the same sum:
+- `experts_dense`: every expert on every row, weight 0 where not chosen: the exact
+  reference, and a prefill formulation (chunked over rows);
+- `experts_gathered`: for few rows (decode), the chosen experts' weights gathered per
+  row and one batched product, so a step reads about A/E of the expert bytes;
+- `experts_looped`: the same reads as a loop over the (row, choice) pairs, each a
+  slice of the stacked weights and three matrix-vector products;
+- `experts_grouped`: for many rows (prefill), the (row, choice) pairs sorted by expert,
+  each expert's run of rows one matmul (`jax.lax.ragged_dot`);
+- `experts_blocked`: the same sort, each expert's run padded to blocks of rows, and a
+  loop of one expert's matmul per block (a grouped matmul without ragged_dot).
+`formulation` picks one by the number of rows and the platform (DECODE, PREFILL).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.config import Qwen3Config
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+# Formulation per platform (README, MoE section: `python -m run.moe_measure`). On XLA's
+# CPU backend a gather of whole experts and a batched product over them run far below
+# the memory bandwidth, and ragged_dot has no grouped kernel (it runs slower than
+# computing every expert), so CPU loops over the chosen experts for decode and over
+# blocks of sorted rows for a prefill; other platforms take the batched forms (not
+# measured here: no GPU).
+DECODE = {"cpu": "looped"}
+PREFILL = {"cpu": "blocked"}
+# Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
+DENSE_CHUNK = 256
+
+
+def route(x: jax.Array, router_ed: jax.Array, top: int, normalize: bool):
+    """x [R, D], router_ed [E, D] -> (weights [R, A] in x's dtype, experts [R, A] int32,
+    logits [R, E] float32)."""
+    logits = jnp.einsum("RD,ED->RE", x.astype(jnp.float32), router_ed.astype(jnp.float32),
+                        precision=HIGHEST)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, top)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32), logits
+
+
+def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
+    return jax.nn.silu(h_gate) * h_up
+
+
+def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENSE_CHUNK):
+    """All E experts on every row, chunked over rows. x [R, D], weights and ids [R, A]
+    -> [R, D] float32.
+
+    The experts are flattened to one [E * F, D] matrix per projection (XLA's CPU
+    backend runs an einsum with the expert axis apart an order of magnitude slower),
+    and each expert's activation is weighted before the down projection, whose
+    float32 accumulation over E * F is then the weighted sum."""
+    R, D = x.shape
+    E, F, _ = gate_efd.shape
+    combine = jnp.zeros((R, E), jnp.float32).at[jnp.arange(R)[:, None], ids].add(
+        weights.astype(jnp.float32))
+    gate, up = gate_efd.reshape(E * F, D), up_efd.reshape(E * F, D)
+    down = down_edf.transpose(0, 2, 1).reshape(E * F, D)  # once per call, not per chunk
+
+    def block(args):
+        xb, cb = args  # [c, D], [c, E]
+        h = _swiglu(jnp.einsum("RD,MD->RM", xb, gate), jnp.einsum("RD,MD->RM", xb, up))
+        hw = h.reshape(-1, E, F).astype(jnp.float32) * cb[:, :, None]
+        return jnp.einsum("RM,MD->RD", hw.reshape(-1, E * F).astype(x.dtype), down,
+                          preferred_element_type=jnp.float32)
+
+    c = min(chunk, R)
+    pad = -R % c
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, c, D)
+    cs = jnp.pad(combine, ((0, pad), (0, 0))).reshape(-1, c, E)
+    return jax.lax.map(block, (xs, cs)).reshape(-1, D)[:R]
+
+
+def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
+    """Each row through its own A experts, their weights gathered. x [R, D], weights and
+    ids [R, A] -> [R, D] float32. Reads R * A experts' weights (fewer when rows share)."""
+    gate, up, down = gate_efd[ids], up_efd[ids], down_edf[ids]  # [R, A, F, D], [R, A, D, F]
+    h = _swiglu(jnp.einsum("RD,RAFD->RAF", x, gate), jnp.einsum("RD,RAFD->RAF", x, up))
+    y = jnp.einsum("RAF,RADF->RAD", h, down)
+    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
+                      precision=HIGHEST)
+
+
+def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
+    """A loop over the R * A (row, choice) pairs: the pair's expert sliced out of the
+    stacked weights, three matrix-vector products, the weighted outputs summed per row
+    in float32. x [R, D], weights and ids [R, A] -> [R, D] float32."""
+    R, A = ids.shape
+
+    def pair(p):  # no carry: under shard_map its type would have to track x's axes
+        r, e, w = p
+        xr = x[r]
+        h = _swiglu(gate_efd[e] @ xr, up_efd[e] @ xr)
+        return w.astype(jnp.float32) * (down_edf[e] @ h).astype(jnp.float32)
+
+    rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), A)
+    ys = jax.lax.map(pair, (rows, ids.reshape(-1), weights.reshape(-1)))  # [R * A, D]
+    return jnp.sum(ys.reshape(R, A, -1), axis=1)
+
+
+def _ragged(lhs, rhs_egk, sizes):
+    """lhs [M, k] rows sorted by expert, rhs [E, n, k] ([out, in] per expert), sizes [E]
+    -> [M, n]: rows of expert e times rhs[e]^T."""
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(lhs, rhs_egk, sizes, numbers)
+
+
+def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
+    """The (row, choice) pairs sorted by expert, one grouped matmul per projection.
+    x [R, D], weights and ids [R, A] -> [R, D] float32."""
+    R, A = ids.shape
+    E = gate_efd.shape[0]
+    flat = ids.reshape(-1)  # [R * A], pair p = (row p // A, choice p % A)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[order // A]  # [R * A, D], grouped by expert
+    h = _swiglu(_ragged(xs, gate_efd, sizes), _ragged(xs, up_efd, sizes))
+    ys = _ragged(h, down_edf, sizes)  # [R * A, D]
+    y = ys[jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
+    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
+                      precision=HIGHEST)
+
+
+def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
+    """The grouped matmul by hand: the (row, choice) pairs sorted by expert, each
+    expert's run padded to whole blocks of b rows, and a loop over the blocks, each one
+    expert's slice of the stack times b rows. x [R, D], weights and ids [R, A] ->
+    [R, D] float32.
+
+    b is about the mean run length (R * A / E, in multiples of 8), so the loop runs at
+    most R * A / b + E <= 2E + 1 blocks and reads each chosen expert about once."""
+    R, A = ids.shape
+    E = gate_efd.shape[0]
+    P = R * A
+    b = 8 * max(1, -(-P // (8 * E)))
+    blocks = P // b + E  # sum over experts of ceil(run / b) never exceeds this
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # sorted pair -> pair
+    expert = flat[order]
+    sizes = jnp.bincount(flat, length=E)
+    padded = -(-sizes // b) * b
+    ends = jnp.cumsum(padded)
+    rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[expert]
+    dest = (ends - padded)[expert] + rank  # sorted pair -> its place among the blocks
+    row = jnp.full((blocks * b,), R, jnp.int32).at[dest].set((order // A).astype(jnp.int32))
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row]  # row R: zeros
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"),
+                               E - 1)
+
+    def block(args):
+        xb, e = args  # [b, D]; padding rows are zeros and give zeros
+        h = _swiglu(xb @ gate_efd[e].T, xb @ up_efd[e].T)
+        return h @ down_edf[e].T
+
+    ys = jax.lax.map(block, (xs.reshape(blocks, b, -1), block_expert)).reshape(blocks * b, -1)
+    y = ys[dest][jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
+    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
+                      precision=HIGHEST)
+
+
+FORMULATIONS = {"dense": experts_dense, "gathered": experts_gathered,
+                "looped": experts_looped, "grouped": experts_grouped,
+                "blocked": experts_blocked}
+
+
+def formulation(rows: int, experts: int, top: int) -> str:
+    """Which formulation runs `rows` rows: a decode formulation reads rows * A experts,
+    a prefill one all E once, so decode's wins while rows * A <= E."""
+    backend = jax.default_backend()
+    if rows * top <= experts:
+        return DECODE.get(backend, "gathered")
+    return PREFILL.get(backend, "grouped")
+
+
+class MoE(nnx.Module):
+    """Router [E, D] and E SwiGLU experts stacked on an expert axis, each stored
+    [out, in] as the checkpoint has them: gate and up [E, F, D], down [E, D, F]."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
+        E, D, F = cfg.E, cfg.D, cfg.moe_intermediate_size
+
+        def param(shape):
+            return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32))
+                             .astype(dtype))
+
+        self.router_ed = param((E, D))
+        self.gate_efd = param((E, F, D))
+        self.up_efd = param((E, F, D))
+        self.down_edf = param((E, D, F))
+        self.top = cfg.A
+        self.normalize = cfg.norm_topk_prob
+
+    def __call__(self, h: jax.Array, how: str | None = None) -> jax.Array:
+        """h [B, T, D] -> [B, T, D]; how: a key of FORMULATIONS (default: `formulation`)."""
+        B, T, D = h.shape
+        x = h.reshape(B * T, D)
+        weights, ids, _ = route(x, self.router_ed[...], self.top, self.normalize)
+        how = how or formulation(B * T, self.router_ed.shape[0], self.top)
+        y = FORMULATIONS[how](x, weights, ids, self.gate_efd[...], self.up_efd[...],
+                              self.down_edf[...])
+        return y.astype(h.dtype).reshape(B, T, D)

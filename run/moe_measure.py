@@ -1,0 +1,73 @@
+"""Times the expert formulations of model.moe on one sparse layer of a preset's widths,
+for the rows of a decode step and of a prefill, on this machine's default backend:
+
+    python -m run.moe_measure --model 30B-A3B --rows 1,8,128,512
+
+Prints one line per (rows, formulation): median milliseconds over --repeat calls and
+the expert bytes the call must read (all E experts, or the distinct experts chosen).
+The prefill choice per platform (model.moe.PREFILL) comes from such measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import moe
+from model.config import PRESETS
+
+
+def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int | None):
+    cfg = PRESETS[preset]
+    E = experts or cfg.E
+    D, F, A = cfg.D, cfg.moe_intermediate_size, cfg.A
+    dt = jnp.dtype(dtype)
+    keys = jax.random.split(jax.random.key(0), 5)
+    router = jax.random.normal(keys[1], (E, D), dt)
+    gate = (0.02 * jax.random.normal(keys[2], (E, F, D), jnp.float32)).astype(dt)
+    up = (0.02 * jax.random.normal(keys[3], (E, F, D), jnp.float32)).astype(dt)
+    down = (0.02 * jax.random.normal(keys[4], (E, D, F), jnp.float32)).astype(dt)
+    per_expert = 3 * D * F * dt.itemsize
+    out = []
+    for R in rows:
+        x = jax.random.normal(jax.random.fold_in(keys[0], R), (R, D), dt)
+        weights, ids, _ = moe.route(x, router, A, True)
+        distinct = len(np.unique(np.asarray(ids)))
+        for how, f in moe.FORMULATIONS.items():
+            if how in ("gathered", "looped") and R * A > 4 * E or how == "grouped" and R > 64:
+                continue  # gathers R * A experts' weights: far past its use
+            fn = jax.jit(f)
+            fn(x, weights, ids, gate, up, down).block_until_ready()
+            times = []
+            for _ in range(repeat):
+                t = time.perf_counter()
+                fn(x, weights, ids, gate, up, down).block_until_ready()
+                times.append(time.perf_counter() - t)
+            ms = 1e3 * statistics.median(times)
+            need = (distinct if how in ("gathered", "looped") else E) * per_expert
+            out.append(dict(rows=R, how=how, ms=ms, bytes=need,
+                            gbps=need / ms / 1e6, distinct=distinct))
+            print(f"rows {R:5d}  {how:9s} {ms:9.2f} ms  reads {need / 1e6:8.1f} MB "
+                  f"({distinct} distinct experts chosen)  {need / ms / 1e6:6.1f} GB/s", flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="30B-A3B", choices=[n for n, c in PRESETS.items() if c.E])
+    p.add_argument("--rows", default="1,8,128,512")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--experts", type=int, default=None, help="fewer experts than the preset's")
+    a = p.parse_args(argv)
+    print(f"backend {jax.default_backend()}, {a.model} widths, {a.dtype}")
+    measure(a.model, [int(r) for r in a.rows.split(",")], a.dtype, a.repeat, a.experts)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Bytes each device holds for a model on a stage x seq mesh, read from the shardings
+the engine places with (no devices needed: an abstract mesh gives the shard shapes).
+
+Weights: every stage slot of a layer parameter is one [S, ...] buffer sharded
+P('stage') (sharding.place), so a device holds L_pad / S layers of each, identity
+slots included; the embedding, final norm and lm_head are replicated. KV cache:
+k and v [L_pad, B, K, S_cap, H] sharded P('stage', None, None, 'seq', None).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+
+from model.config import Qwen3Config
+from model.params import abstract_model, map_params
+from sharding.plan import StagePlan
+from sharding.specs import SPECS, param_spec
+
+
+def _shard_bytes(mesh: AbstractMesh, spec, shape, dtype) -> int:
+    return math.prod(NamedSharding(mesh, spec).shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
+
+
+def bytes_per_device(cfg: Qwen3Config, stages: int, seq: int, dtype, batch: int = 1,
+                     max_seq_len: int = 0) -> dict[str, int]:
+    """{'weights', 'kv', 'total'}: bytes on one device (every device holds the same)."""
+    mesh = AbstractMesh((stages, seq), ("stage", "seq"))
+    plan = StagePlan(cfg.L, stages)
+    _, abstract = abstract_model(cfg, dtype)
+    sizes = []
+
+    def leaf(path, x):
+        if path[0] == "layers":  # per_stage slot buffers of [S, ...]
+            one = _shard_bytes(mesh, param_spec(path), (stages, *x.shape[1:]), x.dtype)
+            sizes.append(plan.per_stage * one)
+        else:
+            sizes.append(_shard_bytes(mesh, param_spec(path), x.shape, x.dtype))
+        return x
+
+    map_params(leaf, abstract)
+    kv_shape = (plan.padded_layers, batch, cfg.K, max_seq_len, cfg.H)
+    kv = 2 * _shard_bytes(mesh, SPECS.cache_lbksh, kv_shape, dtype) if max_seq_len else 0
+    weights = sum(sizes)
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+def _cli():
+    import argparse
+
+    from model.config import PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m sharding.footprint")
+    p.add_argument("--model", default="235B-A22B", choices=list(PRESETS))
+    p.add_argument("--meshes", default="4x2,8x2")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=32768)
+    a = p.parse_args()
+    cfg = PRESETS[a.model]
+    dtype = jax.numpy.dtype(a.dtype)
+    print(f"{a.model}: {cfg.param_count() / 1e9:.1f}B parameters, "
+          f"{cfg.param_count(active=True) / 1e9:.2f}B active; {a.dtype}, batch {a.batch}, "
+          f"{a.max_seq_len} cache slots per request")
+    for m in a.meshes.split(","):
+        S, C = map(int, m.split("x"))
+        b = bytes_per_device(cfg, S, C, dtype, a.batch, a.max_seq_len)
+        print(f"  {S}x{C}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "
+              f"= {b['total'] / 1e9:6.1f} GB per device")
+
+
+if __name__ == "__main__":
+    _cli()
