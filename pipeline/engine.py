@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from model.cache import KVCache
 from model.config import Qwen3Config
 from model.loader import abstract_model, map_params
+from pipeline import cp_cost
 from pipeline.decode import build_decode
 from pipeline.prefill import build_prefill
 from pipeline.sampling import Sampling, sample
@@ -116,11 +117,17 @@ class Engine:
         smaller than S then runs with bubbles).
       chunk: decode steps per on-device chunk.
       poison: NaN in pipeline bubbles (tests).
+      cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
+        the N query heads) or "auto" (per batch, the smaller time of
+        pipeline.cp_cost's model). The KV cache left behind is the same either way.
+      link_bytes_per_s, flops_per_s: the link bandwidth and matmul throughput `auto`
+        assumes (default: cp_cost.nominal for the platform; bench measures them).
     """
 
     def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
                  max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
-                 chunk: int = 16, poison: bool = False):
+                 chunk: int = 16, poison: bool = False, cp: str = "ring",
+                 link_bytes_per_s: float | None = None, flops_per_s: float | None = None):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.S, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.S)
@@ -140,13 +147,19 @@ class Engine:
             raise RequestError(f"--chunk {chunk} must be at least 1 decode step")
         self.chunk = chunk
         self.poison = poison
+        try:
+            cp_cost.check_cp(cfg, self.C, cp)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        self.cp = cp
+        link, flops = cp_cost.nominal(mesh.devices.flat[0].platform)
+        self.link_bytes_per_s = link_bytes_per_s or link
+        self.flops_per_s = flops_per_s or flops
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
         self.state = place_state(abstract, self.plan, mesh, source)
         self.state_specs = _spec_tree(self.state)
         self.real = jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
-        self._prefill = jax.jit(
-            build_prefill(cfg, self.graphdef, self.state_specs, mesh, self.M, self.dtype, poison),
-            donate_argnums=(5, 6))
+        self._prefill: dict[str, Callable] = {}  # cp strategy -> jitted prefill
         self._decode: dict[tuple, Callable] = {}
         self._compiled: dict[tuple, Callable] = {}
         self._ahead: dict[tuple, Future] = {}  # compiles started on self._pool
@@ -206,6 +219,20 @@ class Engine:
         with jax.default_matmul_precision(precision):
             return fn.lower(*args).compile()
 
+    def _prefill_fn(self, strategy: str):
+        if strategy not in self._prefill:
+            self._prefill[strategy] = jax.jit(
+                build_prefill(self.cfg, self.graphdef, self.state_specs, self.mesh, self.M,
+                              self.dtype, self.poison, strategy),
+                donate_argnums=(5, 6))
+        return self._prefill[strategy]
+
+    def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
+        """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
+        pipeline.cp_cost.predict's figures for each strategy that can run)."""
+        return cp_cost.choose(self.cp, self.cfg, self.C, self.S, self.M, batch, padded_len,
+                              self.dtype.itemsize, self.link_bytes_per_s, self.flops_per_s)
+
     def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
         key = (groups, steps, sampling, with_logits)
         if key not in self._decode:
@@ -245,7 +272,8 @@ class Engine:
         cache = arg(self.cache_shape(batch), self.dtype, SPECS.cache_lbksh)
         tokens = arg((batch, P_len), jnp.int32, SPECS.tokens_bt)
         args = (self.state, self.real, tokens, tokens, arg((batch,), jnp.int32, P()), cache, cache)
-        m = self._prefill.lower(*args).compile().memory_analysis()
+        prefill = self._prefill_fn(self.cp_plan(batch, P_len)[0])
+        m = prefill.lower(*args).compile().memory_analysis()
         out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
                "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
         out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
@@ -303,7 +331,9 @@ class Engine:
         args = (self.state, self.real, jax.device_put(tokens, tok_sharding),
                 jax.device_put(positions, tok_sharding), jax.device_put(lengths - 1, rep),
                 cache_k, cache_v)
-        prefill = self._compile(("prefill",), self._prefill, *args)
+        strategy, predictions = self.cp_plan(B, P_len)
+        prefill = self._compile(("prefill",) if strategy == "ring" else ("prefill", strategy),
+                                self._prefill_fn(strategy), *args)
         t0 = time.perf_counter()
         logits, cache_k, cache_v = prefill(*args)
         request = np.arange(B, dtype=np.int32)
@@ -374,7 +404,8 @@ class Engine:
         }
         layout = {"batch": B, "requests": n_req, "padded_prompt": P_len, "microbatches": self.M,
                   "groups": G, "decode_steps": steps_run, "chunks": chunks,
-                  "chunk": self.chunk, "decode_ticks": decode_ticks}
+                  "chunk": self.chunk, "decode_ticks": decode_ticks,
+                  "cp_strategy": strategy, "cp": predictions}
         first_logits = np.concatenate(step_logits)[:len(completions[0].token_ids)]
         return Generation(completions, first_logits, timing, layout)
 

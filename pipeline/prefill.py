@@ -1,13 +1,13 @@
-"""Prefill: GPipe over microbatches along `stage`, ring attention along `seq`.
+"""Prefill: GPipe over microbatches along `stage`, ring or Ulysses attention along `seq`.
 
 One `shard_map` over the whole ('stage', 'seq') mesh. The batch is cut into M
 microbatches of B / M requests; at tick t (M + S - 1 ticks) stage s runs microbatch
 t - s (see pipeline.schedule):
 
     stage 0 embeds its tokens; any other stage takes the hidden state that stage s - 1
-    sent at the previous tick; it runs its own layers (attention is ring attention over
-    the `seq` devices), writes its layers' K/V for the microbatch into its cache slots
-    0 .. P/C - 1, and sends its [B/M, P/C, D] share of the hidden state to stage s + 1.
+    sent at the previous tick; it runs its own layers (attention is ring or Ulysses
+    attention over the `seq` devices, as `cp` says), writes its layers' K/V for the
+    microbatch into its cache slots 0 .. P/C - 1, and sends its [B/M, P/C, D] share of the hidden state to stage s + 1.
     The last stage picks each request's last prompt token (wherever along `seq` it
     lies) and applies the final norm and lm_head to it alone.
 
@@ -24,12 +24,16 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import Qwen3Config
 from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import fused_attention_available, heads_major, prompt_attention, ring_attention
+from ring import (fused_attention_available, heads_major, prompt_attention, ring_attention,
+                  ulysses_attention)
 from sharding.specs import SPECS
 
 
+CP_STRATEGIES = ("ring", "ulysses")
+
+
 def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                  microbatches: int, dtype, poison: bool = False):
+                  microbatches: int, dtype, poison: bool = False, cp: str = "ring"):
     """The prefill program (not yet jitted).
 
     Returns f(state, real, tokens, positions, last_pos, cache_k, cache_v) ->
@@ -41,8 +45,12 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
       last_pos: [B] int32, each request's last prompt position;
       cache_k, cache_v: [L_pad, B, K, S_cap, H] in `dtype`, the activations' dtype.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
-    reads one shows NaN in the logits.
+    reads one shows NaN in the logits. cp: how attention splits along `seq`, "ring" or
+    "ulysses" (ring.ulysses; C must divide N). Either writes each device's own tokens'
+    K/V to its cache slots, so the cache is the same.
     """
+    if cp not in CP_STRATEGIES:
+        raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
     M = microbatches
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles: no cond is needed around its layers.
@@ -82,7 +90,12 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
                     c = StageCache(write(c.k, k), write(c.v, v))
                     if fused:
                         return prompt_attention(q, k, v, scale=scale), c
-                    o, _ = ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)
+                    if cp == "ulysses":
+                        o = ulysses_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
+                                              scale=scale)
+                    else:
+                        o, _ = ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
+                                              scale=scale)
                     return o, c
 
                 return attend

@@ -1,0 +1,105 @@
+"""Which way to split prompt attention along `seq`: the bytes each device receives per
+layer for ring and Ulysses attention, a small time model, and the `auto` choice.
+
+Per layer, a prompt padded to P tokens on C `seq` devices, T = P/C tokens per device,
+batch B, `itemsize` bytes per activation value:
+
+  ring     C-1 steps, each receiving a K/V block and its positions:
+           (C-1) * B * T * (2 * K * H * itemsize + 4)
+  ulysses  all-to-all q, k, v there and o back (a device keeps 1/C of each), and the
+           query and key positions gathered:
+           (C-1)/C * B * T * (2*N + 2*K') * H * itemsize + (C-1) * B * T * 2 * 4
+           with K' = `ring.head_split(N, K, C).kv_sent` (K, or more when C > K repeats
+           KV heads).
+
+Both compute the same causal block pairs: 2C+1 pairs of (T/2)^2 scores of N heads per
+device (the ring: its own block's 3 and 2 of every other; Ulysses: (2C)(2C+1)/2 pairs of
+N/C heads). The time model: the ring sends the next block while it computes the
+current one, so each of its C-1 steps takes the longer of the two; Ulysses waits for its
+all-to-alls. The layer's matmuls (the same for both) are added from the roofline.
+"""
+
+from __future__ import annotations
+
+from model.config import Qwen3Config
+from ring import head_split
+
+CP_CHOICES = ("ring", "ulysses", "auto")
+
+# Nominal link bandwidth (bytes/s) and matmul throughput (FLOP/s) by platform, used by
+# `auto` when the caller has not measured its own (`bench` measures both).
+NOMINAL = {"cpu": (10e9, 100e9), "gpu": (300e9, 500e12), "tpu": (100e9, 200e12)}
+
+
+def check_cp(cfg: Qwen3Config, seq: int, cp: str) -> None:
+    """A ValueError in words unless `cp` can split this model's attention over C = seq
+    devices (Ulysses needs C to divide the N query heads)."""
+    if cp not in CP_CHOICES:
+        raise ValueError(f"--cp {cp!r} is not one of {', '.join(CP_CHOICES)}")
+    if cp == "ulysses":
+        head_split(cfg.N, cfg.K, seq)
+
+
+def feasible(cfg: Qwen3Config, seq: int) -> tuple[str, ...]:
+    """The strategies that can run on C = seq devices."""
+    return ("ring", "ulysses") if cfg.N % seq == 0 else ("ring",)
+
+
+def bytes_per_layer(strategy: str, cfg: Qwen3Config, seq: int, batch: int, padded_len: int,
+                    itemsize: int) -> int:
+    """Bytes one device receives along `seq` in one layer of prompt attention."""
+    C, T = seq, padded_len // seq
+    if C == 1:
+        return 0
+    if strategy == "ring":
+        return (C - 1) * batch * T * (2 * cfg.K * cfg.H * itemsize + 4)
+    kv_sent = head_split(cfg.N, cfg.K, C).kv_sent
+    heads = (C - 1) * batch * T * (2 * cfg.N + 2 * kv_sent) * cfg.H * itemsize // C
+    return heads + (C - 1) * batch * T * 2 * 4
+
+
+def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int,
+            batch: int, padded_len: int, itemsize: int, link_bytes_per_s: float,
+            flops_per_s: float) -> dict:
+    """The model's figures for one prefill: bytes per device (per layer and over the
+    program, bubbles included: attention's collectives run on every tick) and seconds.
+
+    Returns {"strategy", "bytes_per_layer", "bytes_per_device", "attention_s_per_layer",
+    "predicted_s"}."""
+    C, T, Bm = seq, padded_len // seq, batch // microbatches
+    ticks, slots = microbatches + stages - 1, -(-cfg.L // stages)
+    per_layer = bytes_per_layer(strategy, cfg, C, Bm, padded_len, itemsize)
+    pair_s = 4.0 * Bm * (T / 2) ** 2 * cfg.N * cfg.H / flops_per_s
+    comm_s = per_layer / link_bytes_per_s
+    if strategy == "ring":
+        step_s = comm_s / max(C - 1, 1)  # one block's transfer, overlapped with 2 pairs
+        attention_s = 3 * pair_s + (C - 1) * max(2 * pair_s, step_s)
+    else:
+        attention_s = (2 * C + 1) * pair_s + comm_s
+    D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
+    matmul_s = 2.0 * (2 * D * N * H + 2 * D * K * H + 3 * D * F) * Bm * T / flops_per_s
+    head_s = 2.0 * D * cfg.V * Bm / flops_per_s
+    return {"strategy": strategy,
+            "bytes_per_layer": per_layer,
+            "bytes_per_device": per_layer * slots * ticks,
+            "attention_s_per_layer": attention_s,
+            "predicted_s": ticks * (slots * (matmul_s + attention_s) + head_s)}
+
+
+def choose(cp: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int, batch: int,
+           padded_len: int, itemsize: int, link_bytes_per_s: float,
+           flops_per_s: float) -> tuple[str, dict]:
+    """(the strategy to run, {strategy: predict(...)} for each feasible one). `auto`
+    takes the smaller predicted time (the ring on a tie, and always on one device)."""
+    preds = {s: predict(s, cfg, seq, stages, microbatches, batch, padded_len, itemsize,
+                        link_bytes_per_s, flops_per_s) for s in feasible(cfg, seq)}
+    if cp != "auto":
+        check_cp(cfg, seq, cp)
+        return cp, preds
+    best = min(preds, key=lambda s: (preds[s]["predicted_s"], s != "ring"))
+    return best, preds
+
+
+def nominal(platform: str) -> tuple[float, float]:
+    """(link bytes/s, matmul FLOP/s) assumed for `platform` when none is measured."""
+    return NOMINAL.get(platform, NOMINAL["cpu"])
