@@ -112,6 +112,14 @@ def print_table(r: dict) -> None:
         print("\nprefill")
         print(_table(["mesh", "T", "tokens/s", "time s", "x 1x1", "of FLOP roof", "idle",
                       "stage B/tok", "ring B/tok", "compile s"], rows))
+    rows = [[m["mesh"], j["prompt_len"], j["cp_strategy"], _s(j["time_s"]),
+             f"{j['cp_predicted_s']:.3g}", f"{j['cp_bytes_per_device']:,}",
+             f"{j['cp_bytes_per_device_per_layer']:,}"]
+            for m in r["meshes"] if m["seq"] > 1 for j in m.get("prefill", [])]
+    if rows:
+        print("\nprefill attention along seq (bytes each device receives; cost model's time)")
+        print(_table(["mesh", "T", "cp", "time s", "predicted s", "bytes/device",
+                      "bytes/device/layer"], rows))
     rows = [[m["mesh"], j["batch"], _s(j["tokens_per_s"]),
              _s(j["time_per_output_token_s"], 1e3), _opt(j, "time_ratio_vs_1x1", "{:.2f}"),
              _opt(j, "time_ratio_vs_1x1_groups_in_turn", "{:.2f}"),
