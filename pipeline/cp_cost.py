@@ -16,7 +16,9 @@ Both compute the same causal block pairs: 2C+1 pairs of (T/2)^2 scores of N head
 device (the ring: its own block's 3 and 2 of every other; Ulysses: (2C)(2C+1)/2 pairs of
 N/C heads). The time model: the ring sends the next block while it computes the
 current one, so each of its C-1 steps takes the longer of the two; Ulysses waits for its
-all-to-alls. The layer's matmuls (the same for both) are added from the roofline.
+all-to-alls. The layer's matmuls (the same for both) are added from the roofline. A link
+bandwidth is one figure for both, or one per collective ({"ppermute": .., "all_to_all":
+..}): XLA's CPU backend runs the two at very different speeds.
 """
 
 from __future__ import annotations
@@ -58,8 +60,16 @@ def bytes_per_layer(strategy: str, cfg: Qwen3Config, seq: int, batch: int, padde
     return heads + (C - 1) * batch * T * 2 * 4
 
 
+def link_rate(link_bytes_per_s, strategy: str) -> float:
+    """The bandwidth `strategy`'s collective runs at: ppermute for the ring, all_to_all
+    for Ulysses (one figure serves both)."""
+    if isinstance(link_bytes_per_s, dict):
+        return link_bytes_per_s["ppermute" if strategy == "ring" else "all_to_all"]
+    return link_bytes_per_s
+
+
 def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int,
-            batch: int, padded_len: int, itemsize: int, link_bytes_per_s: float,
+            batch: int, padded_len: int, itemsize: int, link_bytes_per_s,
             flops_per_s: float) -> dict:
     """The model's figures for one prefill: bytes per device (per layer and over the
     program, bubbles included: attention's collectives run on every tick) and seconds.
@@ -70,7 +80,7 @@ def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches
     ticks, slots = microbatches + stages - 1, -(-cfg.L // stages)
     per_layer = bytes_per_layer(strategy, cfg, C, Bm, padded_len, itemsize)
     pair_s = 4.0 * Bm * (T / 2) ** 2 * cfg.N * cfg.H / flops_per_s
-    comm_s = per_layer / link_bytes_per_s
+    comm_s = per_layer / link_rate(link_bytes_per_s, strategy)
     if strategy == "ring":
         step_s = comm_s / max(C - 1, 1)  # one block's transfer, overlapped with 2 pairs
         attention_s = 3 * pair_s + (C - 1) * max(2 * pair_s, step_s)
@@ -87,7 +97,7 @@ def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches
 
 
 def choose(cp: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int, batch: int,
-           padded_len: int, itemsize: int, link_bytes_per_s: float,
+           padded_len: int, itemsize: int, link_bytes_per_s,
            flops_per_s: float) -> tuple[str, dict]:
     """(the strategy to run, {strategy: predict(...)} for each feasible one). `auto`
     takes the smaller predicted time (the ring on a tie, and always on one device)."""

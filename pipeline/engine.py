@@ -120,14 +120,16 @@ class Engine:
       cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
         the N query heads) or "auto" (per batch, the smaller time of
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
-      link_bytes_per_s, flops_per_s: the link bandwidth and matmul throughput `auto`
-        assumes (default: cp_cost.nominal for the platform; bench measures them).
+      link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
+        collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
+        cp_cost.nominal for the platform; bench measures them).
     """
 
     def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
                  max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
                  chunk: int = 16, poison: bool = False, cp: str = "ring",
-                 link_bytes_per_s: float | None = None, flops_per_s: float | None = None):
+                 link_bytes_per_s: float | dict | None = None,
+                 flops_per_s: float | None = None):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.S, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.S)

@@ -261,8 +261,10 @@ def main(args) -> int:
         seq = max(C for _, C in meshes)
         if seq > 1:
             roof["link_bytes_per_s"] = link_bandwidth(jax.devices()[:seq], settings["smoke"])
-            say(f"link: all-to-all over {seq} devices, "
-                f"{roof['link_bytes_per_s']['median'] / 1e9:.1f} GB/s received per device")
+            link = roof["link_bytes_per_s"]
+            say(f"link over {seq} devices, received per device: ppermute "
+                f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "
+                f"{link['all_to_all']['median'] / 1e9:.3f} GB/s")
         report["roofline"] = roof
         say(f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
             f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})")

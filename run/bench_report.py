@@ -101,6 +101,11 @@ def print_table(r: dict) -> None:
           f"{r['settings']['repeats']} runs")
     if "roofline" in r:
         ro = r["roofline"]
+        if "link_bytes_per_s" in ro:
+            link = ro["link_bytes_per_s"]
+            print(f"link over {link['devices']} devices (received per device): ppermute "
+                  f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
+                  f"{_s(link['all_to_all'], 1e-9)} GB/s")
         print(f"roofline: bandwidth {_s(ro['bandwidth_bytes_per_s'], 1e-9)} GB/s, matmul "
               f"{_s(ro['matmul_flops_per_s'], 1e-9)} GFLOP/s")
     rows = [[m["mesh"], j["prompt_len"], _s(j["tokens_per_s"]), _s(j["time_s"]),

@@ -157,7 +157,8 @@ def measured_rates(roof) -> dict:
     if not roof:
         return {}
     link = roof.get("link_bytes_per_s")
-    return {"link_bytes_per_s": link["median"] if link else None,
+    return {"link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
+            if link else None,
             "flops_per_s": roof["matmul_flops_per_s"]["median"]}
 
 

@@ -190,7 +190,9 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
     out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--prompt-lens",
                    "16", "--mesh", "1x2", "--cp", "ring", "--cp", "ulysses")
     assert [m["mesh"] for m in out["meshes"]] == ["1x1", "1x2", "1x2 ulysses"]
-    assert out["roofline"]["link_bytes_per_s"]["median"] > 0
+    link = out["roofline"]["link_bytes_per_s"]
+    assert link["devices"] == 2
+    assert link["ppermute"]["median"] > 0 and link["all_to_all"]["median"] > 0
     one, ring, uly = (m["prefill"][0] for m in out["meshes"])
     assert [j["cp_strategy"] for j in (one, ring, uly)] == ["ring", "ring", "ulysses"]
     assert one["cp_bytes_per_device"] == 0

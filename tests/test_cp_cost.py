@@ -52,6 +52,18 @@ def test_predict_counts_every_tick_and_layer():
     assert p["predicted_s"] > 0 and p["attention_s_per_layer"] > 0
 
 
+def test_a_link_figure_per_collective():
+    """The ring's transfers run at the ppermute figure, Ulysses' at the all-to-all one."""
+    links = {"ppermute": 1e10, "all_to_all": 1e8}
+    assert cp_cost.link_rate(links, "ring") == 1e10
+    assert cp_cost.link_rate(links, "ulysses") == 1e8 and cp_cost.link_rate(3.0, "ring") == 3.0
+    slow_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, links, 1e11)
+    fast_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, 1e10, 1e11)
+    per_layer = cp_cost.bytes_per_layer("ulysses", Q06, 4, 1, 2048, 4)
+    assert slow_a2a["attention_s_per_layer"] - fast_a2a["attention_s_per_layer"] == \
+        pytest.approx(per_layer / 1e8 - per_layer / 1e10)
+
+
 def test_auto_picks_the_smaller_prediction_and_only_what_fits():
     slow_link = cp_cost.choose("auto", Q06, 8, 1, 1, 1, 8192, 4, 1e8, 1e14)
     assert slow_link[0] == "ulysses"  # the ring's 7 steps of K/V blocks cannot hide
