@@ -60,6 +60,22 @@ def bytes_per_layer(strategy: str, cfg: Qwen3Config, seq: int, batch: int, padde
     return heads + (C - 1) * batch * T * 2 * 4
 
 
+def hybrid_bytes_per_layer(cfg: Qwen3Config, ulysses: int, ring: int, batch: int,
+                           padded_len: int, itemsize: int) -> dict:
+    """What a hybrid (USP) would move, not built: Ulysses inside groups of `ulysses`
+    consecutive `seq` devices, then a ring of `ring` such groups, C = ulysses * ring.
+    Each device's group-level block holds ulysses*T tokens of its KV heads
+    (`head_split(N, K, ulysses).kv_heads` of them), passed on ring-1 times.
+
+    Returns {"ulysses", "ring", "total"} bytes one device receives per layer."""
+    C = ulysses * ring
+    T = padded_len // C
+    inner = bytes_per_layer("ulysses", cfg, ulysses, batch, ulysses * T, itemsize)
+    kv = head_split(cfg.N, cfg.K, ulysses).kv_heads
+    outer = (ring - 1) * batch * ulysses * T * (2 * kv * cfg.H * itemsize + 4)
+    return {"ulysses": inner, "ring": outer, "total": inner + outer}
+
+
 def link_rate(link_bytes_per_s, strategy: str) -> float:
     """The bandwidth `strategy`'s collective runs at: ppermute for the ring, all_to_all
     for Ulysses (one figure serves both)."""

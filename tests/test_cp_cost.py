@@ -45,6 +45,23 @@ def test_ring_bytes_grow_with_c_and_ulysses_bytes_do_not():
     assert uly[0] > ring[0] and uly[2] < ring[2]
 
 
+def test_hybrid_figures_reduce_to_either_strategy():
+    """ulysses:C,ring:1 is Ulysses and ulysses:1,ring:C is the ring; on one uniform link
+    the hybrid of C = 8 moves more than Ulysses alone (0.6B, P = 8192, float32)."""
+    for c in (2, 4, 8):
+        assert cp_cost.hybrid_bytes_per_layer(Q06, c, 1, 1, 8192, 4)["total"] == \
+            cp_cost.bytes_per_layer("ulysses", Q06, c, 1, 8192, 4)
+        assert cp_cost.hybrid_bytes_per_layer(Q06, 1, c, 1, 8192, 4)["total"] == \
+            cp_cost.bytes_per_layer("ring", Q06, c, 1, 8192, 4)
+    h = cp_cost.hybrid_bytes_per_layer(Q06, 2, 4, 1, 8192, 4)
+    # inside pairs: 1/2 of q, k, v, o [1024, 16+8+8+16 heads, 128]; then 3 steps of a
+    # pair's K/V block [2048, 4 + 4 heads, 128] and its positions
+    assert h["ulysses"] == 1024 * 48 * 128 * 4 // 2 + 1024 * 8
+    assert h["ring"] == 3 * 2048 * (2 * 4 * 128 * 4 + 4)
+    assert cp_cost.bytes_per_layer("ulysses", Q06, 8, 1, 8192, 4) < h["total"] < \
+        cp_cost.bytes_per_layer("ring", Q06, 8, 1, 8192, 4)
+
+
 def test_predict_counts_every_tick_and_layer():
     p = cp_cost.predict("ulysses", Q06, 4, 2, 2, 4, 2048, 4, 1e10, 1e11)
     # M + S - 1 = 3 ticks of 14 layers, each at the microbatch of 2 requests
