@@ -28,9 +28,13 @@ from ring import head_split
 
 CP_CHOICES = ("ring", "ulysses", "auto")
 
-# Nominal link bandwidth (bytes/s) and matmul throughput (FLOP/s) by platform, used by
-# `auto` when the caller has not measured its own (`bench` measures both).
-NOMINAL = {"cpu": (10e9, 100e9), "gpu": (300e9, 500e12), "tpu": (100e9, 200e12)}
+# Nominal link bandwidth (bytes/s, per collective) and matmul throughput (FLOP/s) by
+# platform, used by `auto` when the caller has not measured its own (`bench` measures
+# both). Emulated CPU devices copy through one memory, and XLA's CPU all-to-all runs far
+# slower per byte than its collective-permute: the orders of magnitude bench finds.
+NOMINAL = {"cpu": ({"ppermute": 1e9, "all_to_all": 3e7}, 1e11),
+           "gpu": ({"ppermute": 3e11, "all_to_all": 3e11}, 5e14),
+           "tpu": ({"ppermute": 1e11, "all_to_all": 1e11}, 2e14)}
 
 
 def check_cp(cfg: Qwen3Config, seq: int, cp: str) -> None:
@@ -126,6 +130,6 @@ def choose(cp: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int, 
     return best, preds
 
 
-def nominal(platform: str) -> tuple[float, float]:
+def nominal(platform: str) -> tuple[dict, float]:
     """(link bytes/s, matmul FLOP/s) assumed for `platform` when none is measured."""
     return NOMINAL.get(platform, NOMINAL["cpu"])

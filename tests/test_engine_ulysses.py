@@ -151,6 +151,20 @@ def test_seeded_sampling_identical(runs):
     np.testing.assert_allclose(run[1].first_logits, ref[1].first_logits, atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("links,strategy", [({"ppermute": 1e3, "all_to_all": 1e12}, "ulysses"),
+                                             ({"ppermute": 1e12, "all_to_all": 1e3}, "ring")])
+def test_auto_runs_what_the_model_picks(runs, links, strategy):
+    """cp="auto" with link figures that make one strategy's transfers crawl runs the
+    other; the tokens are the 1x1 run's either way."""
+    cfg, source, prompts, _ = runs.model("tiny")
+    engine = Engine(cfg, source, make_mesh(1, 2, jax.devices()[:2]), max_seq_len=80,
+                    chunk=N_NEW, cp="auto", link_bytes_per_s=links)
+    gen = engine.generate(prompts, 2, seed=SEED)
+    assert gen.layout["cp_strategy"] == strategy and set(gen.layout["cp"]) == {"ring", "ulysses"}
+    assert [t[:2] for t in _tokens(runs.run("tiny", 1, 1, cp="ring")[1])] == _tokens(gen)
+
+
 def test_impossible_head_split_fails_before_compiling():
     cfg, source, _, _ = _model("tiny")
     with pytest.raises(RequestError, match="6 query heads cannot be shared equally by 4 seq "
