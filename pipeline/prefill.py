@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from model.config import Qwen3Config
 from pipeline.stage import StageCache, from_device, put_rows, rows, run_stage, shift, vary, when
-from ring import (fused_attention_available, heads_major, prompt_attention, ring_attention,
-                  ulysses_attention)
+from ring import (device_positions, fused_attention_available, heads_major, prompt_attention,
+                  ring_attention, ulysses_attention, zigzag)
 from sharding.specs import SPECS
 
 
@@ -59,6 +59,9 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     # Without a ring a device holds its prompts whole, in position order (zigzag with
     # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
     fused = mesh.shape["seq"] == 1 and fused_attention_available(dtype, cfg.head_dim)
+    # Ulysses holds whole prompts too (of its heads), in zigzag order: put in position
+    # order, they run the same fused kernel.
+    fused_ulysses = cp == "ulysses" and fused_attention_available(dtype, cfg.head_dim)
 
     def local(state, real, tokens, positions, last_pos, cache_k, cache_v):
         model = nnx.merge(graphdef, state)
@@ -91,8 +94,10 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
                     if fused:
                         return prompt_attention(q, k, v, scale=scale), c
                     if cp == "ulysses":
+                        C = mesh.shape["seq"]
+                        order = device_positions(zigzag(T * C, C)) if fused_ulysses else None
                         o = ulysses_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
-                                              scale=scale)
+                                              scale=scale, fused_order=order)
                     else:
                         o, _ = ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
                                               scale=scale)

@@ -16,6 +16,11 @@ head. Then:
        the ring's 2C+1 pairs of N heads.
     3. all_to_all o [B, C*T, N/C, H] -> [B, T, N, H].
 
+Step 2 may instead run one fused causal kernel (`ring.attention.prompt_attention`, cuDNN
+on GPUs) when the caller passes the static order of its partition (`fused_order`): the
+whole sequence is put in position order first, so causality by index is causality by
+position.
+
 The token order and the positions are untouched, so the caller's KV cache (each device
 its own tokens' K/V) is the one the ring leaves.
 
@@ -37,10 +42,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ring.attention import (_any_visible, check_attention_shapes, check_axis, heads_major,
-                            make_varying, partial_attention, varying_axes)
+                            make_varying, partial_attention, prompt_attention, varying_axes)
 from ring.merge import merge
 
 
@@ -129,7 +135,8 @@ def _causal_blocks(q, k, v, q_pos, k_pos, scale, n_blocks: int, axes: frozenset)
 
 
 def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: float,
-                      with_lse: bool = False):
+                      with_lse: bool = False, fused_order: np.ndarray | None = None,
+                      implementation: str = "cudnn"):
     """Causal attention over a sequence sharded along `axis_name`; call inside shard_map.
 
     Same contract as `ring.ring_attention`: every argument is the local shard of a
@@ -144,6 +151,12 @@ def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: f
       axis_name: the mesh axis of the sequence split (C devices).
       scale: multiplier of the scores, usually H ** -0.5.
       with_lse: also return the log-sum-exp (one more all-to-all).
+      fused_order: [C*T] the position each slot of the gathered sequence holds in
+        partition order (`ring.partition.device_positions` of a partition without
+        padding): attend with `prompt_attention` (`implementation`: "cudnn" or "xla")
+        in that order. The caller guarantees that, in it, each request's tokens come
+        first at positions 0, 1, ... and its padding after (rows of padding get some
+        finite output); no lse then.
 
     Returns:
       o: [B, T, N, H] in q's dtype (0 on rows with no visible key); with with_lse also
@@ -167,15 +180,25 @@ def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: f
         index = jnp.asarray(split.kv_index, jnp.int32)
         k, v = jnp.take(k, index, axis=2), jnp.take(v, index, axis=2)
     q, k, v = (make_varying(to_heads(x), axes) for x in (q, k, v))
+    if fused_order is not None:
+        if with_lse or sorted(fused_order) != list(range(q.shape[1])):
+            raise ValueError(
+                f"ulysses_attention: fused_order must order all {q.shape[1]} gathered slots "
+                f"(a partition without padding) and gives no lse")
+        natural = np.argsort(fused_order)  # natural[p]: the slot holding position p
+        o = prompt_attention(*(jnp.take(x, natural, axis=1) for x in (q, k, v)),
+                             scale=scale, implementation=implementation)
+        return _swap_back(jnp.take(o, np.asarray(fused_order), axis=1), axis_name, c)
     pos = jnp.stack([q_pos, k_pos])
     if c > 1:
         pos = lax.all_gather(pos, axis_name, axis=2, tiled=True)  # [2, B, C*T]
     pos = make_varying(pos, axes)
     o, lse = _causal_blocks(q, heads_major(k), heads_major(v), pos[0], pos[1], scale,
                             2 * c, axes)
+    o = _swap_back(o.astype(q.dtype), axis_name, c)
+    return (o, _swap_back(lse, axis_name, c)) if with_lse else o
 
-    def to_seq(x):  # [B, C*T, N/C, ..] -> [B, T, N, ..]: my tokens, every head
-        return lax.all_to_all(x, axis_name, 1, 2, tiled=True) if c > 1 else x
 
-    o = to_seq(o.astype(q.dtype))
-    return (o, to_seq(lse)) if with_lse else o
+def _swap_back(x, axis_name: str, c: int):
+    """[B, C*T, N/C, ..] -> [B, T, N, ..]: this device's tokens, every head."""
+    return lax.all_to_all(x, axis_name, 1, 2, tiled=True) if c > 1 else x

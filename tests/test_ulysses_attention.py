@@ -152,3 +152,35 @@ def test_ulysses_inside_stage_seq_mesh():
     o_ref, _ = dense_attention(q, np.repeat(k[:1], 2, 0), np.repeat(v[:1], 2, 0), natural,
                                natural, scale)
     np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("c,n,kh", [(2, 4, 2), (4, 8, 2)], ids=str)
+def test_fused_path_in_position_order(c, n, kh):
+    """With the partition's order given, the gathered sequence is attended in position
+    order by `prompt_attention` (here its "xla" implementation; cuDNN's on GPUs): real
+    rows as dense attention gives them, a shorter row's padding after its tokens."""
+    length = 4 * c
+    q, k, v, lengths = _case(30 + c, b=2, length=length, n=n, kh=kh, h=8,
+                             row_lengths=[length, length // 2 + 1])
+    partition = ring.zigzag(length, c)
+    order = ring.device_positions(partition)
+    pos = np.where(order[None] < lengths, order[None], -1).astype(np.int32)
+    mesh = jax.make_mesh((c,), ("seq",), devices=jax.devices()[:c])
+    fn = jax.jit(jax.shard_map(
+        lambda q, k, v, p: ring.ulysses_attention(q, k, v, p, p, scale=0.3, fused_order=order,
+                                                  implementation="xla"),
+        mesh=mesh, in_specs=(SEQ,) * 4, out_specs=SEQ))
+    put = lambda x: jax.device_put(jnp.asarray(x), NamedSharding(mesh, SEQ))  # noqa: E731
+    o = fn(*(put(ring.to_device_order(x, partition)) for x in (q, k, v)), put(pos))
+    o = ring.from_device_order(np.asarray(o), partition)
+    natural = np.where(np.arange(length)[None] < lengths, np.arange(length)[None], -1)
+    o_ref, _ = dense_attention(q, k, v, natural, natural, 0.3)
+    real = natural >= 0
+    assert not real.all()
+    np.testing.assert_allclose(o[real], o_ref[real], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="fused_order must order all"):
+        jax.eval_shape(jax.shard_map(
+            lambda q, k, v, p: ring.ulysses_attention(q, k, v, p, p, scale=0.3,
+                                                      fused_order=order[:-1]),
+            mesh=mesh, in_specs=(SEQ,) * 4, out_specs=SEQ),
+            *(put(ring.to_device_order(x, partition)) for x in (q, k, v)), put(pos))
