@@ -172,3 +172,45 @@ def test_impossible_head_split_fails_before_compiling():
         Engine(cfg, source, make_mesh(1, 4, jax.devices()[:4]), cp="ulysses")
     with pytest.raises(RequestError, match="--cp 'ulyses' is not one of ring, ulysses, auto"):
         Engine(cfg, source, make_mesh(1, 2, jax.devices()[:2]), cp="ulyses")
+
+
+@pytest.mark.slow
+def test_eight_query_heads_on_1x4_and_1x8_match_transformers(tmp_path):
+    """The fixtures' 6 query heads split over 2 or 3 devices only; a model written by
+    transformers itself with N=8 over K=2 runs Ulysses on 1x4 and 1x8 (C > K: KV heads
+    repeated): greedy tokens equal transformers' and the prefill logits within TOL."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.Qwen3Config(
+        vocab_size=211, hidden_size=40, intermediate_size=88, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
+        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
+        attention_bias=False, use_sliding_window=False)
+    torch.manual_seed(5)
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).to(torch.float32).eval()
+    with torch.no_grad():  # norms away from 1, so a wrong one shows
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 211, n).tolist() for n in (21, 3, 40)]
+    steps = 6
+    want, want_logits = [], []
+    with torch.no_grad():  # greedy by full forward passes: argmax of transformers' logits
+        for p in prompts:
+            ids = list(p)
+            for step in range(steps):
+                logits = hf(torch.tensor([ids])).logits[0, -1].numpy()
+                if step == 0:
+                    want_logits.append(logits)
+                ids.append(int(logits.argmax()))
+            want.append(ids[len(p):])
+    cfg = Qwen3Config.from_hf(tmp_path)
+    for C in (4, 8):
+        engine = Engine(cfg, HFCheckpoint(tmp_path, cfg), make_mesh(1, C, jax.devices()[:C]),
+                        max_seq_len=64, chunk=steps, cp="ulysses")
+        gen = engine.generate(prompts, steps)
+        assert gen.layout["cp_strategy"] == "ulysses"
+        assert _tokens(gen) == want, C
+        np.testing.assert_allclose(gen.first_logits[0], want_logits[0], atol=TOL, rtol=0)
