@@ -12,8 +12,8 @@ Scenarios (--scenario, repeatable; default all but peer):
   peer      the same prompts through transformers' Qwen3ForCausalLM (--peer).
 Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
 ring, ulysses or auto; each prefill job then reports the bytes each device received
-along seq, pipeline.cp_cost's predicted time next to the measured one, and with
-roofline, the link bandwidth of an all-to-all over the seq devices, which the
+along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
+also measures ppermute and all-to-all bandwidth over the seq devices, which the
 prediction uses); 1x1 always runs too and each other mesh reports its time
 ratio against it (mesh / 1x1, same job, same process). Each job compiles first (timed
 apart), then runs --warmup more times untimed and --repeats times timed: the median is
