@@ -121,8 +121,10 @@ class Engine:
         the N query heads) or "auto" (per batch, the smaller time of
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
-        collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
-        cp_cost.nominal for the platform; bench measures them).
+        collective: cp_cost.link_rate) and one device's matmul throughput the cost
+        model assumes (default: cp_cost.nominal for the platform; bench measures them).
+        Emulated CPU devices share their host's cores, so there each of the n devices
+        of this process computes at flops_per_s / n.
     """
 
     def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
@@ -154,9 +156,12 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e)) from None
         self.cp = cp
-        link, flops = cp_cost.nominal(mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        link, flops = cp_cost.nominal(platform)
         self.link_bytes_per_s = link_bytes_per_s or link
-        self.flops_per_s = flops_per_s or flops
+        sharing = (sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+                   if platform == "cpu" else 1)
+        self.flops_per_s = (flops_per_s or flops) / sharing
         self.graphdef, abstract = abstract_model(cfg, self.dtype)
         self.state = place_state(abstract, self.plan, mesh, source)
         self.state_specs = _spec_tree(self.state)
