@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from model.cache import KVCache
 from model.config import Qwen3Config
 from model.params import abstract_model, map_params
+from pipeline import cp_cost
 from pipeline.decode import DecodeInputs, build_decode
 from pipeline.layout import Batch, lay_out
 from pipeline.prefill import PrefillInputs, build_prefill
@@ -82,11 +83,19 @@ class Engine:
       poison: NaN in pipeline bubbles (tests).
       on_compile: called with a program's name around each compile the caller waits for
         (`pipeline.programs.OnCompile`).
+      cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
+        the N query heads) or "auto" (per batch, the smaller time of
+        pipeline.cp_cost's model). The KV cache left behind is the same either way.
+      link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
+        collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
+        cp_cost.nominal for the platform; bench measures them).
     """
 
     def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
                  max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
-                 chunk: int = 16, poison: bool = False, on_compile: OnCompile | None = None):
+                 chunk: int = 16, poison: bool = False, on_compile: OnCompile | None = None,
+                 cp: str = "ring", link_bytes_per_s: float | dict | None = None,
+                 flops_per_s: float | None = None):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.stages)
@@ -96,6 +105,14 @@ class Engine:
                 raise RequestError(f"{flag} {value} must be at least {least}")
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
+        try:
+            cp_cost.check_cp(cfg, self.C, cp)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        self.cp = cp
+        link, flops = cp_cost.nominal(mesh.devices.flat[0].platform)
+        self.link_bytes_per_s = link_bytes_per_s or link
+        self.flops_per_s = flops_per_s or flops
         self.slots_per_device = math.ceil(max_seq_len / self.C)
         graphdef, abstract = abstract_model(cfg, self.dtype)
         self.graphdef = graphdef
@@ -104,8 +121,7 @@ class Engine:
                                                      NamedSharding(mesh, SPECS.layers)))
         self.state_specs = map_params(lambda path, x: param_spec(path), state)
         self.programs = Programs(self.dtype, on_compile)
-        self._prefill = jax.jit(build_prefill(cfg, graphdef, self.state_specs, mesh, self.M,
-                                              self.dtype, poison), donate_argnames="cache")
+        self._prefill: dict[str, Callable] = {}  # cp strategy -> jitted prefill
         self._decode: dict[tuple, Callable] = {}
         self._zeros: dict[tuple, Callable] = {}  # cache shape -> jitted zeros
         self._sample = jax.jit(sample, static_argnums=4)
@@ -162,7 +178,8 @@ class Engine:
         """
         laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
         inputs = self._abstract(laid.prefill, PrefillInputs.specs())
-        m = self._prefill.lower(self.weights, self._abstract_cache(batch),
+        prefill = self._prefill_fn(self.cp_plan(batch, laid.P_pad)[0])
+        m = prefill.lower(self.weights, self._abstract_cache(batch),
                                 inputs).compile().memory_analysis()
         out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
                "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
@@ -170,6 +187,20 @@ class Engine:
         return out
 
     # ---- the programs --------------------------------------------------------------
+
+    def _prefill_fn(self, strategy: str):
+        if strategy not in self._prefill:
+            self._prefill[strategy] = jax.jit(
+                build_prefill(self.cfg, self.graphdef, self.state_specs, self.mesh, self.M,
+                              self.dtype, self.poison, strategy),
+                donate_argnames="cache")
+        return self._prefill[strategy]
+
+    def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
+        """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
+        pipeline.cp_cost.predict's figures for each strategy that can run)."""
+        return cp_cost.choose(self.cp, self.cfg, self.C, self.stages, self.M, batch, padded_len,
+                              self.dtype.itemsize, self.link_bytes_per_s, self.flops_per_s)
 
     def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
         key = (groups, steps, sampling, with_logits)
@@ -224,7 +255,8 @@ class Engine:
         clock = _Clock()
         if max_new_tokens > 1:
             self._compile_decode_ahead(batch, sampling, with_logits)
-        first, logits, cache = self._prefill_batch(batch, sampling, seed, clock)
+        strategy, predictions = self.cp_plan(batch.B, batch.P_pad)
+        first, logits, cache = self._prefill_batch(batch, strategy, sampling, seed, clock)
         state = _Decoding([[int(t)] for t in first], np.isin(first, eos_ids))
         step_logits = [np.asarray(logits[:1])]
         if on_tokens:
@@ -237,15 +269,19 @@ class Engine:
                 step_logits.append(new_logits)
             if on_tokens:
                 on_tokens(state.generated[:batch.requests])
-        return self._complete(prompts, batch, state, step_logits, max_new_tokens, eos_ids,
-                              clock, cache)
+        out = self._complete(prompts, batch, state, step_logits, max_new_tokens, eos_ids, clock,
+                             cache)
+        out.layout.update(cp_strategy=strategy, cp=predictions)
+        return out
 
-    def _prefill_batch(self, batch: Batch, sampling: Sampling, seed: int, clock: _Clock):
+    def _prefill_batch(self, batch: Batch, strategy: str, sampling: Sampling, seed: int,
+                       clock: _Clock):
         """Runs the prefill: (first tokens [B] numpy, logits [B, V], the cache)."""
         cache = self.new_cache(batch)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache = self._run(("prefill",), self._prefill, clock, cache, batch.prefill,
+        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
+        logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, batch.prefill,
                                   PrefillInputs.specs())
         first = self._sample(logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed),
                              sampling)

@@ -1,12 +1,12 @@
-"""Prefill: GPipe over microbatches along `stage`, ring attention along `seq`.
+"""Prefill: GPipe over microbatches along `stage`, ring or Ulysses attention along `seq`.
 
 One `shard_map` over the whole ('stage', 'seq') mesh. The batch is cut into M
 microbatches of B / M requests; at tick t (M + stages - 1 ticks) stage s runs
 microbatch t - s (see pipeline.schedule):
 
     stage 0 embeds its tokens; any other stage takes the hidden state that stage s - 1
-    sent at the previous tick; it runs its own layers (attention is ring attention over
-    the `seq` devices), writes its layers' K/V for the microbatch into its cache slots
+    sent at the previous tick; it runs its own layers (attention is ring or Ulysses
+    attention over the `seq` devices, as `cp` says), writes its layers' K/V for the microbatch into its cache slots
     0 .. P_pad/C - 1, and sends its [B/M, P_pad/C, D] share of the hidden state to
     stage s + 1. The last stage picks each request's last prompt token (wherever along
     `seq` it lies) and applies the final norm and lm_head to it alone.
@@ -28,8 +28,11 @@ from model.cache import KVCache
 from model.config import Qwen3Config
 from pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
                             on_last_stage, put_rows, rows, run_stage, shift, vary, when)
-from ring import fused_attention_available, prompt_attention, ring_attention
+from ring import (device_positions, fused_attention_available, prompt_attention,
+                  ring_attention, ulysses_attention, zigzag)
 from sharding.specs import SPECS
+
+CP_STRATEGIES = ("ring", "ulysses")
 
 
 class PrefillInputs(NamedTuple):
@@ -51,7 +54,7 @@ class PrefillCarry(NamedTuple):
 
 
 def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                  microbatches: int, dtype, poison: bool = False):
+                  microbatches: int, dtype, poison: bool = False, cp: str = "ring"):
     """The prefill program (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
@@ -59,8 +62,12 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     `dtype`, the activations' dtype) at slots 0 .. P_pad/C - 1 of every device, so
     `cache` is donated and updated in place; `cache.pos` passes through.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
-    reads one shows NaN in the logits.
+    reads one shows NaN in the logits. cp: how attention splits along `seq`, "ring" or
+    "ulysses" (ring.ulysses; C must divide N). Either writes each device's own tokens'
+    K/V to its cache slots, so the cache is the same.
     """
+    if cp not in CP_STRATEGIES:
+        raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
     M = microbatches
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles: no cond is needed around its layers.
@@ -69,6 +76,9 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
     # Without a ring a device holds its prompts whole, in position order (zigzag with
     # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
     fused = mesh.shape["seq"] == 1 and fused_attention_available(dtype, cfg.head_dim)
+    # Ulysses holds whole prompts too (of its heads), in zigzag order: put in position
+    # order, they run the same fused kernel.
+    fused_ulysses = cp == "ulysses" and fused_attention_available(dtype, cfg.head_dim)
 
     def local(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         model = nnx.merge(graphdef, weights.state)
@@ -90,6 +100,11 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
             def attention(q, k, v, kv):
                 if fused:
                     return prompt_attention(q, k, v, scale=scale)
+                if cp == "ulysses":
+                    C = mesh.shape["seq"]
+                    order = device_positions(zigzag(T * C, C)) if fused_ulysses else None
+                    return ulysses_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
+                                             scale=scale, fused_order=order)
                 return ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)[0]
 
             def attend_at(layer):

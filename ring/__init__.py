@@ -1,5 +1,5 @@
 """Context parallelism over the `seq` mesh axis: sequence partitions and their work
-accounting, the LSE merge, ring attention for prefill and sharded-cache decode
+accounting, the LSE merge, ring and Ulysses attention for prefill and sharded-cache decode
 attention. Depends on JAX and numpy only."""
 
 from ring.attention import (block_attention, fused_attention_available, heads_major,
@@ -17,8 +17,10 @@ from ring.partition import (
     to_device_order,
     zigzag,
 )
+from ring.ulysses import HeadSplit, head_split, ulysses_attention
 
 __all__ = [
+    "HeadSplit",
     "PAD",
     "block_attention",
     "causal_work",
@@ -28,6 +30,7 @@ __all__ = [
     "device_positions",
     "from_device_order",
     "fused_attention_available",
+    "head_split",
     "heads_major",
     "merge",
     "padded_length",
@@ -35,5 +38,6 @@ __all__ = [
     "ring_attention",
     "slots_per_device",
     "to_device_order",
+    "ulysses_attention",
     "zigzag",
 ]

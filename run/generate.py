@@ -41,6 +41,10 @@ def register(subparsers) -> None:
     p.add_argument("--cpu-devices", type=int,
                    help="emulate this many CPU devices (default on CPU: S*C of --mesh)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
+    p.add_argument("--cp", default="ring", choices=("ring", "ulysses", "auto"),
+                   help="how prefill splits attention along seq: ring (K/V blocks around "
+                        "the ring), ulysses (all-to-all to a head split; seq must divide the "
+                        "query heads) or auto (the cost model's pick); default ring")
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument("--check", action="store_true",
@@ -163,6 +167,7 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
 def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     import jax
 
+    from pipeline import cp_cost
     from pipeline.requests import check_request, fitting_seq_len
     from pipeline.sampling import Sampling
     from run.cli import CLIError, check_output_file, check_output_folder
@@ -200,6 +205,10 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
+    try:
+        cp_cost.check_cp(spec.cfg, seq, args.cp)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     if procs.leader and max_seq_len % seq:
         print(f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
               f"a multiple of the {seq} seq devices (each holds the same number of slots)",
@@ -225,7 +234,7 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
                                                                   job.mesh))
         engine = Engine(job.spec.cfg, source, job.mesh, dtype, job.max_seq_len,
                         args.microbatches, args.groups, args.chunk,
-                        on_compile=progress.compiling)
+                        on_compile=progress.compiling, cp=args.cp)
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
@@ -286,6 +295,7 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         # what each process read from the checkpoint (0 for random weights)
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
+        **_cp_report(out.layout, out.timing),
     }
 
 
@@ -325,6 +335,16 @@ def _timelines(engine, layout: dict) -> tuple[str, str]:
     steps = min(layout["chunk"], max(layout["decode_steps"], 1))
     return (timeline(prefill_grid(engine.M, engine.stages), "prefill"),
             timeline(decode_grid(layout["groups"], engine.stages, steps), "decode"))
+
+
+def _cp_report(layout: dict, timing: dict) -> dict:
+    """The strategy prefill ran along `seq`, the bytes it moved per device (cost model,
+    pipeline.cp_cost) and the model's time next to the measured one."""
+    chosen = layout["cp"][layout["cp_strategy"]]
+    return {"cp_strategy": layout["cp_strategy"],
+            "cp_bytes_per_device": chosen["bytes_per_device"],
+            "cp_predicted_prefill_s": chosen["predicted_s"],
+            "cp_measured_prefill_s": timing["prefill_s"]}
 
 
 def _generate(engine, args, prompts, sampling, eos, stream):
@@ -489,6 +509,8 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
               "at 2 bytes per value)",
               f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
               f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
+              f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "
+              f"bytes per device; prefill predicted {r['cp_predicted_prefill_s']:.3f} s)",
               f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
               f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
               f"compile {t['compile_s']:.1f} s{_from_cache(r['compile_cache'])}"]

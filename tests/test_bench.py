@@ -179,3 +179,33 @@ def test_plot_path_is_checked_before_the_run(capsys, plot, words):
     assert main(["bench", "--smoke", "--plot", plot]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --plot") and words in err and "\n" not in err
+
+
+def test_cp_ring_and_ulysses_side_by_side(capsys):
+    """--cp runs every seq mesh once per strategy; each prefill job reports the bytes
+    each device received along seq (as pipeline.cp_cost counts them) and the model's
+    time, and the link bandwidth is measured for it."""
+    from pipeline import cp_cost
+
+    out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--prompt-lens",
+                   "16", "--mesh", "1x2", "--cp", "ring", "--cp", "ulysses")
+    assert [m["mesh"] for m in out["meshes"]] == ["1x1", "1x2", "1x2 ulysses"]
+    link = out["roofline"]["link_bytes_per_s"]
+    assert link["devices"] == 2
+    assert link["ppermute"]["median"] > 0 and link["all_to_all"]["median"] > 0
+    one, ring, uly = (m["prefill"][0] for m in out["meshes"])
+    assert [j["cp_strategy"] for j in (one, ring, uly)] == ["ring", "ring", "ulysses"]
+    assert one["cp_bytes_per_device"] == 0
+    from run.models import open_model
+
+    cfg = open_model(None, 0).cfg
+    for job in (ring, uly):
+        per_layer = cp_cost.bytes_per_layer(job["cp_strategy"], cfg, 2, 1,
+                                            job["padded_prompt"], 4)
+        assert job["cp_bytes_per_device_per_layer"] == per_layer > 0
+        assert job["cp_bytes_per_device"] == per_layer * cfg.L
+        assert job["cp_predicted_s"] > 0
+        assert set(job["cp_model"]) == {"ring", "ulysses"}
+    assert main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp",
+                 "ulysses"]) == 2
+    assert "--mesh 1x3: ulysses: 4 query heads cannot be shared" in capsys.readouterr().err

@@ -10,7 +10,11 @@ Scenarios (--scenario, repeatable; default all but peer):
             (memory_analysis() of every compiled program);
   roofline  memory bandwidth and matmul throughput measured on this machine;
   peer      the same prompts through transformers' Qwen3ForCausalLM (--peer).
-Every --mesh runs each job; 1x1 always runs too and each other mesh reports its time
+Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
+ring, ulysses or auto; each prefill job then reports the bytes each device received
+along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
+also measures ppermute and all-to-all bandwidth over the seq devices, which the
+prediction uses); 1x1 always runs too and each other mesh reports its time
 ratio against it (mesh / 1x1, same job, same process). Each job compiles first (timed
 apart), then runs --warmup more times untimed and --repeats times timed: the median is
 quoted with (min, max).
@@ -52,6 +56,9 @@ def register(subparsers) -> None:
                         "long requests has (default: just enough for the prompt and steps)")
     p.add_argument("--chunk", type=int, help="decode steps per on-device chunk (default 16)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
+    p.add_argument("--cp", action="append", choices=("ring", "ulysses", "auto"), default=[],
+                   help="seq attention of prefill (repeatable: each mesh with C > 1 runs "
+                        "each); default ring")
     p.add_argument("--groups", type=int, help="decode groups G (default: S)")
     p.add_argument("--repeats", type=int, help="timed runs per job (default 5)")
     p.add_argument("--warmup", type=int, default=1,
@@ -142,6 +149,21 @@ def _meshes(args) -> list[tuple[int, int]]:
     return shapes
 
 
+def _cps(args, cfg, meshes) -> list[str]:
+    """The --cp strategies (default ring), each checked against every mesh first."""
+    from pipeline import cp_cost
+    from run.cli import CLIError
+
+    cps = list(dict.fromkeys(args.cp)) or ["ring"]
+    for cp in cps:
+        for S, C in meshes:
+            try:
+                cp_cost.check_cp(cfg, C, cp)
+            except ValueError as e:
+                raise CLIError(f"--mesh {S}x{C}: {e}") from None
+    return cps
+
+
 def machine(device_count: int) -> dict:
     """Platform, CPU or GPU model, device count and versions."""
     import flax
@@ -219,9 +241,9 @@ def main(args) -> int:
     # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
     jax.config.update("jax_enable_compilation_cache", False)
 
-    from run.bench.measure import MemoSource, rooflines
-    from run.bench.report import add_ratios, check_targets, print_table
     from run.bench.jobs import MeshEngines, run_mesh
+    from run.bench.measure import MemoSource, link_bandwidth, rooflines
+    from run.bench.report import add_ratios, check_targets, print_table
     from run.models import open_model
     from sharding.mesh import make_mesh
 
@@ -236,6 +258,8 @@ def main(args) -> int:
     if args.layers is not None:
         spec = _fewer_layers(spec, args.layers, args.seed)
     _check_lengths(settings, scenarios, spec.cfg.max_position_embeddings)
+    cps = _cps(args, spec.cfg, meshes)
+    settings["cp"] = cps
     source = MemoSource(spec.source)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
@@ -256,17 +280,27 @@ def main(args) -> int:
     if "roofline" in scenarios:
         roof = rooflines(dtype, max(settings["repeats"], 3), max(settings["warmup"], 1),
                          settings["smoke"])
+        seq = max(C for _, C in meshes)
+        if seq > 1:
+            roof["link_bytes_per_s"] = link_bandwidth(jax.devices()[:seq], settings["smoke"])
+            link = roof["link_bytes_per_s"]
+            say(f"link over {seq} devices, received per device: ppermute "
+                f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "
+                f"{link['all_to_all']['median'] / 1e9:.3f} GB/s")
         report["roofline"] = roof
         say(f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
             f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})")
 
     report["meshes"] = []
     # The 1x1 engines (and their compiled programs) stay for the peer's paired runs.
-    single = MeshEngines(spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings)
+    single = MeshEngines(spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings,
+                         "ring", roof)
     for S, C in meshes:
         mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[:S * C])
-        report["meshes"].append(run_mesh(spec.cfg, source, mesh, dtype, settings, scenarios,
-                                         roof, say, single if (S, C) == (1, 1) else None))
+        for cp in cps if C > 1 else ["ring"]:
+            report["meshes"].append(run_mesh(spec.cfg, source, mesh, dtype, settings,
+                                             scenarios, roof, say,
+                                             single if (S, C) == (1, 1) else None, cp))
     add_ratios(report["meshes"])
 
     if "peer" in scenarios:

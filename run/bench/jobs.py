@@ -19,8 +19,9 @@ class MeshEngines:
     """Engines on one mesh that share one placement of the weights; one per cache size
     (each compiles its own programs)."""
 
-    def __init__(self, cfg, source, mesh, dtype, settings):
+    def __init__(self, cfg, source, mesh, dtype, settings, cp: str = "ring", roof=None):
         self.cfg, self.source, self.mesh, self.dtype, self.s = cfg, source, mesh, dtype, settings
+        self.cp, self.roof = cp, roof
         self.state, self.engines = None, {}
 
     def get(self, max_seq_len: int) -> Engine:
@@ -28,7 +29,8 @@ class MeshEngines:
         if max_seq_len not in self.engines:
             src = self.source if self.state is None else PlacedSource(self.state)
             e = Engine(self.cfg, src, self.mesh, self.dtype, max_seq_len,
-                       self.s["microbatches"], self.s["groups"], self.s["chunk"])
+                       self.s["microbatches"], self.s["groups"], self.s["chunk"], cp=self.cp,
+                       **measured_rates(self.roof))
             self.state = e.weights.state
             self.engines[max_seq_len] = e
         return self.engines[max_seq_len]
@@ -70,13 +72,18 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
         "programs": program_memory(engine),
     }
     out["ring_bytes_per_token"] = out["ring_bytes"] / (B * T)
+    chosen = layout["cp"][layout["cp_strategy"]]
+    out.update(cp_strategy=layout["cp_strategy"], cp_bytes_per_device=chosen["bytes_per_device"],
+               cp_bytes_per_device_per_layer=chosen["bytes_per_layer"],
+               cp_predicted_s=chosen["predicted_s"], cp_model=layout["cp"])
     if roof is not None:
         ideal = flops / roof["matmul_flops_per_s"]["median"]
         out["compute_roofline_s"] = ideal
         out["compute_roofline_fraction"] = ideal / t["median"]
     say(f"  prefill T={T} B={B}: {out['tokens_per_s']['median']:.1f} tok/s "
-        f"({t['median']:.3f} s, min {t['min']:.3f}, max {t['max']:.3f}); "
-        f"compile {job['compile_s']:.1f} s")
+        f"({t['median']:.3f} s, min {t['min']:.3f}, max {t['max']:.3f}; {out['cp_strategy']} "
+        f"predicted {out['cp_predicted_s']:.3f} s, {out['cp_bytes_per_device']:,} bytes per "
+        f"device along seq); compile {job['compile_s']:.1f} s")
     return out
 
 
@@ -148,14 +155,28 @@ def memory_of(engine: Engine, cache: KVCache) -> dict:
             "programs": program_memory(engine)}
 
 
+def measured_rates(roof) -> dict:
+    """The link bandwidth and matmul throughput bench measured, as Engine takes them
+    (for the cost model); {} where they were not measured."""
+    if not roof:
+        return {}
+    link = roof.get("link_bytes_per_s")
+    return {"link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
+            if link else None,
+            "flops_per_s": roof["matmul_flops_per_s"]["median"]}
+
+
 def run_mesh(cfg, source, mesh, dtype, settings, scenarios, roof, say,
-             engines: MeshEngines | None = None) -> dict:
-    """Every job of the scenarios on one mesh. `engines` (kept by the caller to reuse
-    the compiled programs later, as the peer does with 1x1) defaults to fresh ones."""
+             engines: MeshEngines | None = None, cp: str = "ring") -> dict:
+    """Every job of the scenarios on one mesh, prefill's attention along seq split as
+    `cp` says. `engines` (kept by the caller to reuse the compiled programs later, as
+    the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
+    named in the entry's mesh label ("1x4 ulysses")."""
     S, C = mesh.shape["stage"], mesh.shape["seq"]
-    say(f"mesh {S}x{C}:")
-    engines = engines or MeshEngines(cfg, source, mesh, dtype, settings)
-    entry = {"mesh": f"{S}x{C}", "stage": S, "seq": C, "devices": S * C}
+    label = f"{S}x{C}" if cp == "ring" else f"{S}x{C} {cp}"
+    say(f"mesh {label}:")
+    engines = engines or MeshEngines(cfg, source, mesh, dtype, settings, cp, roof)
+    entry = {"mesh": label, "stage": S, "seq": C, "devices": S * C, "cp": cp}
     last = None
     if "prefill" in scenarios:
         entry["prefill"] = [prefill_job(engines, T, roof, say) for T in settings["prompt_lens"]]

@@ -93,6 +93,30 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     }
 
 
+def link_bandwidth(devices, smoke: bool, repeats: int = 3) -> dict:
+    """Bytes per second each device receives over `devices` (a `seq` axis of
+    len(devices)) in the two collectives the strategies use: "ppermute" (the ring: a
+    16 MiB float32 buffer (1 MiB with smoke) to the next device) and "all_to_all"
+    (Ulysses: every device sends (C-1)/C of the buffer and keeps the rest)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    C = len(devices)
+    mesh = jax.make_mesh((C,), ("seq",), devices=devices)
+    rows = (1 if smoke else 16) * 2**20 // 4 // 1024 // C * C
+    x = jax.device_put(jnp.ones((C * rows, 1024), jnp.float32), NamedSharding(mesh, P("seq")))
+    ops = {"ppermute": (lambda a: jax.lax.ppermute(a, "seq", [(i, (i + 1) % C) for i in range(C)]),
+                        rows * 1024 * 4),
+           "all_to_all": (lambda a: jax.lax.all_to_all(a, "seq", 0, 0, tiled=True),
+                          rows * 1024 * 4 * (C - 1) // C)}
+    out = {"devices": C}
+    for name, (op, received) in ops.items():
+        fn = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("seq"), out_specs=P("seq")))
+        times = timed(lambda: fn(x).block_until_ready(), repeats, 1)
+        out[name] = {**spread([received / t for t in times]), "bytes_received": received}
+    return out
+
+
 # ---- model arithmetic ------------------------------------------------------------------
 
 def layer_params(cfg: Qwen3Config) -> int:

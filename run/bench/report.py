@@ -101,6 +101,11 @@ def print_table(r: dict) -> None:
           f"{r['settings']['repeats']} runs")
     if "roofline" in r:
         ro = r["roofline"]
+        if "link_bytes_per_s" in ro:
+            link = ro["link_bytes_per_s"]
+            print(f"link over {link['devices']} devices (received per device): ppermute "
+                  f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
+                  f"{_s(link['all_to_all'], 1e-9)} GB/s")
         print(f"roofline: bandwidth {_s(ro['bandwidth_bytes_per_s'], 1e-9)} GB/s, matmul "
               f"{_s(ro['matmul_flops_per_s'], 1e-9)} GFLOP/s")
     rows = [[m["mesh"], j["prompt_len"], _s(j["tokens_per_s"]), _s(j["time_s"]),
@@ -112,6 +117,14 @@ def print_table(r: dict) -> None:
         print("\nprefill")
         print(_table(["mesh", "T", "tokens/s", "time s", "x 1x1", "of FLOP roof", "idle",
                       "stage B/tok", "ring B/tok", "compile s"], rows))
+    rows = [[m["mesh"], j["prompt_len"], j["cp_strategy"], _s(j["time_s"]),
+             f"{j['cp_predicted_s']:.3g}", f"{j['cp_bytes_per_device']:,}",
+             f"{j['cp_bytes_per_device_per_layer']:,}"]
+            for m in r["meshes"] if m["seq"] > 1 for j in m.get("prefill", [])]
+    if rows:
+        print("\nprefill attention along seq (bytes each device receives; cost model's time)")
+        print(_table(["mesh", "T", "cp", "time s", "predicted s", "bytes/device",
+                      "bytes/device/layer"], rows))
     rows = [[m["mesh"], j["batch"], _s(j["tokens_per_s"]),
              _s(j["time_per_output_token_s"], 1e3), _opt(j, "time_ratio_vs_1x1", "{:.2f}"),
              _opt(j, "time_ratio_vs_1x1_groups_in_turn", "{:.2f}"),
