@@ -15,7 +15,7 @@ from reference import FIXTURES
 
 from model.config import Qwen3Config
 from model.checkpoint.hf import HFCheckpoint
-from model.random_weights import RandomWeights
+from model.checkpoint.random_weights import RandomWeights
 from pipeline.engine import Engine
 from pipeline.requests import RequestError
 from pipeline.sampling import Sampling

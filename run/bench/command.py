@@ -190,7 +190,7 @@ def _fewer_layers(spec, layers: int, seed: int):
     """A preset's first `layers` layers at full width, with seeded random weights."""
     import dataclasses
 
-    from model.random_weights import RandomWeights
+    from model.checkpoint.random_weights import RandomWeights
     from run.cli import CLIError
 
     if not spec.random:
