@@ -228,9 +228,13 @@ class Engine:
                             self.weights, self._abstract_cache(batch.B),
                             self._abstract(inputs, DecodeInputs.specs()))
 
-    def _run(self, name: tuple, fn, clock: _Clock, cache: KVCache, inputs, specs):
-        """The compiled program `name` on (weights, cache, inputs placed as `specs`)."""
-        inputs = jax.tree.map(self._placed, inputs, specs)
+    def _place_inputs(self, inputs, specs):
+        """Host inputs onto the mesh as `specs` say (before the clock starts, as the old
+        positional arguments were)."""
+        return jax.tree.map(self._placed, inputs, specs)
+
+    def _run(self, name: tuple, fn, clock: _Clock, cache: KVCache, inputs):
+        """The compiled program `name` on (weights, cache, inputs placed on the mesh)."""
         program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
         clock.compile_s += waited
         return program(self.weights, cache, inputs)
@@ -278,11 +282,11 @@ class Engine:
                        clock: _Clock):
         """Runs the prefill: (first tokens [B] numpy, logits [B, V], the cache)."""
         cache = self.new_cache(batch)
+        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
+        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
-        logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, batch.prefill,
-                                  PrefillInputs.specs())
+        logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, inputs)
         first = self._sample(logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed),
                              sampling)
         first = np.asarray(first)
@@ -301,12 +305,13 @@ class Engine:
             batch.slot_pos[:, device, slot] = batch.lengths + j
         cache = cache._replace(pos=self._slot_pos(batch))
         tokens = np.array([g[-1] for g in state.generated], np.int32)
-        inputs = self._decode_inputs(batch, tokens, j0, take, limit, seed)
+        inputs = self._place_inputs(self._decode_inputs(batch, tokens, j0, take, limit, seed),
+                                    DecodeInputs.specs())
         name = ("decode", batch.groups, self.chunk, sampling, with_logits)
         fn = self._decode_fn(batch.groups, self.chunk, sampling, with_logits)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        out, cache = self._run(name, fn, clock, cache, inputs, DecodeInputs.specs())
+        out, cache = self._run(name, fn, clock, cache, inputs)
         new_tokens = np.asarray(out.tokens)
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         state.ticks += decode_ticks(batch.groups, self.stages, take)

@@ -25,7 +25,7 @@ class Sampling:
     top_p: float = 1.0
 
     def __str__(self) -> str:
-        if self.temperature == 0.0:
+        if self == Sampling():
             return "greedy"
         return f"temperature {self.temperature} top-k {self.top_k} top-p {self.top_p}"
 

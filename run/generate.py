@@ -36,8 +36,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-seq-len", type=int,
                    help="KV cache capacity per request (default: just enough for the request)")
     p.add_argument("--mesh", default=None,
-                   help="SxC: S pipeline stages x C sequence devices (default: 2x2 emulated CPU "
-                        "devices for the built-in demo, else 1x1)")
+                   help="SxC: S pipeline stages x C sequence devices (default: 1x1, but 2x2 "
+                        "emulated CPU devices on a CPU without --model or with several "
+                        "processes)")
     p.add_argument("--cpu-devices", type=int,
                    help="emulate this many CPU devices (default on CPU: S*C of --mesh)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
@@ -90,7 +91,8 @@ def main(args) -> int:
 
     on_cpu = platform_is_cpu()
     # Emulated devices are for the demo and tests: a real checkpoint runs on the real ones.
-    mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
+    demo_mesh = on_cpu and (args.model is None or args.num_processes is not None)
+    mesh_text = args.mesh or ("2x2" if demo_mesh else "1x1")
     stage, seq = parse_mesh(mesh_text)
     distributed.check_flags(args)
     if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits

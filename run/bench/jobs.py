@@ -39,9 +39,14 @@ class MeshEngines:
 def time_job(engine, prompts, new_tokens: int, settings) -> dict:
     """Compiles (first call), warms up, then times `repeats` calls."""
     first = run_once(engine, prompts, new_tokens)
+    first["out"].cache = None
     for _ in range(settings["warmup"]):
         run_once(engine, prompts, new_tokens)
-    runs = [run_once(engine, prompts, new_tokens) for _ in range(settings["repeats"])]
+    runs = []
+    for _ in range(settings["repeats"]):
+        if runs:  # one cache on the devices at a time: keep only the last run's
+            runs[-1]["out"].cache = None
+        runs.append(run_once(engine, prompts, new_tokens))
     return {"compile_s": first["compile_s"], "runs": runs, "layout": runs[-1]["out"].layout,
             "cache": runs[-1]["out"].cache}
 
