@@ -129,7 +129,7 @@ def test_grouped_heads_every_split_matches_1x1(runs, S, C):
     assert len({tuple(t) for t in _tokens(base[1])}) > 1  # not a degenerate model
     run = runs.run("rand8", S, C)
     assert run[1].layout["cp_strategy"] == "ulysses"
-    prefill = [c.as_text() for name, c in run[0].programs.items() if name.startswith("prefill")]
+    prefill = [c.as_text() for name, c in run[0].programs.compiled.items() if name.startswith("prefill")]
     assert len(prefill) == 1 and "all-to-all" in prefill[0]
     if S == 1:  # nothing moves along `stage`: no point-to-point transfer at all
         assert "collective-permute" not in prefill[0]
