@@ -34,3 +34,15 @@ def dense_attention(q, k, v, q_pos, k_pos, scale):
     with np.errstate(divide="ignore"):
         lse = (m[..., 0] + np.log(l)).transpose(0, 2, 1)
     return o, lse
+
+
+def right_padded(seqs, width: int | None = None):
+    """Token lists -> right-padded tokens and positions [B, width] int32 (positions -1
+    on padding; width defaults to the longest list)."""
+    width = max(len(s) for s in seqs) if width is None else width
+    tokens = np.zeros((len(seqs), width), np.int32)
+    positions = np.full((len(seqs), width), -1, np.int32)
+    for b, s in enumerate(seqs):
+        tokens[b, :len(s)] = s
+        positions[b, :len(s)] = np.arange(len(s))
+    return tokens, positions

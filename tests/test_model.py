@@ -18,7 +18,7 @@ from model.checkpoint.hf import HFCheckpoint, load_model
 from model.stack import forward
 from pipeline.engine import Engine
 from sharding.mesh import make_mesh
-from reference import FIXTURES
+from reference import FIXTURES, right_padded
 
 NAMES = ("tiny", "tied", "yarn")
 TOL = 1e-4
@@ -42,16 +42,6 @@ def _forward_fn(name):
     return lambda tokens, positions: np.asarray(fn(state, jnp.asarray(tokens), jnp.asarray(positions)))
 
 
-def _batch(seqs, width):
-    """Right-padded [B, width] tokens and positions (-1 = padding)."""
-    tokens = np.zeros((len(seqs), width), np.int32)
-    positions = np.full((len(seqs), width), -1, np.int32)
-    for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
-        positions[b, :len(s)] = np.arange(len(s))
-    return tokens, positions
-
-
 @functools.cache
 def _greedy_by_recomputation(name):
     """8 greedy tokens per prompt, each step a full forward pass over prompt + tokens so
@@ -62,7 +52,7 @@ def _greedy_by_recomputation(name):
     width = max(len(p) for p in prompts) + steps
     step_logits = []
     for _ in range(steps):
-        tokens, positions = _batch(seqs, width)
+        tokens, positions = right_padded(seqs, width)
         logits = _forward_fn(name)(tokens, positions)
         last = np.stack([logits[b, len(s) - 1] for b, s in enumerate(seqs)])
         step_logits.append(last)
@@ -75,7 +65,7 @@ def _greedy_by_recomputation(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_logits_match_transformers(name):
     _, cfg, ref, prompts = _fixture(name)
-    tokens, positions = _batch(prompts, max(len(p) for p in prompts))
+    tokens, positions = right_padded(prompts)
     logits = _forward_fn(name)(tokens, positions)
     assert logits.dtype == np.float32 and logits.shape == (*tokens.shape, cfg.V)
     for i, p in enumerate(prompts):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import FIXTURES
+from reference import FIXTURES, right_padded
 from flax import nnx
 
 from model import moe
@@ -145,20 +145,10 @@ def _forward_fn(name, how=None):
                                                    jnp.asarray(positions)))
 
 
-def _batch(seqs):
-    width = max(len(s) for s in seqs)
-    tokens = np.zeros((len(seqs), width), np.int32)
-    positions = np.full((len(seqs), width), -1, np.int32)
-    for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
-        positions[b, :len(s)] = np.arange(len(s))
-    return tokens, positions
-
-
 @pytest.mark.parametrize("name", list(REFERENCE))
 def test_prefill_logits_match_transformers(name):
     _, cfg, ref, prompts = _fixture(name)
-    logits = _forward_fn(name)(*_batch(prompts))
+    logits = _forward_fn(name)(*right_padded(prompts))
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i, :len(p)], ref[f"prefill_logits_{i}"], atol=TOL,
                                    rtol=0, err_msg=f"{name} prompt {i}")
@@ -172,7 +162,7 @@ def test_every_formulation_matches_transformers(how, monkeypatch):
     monkeypatch.setattr(moe, "formulation", lambda rows, experts, top: how)
     folder = _fixture("moe")[0]
     model = load_model(folder, cfg, jnp.float32)
-    tokens, positions = _batch(prompts)
+    tokens, positions = right_padded(prompts)
     logits = np.asarray(forward(model, cfg, jnp.asarray(tokens), jnp.asarray(positions)))
     for i, p in enumerate(prompts):
         np.testing.assert_allclose(logits[i, :len(p)], ref[f"prefill_logits_{i}"], atol=TOL,
