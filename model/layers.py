@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import Qwen3Config
-from model.moe import MoE
-from model.rope import apply_rope
-from ring.matmul import few_rows, turned_product
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.moe import MoE
+from qwen3_spmd.model.rope import apply_rope
+from qwen3_spmd.ring.matmul import few_rows, turned_product
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 

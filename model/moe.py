@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.config import Qwen3Config
+from qwen3_spmd.model.config import Qwen3Config
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# Formulation per platform (README, MoE section: `python -m run.moe_measure`). On XLA's
+# Formulation per platform (README, MoE section: `python -m qwen3_spmd.run.moe_measure`). On XLA's
 # CPU backend a gather of whole experts and a batched product over them run far below
 # the memory bandwidth, and ragged_dot has no grouped kernel (it runs slower than
 # computing every expert), so CPU loops over the chosen experts for decode and over

@@ -12,8 +12,8 @@ from typing import Callable
 import jax
 from flax import nnx
 
-from model.config import Qwen3Config
-from model.layers import Qwen3
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Qwen3
 
 ParamPath = tuple[str, ...]
 

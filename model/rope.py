@@ -14,7 +14,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import Qwen3Config
+from qwen3_spmd.model.config import Qwen3Config
 
 
 def inverse_frequencies(cfg: Qwen3Config) -> tuple[np.ndarray, float]:

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.attention import dense_attention
-from model.config import Qwen3Config
-from model.layers import Attend, Qwen3
-from model.rope import rope_tables
+from qwen3_spmd.model.attention import dense_attention
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Attend, Qwen3
+from qwen3_spmd.model.rope import rope_tables
 
 
 def run_layers(layer_def: nnx.GraphDef, layer_state: nnx.State, x: jax.Array,

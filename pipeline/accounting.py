@@ -14,7 +14,7 @@ import math
 import jax
 import numpy as np
 
-from model.config import Qwen3Config
+from qwen3_spmd.model.config import Qwen3Config
 
 
 def bytes_between_stages(cfg: Qwen3Config, stages: int, prompt_lens: list[int],

@@ -23,8 +23,8 @@ bandwidth is one figure for both, or one per collective ({"ppermute": .., "all_t
 
 from __future__ import annotations
 
-from model.config import Qwen3Config
-from ring import head_split
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.ring import head_split
 
 CP_CHOICES = ("ring", "ulysses", "auto")
 

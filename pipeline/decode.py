@@ -25,13 +25,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from model.cache import KVCache
-from model.config import Qwen3Config
-from pipeline.sampling import Sampling, sample
-from pipeline.schedule import decode_period, decode_ticks
-from pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.sampling import Sampling, sample
+from qwen3_spmd.pipeline.schedule import decode_period, decode_ticks
+from qwen3_spmd.pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
                             on_last_stage, put_rows, rows, run_stage, shift, vary, when)
-from ring import decode_attention, decode_slot
+from qwen3_spmd.ring import decode_attention, decode_slot
 
 
 class DecodeInputs(NamedTuple):

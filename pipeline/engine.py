@@ -19,22 +19,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from model.cache import KVCache
-from model.config import Qwen3Config
-from model.params import abstract_model, map_params
-from pipeline import cp_cost
-from pipeline.decode import DecodeInputs, build_decode
-from pipeline.layout import Batch, lay_out
-from pipeline.prefill import PrefillInputs, build_prefill
-from pipeline.programs import OnCompile, Programs
-from pipeline.requests import Completion, RequestError, check_request
-from pipeline.sampling import Sampling, sample
-from pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
-from pipeline.stage import CACHE_SPECS, Weights
-from ring import decode_slot
-from sharding.place import WeightSource, place_state
-from sharding.plan import StagePlan
-from sharding.specs import SPECS, param_spec
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.pipeline import cp_cost
+from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
+from qwen3_spmd.pipeline.layout import Batch, lay_out
+from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
+from qwen3_spmd.pipeline.programs import OnCompile, Programs
+from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
+from qwen3_spmd.pipeline.sampling import Sampling, sample
+from qwen3_spmd.pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
+from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
+from qwen3_spmd.ring import decode_slot
+from qwen3_spmd.sharding.place import WeightSource, place_state
+from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.specs import SPECS, param_spec
 
 
 @dataclasses.dataclass

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from pipeline.prefill import PrefillInputs
-from ring import padded_length, to_device_order, zigzag
+from qwen3_spmd.pipeline.prefill import PrefillInputs
+from qwen3_spmd.ring import padded_length, to_device_order, zigzag
 
 
 @dataclasses.dataclass

@@ -24,13 +24,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from model.cache import KVCache
-from model.config import Qwen3Config
-from pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
                             on_last_stage, put_rows, rows, run_stage, shift, vary, when)
-from ring import (device_positions, fused_attention_available, prompt_attention,
+from qwen3_spmd.ring import (device_positions, fused_attention_available, prompt_attention,
                   ring_attention, ulysses_attention, zigzag)
-from sharding.specs import SPECS
+from qwen3_spmd.sharding.specs import SPECS
 
 CP_STRATEGIES = ("ring", "ulysses")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from model.config import Qwen3Config
-from ring import padded_length, slots_per_device
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.ring import padded_length, slots_per_device
 
 
 class RequestError(ValueError):

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.cache import KVCache
-from model.config import Qwen3Config
-from model.layers import Qwen3
-from model.rope import rope_tables
-from ring.attention import heads_major, make_varying
-from sharding.plan import StagePlan
-from sharding.specs import SPECS
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Qwen3
+from qwen3_spmd.model.rope import rope_tables
+from qwen3_spmd.ring.attention import heads_major, make_varying
+from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.specs import SPECS
 
 AXES = ("stage", "seq")
 

@@ -2,11 +2,11 @@
 accounting, the LSE merge, ring and Ulysses attention for prefill and sharded-cache decode
 attention. Depends on JAX and numpy only."""
 
-from ring.attention import (block_attention, fused_attention_available, heads_major,
+from qwen3_spmd.ring.attention import (block_attention, fused_attention_available, heads_major,
                             prompt_attention, ring_attention)
-from ring.decode import decode_attention, decode_slot
-from ring.merge import merge
-from ring.partition import (
+from qwen3_spmd.ring.decode import decode_attention, decode_slot
+from qwen3_spmd.ring.merge import merge
+from qwen3_spmd.ring.partition import (
     PAD,
     causal_work,
     contiguous,
@@ -17,7 +17,7 @@ from ring.partition import (
     to_device_order,
     zigzag,
 )
-from ring.ulysses import HeadSplit, head_split, ulysses_attention
+from qwen3_spmd.ring.ulysses import HeadSplit, head_split, ulysses_attention
 
 __all__ = [
     "HeadSplit",

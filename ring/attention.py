@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ring.matmul import few_rows, turned_product
-from ring.merge import finite_or_zero, merge
+from qwen3_spmd.ring.matmul import few_rows, turned_product
+from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 
 def check_attention_shapes(name: str, q, k, v, q_pos, k_pos,

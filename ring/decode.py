@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ring.attention import (check_attention_shapes, check_axis, make_varying,
+from qwen3_spmd.ring.attention import (check_attention_shapes, check_axis, make_varying,
                             partial_attention, varying_axes)
-from ring.merge import finite_or_zero, merge
+from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 # Cache slots per block when decode attention reads only the filled part of the cache
 # (on CPU). A cache has room for every token its requests may reach; a request early

@@ -44,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ring.attention import (_any_visible, check_attention_shapes, check_axis, heads_major,
+from qwen3_spmd.ring.attention import (_any_visible, check_attention_shapes, check_axis, heads_major,
                             make_varying, partial_attention, prompt_attention, varying_axes)
-from ring.merge import merge
+from qwen3_spmd.ring.merge import merge
 
 
 class HeadSplit(NamedTuple):

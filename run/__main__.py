@@ -1,7 +1,7 @@
-"""`python -m run` is `qwen3-spmd`."""
+"""`python -m qwen3_spmd.run` is `qwen3-spmd`."""
 
 import sys
 
-from run.cli import main
+from qwen3_spmd.run.cli import main
 
 sys.exit(main())

@@ -19,8 +19,8 @@ class CLIError(ValueError):
 
 
 def _subcommands():
-    from run import convert, generate, ring_demo
-    from run.bench import command as bench
+    from qwen3_spmd.run import convert, generate, ring_demo
+    from qwen3_spmd.run.bench import command as bench
 
     return [generate, ring_demo, bench, convert]
 
@@ -122,13 +122,13 @@ def size_cpu_threads(devices: int) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from model.config import ConfigError
-    from model.checkpoint.hf import LoadError
-    from pipeline.requests import RequestError
-    from pipeline.sampling import SamplingError
-    from run.text import TextError
-    from sharding.mesh import MeshError
-    from sharding.plan import PlanError
+    from qwen3_spmd.model.config import ConfigError
+    from qwen3_spmd.model.checkpoint.hf import LoadError
+    from qwen3_spmd.pipeline.requests import RequestError
+    from qwen3_spmd.pipeline.sampling import SamplingError
+    from qwen3_spmd.run.text import TextError
+    from qwen3_spmd.sharding.mesh import MeshError
+    from qwen3_spmd.sharding.plan import PlanError
 
     return (CLIError, ConfigError, LoadError, RequestError, SamplingError, TextError, MeshError,
             PlanError, FileNotFoundError)

@@ -51,7 +51,7 @@ def use(setting: str | None) -> CompileCache:
     one is skipped with a note."""
     import jax
 
-    from run.cli import CLIError, check_output_folder
+    from qwen3_spmd.run.cli import CLIError, check_output_folder
 
     path = setting or os.environ.get(ENV) or default_dir()
     if path == "off":

@@ -15,11 +15,11 @@ import os
 import shutil
 from pathlib import Path
 
-from model.checkpoint.hf import HFCheckpoint, LoadError
-from model.checkpoint.orbax_io import (COMPLETE_FILE, COPIED, DTYPES, FORMAT, METADATA_FILE,
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
+from qwen3_spmd.model.checkpoint.orbax_io import (COMPLETE_FILE, COPIED, DTYPES, FORMAT, METADATA_FILE,
                                        PARAMS_DIR, VERSION, Progress, data_files,
                                        is_orbax_checkpoint, write_params)
-from model.config import Qwen3Config
+from qwen3_spmd.model.config import Qwen3Config
 
 
 def partial_folders(out: str | Path) -> list[Path]:

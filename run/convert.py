@@ -51,16 +51,16 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from model.checkpoint import orbax_io
-    from run import conversion
-    from run.cli import CLIError
-    from sharding.mesh import parse_mesh
+    from qwen3_spmd.model.checkpoint import orbax_io
+    from qwen3_spmd.run import conversion
+    from qwen3_spmd.run.cli import CLIError
+    from qwen3_spmd.sharding.mesh import parse_mesh
 
     meshes = [parse_mesh(m) for m in args.measure.split(",")] if args.measure else []
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
     if args.random_preset:
-        from model.config import PRESETS
+        from qwen3_spmd.model.config import PRESETS
 
         if args.random_preset not in PRESETS:
             raise CLIError(f"--random-preset {args.random_preset} is not a preset: use one of "
@@ -166,8 +166,8 @@ def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
     """A single-file float32 Hugging Face checkpoint with `RandomWeights(cfg, seed)`."""
     from safetensors.numpy import save_file
 
-    from model.checkpoint.hf import name_table
-    from model.checkpoint.random_weights import RandomWeights
+    from qwen3_spmd.model.checkpoint.hf import name_table
+    from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
 
     folder = Path(folder)
     folder.mkdir(parents=True)
@@ -201,12 +201,12 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     import jax.numpy as jnp
     import numpy as np
 
-    from model.params import abstract_model, map_params
-    from model.checkpoint.orbax_io import OrbaxCheckpoint
-    from run.models import open_model
-    from sharding.mesh import make_mesh
-    from sharding.place import place_state
-    from sharding.plan import StagePlan
+    from qwen3_spmd.model.params import abstract_model, map_params
+    from qwen3_spmd.model.checkpoint.orbax_io import OrbaxCheckpoint
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.sharding.mesh import make_mesh
+    from qwen3_spmd.sharding.place import place_state
+    from qwen3_spmd.sharding.plan import StagePlan
 
     mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
     jnp.zeros(1).block_until_ready()  # start the backend before measuring
@@ -250,13 +250,11 @@ def _peak_rss() -> int:
 
 def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) -> list[dict]:
     """Both load paths on each mesh, each in a fresh process; prints one line per load."""
-    root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     results = []
     for stage, seq in meshes:
         for folder in (hf_folder, orbax_folder):
-            code = ("import json, sys; from run.convert import measure_load; "
+            code = ("import json, sys; from qwen3_spmd.run.convert import measure_load; "
                     f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r})))")
             out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                  text=True, check=False)

@@ -81,7 +81,7 @@ def requested(args) -> bool:
 
 def check_flags(args) -> None:
     """The flags alone, in words, before any process starts to wait for another."""
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     if not 0 < args.peer_timeout < float("inf"):  # NaN fails too
         raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be a positive number of "
@@ -193,7 +193,7 @@ def supervise(args) -> int | None:
     env = {**os.environ, WORKER_ENV: f"{real[0]},{real[1]}"}
     # The child's native stdout and stderr (gloo writes to stdout, XLA to stderr) come
     # to us; its Python stdout and stderr are ours.
-    child = subprocess.Popen([sys.executable, "-m", "run", *argv], env=env,
+    child = subprocess.Popen([sys.executable, "-m", "qwen3_spmd.run", *argv], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=real)
     for fd in real:
         os.close(fd)
@@ -284,7 +284,7 @@ def _drain(stream, log: list[str]) -> None:
 
 def _own_argv(args) -> list[str] | None:
     """sys.argv[1:] if it is what `args` was parsed from."""
-    from run.cli import build_parser
+    from qwen3_spmd.run.cli import build_parser
 
     try:
         again = build_parser().parse_args(sys.argv[1:])

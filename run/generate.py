@@ -57,7 +57,7 @@ def register(subparsers) -> None:
     p.add_argument("--profile", metavar="DIR",
                    help="write a JAX profiler trace of the generate run into DIR (TensorBoard, "
                         "Perfetto)")
-    from run import compile_cache, distributed
+    from qwen3_spmd.run import compile_cache, distributed
 
     compile_cache.add_argument(p)
     distributed.add_flags(p)
@@ -65,7 +65,7 @@ def register(subparsers) -> None:
 
 
 def _prompts(args, text) -> list[list[int]]:
-    from run.cli import CLIError, int_list
+    from qwen3_spmd.run.cli import CLIError, int_list
 
     prompts = [int_list(raw, "--prompt-ids") for raw in args.prompt_ids]
     for raw in args.prompt:
@@ -81,13 +81,13 @@ def _prompts(args, text) -> list[list[int]]:
 
 
 def main(args) -> int:
-    from run import compile_cache, distributed
+    from qwen3_spmd.run import compile_cache, distributed
 
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
     if status is not None:
         return status
-    from run.cli import CLIError, platform_is_cpu, use_cpu_devices
-    from sharding.mesh import parse_mesh
+    from qwen3_spmd.run.cli import CLIError, platform_is_cpu, use_cpu_devices
+    from qwen3_spmd.sharding.mesh import parse_mesh
 
     on_cpu = platform_is_cpu()
     # Emulated devices are for the demo and tests: a real checkpoint runs on the real ones.
@@ -111,7 +111,7 @@ def main(args) -> int:
 
 def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
     """CPU devices this process emulates: each process holds total / n_proc of them."""
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     if args.cpu_devices is not None:
         if args.cpu_devices < 1:
@@ -169,13 +169,13 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
 def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     import jax
 
-    from pipeline import cp_cost
-    from pipeline.requests import check_request, fitting_seq_len
-    from pipeline.sampling import Sampling
-    from run.cli import CLIError, check_output_file, check_output_folder
-    from run.models import open_model
-    from run.text import Text
-    from sharding.mesh import make_mesh
+    from qwen3_spmd.pipeline import cp_cost
+    from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
+    from qwen3_spmd.pipeline.sampling import Sampling
+    from qwen3_spmd.run.cli import CLIError, check_output_file, check_output_folder
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.run.text import Text
+    from qwen3_spmd.sharding.mesh import make_mesh
 
     dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     if dtype_name not in ("float32", "bfloat16"):
@@ -224,8 +224,8 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
     generates, streaming text when a person reads it."""
     import jax.numpy as jnp
 
-    from pipeline.engine import Engine
-    from run.progress import Progress
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.run.progress import Progress
 
     dtype = jnp.dtype(job.dtype_name)
     stage, seq = job.mesh.shape["stage"], job.mesh.shape["seq"]
@@ -266,7 +266,7 @@ def _mesh_line(job: _Job, procs, stage: int, seq: int) -> str:
 
 def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
-    from pipeline import accounting
+    from qwen3_spmd.pipeline import accounting
 
     cfg, mesh = job.spec.cfg, job.mesh
     S, C = mesh.shape["stage"], mesh.shape["seq"]
@@ -306,9 +306,9 @@ def _check_single_device(args, job: _Job, out) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pipeline import accounting
-    from pipeline.engine import Engine
-    from sharding.mesh import make_mesh
+    from qwen3_spmd.pipeline import accounting
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.sharding.mesh import make_mesh
 
     single = Engine(job.spec.cfg, job.spec.source, make_mesh(1, 1, jax.local_devices()[:1]),
                     jnp.dtype(job.dtype_name), job.max_seq_len, 1, 1, args.chunk)
@@ -322,7 +322,7 @@ def _check_single_device(args, job: _Job, out) -> dict:
 def _write_logits(path: str, logits) -> None:
     import numpy as np
 
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     try:
         with open(path, "wb") as f:  # the path given (np.save would add .npy)
@@ -332,7 +332,7 @@ def _write_logits(path: str, logits) -> None:
 
 
 def _timelines(engine, layout: dict) -> tuple[str, str]:
-    from pipeline.schedule import decode_grid, prefill_grid, timeline
+    from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, timeline
 
     steps = min(layout["chunk"], max(layout["decode_steps"], 1))
     return (timeline(prefill_grid(engine.M, engine.stages), "prefill"),
@@ -368,7 +368,7 @@ def _mesh_devices(n: int, procs, mesh_text: str):
     form stage 0 (row-major: a stage is a row of C seq devices)."""
     import jax
 
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) < n:
@@ -387,8 +387,8 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
 
     import jax
 
-    from model.params import abstract_model, map_params
-    from sharding.plan import StagePlan
+    from qwen3_spmd.model.params import abstract_model, map_params
+    from qwen3_spmd.sharding.plan import StagePlan
 
     plan = StagePlan(cfg.L, stages)
     mine = {s for s, row in enumerate(mesh.devices)

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from model.config import PRESETS, ConfigError, Qwen3Config
+from qwen3_spmd.model.config import PRESETS, ConfigError, Qwen3Config
 
 
 @dataclasses.dataclass
@@ -36,10 +36,10 @@ class ModelSpec:
 def open_model(spec: str | None, seed: int = 0) -> ModelSpec:
     """A checkpoint folder (Hugging Face or orbax), or a preset (random weights); None
     means the tiny demo."""
-    from model.checkpoint import orbax_io
-    from run import conversion
-    from model.checkpoint.hf import HFCheckpoint
-    from model.checkpoint.random_weights import RandomWeights
+    from qwen3_spmd.model.checkpoint import orbax_io
+    from qwen3_spmd.run import conversion
+    from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+    from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
 
     name = "tiny" if spec is None else spec
     if name in PRESETS and not Path(name).exists():

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ring
-from model.attention import dense_attention
+from qwen3_spmd import ring
+from qwen3_spmd.model.attention import dense_attention
 
 PARTITIONS = ("contiguous", "zigzag")
 

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
-from model.config import Qwen3Config
-from model.params import abstract_model, map_params
-from sharding.plan import StagePlan
-from sharding.specs import SPECS, param_spec
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.specs import SPECS, param_spec
 
 
 def _shard_bytes(mesh: AbstractMesh, spec, shape, dtype) -> int:
@@ -51,9 +51,9 @@ def bytes_per_device(cfg: Qwen3Config, stages: int, seq: int, dtype, batch: int 
 def _cli():
     import argparse
 
-    from model.config import PRESETS
+    from qwen3_spmd.model.config import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m sharding.footprint")
+    p = argparse.ArgumentParser(prog="python -m qwen3_spmd.sharding.footprint")
     p.add_argument("--model", default="235B-A22B", choices=list(PRESETS))
     p.add_argument("--meshes", default="4x2,8x2")
     p.add_argument("--dtype", default="bfloat16")

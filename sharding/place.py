@@ -14,9 +14,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from model.params import map_params
-from sharding.plan import StagePlan
-from sharding.specs import param_spec
+from qwen3_spmd.model.params import map_params
+from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.specs import param_spec
 
 
 class WeightSource(Protocol):

@@ -12,7 +12,7 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # generate keeps compiled programs in ~/.cache unless told otherwise: tests (and the
 # runs they start) leave the user's cache alone; test_cli tests the cache on its own.
 os.environ.setdefault("QWEN3_SPMD_COMPILE_CACHE", "off")
-from run.cli import size_cpu_threads  # noqa: E402
+from qwen3_spmd.run.cli import size_cpu_threads  # noqa: E402
 
 size_cpu_threads(8)  # a device waiting in a collective holds a thread of XLA's CPU pool
 

@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import PRESETS
-from pipeline import accounting
-from sharding.plan import StagePlan
+from qwen3_spmd.model.config import PRESETS
+from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.sharding.plan import StagePlan
 
 # The example: a Qwen3 chat prompt, 20 new tokens, 2 stages.
 CHAT_PROMPT = [151644, 872, 198, 105043, 100165, 11319, 151645, 198, 151644, 77091, 198, 151667,

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from run.bench.report import add_ratios
-from run.cli import main
+from qwen3_spmd.run.bench.report import add_ratios
+from qwen3_spmd.run.cli import main
 
 
 def run_json(capsys, *argv) -> dict:
@@ -185,7 +185,7 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
     """--cp runs every seq mesh once per strategy; each prefill job reports the bytes
     each device received along seq (as pipeline.cp_cost counts them) and the model's
     time, and the link bandwidth is measured for it."""
-    from pipeline import cp_cost
+    from qwen3_spmd.pipeline import cp_cost
 
     out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--prompt-lens",
                    "16", "--mesh", "1x2", "--cp", "ring", "--cp", "ulysses")
@@ -196,7 +196,7 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
     one, ring, uly = (m["prefill"][0] for m in out["meshes"])
     assert [j["cp_strategy"] for j in (one, ring, uly)] == ["ring", "ring", "ulysses"]
     assert one["cp_bytes_per_device"] == 0
-    from run.models import open_model
+    from qwen3_spmd.run.models import open_model
 
     cfg = open_model(None, 0).cfg
     for job in (ring, uly):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from run.cli import main
+from qwen3_spmd.run.cli import main
 from reference import FIXTURES
 
 ROOT = Path(__file__).parent.parent
@@ -102,7 +102,7 @@ def test_folder_without_config(capsys, tmp_path):
 def test_console_script_sets_cpu_devices_before_jax_starts():
     # No model and no prompt: the demo, on an emulated 2x2 CPU mesh, checked and drawn.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-m", "run", "generate", "--max-new-tokens", "4"],
+    out = subprocess.run([sys.executable, "-m", "qwen3_spmd.run", "generate", "--max-new-tokens", "4"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "mesh 2x2 (stage x seq) over 4 CPU devices" in out.stdout
@@ -145,7 +145,7 @@ def test_bad_distributed_flags_are_one_line_exit_2(capsys):
 def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path):
     """Two runs with one --compile-cache folder: the first compiles and writes its
     programs there, the second reads them back (and gives the same tokens)."""
-    argv = [sys.executable, "-m", "run", "generate", "--model", str(FIXTURES / "tiny"),
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "generate", "--model", str(FIXTURES / "tiny"),
             "--mesh", "1x2", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "5", "--json",
             "--compile-cache", str(tmp_path / "xla")]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.config import PRESETS, ConfigError, Qwen3Config, RopeScaling
-from model.layers import Qwen3
+from qwen3_spmd.model.config import PRESETS, ConfigError, Qwen3Config, RopeScaling
+from qwen3_spmd.model.layers import Qwen3
 from reference import FIXTURES
 
 NAMES = ("tiny", "tied", "yarn")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from model.config import Qwen3Config
-from pipeline import cp_cost
-from run.cli import main
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import cp_cost
+from qwen3_spmd.run.cli import main
 
 # Qwen3-0.6B's attention shape: N=16 query heads, K=8 KV heads, H=128, 28 layers.
 Q06 = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,

@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from model.cache import KVCache
-from model.checkpoint.hf import HFCheckpoint
-from model.config import Qwen3Config
-from pipeline.engine import Engine
-from pipeline.requests import RequestError
-from ring import padded_length
-from sharding.mesh import make_mesh
-from sharding.plan import PlanError
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.ring import padded_length
+from qwen3_spmd.sharding.mesh import make_mesh
+from qwen3_spmd.sharding.plan import PlanError
 
 from reference import TINY
 

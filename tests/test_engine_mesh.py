@@ -13,14 +13,14 @@ import jax
 import numpy as np
 import pytest
 
-from model.config import Qwen3Config
-from model.layers import DecoderLayer
-from model.checkpoint.hf import HFCheckpoint
-from model.checkpoint.random_weights import RandomWeights
-from pipeline.engine import Engine, Generation
-from pipeline.sampling import Sampling
-from ring import zigzag
-from sharding.mesh import make_mesh
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import DecoderLayer
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+from qwen3_spmd.pipeline.engine import Engine, Generation
+from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.ring import zigzag
+from qwen3_spmd.sharding.mesh import make_mesh
 from reference import FIXTURES
 
 TOL = 1e-4
@@ -168,10 +168,10 @@ def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch)
     32 with C = 2; neither a multiple of 12), each step reads only the blocks below its
     own slot, in a loop (one more `while` per layer of a stage): the same tokens as the
     one-pass read of the fixture runs, and logits within float rounding."""
-    import ring.decode
+    from qwen3_spmd.ring import decode as ring_decode
 
     base = runs.run(setup)  # traced with the default block, more slots than the cache
-    monkeypatch.setattr(ring.decode, "DECODE_BLOCK", 12)
+    monkeypatch.setattr(ring_decode, "DECODE_BLOCK", 12)
     cfg, source, prompts, _, max_seq = runs.model(setup.model)
     mesh = make_mesh(setup.S, setup.C, jax.devices()[:setup.S * setup.C])
     engine = Engine(cfg, source, mesh, max_seq_len=max_seq, microbatches=setup.M,

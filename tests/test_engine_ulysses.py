@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from reference import FIXTURES
 
-from model.config import Qwen3Config
-from model.checkpoint.hf import HFCheckpoint
-from model.checkpoint.random_weights import RandomWeights
-from pipeline.engine import Engine
-from pipeline.requests import RequestError
-from pipeline.sampling import Sampling
-from sharding.mesh import make_mesh
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.sharding.mesh import make_mesh
 
 TOL = 1e-4
 N_NEW = 10  # 9 decode steps: every seq device of C <= 8 gets a decode slot

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from model.config import ConfigError, Qwen3Config
-from model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
-from model.params import abstract_model, map_params
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
+from qwen3_spmd.model.params import abstract_model, map_params
 from reference import FIXTURES
 
 TINY, TIED = FIXTURES / "tiny", FIXTURES / "tied"

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model.config import Qwen3Config
-from model.checkpoint.hf import HFCheckpoint, load_model
-from model.stack import forward
-from pipeline.engine import Engine
-from sharding.mesh import make_mesh
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, load_model
+from qwen3_spmd.model.stack import forward
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.sharding.mesh import make_mesh
 from reference import FIXTURES, right_padded
 
 NAMES = ("tiny", "tied", "yarn")
@@ -186,8 +186,8 @@ def test_decode_program_compiled_ahead_is_collected():
 def test_dense_is_the_plain_product_for_any_row_count(B, T):
     """`dense` takes the w @ h^T form up to FEW_ROWS rows on CPU (B * T = 1, 3, 32) and
     the plain form past them (34): each must be h @ w^T, laid out [B, T, O]."""
-    from model.layers import dense
-    from ring.matmul import FEW_ROWS
+    from qwen3_spmd.model.layers import dense
+    from qwen3_spmd.ring.matmul import FEW_ROWS
 
     rng = np.random.default_rng(B * 100 + T)
     h = rng.standard_normal((B, T, 48), dtype=np.float32)

@@ -22,13 +22,13 @@ import pytest
 from reference import FIXTURES, right_padded
 from flax import nnx
 
-from model import moe
-from model.config import ConfigError, Qwen3Config
-from model.checkpoint.hf import HFCheckpoint, LoadError, load_model
-from model.stack import forward
-from pipeline.engine import Engine
-from pipeline.sampling import Sampling
-from sharding.mesh import make_mesh
+from qwen3_spmd.model import moe
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model
+from qwen3_spmd.model.stack import forward
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.sharding.mesh import make_mesh
 
 TOL = 1e-4
 REFERENCE = {"moe": "moe", "moe_tied": "moe_tied", "moe_fused": "moe"}
@@ -318,8 +318,8 @@ PUBLISHED = {"30B-A3B": ("30.5", "3.3"), "235B-A22B": ("235", "22")}
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_moe_preset_parameter_counts_match_model_cards(name):
-    from model.config import PRESETS
-    from model.layers import Qwen3
+    from qwen3_spmd.model.config import PRESETS
+    from qwen3_spmd.model.layers import Qwen3
 
     cfg = PRESETS[name]
     model = nnx.eval_shape(lambda: Qwen3(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -334,8 +334,8 @@ def test_moe_preset_parameter_counts_match_model_cards(name):
 
 
 def test_235b_fits_h200s_at_8_stages_in_bfloat16():
-    from model.config import PRESETS
-    from sharding.footprint import bytes_per_device
+    from qwen3_spmd.model.config import PRESETS
+    from qwen3_spmd.sharding.footprint import bytes_per_device
 
     cfg = PRESETS["235B-A22B"]
     b = bytes_per_device(cfg, 8, 2, jnp.bfloat16, batch=8, max_seq_len=32768)
@@ -355,8 +355,8 @@ def test_orbax_round_trip_of_a_moe_checkpoint(tmp_path):
     """`convert` of the mixed dense/sparse fixture: every parameter reads back bitwise
     (the unused kind's zeros included), and a 2x2 engine on it gives transformers'
     tokens and the safetensors run's logits."""
-    from model.checkpoint import orbax_io as ob
-    from run import conversion
+    from qwen3_spmd.model.checkpoint import orbax_io as ob
+    from qwen3_spmd.run import conversion
 
     folder, cfg, ref, prompts = _fixture("moe")
     conversion.convert(folder, tmp_path / "orbax", "float32")
@@ -380,11 +380,11 @@ def test_bench_peer_and_random_checkpoint_hold_the_same_moe(tmp_path):
     ours on the mixed fixture config."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from model.checkpoint.random_weights import RandomWeights
-    from run.bench.measure import MemoSource
-    from run.bench.peer import hf_model
-    from run.convert import write_random_hf
-    from run.models import ModelSpec, open_model
+    from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+    from qwen3_spmd.run.bench.measure import MemoSource
+    from qwen3_spmd.run.bench.peer import hf_model
+    from qwen3_spmd.run.convert import write_random_hf
+    from qwen3_spmd.run.models import ModelSpec, open_model
 
     cfg = _fixture("moe")[1]
     source = RandomWeights(cfg, 3)
@@ -402,8 +402,8 @@ def test_bench_peer_and_random_checkpoint_hold_the_same_moe(tmp_path):
 
 
 def test_decode_roofline_counts_the_experts_a_step_needs():
-    from model.config import PRESETS
-    from run.bench.measure import decode_bytes_per_step, distinct_experts
+    from qwen3_spmd.model.config import PRESETS
+    from qwen3_spmd.run.bench.measure import decode_bytes_per_step, distinct_experts
 
     cfg = PRESETS["30B-A3B"]
     assert distinct_experts(cfg, 1) == pytest.approx(8)

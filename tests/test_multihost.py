@@ -1,6 +1,6 @@
 """Several processes, one mesh: `generate` over jax.distributed (gloo on CPU, 127.0.0.1).
 
-Each process is `python -m run generate ...` with its own emulated CPU devices (the
+Each process is `python -m qwen3_spmd.run generate ...` with its own emulated CPU devices (the
 environment's XLA_FLAGS removed, so --cpu-devices decides). Each costs several seconds
 of start-up and compilation, so runs are few and requests short.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from run.cli import main
+from qwen3_spmd.run.cli import main
 from reference import TINY
 
 ROOT = Path(__file__).parent.parent
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 def spawn(argv, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "run", "generate", *argv], cwd=ROOT, env=ENV,
+    return subprocess.Popen([sys.executable, "-m", "qwen3_spmd.run", "generate", *argv], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 

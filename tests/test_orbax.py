@@ -16,18 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.checkpoint import orbax_io as ob
-from model.config import ConfigError, Qwen3Config
-from model.checkpoint.hf import HFCheckpoint, LoadError
-from model.params import abstract_model, map_params
-from pipeline.engine import Engine
-from run import conversion
-from run.cli import main
-from run.convert import measure, to_hf
-from run.models import open_model
-from sharding.mesh import make_mesh
-from sharding.place import place_params
-from sharding.plan import StagePlan
+from qwen3_spmd.model.checkpoint import orbax_io as ob
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
+from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.run import conversion
+from qwen3_spmd.run.cli import main
+from qwen3_spmd.run.convert import measure, to_hf
+from qwen3_spmd.run.models import open_model
+from qwen3_spmd.sharding.mesh import make_mesh
+from qwen3_spmd.sharding.place import place_params
+from qwen3_spmd.sharding.plan import StagePlan
 
 from reference import TINY
 
@@ -134,14 +134,14 @@ def test_to_hf_inverts_the_loader(cfg):
 _STALL = """
 import sys, time
 from pathlib import Path
-import run.conversion as conversion
+import qwen3_spmd.run.conversion as conversion
 real = conversion._fsync_tree
 def stall(folder, files=True):
     real(folder, files)
     (Path(sys.argv[2]).parent / "stalled").write_text("")
     time.sleep(600)  # killed here: every parameter written, the marker not yet
 conversion._fsync_tree = stall
-from run.cli import main
+from qwen3_spmd.run.cli import main
 sys.exit(main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))
 """
 
@@ -232,13 +232,13 @@ jax.config.update("jax_num_cpu_devices", 2)
 rank, port, ckpt, tiny = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
 import jax.numpy as jnp, numpy as np
-from model.checkpoint import orbax_io as ob
-from model.config import Qwen3Config
-from model.checkpoint.hf import HFCheckpoint
-from model.params import abstract_model
-from sharding.mesh import make_mesh
-from sharding.place import place_params
-from sharding.plan import StagePlan
+from qwen3_spmd.model.checkpoint import orbax_io as ob
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.params import abstract_model
+from qwen3_spmd.sharding.mesh import make_mesh
+from qwen3_spmd.sharding.place import place_params
+from qwen3_spmd.sharding.plan import StagePlan
 cfg = Qwen3Config.from_hf(tiny)
 mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)
@@ -259,7 +259,6 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = [subprocess.Popen([sys.executable, "-c", _HOST, str(r), str(port),
                                str(converted / "f32"), str(TINY)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -351,7 +350,7 @@ def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
         errors[folder] = capsys.readouterr().err.strip()
     assert f"{data.relative_to(cut).as_posix()} is 1,000 bytes" in errors[cut]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-m", "run", *argv, "--model", str(cut)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "qwen3_spmd.run", *argv, "--model", str(cut)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.strip() == errors[cut]
     for folder, err in errors.items():

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ring
+from qwen3_spmd import ring
 from reference import dense_attention
 
 SEQ = P(None, "seq")
@@ -293,7 +293,7 @@ def test_ring_bad_axis_name():
 def test_long_query_blocks_run_in_chunks_with_the_same_result():
     """Past Q_CHUNK queries partial_attention maps over query chunks; every row must
     come out as the whole-matrix computation gives it, padding rows included."""
-    from ring.attention import Q_CHUNK, _scores_attention, partial_attention
+    from qwen3_spmd.ring.attention import Q_CHUNK, _scores_attention, partial_attention
 
     rng = np.random.default_rng(7)
     B, T, S, N, K, H = 2, 3 * Q_CHUNK, 320, 6, 2, 8
@@ -317,8 +317,8 @@ def test_long_query_blocks_run_in_chunks_with_the_same_result():
 def test_scores_in_either_product_order_are_q_dot_k(rows):
     """Up to FEW_ROWS rows the scores are computed as k @ q^T on CPU (33: the plain
     order); either way score [b, k, r, s] is q[b, k, r] . k[b, k, s]."""
-    from ring.attention import _scores
-    from ring.matmul import FEW_ROWS
+    from qwen3_spmd.ring.attention import _scores
+    from qwen3_spmd.ring.matmul import FEW_ROWS
 
     assert FEW_ROWS == 32
     rng = np.random.default_rng(rows)

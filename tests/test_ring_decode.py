@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ring
+from qwen3_spmd import ring
 from reference import dense_attention
 
 SEQ = P(None, "seq")
@@ -240,9 +240,9 @@ def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monke
     `filled`: the slots at or past it hold positions the queries could see, and are
     ignored. Whole blocks past `filled` hold NaN keys and values: on CPU they are never
     read."""
-    import ring.decode
+    from qwen3_spmd.ring import decode as ring_decode
 
-    monkeypatch.setattr(ring.decode, "DECODE_BLOCK", 4)  # read when fn is traced below
+    monkeypatch.setattr(ring_decode, "DECODE_BLOCK", 4)  # read when fn is traced below
     layers, rows, b, n, kh, h, s_loc = 2, 3, 2, 4, 2, 8, 10
     layer, row0 = 1, 1
     rng = np.random.default_rng(filled + 10 * c)

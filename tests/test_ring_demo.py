@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from run import ring_demo
+from qwen3_spmd.run import ring_demo
 
 
 def _parse(*argv):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import ring
+from qwen3_spmd import ring
 from reference import dense_attention
 
 SCALE = 8**-0.5

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model.config import PRESETS, Qwen3Config, RopeScaling
-from model.rope import apply_rope, inverse_frequencies, rope_tables
+from qwen3_spmd.model.config import PRESETS, Qwen3Config, RopeScaling
+from qwen3_spmd.model.rope import apply_rope, inverse_frequencies, rope_tables
 from reference import FIXTURES
 
 

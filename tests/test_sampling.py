@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.sampling import Sampling, SamplingError, sample
+from qwen3_spmd.pipeline.sampling import Sampling, SamplingError, sample
 
 V = 37
 

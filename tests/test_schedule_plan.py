@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from pipeline.schedule import decode_grid, prefill_grid, stats, timeline
-from sharding.mesh import MeshError, make_mesh, parse_mesh
-from sharding.plan import PlanError, StagePlan
+from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats, timeline
+from qwen3_spmd.sharding.mesh import MeshError, make_mesh, parse_mesh
+from qwen3_spmd.sharding.plan import PlanError, StagePlan
 
 # ---- StagePlan ---------------------------------------------------------------------------
 

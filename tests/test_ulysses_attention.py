@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import ring
+from qwen3_spmd import ring
 from reference import dense_attention
 from tests.test_ring_attention import _assert_close, _case, _count, _eqns, _reference, _run_ring
 
@@ -72,7 +72,7 @@ def test_ulysses_matches_dense_and_the_ring(c, n, kh):
 def test_ulysses_long_blocks_and_bfloat16():
     """Blocks longer than Q_CHUNK (the query-chunked path) on 2 devices, in bfloat16:
     inputs rounded first, so the error left is o's final rounding (as the ring's)."""
-    from ring.attention import Q_CHUNK
+    from qwen3_spmd.ring.attention import Q_CHUNK
 
     c = 2
     q, k, v, lengths = _case(4, b=1, length=4 * Q_CHUNK, n=4, kh=2, h=8)

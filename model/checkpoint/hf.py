@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
-from model.config import Qwen3Config
-from model.layers import Qwen3
-from model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Qwen3
+from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
 
 
 class LoadError(ValueError):

@@ -59,9 +59,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import Qwen3Config
-from model.checkpoint.hf import LoadError
-from model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.checkpoint.hf import LoadError
+from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
 
 FORMAT = "qwen3-spmd-orbax"
 VERSION = 1

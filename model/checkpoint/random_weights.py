@@ -12,8 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
-from model.config import Qwen3Config
-from model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
 
 
 class RandomWeights:

@@ -5,5 +5,5 @@
 - `measure`: timing, rooflines measured on this machine, FLOP and byte counts.
 - `peer`: the same jobs through Hugging Face transformers, in the same run.
 - `report`: ratios, targets, the table and the plot.
-- `capacity`: the longest prompt a memory budget admits, per mesh (`python -m run.bench.capacity`).
+- `capacity`: the longest prompt a memory budget admits, per mesh (`python -m qwen3_spmd.run.bench.capacity`).
 """

@@ -1,5 +1,5 @@
 """How long a prompt fits a per-device memory budget, on one device and on C `seq`
-devices: `python -m run.bench.capacity [--budget-mib 64] [--devices 8]`.
+devices: `python -m qwen3_spmd.run.bench.capacity [--budget-mib 64] [--devices 8]`.
 
 For each mesh 1xC it compiles the prefill program at growing prompt lengths and reads
 XLA's per-device memory analysis (weights + KV cache + activations and temporaries),
@@ -18,14 +18,14 @@ import time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m run.bench.capacity")
+    p = argparse.ArgumentParser(prog="python -m qwen3_spmd.run.bench.capacity")
     p.add_argument("--budget-mib", type=float, default=64.0)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--model", default="tiny")
     p.add_argument("--no-run", action="store_true", help="only compile, do not run the prefill")
     args = p.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        from run.cli import size_cpu_threads
+        from qwen3_spmd.run.cli import size_cpu_threads
 
         size_cpu_threads(args.devices)
         import jax
@@ -34,9 +34,9 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from pipeline.engine import Engine
-    from run.models import open_model
-    from sharding.mesh import make_mesh
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.sharding.mesh import make_mesh
 
     spec = open_model(args.model)
     if spec.random:  # random weights: let the preset's RoPE run past its trained window

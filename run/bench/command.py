@@ -77,7 +77,7 @@ def register(subparsers) -> None:
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from run.cli import CLIError, int_list
+    from qwen3_spmd.run.cli import CLIError, int_list
 
     xs = int_list(text, flag)
     if not xs or min(xs) < 1:
@@ -86,7 +86,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _settings(args) -> dict:
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     smoke = SMOKE if args.smoke else {}
 
@@ -117,7 +117,7 @@ def _settings(args) -> dict:
     if s["warmup"] < 0:
         raise CLIError(f"--warmup {s['warmup']} must not be negative")
     if s["decode_cache_len"] is not None:
-        from run.bench.jobs import decode_cache_len
+        from qwen3_spmd.run.bench.jobs import decode_cache_len
 
         decode_cache_len(s, 1)  # too small for one device is too small for any mesh
     return s
@@ -125,7 +125,7 @@ def _settings(args) -> dict:
 
 def _check_lengths(s: dict, scenarios, positions: int) -> None:
     """The jobs' sequences fit the model's positions, said in bench's own flags."""
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     if "prefill" in scenarios and max(s["prompt_lens"]) + 1 > positions:
         raise CLIError(f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
@@ -139,7 +139,7 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
 
 
 def _meshes(args) -> list[tuple[int, int]]:
-    from sharding.mesh import parse_mesh
+    from qwen3_spmd.sharding.mesh import parse_mesh
 
     shapes = [(1, 1)]
     for text in args.mesh:
@@ -151,8 +151,8 @@ def _meshes(args) -> list[tuple[int, int]]:
 
 def _cps(args, cfg, meshes) -> list[str]:
     """The --cp strategies (default ring), each checked against every mesh first."""
-    from pipeline import cp_cost
-    from run.cli import CLIError
+    from qwen3_spmd.pipeline import cp_cost
+    from qwen3_spmd.run.cli import CLIError
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
     for cp in cps:
@@ -190,8 +190,8 @@ def _fewer_layers(spec, layers: int, seed: int):
     """A preset's first `layers` layers at full width, with seeded random weights."""
     import dataclasses
 
-    from model.checkpoint.random_weights import RandomWeights
-    from run.cli import CLIError
+    from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+    from qwen3_spmd.run.cli import CLIError
 
     if not spec.random:
         raise CLIError("--layers cuts a preset (random weights): pass --model with a preset "
@@ -204,8 +204,8 @@ def _fewer_layers(spec, layers: int, seed: int):
 
 
 def main(args) -> int:
-    from run.cli import CLIError, check_output_file, use_cpu_devices
-    from run.cli import platform_is_cpu
+    from qwen3_spmd.run.cli import CLIError, check_output_file, use_cpu_devices
+    from qwen3_spmd.run.cli import platform_is_cpu
 
     settings = _settings(args)
     meshes = _meshes(args)
@@ -241,11 +241,11 @@ def main(args) -> int:
     # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
     jax.config.update("jax_enable_compilation_cache", False)
 
-    from run.bench.jobs import MeshEngines, run_mesh
-    from run.bench.measure import MemoSource, link_bandwidth, rooflines
-    from run.bench.report import add_ratios, check_targets, print_table
-    from run.models import open_model
-    from sharding.mesh import make_mesh
+    from qwen3_spmd.run.bench.jobs import MeshEngines, run_mesh
+    from qwen3_spmd.run.bench.measure import MemoSource, link_bandwidth, rooflines
+    from qwen3_spmd.run.bench.report import add_ratios, check_targets, print_table
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.sharding.mesh import make_mesh
 
     if len(jax.devices()) < need:
         raise CLIError(f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
@@ -304,13 +304,13 @@ def main(args) -> int:
     add_ratios(report["meshes"])
 
     if "peer" in scenarios:
-        from run.bench.peer import run_peer
+        from qwen3_spmd.run.bench.peer import run_peer
 
         report["peer"] = run_peer(spec, source, single, settings, scenarios, say)
     report["targets"] = check_targets(report)
 
     if args.plot:
-        from run.bench.report import plot
+        from qwen3_spmd.run.bench.report import plot
 
         plot(report, args.plot)
         report["plot"] = args.plot

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import gc
 
-from model.cache import KVCache
-from pipeline import accounting
-from pipeline.engine import Engine
-from pipeline.requests import fitting_seq_len
-from pipeline.schedule import decode_grid, prefill_grid
-from run.bench.measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.requests import fitting_seq_len
+from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid
+from qwen3_spmd.run.bench.measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
                                program_memory, prompts_for, ring_bytes, run_once, spread)
 
 
@@ -101,7 +101,7 @@ def decode_cache_len(s: dict, C: int) -> int:
     if asked is None:
         return need
     if asked < need:
-        from run.cli import CLIError
+        from qwen3_spmd.run.cli import CLIError
 
         raise CLIError(f"--decode-cache-len {asked} is below the {need} slots a decode job of "
                        f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}")

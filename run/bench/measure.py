@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.config import Qwen3Config
+from qwen3_spmd.model.config import Qwen3Config
 
 
 def spread(samples: Sequence[float]) -> dict:

@@ -18,13 +18,13 @@ import time
 
 import numpy as np
 
-from pipeline.requests import fitting_seq_len
-from run.bench.measure import prompts_for, run_once, spread
-from run.bench.jobs import decode_cache_len
+from qwen3_spmd.pipeline.requests import fitting_seq_len
+from qwen3_spmd.run.bench.measure import prompts_for, run_once, spread
+from qwen3_spmd.run.bench.jobs import decode_cache_len
 
 
 def _import():
-    from run.cli import CLIError
+    from qwen3_spmd.run.cli import CLIError
 
     try:
         import torch
@@ -37,7 +37,7 @@ def _import():
 
 def hf_model(spec, source, dtype_name: str):
     torch, transformers = _import()
-    from model.checkpoint.hf import name_table
+    from qwen3_spmd.model.checkpoint.hf import name_table
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     cfg = spec.cfg
@@ -50,7 +50,7 @@ def hf_model(spec, source, dtype_name: str):
         model = kind.from_pretrained(spec.folder, dtype=tdtype, attn_implementation="sdpa")
         return model.eval()
     if cfg.rope_scaling is not None:
-        from run.cli import CLIError
+        from qwen3_spmd.run.cli import CLIError
 
         raise CLIError("--peer transformers with a YaRN preset is not supported: use a "
                        "checkpoint folder")
