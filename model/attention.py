@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                    k_pos: jax.Array) -> jax.Array:
+def dense_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array
+) -> jax.Array:
     """Grouped-query attention with a softmax in float32.
 
     Args:

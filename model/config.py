@@ -71,28 +71,44 @@ class Qwen3Config:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
             if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(
+                    f"config field {name} must be positive, got {getattr(self, name)}"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention needs it")
+                f"num_key_value_heads={self.num_key_value_heads}: grouped-query attention needs it"
+            )
         if self.num_experts < 0:
-            raise ConfigError(f"config field num_experts must be 0 (dense) or positive, got "
-                              f"{self.num_experts}")
+            raise ConfigError(
+                f"config field num_experts must be 0 (dense) or positive, got {self.num_experts}"
+            )
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(
                     f"config field num_experts_per_tok={self.num_experts_per_tok} must be "
-                    f"between 1 and num_experts={self.num_experts}: fix config.json")
+                    f"between 1 and num_experts={self.num_experts}: fix config.json"
+                )
             if self.moe_intermediate_size <= 0:
-                raise ConfigError(f"config field moe_intermediate_size must be positive, got "
-                                  f"{self.moe_intermediate_size}")
+                raise ConfigError(
+                    f"config field moe_intermediate_size must be positive, got "
+                    f"{self.moe_intermediate_size}"
+                )
             if self.decoder_sparse_step <= 0:
-                raise ConfigError(f"config field decoder_sparse_step must be positive, got "
-                                  f"{self.decoder_sparse_step}")
+                raise ConfigError(
+                    f"config field decoder_sparse_step must be positive, got "
+                    f"{self.decoder_sparse_step}"
+                )
 
     # Letter-legend aliases, so shape code reads like the einsum strings.
     @property
@@ -133,8 +149,11 @@ class Qwen3Config:
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) is a mixture of experts (transformers' rule)."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
@@ -166,7 +185,7 @@ class Qwen3Config:
         return self.L * attention + mlp + embed + head + D
 
     @classmethod
-    def from_hf(cls, source: str | Path | dict[str, Any]) -> "Qwen3Config":
+    def from_hf(cls, source: str | Path | dict[str, Any]) -> Qwen3Config:
         """Reads a Hugging Face config: a dict, a config.json path or a checkpoint folder."""
         if isinstance(source, dict):
             raw = source
@@ -175,7 +194,9 @@ class Qwen3Config:
             if path.is_dir():
                 path = path / "config.json"
             if not path.is_file():
-                raise ConfigError(f"no config.json at {path}: pass a Hugging Face checkpoint folder")
+                raise ConfigError(
+                    f"no config.json at {path}: pass a Hugging Face checkpoint folder"
+                )
             try:
                 raw = json.loads(path.read_text())
             except json.JSONDecodeError as e:
@@ -186,8 +207,13 @@ class Qwen3Config:
 # transformers' Qwen3Config defaults for fields a config.json may leave out.
 HF_DEFAULTS = {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768}
 
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 def _integer(v) -> bool:  # JSON's true/false are Python ints too
@@ -202,8 +228,10 @@ def _check_types(raw: Any) -> None:
     """Every field the engine reads has the JSON type a Qwen3 config gives it (a hand-edited
     or foreign file otherwise fails deep inside with a Python error)."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config.json holds a {type(raw).__name__}, not an object of fields: "
-                          "replace it with the checkpoint's own")
+        raise ConfigError(
+            f"config.json holds a {type(raw).__name__}, not an object of fields: "
+            "replace it with the checkpoint's own"
+        )
 
     def check(name, ok, what):
         if name in raw and not ok(raw[name]):
@@ -215,15 +243,26 @@ def _check_types(raw: Any) -> None:
         check(name, lambda v: v is None or _integer(v), "an integer (or null)")
     for name in ("rms_norm_eps", "rope_theta"):
         check(name, _number, "a number")
-    for name in ("num_experts", "num_local_experts", "num_experts_per_tok",
-                 "moe_intermediate_size", "decoder_sparse_step"):
+    for name in (
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "decoder_sparse_step",
+    ):
         check(name, _integer, "an integer")
-    check("mlp_only_layers", lambda v: v is None or (isinstance(v, list) and all(map(_integer, v))),
-          "a list of layer indices (or null)")
+    check(
+        "mlp_only_layers",
+        lambda v: v is None or (isinstance(v, list) and all(map(_integer, v))),
+        "a list of layer indices (or null)",
+    )
     for name in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         check(name, lambda v: isinstance(v, bool), "true or false")
-    check("eos_token_id", lambda v: v is None or _integer(v) or (
-        isinstance(v, list) and all(map(_integer, v))), "an integer or a list of integers")
+    check(
+        "eos_token_id",
+        lambda v: v is None or _integer(v) or (isinstance(v, list) and all(map(_integer, v))),
+        "an integer or a list of integers",
+    )
     for name in ("rope_parameters", "rope_scaling"):
         check(name, lambda v: v is None or isinstance(v, dict), "an object (or null)")
 
@@ -235,37 +274,49 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         raise ConfigError(
             "config field model_type='qwen3_next' is Qwen3-Next, a different architecture "
             "(linear-attention layers, shared experts): this engine runs Qwen3 ('qwen3') and "
-            "Qwen3-MoE ('qwen3_moe') only")
+            "Qwen3-MoE ('qwen3_moe') only"
+        )
     if model_type not in ("qwen3", "qwen3_moe"):
         raise ConfigError(
             f"config field model_type={model_type!r} is not supported: this engine runs "
-            "Qwen3 (model_type 'qwen3') and Qwen3-MoE ('qwen3_moe') only")
+            "Qwen3 (model_type 'qwen3') and Qwen3-MoE ('qwen3_moe') only"
+        )
     moe = _moe(raw) if model_type == "qwen3_moe" else {}
     if moe:  # transformers' Qwen3MoeConfig default: a dense layer's width may go unsaid
         raw = {"intermediate_size": 6144, **raw}
     for name in _REQUIRED:
         if name not in raw:
-            raise ConfigError(f"config.json lacks the field {name!r}, which a Qwen3 config must have")
-    if raw.get("use_sliding_window", False) and raw.get("sliding_window", 4096) is not None \
-            and not raw.get("layer_types") \
-            and raw["num_hidden_layers"] > raw.get("max_window_layers", 28):
+            raise ConfigError(
+                f"config.json lacks the field {name!r}, which a Qwen3 config must have"
+            )
+    if (
+        raw.get("use_sliding_window", False)
+        and raw.get("sliding_window", 4096) is not None
+        and not raw.get("layer_types")
+        and raw["num_hidden_layers"] > raw.get("max_window_layers", 28)
+    ):
         # transformers slides the window in layers max_window_layers and up only
         raise ConfigError(
             f"config field use_sliding_window=true with max_window_layers="
             f"{raw.get('max_window_layers', 28)} below num_hidden_layers="
             f"{raw['num_hidden_layers']} asks for sliding-window layers, which this engine "
             "does not implement: set use_sliding_window to false (published Qwen3 "
-            "checkpoints do)")
+            "checkpoints do)"
+        )
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config field hidden_act={act!r} is not supported: Qwen3 uses 'silu'")
     if raw.get("layer_types") and any(t != "full_attention" for t in raw["layer_types"]):
-        raise ConfigError("config field layer_types asks for non-full attention layers, "
-                          "which this engine does not implement")
+        raise ConfigError(
+            "config field layer_types asks for non-full attention layers, "
+            "which this engine does not implement"
+        )
 
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"config field partial_rotary_factor={raw['partial_rotary_factor']!r} "
-                          "is not supported: Qwen3 rotates whole heads (1.0)")
+        raise ConfigError(
+            f"config field partial_rotary_factor={raw['partial_rotary_factor']!r} "
+            "is not supported: Qwen3 rotates whole heads (1.0)"
+        )
     theta, scaling = _rope(raw)
     n_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
@@ -281,8 +332,9 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         num_key_value_heads=raw.get("num_key_value_heads", HF_DEFAULTS["num_key_value_heads"])
         or n_heads,
         head_dim=raw.get("head_dim", HF_DEFAULTS["head_dim"]) or raw["hidden_size"] // n_heads,
-        max_position_embeddings=raw.get("max_position_embeddings",
-                                        HF_DEFAULTS["max_position_embeddings"]),
+        max_position_embeddings=raw.get(
+            "max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]
+        ),
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -298,11 +350,15 @@ def _moe(raw: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of a qwen3_moe config, with transformers'
     Qwen3MoeConfig defaults. The hub's config.json says num_experts, transformers 5.x
     writes num_local_experts (its attribute_map makes them one field)."""
-    if "num_experts" in raw and "num_local_experts" in raw \
-            and raw["num_experts"] != raw["num_local_experts"]:
+    if (
+        "num_experts" in raw
+        and "num_local_experts" in raw
+        and raw["num_experts"] != raw["num_local_experts"]
+    ):
         raise ConfigError(
             f"config fields num_experts={raw['num_experts']} and num_local_experts="
-            f"{raw['num_local_experts']} disagree: keep one of them")
+            f"{raw['num_local_experts']} disagree: keep one of them"
+        )
     experts = raw.get("num_experts", raw.get("num_local_experts", 128))
     return dict(
         num_experts=experts,
@@ -327,26 +383,38 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if rope_type not in ("yarn", "linear", "llama3"):
         raise ConfigError(
             f"config field rope_type={rope_type!r} is not supported: use 'default', 'yarn', "
-            "'linear' or 'llama3'")
-    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-             "yarn": ()}[rope_type]
+            "'linear' or 'llama3'"
+        )
+    needs = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+        "yarn": (),
+    }[rope_type]
     for key in needs:
         if not _number(params.get(key)):
-            raise ConfigError(f"config rope parameters of rope_type {rope_type!r} need a number "
-                              f"{key!r}: add it to config.json")
+            raise ConfigError(
+                f"config rope parameters of rope_type {rope_type!r} need a number "
+                f"{key!r}: add it to config.json"
+            )
     # transformers' defaults: the original window falls back to max_position_embeddings,
     # and a missing factor is the ratio of the two windows.
     max_pos = raw.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"])
     # A top-level original_max_position_embeddings wins over the one in the rope
     # parameters, as in transformers (Phi-3 style configs keep it there).
-    original = raw.get("original_max_position_embeddings") or params.get(
-        "original_max_position_embeddings") or max_pos
+    original = (
+        raw.get("original_max_position_embeddings")
+        or params.get("original_max_position_embeddings")
+        or max_pos
+    )
     factor = params.get("factor") or max_pos / original
     if rope_type != "yarn":
         return theta, RopeScaling(
-            factor=float(factor), original_max_position_embeddings=int(original),
-            rope_type=rope_type, low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+            factor=float(factor),
+            original_max_position_embeddings=int(original),
+            rope_type=rope_type,
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        )
     return theta, RopeScaling(
         factor=float(factor),
         original_max_position_embeddings=int(original),
@@ -360,26 +428,48 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 def _preset(vocab, D, F, L, N, K, max_pos=40960, tie=False) -> Qwen3Config:
-    return Qwen3Config(vocab_size=vocab, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
-                       num_attention_heads=N, num_key_value_heads=K, head_dim=128,
-                       max_position_embeddings=max_pos, tie_word_embeddings=tie,
-                       bos_token_id=151643, eos_token_ids=(151645, 151643))
+    return Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=L,
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        head_dim=128,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    )
 
 
 def _moe_preset(D, F, F_expert, L, N, K) -> Qwen3Config:
     return dataclasses.replace(
-        _preset(151936, D, F, L, N, K), num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=F_expert, norm_topk_prob=True)
+        _preset(151936, D, F, L, N, K),
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=F_expert,
+        norm_topk_prob=True,
+    )
 
 
 # The six published dense sizes (from their config.json files) and a tiny one for tests
 # and the demo. The tiny preset keeps Qwen3's shape rules (head_dim independent of the
 # width, grouped-query heads) at a size that runs in seconds on a laptop CPU.
 PRESETS: dict[str, Qwen3Config] = {
-    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=176,
-                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=32, max_position_embeddings=4096, rope_theta=10_000.0,
-                        bos_token_id=None, eos_token_ids=()),
+    "tiny": Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope_theta=10_000.0,
+        bos_token_id=None,
+        eos_token_ids=(),
+    ),
     "0.6B": _preset(151936, 1024, 3072, 28, 16, 8, tie=True),
     "1.7B": _preset(151936, 2048, 6144, 28, 16, 8, tie=True),
     "4B": _preset(151936, 2560, 9728, 36, 32, 8, tie=True),

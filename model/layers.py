@@ -18,7 +18,8 @@ under a mesh; the layer is the same Flax code in every case.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +101,14 @@ class DecoderLayer(nnx.Module):
         if self.sparse_mlp:
             self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], state: Any,
-                 attend: Attend, sparse: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    def __call__(
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        state: Any,
+        attend: Attend,
+        sparse: jax.Array | None = None,
+    ) -> tuple[jax.Array, Any]:
         """x [B, T, D], rope = (cos, sin) [B, T, H] -> (x [B, T, D], state).
 
         sparse: bool scalar (may be traced), whether this layer is a mixture of experts;

@@ -49,8 +49,9 @@ DENSE_CHUNK = 256
 def route(x: jax.Array, router_ed: jax.Array, top: int, normalize: bool):
     """x [R, D], router_ed [E, D] -> (weights [R, A] in x's dtype, experts [R, A] int32,
     logits [R, E] float32)."""
-    logits = jnp.einsum("RD,ED->RE", x.astype(jnp.float32), router_ed.astype(jnp.float32),
-                        precision=HIGHEST)
+    logits = jnp.einsum(
+        "RD,ED->RE", x.astype(jnp.float32), router_ed.astype(jnp.float32), precision=HIGHEST
+    )
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, top)
     if normalize:
@@ -72,8 +73,11 @@ def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENS
     float32 accumulation over E * F is then the weighted sum."""
     R, D = x.shape
     E, F, _ = gate_efd.shape
-    combine = jnp.zeros((R, E), jnp.float32).at[jnp.arange(R)[:, None], ids].add(
-        weights.astype(jnp.float32))
+    combine = (
+        jnp.zeros((R, E), jnp.float32)
+        .at[jnp.arange(R)[:, None], ids]
+        .add(weights.astype(jnp.float32))
+    )
     gate, up = gate_efd.reshape(E * F, D), up_efd.reshape(E * F, D)
     down = down_edf.transpose(0, 2, 1).reshape(E * F, D)  # once per call, not per chunk
 
@@ -81,8 +85,12 @@ def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENS
         xb, cb = args  # [c, D], [c, E]
         h = _swiglu(jnp.einsum("RD,MD->RM", xb, gate), jnp.einsum("RD,MD->RM", xb, up))
         hw = h.reshape(-1, E, F).astype(jnp.float32) * cb[:, :, None]
-        return jnp.einsum("RM,MD->RD", hw.reshape(-1, E * F).astype(x.dtype), down,
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "RM,MD->RD",
+            hw.reshape(-1, E * F).astype(x.dtype),
+            down,
+            preferred_element_type=jnp.float32,
+        )
 
     c = min(chunk, R)
     pad = -R % c
@@ -97,8 +105,9 @@ def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     gate, up, down = gate_efd[ids], up_efd[ids], down_edf[ids]  # [R, A, F, D], [R, A, D, F]
     h = _swiglu(jnp.einsum("RD,RAFD->RAF", x, gate), jnp.einsum("RD,RAFD->RAF", x, up))
     y = jnp.einsum("RAF,RADF->RAD", h, down)
-    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
-                      precision=HIGHEST)
+    return jnp.einsum(
+        "RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST
+    )
 
 
 def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
@@ -123,7 +132,9 @@ def _ragged(lhs, rhs_egk, sizes):
     -> [M, n]: rows of expert e times rhs[e]^T."""
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())),
-        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
     return jax.lax.ragged_dot_general(lhs, rhs_egk, sizes, numbers)
 
 
@@ -139,8 +150,9 @@ def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
     h = _swiglu(_ragged(xs, gate_efd, sizes), _ragged(xs, up_efd, sizes))
     ys = _ragged(h, down_edf, sizes)  # [R * A, D]
     y = ys[jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
-    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
-                      precision=HIGHEST)
+    return jnp.einsum(
+        "RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST
+    )
 
 
 def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
@@ -166,8 +178,7 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
     dest = (ends - padded)[expert] + rank  # sorted pair -> its place among the blocks
     row = jnp.full((blocks * b,), R, jnp.int32).at[dest].set((order // A).astype(jnp.int32))
     xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row]  # row R: zeros
-    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"),
-                               E - 1)
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"), E - 1)
 
     def block(args):
         xb, e = args  # [b, D]; padding rows are zeros and give zeros
@@ -176,13 +187,18 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
 
     ys = jax.lax.map(block, (xs.reshape(blocks, b, -1), block_expert)).reshape(blocks * b, -1)
     y = ys[dest][jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
-    return jnp.einsum("RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32),
-                      precision=HIGHEST)
+    return jnp.einsum(
+        "RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST
+    )
 
 
-FORMULATIONS = {"dense": experts_dense, "gathered": experts_gathered,
-                "looped": experts_looped, "grouped": experts_grouped,
-                "blocked": experts_blocked}
+FORMULATIONS = {
+    "dense": experts_dense,
+    "gathered": experts_gathered,
+    "looped": experts_looped,
+    "grouped": experts_grouped,
+    "blocked": experts_blocked,
+}
 
 
 def formulation(rows: int, experts: int, top: int) -> str:
@@ -202,8 +218,9 @@ class MoE(nnx.Module):
         E, D, F = cfg.E, cfg.D, cfg.moe_intermediate_size
 
         def param(shape):
-            return nnx.Param((0.02 * jax.random.normal(rngs.params(), shape, jnp.float32))
-                             .astype(dtype))
+            return nnx.Param(
+                (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+            )
 
         self.router_ed = param((E, D))
         self.gate_efd = param((E, F, D))
@@ -218,6 +235,7 @@ class MoE(nnx.Module):
         x = h.reshape(B * T, D)
         weights, ids, _ = route(x, self.router_ed[...], self.top, self.normalize)
         how = how or formulation(B * T, self.router_ed.shape[0], self.top)
-        y = FORMULATIONS[how](x, weights, ids, self.gate_efd[...], self.up_efd[...],
-                              self.down_edf[...])
+        y = FORMULATIONS[how](
+            x, weights, ids, self.gate_efd[...], self.up_efd[...], self.down_edf[...]
+        )
         return y.astype(h.dtype).reshape(B, T, D)

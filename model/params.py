@@ -7,7 +7,7 @@ parameters stacked `[L, ...]`) or `("embed_vd",)`; weight sources read by that p
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from flax import nnx

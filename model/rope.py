@@ -43,7 +43,8 @@ def inverse_frequencies(cfg: Qwen3Config) -> tuple[np.ndarray, float]:
 
     def correction_dim(rotations):
         return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-            2 * math.log(cfg.rope_theta))
+            2 * math.log(cfg.rope_theta)
+        )
 
     low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
     if y.truncate:

@@ -8,7 +8,8 @@ A padded (identity) layer is skipped with `lax.cond`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +21,17 @@ from qwen3_spmd.model.layers import Attend, Qwen3
 from qwen3_spmd.model.rope import rope_tables
 
 
-def run_layers(layer_def: nnx.GraphDef, layer_state: nnx.State, x: jax.Array,
-               rope: tuple[jax.Array, jax.Array], state: Any,
-               attend: Callable[[jax.Array], Attend], real: jax.Array | None = None,
-               gated: bool = True, sparse: jax.Array | None = None):
+def run_layers(
+    layer_def: nnx.GraphDef,
+    layer_state: nnx.State,
+    x: jax.Array,
+    rope: tuple[jax.Array, jax.Array],
+    state: Any,
+    attend: Callable[[jax.Array], Attend],
+    real: jax.Array | None = None,
+    gated: bool = True,
+    sparse: jax.Array | None = None,
+):
     """Applies the stacked layers in order.
 
     Args:
@@ -76,6 +84,7 @@ def forward(model: Qwen3, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Ar
     def attend(_):
         return lambda q, k, v, st: (dense_attention(q, k, v, positions, positions), st)
 
-    x, _ = run_layers(layer_def, layer_state, x, rope, None, attend,
-                      sparse=jnp.asarray(cfg.sparse_layers))
+    x, _ = run_layers(
+        layer_def, layer_state, x, rope, None, attend, sparse=jnp.asarray(cfg.sparse_layers)
+    )
     return model.logits(x)

@@ -17,8 +17,9 @@ import numpy as np
 from qwen3_spmd.model.config import Qwen3Config
 
 
-def bytes_between_stages(cfg: Qwen3Config, stages: int, prompt_lens: list[int],
-                         decode_steps: list[int]) -> int:
+def bytes_between_stages(
+    cfg: Qwen3Config, stages: int, prompt_lens: list[int], decode_steps: list[int]
+) -> int:
     """Each prompt token and each decoded token's hidden state [D] crosses S - 1
     boundaries; decode_steps[b] = tokens request b fed back (generated tokens - 1)."""
     tokens = sum(prompt_lens) + sum(decode_steps)
@@ -29,7 +30,12 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
     """Bytes the prefill and decode programs send along `stage`, over all devices."""
     if stages == 1:
         return {"prefill": 0, "decode": 0, "total": 0}
-    B, M, G, P_len = layout["batch"], layout["microbatches"], layout["groups"], layout["padded_prompt"]
+    B, M, G, P_len = (
+        layout["batch"],
+        layout["microbatches"],
+        layout["groups"],
+        layout["padded_prompt"],
+    )
     # Prefill: M + S - 1 ticks, S - 1 senders per seq column, [B/M, P/C, D] each.
     prefill = (M + stages - 1) * (stages - 1) * seq * (B // M) * (P_len // seq) * cfg.D * itemsize
     # Decode: every tick the engine ran, a cyclic send from every device of the hidden

@@ -32,9 +32,11 @@ CP_CHOICES = ("ring", "ulysses", "auto")
 # platform, used by `auto` when the caller has not measured its own (`bench` measures
 # both). Emulated CPU devices copy through one memory, and XLA's CPU all-to-all runs far
 # slower per byte than its collective-permute: the orders of magnitude bench finds.
-NOMINAL = {"cpu": ({"ppermute": 1e9, "all_to_all": 3e7}, 1e11),
-           "gpu": ({"ppermute": 3e11, "all_to_all": 3e11}, 5e14),
-           "tpu": ({"ppermute": 1e11, "all_to_all": 1e11}, 2e14)}
+NOMINAL = {
+    "cpu": ({"ppermute": 1e9, "all_to_all": 3e7}, 1e11),
+    "gpu": ({"ppermute": 3e11, "all_to_all": 3e11}, 5e14),
+    "tpu": ({"ppermute": 1e11, "all_to_all": 1e11}, 2e14),
+}
 
 
 def check_cp(cfg: Qwen3Config, seq: int, cp: str) -> None:
@@ -51,8 +53,9 @@ def feasible(cfg: Qwen3Config, seq: int) -> tuple[str, ...]:
     return ("ring", "ulysses") if cfg.N % seq == 0 else ("ring",)
 
 
-def bytes_per_layer(strategy: str, cfg: Qwen3Config, seq: int, batch: int, padded_len: int,
-                    itemsize: int) -> int:
+def bytes_per_layer(
+    strategy: str, cfg: Qwen3Config, seq: int, batch: int, padded_len: int, itemsize: int
+) -> int:
     """Bytes one device receives along `seq` in one layer of prompt attention."""
     C, T = seq, padded_len // seq
     if C == 1:
@@ -64,8 +67,9 @@ def bytes_per_layer(strategy: str, cfg: Qwen3Config, seq: int, batch: int, padde
     return heads + (C - 1) * batch * T * 2 * 4
 
 
-def hybrid_bytes_per_layer(cfg: Qwen3Config, ulysses: int, ring: int, batch: int,
-                           padded_len: int, itemsize: int) -> dict:
+def hybrid_bytes_per_layer(
+    cfg: Qwen3Config, ulysses: int, ring: int, batch: int, padded_len: int, itemsize: int
+) -> dict:
     """What a hybrid (USP) would move, not built: Ulysses inside groups of `ulysses`
     consecutive `seq` devices, then a ring of `ring` such groups, C = ulysses * ring.
     Each device's group-level block holds ulysses*T tokens of its KV heads
@@ -88,9 +92,18 @@ def link_rate(link_bytes_per_s, strategy: str) -> float:
     return link_bytes_per_s
 
 
-def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int,
-            batch: int, padded_len: int, itemsize: int, link_bytes_per_s,
-            flops_per_s: float) -> dict:
+def predict(
+    strategy: str,
+    cfg: Qwen3Config,
+    seq: int,
+    stages: int,
+    microbatches: int,
+    batch: int,
+    padded_len: int,
+    itemsize: int,
+    link_bytes_per_s,
+    flops_per_s: float,
+) -> dict:
     """The model's figures for one prefill: bytes per device (per layer and over the
     program, bubbles included: attention's collectives run on every tick) and seconds.
 
@@ -109,20 +122,44 @@ def predict(strategy: str, cfg: Qwen3Config, seq: int, stages: int, microbatches
     D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
     matmul_s = 2.0 * (2 * D * N * H + 2 * D * K * H + 3 * D * F) * Bm * T / flops_per_s
     head_s = 2.0 * D * cfg.V * Bm / flops_per_s
-    return {"strategy": strategy,
-            "bytes_per_layer": per_layer,
-            "bytes_per_device": per_layer * slots * ticks,
-            "attention_s_per_layer": attention_s,
-            "predicted_s": ticks * (slots * (matmul_s + attention_s) + head_s)}
+    return {
+        "strategy": strategy,
+        "bytes_per_layer": per_layer,
+        "bytes_per_device": per_layer * slots * ticks,
+        "attention_s_per_layer": attention_s,
+        "predicted_s": ticks * (slots * (matmul_s + attention_s) + head_s),
+    }
 
 
-def choose(cp: str, cfg: Qwen3Config, seq: int, stages: int, microbatches: int, batch: int,
-           padded_len: int, itemsize: int, link_bytes_per_s,
-           flops_per_s: float) -> tuple[str, dict]:
+def choose(
+    cp: str,
+    cfg: Qwen3Config,
+    seq: int,
+    stages: int,
+    microbatches: int,
+    batch: int,
+    padded_len: int,
+    itemsize: int,
+    link_bytes_per_s,
+    flops_per_s: float,
+) -> tuple[str, dict]:
     """(the strategy to run, {strategy: predict(...)} for each feasible one). `auto`
     takes the smaller predicted time (the ring on a tie, and always on one device)."""
-    preds = {s: predict(s, cfg, seq, stages, microbatches, batch, padded_len, itemsize,
-                        link_bytes_per_s, flops_per_s) for s in feasible(cfg, seq)}
+    preds = {
+        s: predict(
+            s,
+            cfg,
+            seq,
+            stages,
+            microbatches,
+            batch,
+            padded_len,
+            itemsize,
+            link_bytes_per_s,
+            flops_per_s,
+        )
+        for s in feasible(cfg, seq)
+    }
     if cp != "auto":
         check_cp(cfg, seq, cp)
         return cp, preds

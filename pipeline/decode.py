@@ -29,8 +29,20 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.sampling import Sampling, sample
 from qwen3_spmd.pipeline.schedule import decode_period, decode_ticks
-from qwen3_spmd.pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
-                            on_last_stage, put_rows, rows, run_stage, shift, vary, when)
+from qwen3_spmd.pipeline.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    cache_attend,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    run_stage,
+    shift,
+    vary,
+    when,
+)
 from qwen3_spmd.ring import decode_attention, decode_slot
 
 
@@ -42,7 +54,7 @@ class DecodeInputs(NamedTuple):
     positions: jax.Array  # [B] int32: its position
     request: jax.Array  # [B] int32: the row's request index (sampling keys)
     first_step: jax.Array  # [] int32: decode step index j of the chunk's first step
-    run_steps: jax.Array  # [] int32: how many of the chunk's steps run (the last chunk may need fewer)
+    run_steps: jax.Array  # [] int32: steps of the chunk that run (the last chunk may need fewer)
     limit: jax.Array  # [] int32: steps j >= limit write nothing (past the request's last token)
     prompt_slots: jax.Array  # [] int32: P_pad / C, the local slots the prompt took
     seed: jax.Array  # [] int32: sampling seed
@@ -67,8 +79,16 @@ class DecodeCarry(NamedTuple):
     out: DecodeOutputs  # filled by the last stage
 
 
-def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                 groups: int, steps: int, sampling: Sampling, with_logits: bool = True):
+def build_decode(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    groups: int,
+    steps: int,
+    sampling: Sampling,
+    with_logits: bool = True,
+):
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: DecodeInputs) ->
@@ -101,14 +121,14 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         def tick(t, carry: DecodeCarry) -> DecodeCarry:
             # Stage 0 files the tokens the last stage sampled at tick t - 1.
             got, got_row0, _ = slot_of(t - stages)
-            tok_buf = jnp.where(got, put_rows(carry.tok_buf, carry.tok_recv, got_row0),
-                                carry.tok_buf)
+            tok_buf = jnp.where(
+                got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf
+            )
 
             active, row0, i = slot_of(t - s)
             j = inputs.first_step + i
             q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
-            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]),
-                                  carry.h))
+            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
             device, slot = decode_slot(j, inputs.prompt_slots, C)
             mine = active & (c == device) & (j < inputs.limit)
             group_slot_pos = rows(cache.pos, row0, Bg)
@@ -116,9 +136,17 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
             def attend_at(layer):
                 def attention(q, k, v, kv: StageCache):
                     # Slots past this step's hold nothing the group can see yet.
-                    o, _ = decode_attention(q, kv.k, kv.v, q_pos, group_slot_pos,
-                                            axis_name="seq", scale=scale, at=(layer, row0),
-                                            filled=slot + 1)
+                    o, _ = decode_attention(
+                        q,
+                        kv.k,
+                        kv.v,
+                        q_pos,
+                        group_slot_pos,
+                        axis_name="seq",
+                        scale=scale,
+                        at=(layer, row0),
+                        filled=slot + 1,
+                    )
                     return o
 
                 return cache_attend(layer, row0, slot, mine, attention)
@@ -131,37 +159,54 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
 
             def head(x):
                 logits = model.logits(x)[:, 0]  # [Bg, V]
-                return logits, sample(logits, rows(inputs.request, row0, Bg), j + 1,
-                                      inputs.seed, sampling)
+                return logits, sample(
+                    logits, rows(inputs.request, row0, Bg), j + 1, inputs.seed, sampling
+                )
 
-            shapes = (jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),
-                      jax.ShapeDtypeStruct((Bg,), jnp.int32))
+            shapes = (
+                jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),
+                jax.ShapeDtypeStruct((Bg,), jnp.int32),
+            )
             on_last, (logits, tok) = on_last_stage(active, head, shapes, x)
             out = carry.out
-            out = out._replace(tokens=jnp.where(
-                on_last, jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (row0, i)),
-                out.tokens))
+            out = out._replace(
+                tokens=jnp.where(
+                    on_last,
+                    jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (row0, i)),
+                    out.tokens,
+                )
+            )
             if with_logits:
-                out = out._replace(logits=jnp.where(on_last & (row0 == 0),
-                                                    put_rows(out.logits, logits[:1], i),
-                                                    out.logits))
+                out = out._replace(
+                    logits=jnp.where(
+                        on_last & (row0 == 0), put_rows(out.logits, logits[:1], i), out.logits
+                    )
+                )
             h_next, tok_next = shift((x, tok), cyclic=True)
             return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
 
-        out = DecodeOutputs(vary(jnp.zeros((B, steps), jnp.int32)),
-                            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)))
-        carry = DecodeCarry(vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
-                            vary(jnp.zeros((Bg,), jnp.int32)), vary(inputs.tokens),
-                            StageCache(cache.k, cache.v), out)
+        out = DecodeOutputs(
+            vary(jnp.zeros((B, steps), jnp.int32)),
+            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)),
+        )
+        carry = DecodeCarry(
+            vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
+            vary(jnp.zeros((Bg,), jnp.int32)),
+            vary(inputs.tokens),
+            StageCache(cache.k, cache.v),
+            out,
+        )
         ticks = decode_ticks(groups, stages, inputs.run_steps)
         carry = jax.lax.fori_loop(0, ticks, tick, carry)
         out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
         return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
     mapped = jax.shard_map(
-        local, mesh=mesh,
+        local,
+        mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs()),
-        out_specs=(DecodeOutputs(P(), P()), CACHE_SPECS))
+        out_specs=(DecodeOutputs(P(), P()), CACHE_SPECS),
+    )
 
     def decode(weights: Weights, cache: KVCache, inputs: DecodeInputs):
         return mapped(weights, cache, inputs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,16 +91,31 @@ class Engine:
         cp_cost.nominal for the platform; bench measures them).
     """
 
-    def __init__(self, cfg: Qwen3Config, source: WeightSource, mesh: Mesh, dtype=jnp.float32,
-                 max_seq_len: int = 512, microbatches: int = 1, groups: int | None = None,
-                 chunk: int = 16, poison: bool = False, on_compile: OnCompile | None = None,
-                 cp: str = "ring", link_bytes_per_s: float | dict | None = None,
-                 flops_per_s: float | None = None):
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        source: WeightSource,
+        mesh: Mesh,
+        dtype=jnp.float32,
+        max_seq_len: int = 512,
+        microbatches: int = 1,
+        groups: int | None = None,
+        chunk: int = 16,
+        poison: bool = False,
+        on_compile: OnCompile | None = None,
+        cp: str = "ring",
+        link_bytes_per_s: float | dict | None = None,
+        flops_per_s: float | None = None,
+    ):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.stages)
-        for flag, value, least in (("--microbatches", microbatches, 1), ("--groups", groups, 1),
-                                   ("--max-seq-len", max_seq_len, 1), ("--chunk", chunk, 1)):
+        for flag, value, least in (
+            ("--microbatches", microbatches, 1),
+            ("--groups", groups, 1),
+            ("--max-seq-len", max_seq_len, 1),
+            ("--chunk", chunk, 1),
+        ):
             if value is not None and value < least:
                 raise RequestError(f"{flag} {value} must be at least {least}")
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
@@ -117,8 +132,9 @@ class Engine:
         graphdef, abstract = abstract_model(cfg, self.dtype)
         self.graphdef = graphdef
         state = place_state(abstract, self.plan, mesh, source)
-        self.weights = Weights(state, jax.device_put(self.plan.real_slots,
-                                                     NamedSharding(mesh, SPECS.layers)))
+        self.weights = Weights(
+            state, jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
+        )
         self.state_specs = map_params(lambda path, x: param_spec(path), state)
         self.programs = Programs(self.dtype, on_compile)
         self._prefill: dict[str, Callable] = {}  # cp strategy -> jitted prefill
@@ -137,13 +153,13 @@ class Engine:
         return self.groups if self.groups is not None else min(self.stages, n)
 
     def lay_out(self, prompts: list[list[int]]) -> Batch:
-        return lay_out(prompts, self.M, self.groups_for(len(prompts)), self.C,
-                       self.slots_per_device)
+        return lay_out(
+            prompts, self.M, self.groups_for(len(prompts)), self.C, self.slots_per_device
+        )
 
     def cache_shape(self, B: int) -> tuple[int, ...]:
         """k and v [L_pad, B, K, S_cap, H] (heads-major: model.cache)."""
-        return (self.plan.padded_layers, B, self.cfg.K, self.slots_per_device * self.C,
-                self.cfg.H)
+        return (self.plan.padded_layers, B, self.cfg.K, self.slots_per_device * self.C, self.cfg.H)
 
     def _placed(self, x: np.ndarray, spec) -> jax.Array:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
@@ -152,8 +168,10 @@ class Engine:
         """Zeroed k, v and the batch's slot positions, sharded as CACHE_SPECS."""
         shape = self.cache_shape(batch.B)
         if shape not in self._zeros:
-            self._zeros[shape] = jax.jit(lambda: jnp.zeros(shape, self.dtype),
-                                         out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh))
+            self._zeros[shape] = jax.jit(
+                lambda: jnp.zeros(shape, self.dtype),
+                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
+            )
         return KVCache(self._zeros[shape](), self._zeros[shape](), self._slot_pos(batch))
 
     def _slot_pos(self, batch: Batch) -> jax.Array:
@@ -161,13 +179,20 @@ class Engine:
 
     def _abstract(self, tree, specs):
         """Arrays' shapes, dtypes and shardings on the mesh, for lowering ahead."""
-        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)), tree, specs)
+        return jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)
+            ),
+            tree,
+            specs,
+        )
 
     def _abstract_cache(self, B: int) -> KVCache:
         kv = jax.ShapeDtypeStruct(self.cache_shape(B), self.dtype)
-        return self._abstract(KVCache(kv, kv, jax.ShapeDtypeStruct(
-            (B, self.slots_per_device * self.C), jnp.int32)), CACHE_SPECS)
+        return self._abstract(
+            KVCache(kv, kv, jax.ShapeDtypeStruct((B, self.slots_per_device * self.C), jnp.int32)),
+            CACHE_SPECS,
+        )
 
     def prefill_memory(self, batch: int, prompt_len: int) -> dict:
         """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
@@ -179,10 +204,17 @@ class Engine:
         laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
         inputs = self._abstract(laid.prefill, PrefillInputs.specs())
         prefill = self._prefill_fn(self.cp_plan(batch, laid.P_pad)[0])
-        m = prefill.lower(self.weights, self._abstract_cache(batch),
-                                inputs).compile().memory_analysis()
-        out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-               "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
+        m = (
+            prefill.lower(self.weights, self._abstract_cache(batch), inputs)
+            .compile()
+            .memory_analysis()
+        )
+        out = {
+            "argument": m.argument_size_in_bytes,
+            "output": m.output_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+            "alias": m.alias_size_in_bytes,
+        }
         out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
         return out
 
@@ -191,42 +223,86 @@ class Engine:
     def _prefill_fn(self, strategy: str):
         if strategy not in self._prefill:
             self._prefill[strategy] = jax.jit(
-                build_prefill(self.cfg, self.graphdef, self.state_specs, self.mesh, self.M,
-                              self.dtype, self.poison, strategy),
-                donate_argnames="cache")
+                build_prefill(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    self.M,
+                    self.dtype,
+                    self.poison,
+                    strategy,
+                ),
+                donate_argnames="cache",
+            )
         return self._prefill[strategy]
 
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
         pipeline.cp_cost.predict's figures for each strategy that can run)."""
-        return cp_cost.choose(self.cp, self.cfg, self.C, self.stages, self.M, batch, padded_len,
-                              self.dtype.itemsize, self.link_bytes_per_s, self.flops_per_s)
+        return cp_cost.choose(
+            self.cp,
+            self.cfg,
+            self.C,
+            self.stages,
+            self.M,
+            batch,
+            padded_len,
+            self.dtype.itemsize,
+            self.link_bytes_per_s,
+            self.flops_per_s,
+        )
 
     def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
         key = (groups, steps, sampling, with_logits)
         if key not in self._decode:
             self._decode[key] = jax.jit(
-                build_decode(self.cfg, self.graphdef, self.state_specs, self.mesh, groups, steps,
-                             sampling, with_logits),
-                donate_argnames="cache")
+                build_decode(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    groups,
+                    steps,
+                    sampling,
+                    with_logits,
+                ),
+                donate_argnames="cache",
+            )
         return self._decode[key]
 
-    def _decode_inputs(self, batch: Batch, tokens: np.ndarray, first_step: int, run_steps: int,
-                       limit: int, seed: int) -> DecodeInputs:
+    def _decode_inputs(
+        self,
+        batch: Batch,
+        tokens: np.ndarray,
+        first_step: int,
+        run_steps: int,
+        limit: int,
+        seed: int,
+    ) -> DecodeInputs:
         scalar = np.int32
         return DecodeInputs(
-            tokens=tokens.astype(np.int32), positions=batch.lengths + first_step,
-            request=batch.request, first_step=scalar(first_step), run_steps=scalar(run_steps),
-            limit=scalar(limit), prompt_slots=scalar(batch.prompt_slots), seed=scalar(seed))
+            tokens=tokens.astype(np.int32),
+            positions=batch.lengths + first_step,
+            request=batch.request,
+            first_step=scalar(first_step),
+            run_steps=scalar(run_steps),
+            limit=scalar(limit),
+            prompt_slots=scalar(batch.prompt_slots),
+            seed=scalar(seed),
+        )
 
     def _compile_decode_ahead(self, batch: Batch, sampling: Sampling, with_logits: bool) -> None:
         """Starts compiling the first decode chunk's program while the prefill compiles
         and runs."""
         inputs = self._decode_inputs(batch, batch.request, 0, 1, 1, 0)
-        self.programs.ahead(("decode", batch.groups, self.chunk, sampling, with_logits),
-                            self._decode_fn(batch.groups, self.chunk, sampling, with_logits),
-                            self.weights, self._abstract_cache(batch.B),
-                            self._abstract(inputs, DecodeInputs.specs()))
+        self.programs.ahead(
+            ("decode", batch.groups, self.chunk, sampling, with_logits),
+            self._decode_fn(batch.groups, self.chunk, sampling, with_logits),
+            self.weights,
+            self._abstract_cache(batch.B),
+            self._abstract(inputs, DecodeInputs.specs()),
+        )
 
     def _place_inputs(self, inputs, specs):
         """Host inputs onto the mesh as `specs` say (before the clock starts, as the old
@@ -241,11 +317,16 @@ class Engine:
 
     # ---- generate: lay out, prefill, decode chunk by chunk, complete ------------------
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 sampling: Sampling = Sampling(), seed: int = 0,
-                 eos_ids: tuple[int, ...] = (),
-                 on_tokens: Callable[[list[list[int]]], None] | None = None,
-                 with_logits: bool = True) -> Generation:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+        eos_ids: tuple[int, ...] = (),
+        on_tokens: Callable[[list[list[int]]], None] | None = None,
+        with_logits: bool = True,
+    ) -> Generation:
         """Generates up to max_new_tokens tokens for each prompt.
 
         with_logits=False skips collecting request 0's logits at every decode step
@@ -264,22 +345,25 @@ class Engine:
         state = _Decoding([[int(t)] for t in first], np.isin(first, eos_ids))
         step_logits = [np.asarray(logits[:1])]
         if on_tokens:
-            on_tokens(state.generated[:batch.requests])
+            on_tokens(state.generated[: batch.requests])
         limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
-        while state.steps_run < limit and not state.done[:batch.requests].all():
-            new_logits, cache = self._decode_chunk(batch, state, cache, limit, sampling, seed,
-                                                   eos_ids, with_logits, clock)
+        while state.steps_run < limit and not state.done[: batch.requests].all():
+            new_logits, cache = self._decode_chunk(
+                batch, state, cache, limit, sampling, seed, eos_ids, with_logits, clock
+            )
             if with_logits:
                 step_logits.append(new_logits)
             if on_tokens:
-                on_tokens(state.generated[:batch.requests])
-        out = self._complete(prompts, batch, state, step_logits, max_new_tokens, eos_ids, clock,
-                             cache)
+                on_tokens(state.generated[: batch.requests])
+        out = self._complete(
+            prompts, batch, state, step_logits, max_new_tokens, eos_ids, clock, cache
+        )
         out.layout.update(cp_strategy=strategy, cp=predictions)
         return out
 
-    def _prefill_batch(self, batch: Batch, strategy: str, sampling: Sampling, seed: int,
-                       clock: _Clock):
+    def _prefill_batch(
+        self, batch: Batch, strategy: str, sampling: Sampling, seed: int, clock: _Clock
+    ):
         """Runs the prefill: (first tokens [B] numpy, logits [B, V], the cache)."""
         cache = self.new_cache(batch)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
@@ -287,14 +371,25 @@ class Engine:
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, inputs)
-        first = self._sample(logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed),
-                             sampling)
+        first = self._sample(
+            logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed), sampling
+        )
         first = np.asarray(first)
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return first, logits, cache
 
-    def _decode_chunk(self, batch: Batch, state: _Decoding, cache: KVCache, limit: int,
-                      sampling: Sampling, seed: int, eos_ids, with_logits: bool, clock: _Clock):
+    def _decode_chunk(
+        self,
+        batch: Batch,
+        state: _Decoding,
+        cache: KVCache,
+        limit: int,
+        sampling: Sampling,
+        seed: int,
+        eos_ids,
+        with_logits: bool,
+        clock: _Clock,
+    ):
         """One decode chunk of up to `self.chunk` steps; appends each row's new tokens
         (up to its first EOS id) to `state`. Returns (row 0's logits [take, V], cache)."""
         j0 = state.steps_run
@@ -305,8 +400,9 @@ class Engine:
             batch.slot_pos[:, device, slot] = batch.lengths + j
         cache = cache._replace(pos=self._slot_pos(batch))
         tokens = np.array([g[-1] for g in state.generated], np.int32)
-        inputs = self._place_inputs(self._decode_inputs(batch, tokens, j0, take, limit, seed),
-                                    DecodeInputs.specs())
+        inputs = self._place_inputs(
+            self._decode_inputs(batch, tokens, j0, take, limit, seed), DecodeInputs.specs()
+        )
         name = ("decode", batch.groups, self.chunk, sampling, with_logits)
         fn = self._decode_fn(batch.groups, self.chunk, sampling, with_logits)
         compile_before = clock.compile_s
@@ -327,14 +423,23 @@ class Engine:
         state.chunks += 1
         return (np.asarray(out.logits)[:take] if with_logits else None), cache
 
-    def _complete(self, prompts, batch: Batch, state: _Decoding, step_logits, max_new_tokens,
-                  eos_ids, clock: _Clock, cache: KVCache) -> Generation:
+    def _complete(
+        self,
+        prompts,
+        batch: Batch,
+        state: _Decoding,
+        step_logits,
+        max_new_tokens,
+        eos_ids,
+        clock: _Clock,
+        cache: KVCache,
+    ) -> Generation:
         completions = []
         for b in range(batch.requests):
             toks = state.generated[b][:max_new_tokens]
             stop = bool(toks) and toks[-1] in eos_ids
             completions.append(Completion(list(prompts[b]), toks, "stop" if stop else "length"))
-        n_prompt = int(batch.lengths[:batch.requests].sum())
+        n_prompt = int(batch.lengths[: batch.requests].sum())
         n_new = sum(len(c.token_ids) - 1 for c in completions)
         timing = {
             "compile_s": clock.compile_s,
@@ -343,19 +448,29 @@ class Engine:
             "prefill_tokens_per_s": n_prompt / clock.prefill_s if clock.prefill_s > 0 else 0.0,
             "decode_tokens_per_s": n_new / clock.decode_s if clock.decode_s > 0 else 0.0,
         }
-        layout = {"batch": batch.B, "requests": batch.requests, "padded_prompt": batch.P_pad,
-                  "microbatches": self.M, "groups": batch.groups,
-                  "decode_steps": state.steps_run, "chunks": state.chunks,
-                  "chunk": self.chunk, "decode_ticks": state.ticks}
-        first_logits = np.concatenate(step_logits)[:len(completions[0].token_ids)]
+        layout = {
+            "batch": batch.B,
+            "requests": batch.requests,
+            "padded_prompt": batch.P_pad,
+            "microbatches": self.M,
+            "groups": batch.groups,
+            "decode_steps": state.steps_run,
+            "chunks": state.chunks,
+            "chunk": self.chunk,
+            "decode_ticks": state.ticks,
+        }
+        first_logits = np.concatenate(step_logits)[: len(completions[0].token_ids)]
         return Generation(completions, first_logits, timing, layout, cache)
 
     # ---- reporting -------------------------------------------------------------------
 
     def schedules(self, layout: dict) -> dict:
         pre = prefill_grid(self.M, self.stages)
-        dec = decode_grid(layout["groups"], self.stages,
-                          min(layout["chunk"], max(layout["decode_steps"], 1)))
+        dec = decode_grid(
+            layout["groups"], self.stages, min(layout["chunk"], max(layout["decode_steps"], 1))
+        )
         steady = stats(dec, skip_edges=self.stages - 1)
-        return {"prefill": stats(pre),
-                "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]}}
+        return {
+            "prefill": stats(pre),
+            "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]},
+        }

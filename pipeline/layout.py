@@ -37,8 +37,9 @@ class Batch:
         return self.P_pad // self.slot_pos.shape[1]
 
 
-def lay_out(prompts: list[list[int]], microbatches: int, groups: int, C: int,
-            slots_per_device: int) -> Batch:
+def lay_out(
+    prompts: list[list[int]], microbatches: int, groups: int, C: int, slots_per_device: int
+) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups)."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
@@ -49,13 +50,20 @@ def lay_out(prompts: list[list[int]], microbatches: int, groups: int, C: int,
     tokens = np.zeros((B, P_pad), np.int32)
     positions = np.full((B, P_pad), -1, np.int32)
     for b, p in enumerate(rows):
-        tokens[b, :len(p)] = p
-        positions[b, :len(p)] = np.arange(len(p))
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
     part = zigzag(P_pad, C)
     tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
     slot_pos = np.full((B, C, slots_per_device), -1, np.int32)
-    slot_pos[:, :, :P_pad // C] = positions.reshape(B, C, P_pad // C)
+    slot_pos[:, :, : P_pad // C] = positions.reshape(B, C, P_pad // C)
     request = np.arange(B, dtype=np.int32)
     request[n_req:] = 0
-    return Batch(n_req, groups, lengths, P_pad, PrefillInputs(tokens, positions, lengths - 1),
-                 slot_pos, request)
+    return Batch(
+        n_req,
+        groups,
+        lengths,
+        P_pad,
+        PrefillInputs(tokens, positions, lengths - 1),
+        slot_pos,
+        request,
+    )

@@ -26,10 +26,28 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.stage import (CACHE_SPECS, StageCache, Weights, cache_attend, from_device,
-                            on_last_stage, put_rows, rows, run_stage, shift, vary, when)
-from qwen3_spmd.ring import (device_positions, fused_attention_available, prompt_attention,
-                  ring_attention, ulysses_attention, zigzag)
+from qwen3_spmd.pipeline.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    cache_attend,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    run_stage,
+    shift,
+    vary,
+    when,
+)
+from qwen3_spmd.ring import (
+    device_positions,
+    fused_attention_available,
+    prompt_attention,
+    ring_attention,
+    ulysses_attention,
+    zigzag,
+)
 from qwen3_spmd.sharding.specs import SPECS
 
 CP_STRATEGIES = ("ring", "ulysses")
@@ -53,8 +71,16 @@ class PrefillCarry(NamedTuple):
     logits: jax.Array  # [B, V] float32: the last prompt token's logits (last stage)
 
 
-def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh,
-                  microbatches: int, dtype, poison: bool = False, cp: str = "ring"):
+def build_prefill(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    microbatches: int,
+    dtype,
+    poison: bool = False,
+    cp: str = "ring",
+):
     """The prefill program (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
@@ -103,8 +129,9 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
                 if cp == "ulysses":
                     C = mesh.shape["seq"]
                     order = device_positions(zigzag(T * C, C)) if fused_ulysses else None
-                    return ulysses_attention(q, k, v, ring_pos, ring_pos, axis_name="seq",
-                                             scale=scale, fused_order=order)
+                    return ulysses_attention(
+                        q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale, fused_order=order
+                    )
                 return ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)[0]
 
             def attend_at(layer):
@@ -122,22 +149,31 @@ def build_prefill(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: M
             picked = jnp.where((pos == last[:, None])[..., None], x, jnp.zeros_like(x)).sum(axis=1)
             h_last = jax.lax.psum(picked, "seq")
             on_last, logits = on_last_stage(
-                active, lambda h: model.logits(h[:, None])[:, 0],
-                jax.ShapeDtypeStruct((Bm, cfg.V), jnp.float32), h_last)
+                active,
+                lambda h: model.logits(h[:, None])[:, 0],
+                jax.ShapeDtypeStruct((Bm, cfg.V), jnp.float32),
+                h_last,
+            )
             logits = jnp.where(on_last, put_rows(carry.logits, logits, row0), carry.logits)
             return PrefillCarry(shift(x, cyclic=False), kv, logits)
 
         carry = PrefillCarry(
             vary(jnp.full((Bm, T, cfg.D), jnp.nan if poison else 0.0, cache.k.dtype)),
-            StageCache(cache.k, cache.v), vary(jnp.zeros((B, cfg.V), jnp.float32)))
+            StageCache(cache.k, cache.v),
+            vary(jnp.zeros((B, cfg.V), jnp.float32)),
+        )
         carry = jax.lax.fori_loop(0, M + stages - 1, tick, carry)
-        return (from_device(carry.logits, stages - 1, 0),
-                KVCache(carry.cache.k, carry.cache.v, cache.pos))
+        return (
+            from_device(carry.logits, stages - 1, 0),
+            KVCache(carry.cache.k, carry.cache.v, cache.pos),
+        )
 
     mapped = jax.shard_map(
-        local, mesh=mesh,
+        local,
+        mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs()),
-        out_specs=(P(), CACHE_SPECS))
+        out_specs=(P(), CACHE_SPECS),
+    )
 
     def prefill(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         return mapped(weights, cache, inputs)

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, ContextManager
+from contextlib import AbstractContextManager
 
 import jax
 import jax.numpy as jnp
 
 # on_compile(name) -> a context manager entered while that program compiles (a progress
 # bar's spinner, say); called only when the caller has to wait for a compile.
-OnCompile = Callable[[str], ContextManager]
+OnCompile = Callable[[str], AbstractContextManager]
 
 
 class Programs:
@@ -52,8 +53,9 @@ class Programs:
         with self.on_compile(readable):
             ahead = self._ahead.pop(key, None)
             # result() re-raises whatever the background compile raised.
-            compiled = ahead.result() if ahead is not None else self._build(
-                fn, (weights, cache, inputs))
+            compiled = (
+                ahead.result() if ahead is not None else self._build(fn, (weights, cache, inputs))
+            )
         self._by_key[key] = self.compiled[readable] = compiled
         return compiled, time.perf_counter() - t0
 

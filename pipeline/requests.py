@@ -20,8 +20,9 @@ class Completion:
     finish_reason: str  # "stop" (an EOS id was produced, and kept) or "length"
 
 
-def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]],
-                  max_new_tokens: int) -> None:
+def check_request(
+    cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]], max_new_tokens: int
+) -> None:
     """Every precondition of a request on C = seq devices, in words; needs no weights, so
     a caller can check before loading them."""
     if not prompts:
@@ -33,17 +34,21 @@ def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[li
             raise RequestError(f"prompt {n} is empty: give it at least one token")
         bad = [t for t in p if not 0 <= t < cfg.V]
         if bad:
-            raise RequestError(f"prompt {n} has token id {bad[0]} outside the vocabulary "
-                               f"[0, {cfg.V}): use ids the model's tokenizer produces")
+            raise RequestError(
+                f"prompt {n} has token id {bad[0]} outside the vocabulary "
+                f"[0, {cfg.V}): use ids the model's tokenizer produces"
+            )
         total = len(p) + max_new_tokens
         if total > cfg.max_position_embeddings:
             raise RequestError(
                 f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one")
+                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one"
+            )
         if total > max_seq_len:
             raise RequestError(
                 f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}")
+                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}"
+            )
     longest = max(len(p) for p in prompts)
     slots = math.ceil(max_seq_len / seq)
     need = slots_per_device(longest, max_new_tokens, seq)
@@ -52,7 +57,8 @@ def check_request(cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[li
             f"the longest prompt padded to {padded_length(longest, seq)} tokens (a multiple "
             f"of 2C = {2 * seq}) plus {max_new_tokens} new tokens needs {need} cache slots "
             f"per seq device, but --max-seq-len {max_seq_len} gives {slots}: raise "
-            f"--max-seq-len to {need * seq}")
+            f"--max-seq-len to {need * seq}"
+        )
 
 
 def fitting_seq_len(prompt_len: int, new_tokens: int, seq: int) -> int:

@@ -31,8 +31,9 @@ class Sampling:
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
-            raise SamplingError(f"--temperature {self.temperature} must be a finite number >= 0 "
-                                "(0 = greedy)")
+            raise SamplingError(
+                f"--temperature {self.temperature} must be a finite number >= 0 (0 = greedy)"
+            )
         if self.top_k < 0:
             raise SamplingError(f"--top-k {self.top_k} must be >= 0 (0 = off)")
         if not 0 < self.top_p <= 1:
@@ -50,8 +51,9 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Array,
-           cfg: Sampling) -> jax.Array:
+def sample(
+    logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Array, cfg: Sampling
+) -> jax.Array:
     """Next tokens.
 
     Args:
@@ -72,7 +74,9 @@ def sample(logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Arr
         probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop_sorted = (jnp.cumsum(probs, axis=-1) - probs) >= cfg.top_p
-        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(drop_sorted)
+        drop = (
+            jnp.zeros_like(drop_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(drop_sorted)
+        )
         x = jnp.where(drop, -jnp.inf, x)
     step = jnp.broadcast_to(step, request.shape)
 

@@ -30,8 +30,9 @@ Grid = list[list[int | None]]  # [stage][tick] -> microbatch / group, None = idl
 
 def prefill_grid(microbatches: int, stages: int) -> Grid:
     ticks = microbatches + stages - 1
-    return [[t - s if 0 <= t - s < microbatches else None for t in range(ticks)]
-            for s in range(stages)]
+    return [
+        [t - s if 0 <= t - s < microbatches else None for t in range(ticks)] for s in range(stages)
+    ]
 
 
 def decode_period(groups: int, stages: int) -> int:
@@ -62,15 +63,22 @@ def stats(grid: Grid, skip_edges: int = 0) -> dict:
     window = range(skip_edges, ticks - skip_edges)
     busy = sum(grid[s][t] is not None for s in range(len(grid)) for t in window)
     total = len(grid) * len(window)
-    return {"ticks": len(window), "busy_slots": busy,
-            "idle_fraction": (total - busy) / total if total else 0.0}
+    return {
+        "ticks": len(window),
+        "busy_slots": busy,
+        "idle_fraction": (total - busy) / total if total else 0.0,
+    }
 
 
 def timeline(grid: Grid, title: str) -> str:
     """A text chart: a row per stage, a column per tick, each cell what the stage ran."""
     ticks = len(grid[0])
-    width = max(2, len(str(ticks - 1)), *(len(str(c)) for row in grid for c in row if c is not None))
+    width = max(
+        2, len(str(ticks - 1)), *(len(str(c)) for row in grid for c in row if c is not None)
+    )
     head = f"{title:<10}" + "".join(f"{t:>{width + 1}}" for t in range(ticks))
-    rows = [f"stage {s:<4}" + "".join(f"{'' if c is None else c:>{width + 1}}" for c in row)
-            for s, row in enumerate(grid)]
+    rows = [
+        f"stage {s:<4}" + "".join(f"{'' if c is None else c:>{width + 1}}" for c in row)
+        for s, row in enumerate(grid)
+    ]
     return "\n".join([head, *rows])

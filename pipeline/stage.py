@@ -102,9 +102,17 @@ def on_last_stage(active, fn, shapes, x):
     return last, jax.lax.cond(last, lambda x: jax.tree.map(vary, fn(x)), zeros, x)
 
 
-def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
-              positions: jax.Array, cache: StageCache, attend_at, gated: bool,
-              active: jax.Array | None = None) -> tuple[jax.Array, StageCache]:
+def run_stage(
+    model: Qwen3,
+    cfg: Qwen3Config,
+    real: jax.Array,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: StageCache,
+    attend_at,
+    gated: bool,
+    active: jax.Array | None = None,
+) -> tuple[jax.Array, StageCache]:
     """This stage's layers on x [B, T, D] at global positions [B, T], unrolled.
 
     The model's layer weights are per-slot tuples (`sharding.place.place_params`): slot j of
@@ -133,8 +141,9 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
     stages = jax.lax.axis_size("stage")
     # Whether slot j of this stage is a sparse (MoE) layer: a constant table indexed by
     # the stage, read only when the config mixes dense and sparse layers.
-    sparse_slots = jnp.asarray([i is not None and cfg.is_sparse(i)
-                                for i in StagePlan(cfg.L, stages).layer_of_slot])
+    sparse_slots = jnp.asarray(
+        [i is not None and cfg.is_sparse(i) for i in StagePlan(cfg.L, stages).layer_of_slot]
+    )
 
     def sparse_at(j: int):
         return sparse_slots[jax.lax.axis_index("stage") * n + j]
@@ -173,16 +182,24 @@ def run_stage(model: Qwen3, cfg: Qwen3Config, real: jax.Array, x: jax.Array,
         if runs is None:
             x, cache = whole(params, x, cache, slot, sparse)
         elif gated:
-            x, cache = jax.lax.cond(runs, lambda x, c, p=params, j=slot, s=sparse:
-                                    whole(p, x, c, j, s), lambda x, c: (x, c), x, cache)
+            x, cache = jax.lax.cond(
+                runs,
+                lambda x, c, p=params, j=slot, s=sparse: whole(p, x, c, j, s),
+                lambda x, c: (x, c),
+                x,
+                cache,
+            )
         else:
-            zeros = jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)),
-                                 jax.eval_shape(inputs, params, x))
-            q, k, v = jax.lax.cond(runs, lambda x, p=params: inputs(p, x),
-                                   lambda x, zeros=zeros: zeros, x)
+            zeros = jax.tree.map(
+                lambda a: vary(jnp.zeros(a.shape, a.dtype)), jax.eval_shape(inputs, params, x)
+            )
+            q, k, v = jax.lax.cond(
+                runs, lambda x, p=params: inputs(p, x), lambda x, zeros=zeros: zeros, x
+            )
             o, cache = attend(q, k, v, cache, slot)
-            x = jax.lax.cond(runs, lambda x, o, p=params, s=sparse: finish(p, x, o, s),
-                             lambda x, o: x, x, o)
+            x = jax.lax.cond(
+                runs, lambda x, o, p=params, s=sparse: finish(p, x, o, s), lambda x, o: x, x, o
+            )
     return x, cache
 
 
@@ -190,8 +207,14 @@ def _is_slots(x) -> bool:
     return isinstance(x, tuple)
 
 
-def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: bool,
-         always_active: bool = False):
+def when(
+    active: jax.Array,
+    compute,
+    x: jax.Array,
+    cache: StageCache,
+    gated: bool,
+    always_active: bool = False,
+):
     """compute(x, cache, gate) on ticks where this stage is active, else (x, cache)
     unchanged.
 
@@ -206,8 +229,7 @@ def when(active: jax.Array, compute, x: jax.Array, cache: StageCache, gated: boo
     if always_active:
         return compute(x, cache, None)
     if gated:
-        return jax.lax.cond(active, lambda x, c: compute(x, c, None), lambda x, c: (x, c),
-                            x, cache)
+        return jax.lax.cond(active, lambda x, c: compute(x, c, None), lambda x, c: (x, c), x, cache)
     y, cache = compute(x, cache, active)
     return jnp.where(active, y, x), cache
 

@@ -2,8 +2,13 @@
 accounting, the LSE merge, ring and Ulysses attention for prefill and sharded-cache decode
 attention. Depends on JAX and numpy only."""
 
-from qwen3_spmd.ring.attention import (block_attention, fused_attention_available, heads_major,
-                            prompt_attention, ring_attention)
+from qwen3_spmd.ring.attention import (
+    block_attention,
+    fused_attention_available,
+    heads_major,
+    prompt_attention,
+    ring_attention,
+)
 from qwen3_spmd.ring.decode import decode_attention, decode_slot
 from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.ring.partition import (

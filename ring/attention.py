@@ -34,8 +34,7 @@ from qwen3_spmd.ring.matmul import few_rows, turned_product
 from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 
-def check_attention_shapes(name: str, q, k, v, q_pos, k_pos,
-                           kv_heads_major: bool = False) -> None:
+def check_attention_shapes(name: str, q, k, v, q_pos, k_pos, kv_heads_major: bool = False) -> None:
     """Raises ValueError naming the sizes unless the shapes below agree.
 
     q [B, T, N, H], k and v [B, S, K, H] (kv_heads_major: [B, K, S, H]) with K dividing
@@ -64,13 +63,8 @@ def check_attention_shapes(name: str, q, k, v, q_pos, k_pos,
             f"{name}: positions must be q_pos [{b}, {t}] and k_pos [{b}, {s}]; "
             f"got {q_pos.shape} and {k_pos.shape}"
         )
-    if not (
-        jnp.issubdtype(q_pos.dtype, jnp.integer)
-        and jnp.issubdtype(k_pos.dtype, jnp.integer)
-    ):
-        raise ValueError(
-            f"{name}: positions must be integers, got {q_pos.dtype} and {k_pos.dtype}"
-        )
+    if not (jnp.issubdtype(q_pos.dtype, jnp.integer) and jnp.issubdtype(k_pos.dtype, jnp.integer)):
+        raise ValueError(f"{name}: positions must be integers, got {q_pos.dtype} and {k_pos.dtype}")
 
 
 def check_axis(name: str, axis_name: str) -> int:
@@ -119,8 +113,9 @@ def partial_attention(q, k, v, q_pos, k_pos, scale):
     def join(x):  # the inverse
         return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], t, *x.shape[3:])
 
-    o, lse = lax.map(lambda c: _scores_attention(c[0], k, v, c[1], k_pos, scale),
-                     (split(q), split(q_pos)))
+    o, lse = lax.map(
+        lambda c: _scores_attention(c[0], k, v, c[1], k_pos, scale), (split(q), split(q_pos))
+    )
     return join(o), join(lse)
 
 
@@ -160,9 +155,7 @@ def _scores_attention(q, k, v, q_pos, k_pos, scale):
     return by_query(o), by_query(lse)
 
 
-def block_attention(
-    q, k, v, q_pos, k_pos, *, scale: float
-) -> tuple[jax.Array, jax.Array]:
+def block_attention(q, k, v, q_pos, k_pos, *, scale: float) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of a query block over a key block, masked by positions.
 
     Query head n uses KV head n // G (grouped-query attention, G = N/K).
@@ -186,9 +179,12 @@ def block_attention(
 def fused_attention_available(dtype, head_dim: int) -> bool:
     """Whether `prompt_attention` can use a fused kernel here: cuDNN's flash attention,
     which XLA offers on GPUs for 16-bit inputs and head dims up to 128 in steps of 8."""
-    return (jax.default_backend() == "gpu"
-            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and head_dim % 8 == 0 and head_dim <= 128)
+    return (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
 
 
 def prompt_attention(q, k, v, *, scale: float, implementation: str = "cudnn"):
@@ -207,8 +203,9 @@ def prompt_attention(q, k, v, *, scale: float, implementation: str = "cudnn"):
     Returns:
       o: [B, T, N, H] in q's dtype.
     """
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                        implementation=implementation)
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True, implementation=implementation
+    )
 
 
 def varying_axes(x) -> frozenset:
@@ -251,9 +248,7 @@ def _attend_pair(o, lse, blocks, q, q_pos, k, v, k_pos, scale):
         o, lse = merge(o, lse, *partial_attention(q, k, v, q_pos, k_pos, scale))
         return o, lse, blocks + 1
 
-    return lax.cond(
-        _any_visible(q_pos, k_pos), compute, lambda *skipped: skipped, o, lse, blocks
-    )
+    return lax.cond(_any_visible(q_pos, k_pos), compute, lambda *skipped: skipped, o, lse, blocks)
 
 
 def _attend_halves(q, q_pos, carry: RingCarry, scale) -> RingCarry:
@@ -322,9 +317,7 @@ def ring_attention(
 
     # The carry leaves each step varying along the ring axis and along whatever the
     # inputs vary along; scan and cond insist it enters with that same type.
-    axes = frozenset({axis_name}).union(
-        *(varying_axes(x) for x in (q, k, v, q_pos, k_pos))
-    )
+    axes = frozenset({axis_name}).union(*(varying_axes(x) for x in (q, k, v, q_pos, k_pos)))
     q, k, v, q_pos, k_pos = (make_varying(x, axes) for x in (q, k, v, q_pos, k_pos))
     b, t, n, h = q.shape
     init = RingCarry(
@@ -340,8 +333,7 @@ def ring_attention(
     def step(carry: RingCarry, _) -> tuple[RingCarry, None]:
         # Send the held block on first: XLA can overlap the transfer with the compute.
         k_next, v_next, pos_next = (
-            lax.ppermute(x, axis_name, perm)
-            for x in (carry.k_blk, carry.v_blk, carry.pos_blk)
+            lax.ppermute(x, axis_name, perm) for x in (carry.k_blk, carry.v_blk, carry.pos_blk)
         )
         carry = _attend_halves(q, q_pos, carry, scale)
         return carry._replace(k_blk=k_next, v_blk=v_next, pos_blk=pos_next), None

@@ -21,8 +21,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qwen3_spmd.ring.attention import (check_attention_shapes, check_axis, make_varying,
-                            partial_attention, varying_axes)
+from qwen3_spmd.ring.attention import (
+    check_attention_shapes,
+    check_axis,
+    make_varying,
+    partial_attention,
+    varying_axes,
+)
 from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 # Cache slots per block when decode attention reads only the filled part of the cache
@@ -40,8 +45,16 @@ def decode_slot(step, prompt_slots, n):
 
 
 def decode_attention(
-    q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float,
-    at: tuple = (0,), filled=None,
+    q,
+    k_cache,
+    v_cache,
+    q_pos,
+    slot_pos,
+    *,
+    axis_name: str = "seq",
+    scale: float,
+    at: tuple = (0,),
+    filled=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of new tokens over a sequence-sharded cache; call inside shard_map.
 
@@ -69,20 +82,23 @@ def decode_attention(
     if k_cache.ndim != len(at) + 3 or v_cache.ndim != len(at) + 3:
         raise ValueError(
             f"decode_attention: caches {k_cache.shape}, {v_cache.shape} must have the "
-            f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]")
+            f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]"
+        )
 
     def rows(x):  # the queries' rows of a cache, as a shape
         return jax.ShapeDtypeStruct((b, *x.shape[-3:]), x.dtype)
 
-    check_attention_shapes("decode_attention", q, rows(k_cache), rows(v_cache), q_pos, slot_pos,
-                           kv_heads_major=True)
+    check_attention_shapes(
+        "decode_attention", q, rows(k_cache), rows(v_cache), q_pos, slot_pos, kv_heads_major=True
+    )
     check_axis("decode_attention", axis_name)
     S = k_cache.shape[-2]
     if filled is not None:
         slot_pos = jnp.where(jnp.arange(S) < filled, slot_pos, -1)
     if filled is None or S <= DECODE_BLOCK or jax.default_backend() != "cpu":
-        o, lse = partial_attention(q, _rows(k_cache, at, b), _rows(v_cache, at, b), q_pos,
-                                   slot_pos, scale)
+        o, lse = partial_attention(
+            q, _rows(k_cache, at, b), _rows(v_cache, at, b), q_pos, slot_pos, scale
+        )
     else:
         o, lse = _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))
@@ -113,15 +129,27 @@ def _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale):
 
     def attend(carry, start, size):
         pos = lax.dynamic_slice_in_dim(slot_pos, start, size, axis=1)
-        part = partial_attention(q, _rows(k_cache, at, b, start, size),
-                                 _rows(v_cache, at, b, start, size), q_pos, pos, scale)
+        part = partial_attention(
+            q,
+            _rows(k_cache, at, b, start, size),
+            _rows(v_cache, at, b, start, size),
+            q_pos,
+            pos,
+            scale,
+        )
         return tuple(make_varying(x, axes) for x in merge(*carry, *part))
 
-    init = (make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
-            make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes))
+    init = (
+        make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
+        make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes),
+    )
     blocks = jnp.clip((filled + block - 1) // block, 0, whole)
     carry = lax.fori_loop(0, blocks, lambda i, c: attend(c, i * block, block), init)
     if S % block:
-        carry = lax.cond(filled > whole * block, lambda c: attend(c, whole * block, S % block),
-                         lambda c: c, carry)
+        carry = lax.cond(
+            filled > whole * block,
+            lambda c: attend(c, whole * block, S % block),
+            lambda c: c,
+            carry,
+        )
     return carry

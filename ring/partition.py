@@ -25,9 +25,7 @@ PAD = -1
 def padded_length(length: int, n: int) -> int:
     """`length` rounded up to a multiple of 2n (two equal halves per device)."""
     if length < 0 or n < 1:
-        raise ValueError(
-            f"padded_length needs length >= 0 and n >= 1, got length={length}, n={n}"
-        )
+        raise ValueError(f"padded_length needs length >= 0 and n >= 1, got length={length}, n={n}")
     return -(-length // (2 * n)) * (2 * n)
 
 

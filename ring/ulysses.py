@@ -44,8 +44,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qwen3_spmd.ring.attention import (_any_visible, check_attention_shapes, check_axis, heads_major,
-                            make_varying, partial_attention, prompt_attention, varying_axes)
+from qwen3_spmd.ring.attention import (
+    _any_visible,
+    check_attention_shapes,
+    check_axis,
+    heads_major,
+    make_varying,
+    partial_attention,
+    prompt_attention,
+    varying_axes,
+)
 from qwen3_spmd.ring.merge import merge
 
 
@@ -80,13 +88,16 @@ def head_split(n_heads: int, kv_heads: int, c: int) -> HeadSplit:
     C = c devices; a ValueError naming the numbers when no split serves them (C must
     divide N, and K must divide N)."""
     if c < 1 or kv_heads < 1 or n_heads % kv_heads:
-        raise ValueError(f"ulysses: {n_heads} query heads over {kv_heads} KV heads on {c} "
-                         f"devices: need K >= 1 dividing N and C >= 1")
+        raise ValueError(
+            f"ulysses: {n_heads} query heads over {kv_heads} KV heads on {c} "
+            f"devices: need K >= 1 dividing N and C >= 1"
+        )
     if n_heads % c:
         fits = [d for d in range(1, n_heads + 1) if n_heads % d == 0]
         raise ValueError(
             f"ulysses: {n_heads} query heads cannot be shared equally by {c} seq devices; "
-            f"use --cp ring, or a seq size that divides {n_heads} ({', '.join(map(str, fits))})")
+            f"use --cp ring, or a seq size that divides {n_heads} ({', '.join(map(str, fits))})"
+        )
     g, n_loc = n_heads // kv_heads, n_heads // c
     per_kv = math.gcd(g, n_loc)  # local query heads per local KV head
     kv_loc = n_loc // per_kv
@@ -104,7 +115,7 @@ def _causal_blocks(q, k, v, q_pos, k_pos, scale, n_blocks: int, axes: frozenset)
     t = p // n_blocks
 
     def blocks(x, axis):  # [.., P, ..] -> [n_blocks, .., P / n_blocks, ..]
-        shape = (*x.shape[:axis], n_blocks, t, *x.shape[axis + 1:])
+        shape = (*x.shape[:axis], n_blocks, t, *x.shape[axis + 1 :])
         return jnp.moveaxis(x.reshape(shape), axis, 0)
 
     def join(x):  # [n_blocks, B, t, ..] -> [B, P, ..]
@@ -121,11 +132,12 @@ def _causal_blocks(q, k, v, q_pos, k_pos, scale, n_blocks: int, axes: frozenset)
             def compute(o, lse):
                 return merge(o, lse, *partial_attention(qi, kk, vv, qpi, kp, scale))
 
-            return lax.cond(_any_visible(qpi, kp), compute, lambda o, lse: (o, lse),
-                            *carry), None
+            return lax.cond(_any_visible(qpi, kp), compute, lambda o, lse: (o, lse), *carry), None
 
-        init = (make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
-                make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes))
+        init = (
+            make_varying(jnp.zeros((b, t, n, h), jnp.float32), axes),
+            make_varying(jnp.full((b, t, n), -jnp.inf, jnp.float32), axes),
+        )
         (o, lse), _ = lax.scan(step, init, (kb, vb, kpb))
         return o, lse
 
@@ -133,9 +145,19 @@ def _causal_blocks(q, k, v, q_pos, k_pos, scale, n_blocks: int, axes: frozenset)
     return join(o), join(lse)
 
 
-def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: float,
-                      with_lse: bool = False, fused_order: np.ndarray | None = None,
-                      implementation: str = "cudnn"):
+def ulysses_attention(
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    *,
+    axis_name: str = "seq",
+    scale: float,
+    with_lse: bool = False,
+    fused_order: np.ndarray | None = None,
+    implementation: str = "cudnn",
+):
     """Causal attention over a sequence sharded along `axis_name`; call inside shard_map.
 
     Same contract as `ring.ring_attention`: every argument is the local shard of a
@@ -167,7 +189,8 @@ def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: f
         raise ValueError(
             f"ulysses_attention: local queries and keys must be the same even number of "
             f"tokens, got T={t} and S={k.shape[1]}; pad the sequence to a multiple of 2*C "
-            f"with ring.partition.padded_length")
+            f"with ring.partition.padded_length"
+        )
     c = check_axis("ulysses_attention", axis_name)
     split = head_split(n, k.shape[2], c)
     axes = frozenset({axis_name}).union(*(varying_axes(x) for x in (q, k, v, q_pos, k_pos)))
@@ -183,17 +206,20 @@ def ulysses_attention(q, k, v, q_pos, k_pos, *, axis_name: str = "seq", scale: f
         if with_lse or sorted(fused_order) != list(range(q.shape[1])):
             raise ValueError(
                 f"ulysses_attention: fused_order must order all {q.shape[1]} gathered slots "
-                f"(a partition without padding) and gives no lse")
+                f"(a partition without padding) and gives no lse"
+            )
         natural = np.argsort(fused_order)  # natural[p]: the slot holding position p
-        o = prompt_attention(*(jnp.take(x, natural, axis=1) for x in (q, k, v)),
-                             scale=scale, implementation=implementation)
+        o = prompt_attention(
+            *(jnp.take(x, natural, axis=1) for x in (q, k, v)),
+            scale=scale,
+            implementation=implementation,
+        )
         return _swap_back(jnp.take(o, np.asarray(fused_order), axis=1), axis_name, c)
     pos = jnp.stack([q_pos, k_pos])
     if c > 1:
         pos = lax.all_gather(pos, axis_name, axis=2, tiled=True)  # [2, B, C*T]
     pos = make_varying(pos, axes)
-    o, lse = _causal_blocks(q, heads_major(k), heads_major(v), pos[0], pos[1], scale,
-                            2 * c, axes)
+    o, lse = _causal_blocks(q, heads_major(k), heads_major(v), pos[0], pos[1], scale, 2 * c, axes)
     o = _swap_back(o.astype(q.dtype), axis_name, c)
     return (o, _swap_back(lse, axis_name, c)) if with_lse else o
 

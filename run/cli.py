@@ -36,14 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="qwen3-spmd",
         description="Qwen3 inference in JAX over a (stage, seq) device mesh: pipeline "
-                    "parallelism, ring attention, decode context parallelism.")
+        "parallelism, ring attention, decode context parallelism.",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _subcommands():
         module.register(sub)
     for command in sub.choices.values():  # --debug after the subcommand works too
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="show tracebacks of errors")
+        command.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show tracebacks of errors",
+        )
     return parser
 
 
@@ -54,8 +59,9 @@ def int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(t) for t in items]
     except ValueError:
-        raise CLIError(f"{flag} {text!r} is not a comma-separated list of integers "
-                       "(e.g. 1,2,3)") from None
+        raise CLIError(
+            f"{flag} {text!r} is not a comma-separated list of integers (e.g. 1,2,3)"
+        ) from None
 
 
 def check_output_file(path: str, flag: str) -> None:
@@ -65,8 +71,9 @@ def check_output_file(path: str, flag: str) -> None:
     if os.path.isdir(path):
         raise CLIError(f"{flag} {path} is a folder: give a file name")
     if not os.path.isdir(parent):
-        raise CLIError(f"{flag} {path}: there is no folder {parent}: create it, or choose "
-                       "another path")
+        raise CLIError(
+            f"{flag} {path}: there is no folder {parent}: create it, or choose another path"
+        )
     if not os.access(parent, os.W_OK):
         raise CLIError(f"{flag} {path}: the folder {parent} is not writable: choose another path")
 
@@ -76,8 +83,9 @@ def check_output_folder(path: str, flag: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise CLIError(f"{flag} {path}: cannot make that folder ({e.strerror}): choose another "
-                       "path") from None
+        raise CLIError(
+            f"{flag} {path}: cannot make that folder ({e.strerror}): choose another path"
+        ) from None
     if not os.access(path, os.W_OK):
         raise CLIError(f"{flag} {path}: the folder is not writable: choose another path")
 
@@ -90,8 +98,10 @@ def platform_is_cpu() -> bool:
         return platforms.split(",")[0] == "cpu"
     import importlib.util
 
-    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
-                                                         "jax_rocm60_plugin", "libtpu"))
+    return not any(
+        importlib.util.find_spec(m)
+        for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "libtpu")
+    )
 
 
 def use_cpu_devices(n: int | None) -> None:
@@ -122,16 +132,25 @@ def size_cpu_threads(devices: int) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from qwen3_spmd.model.config import ConfigError
     from qwen3_spmd.model.checkpoint.hf import LoadError
+    from qwen3_spmd.model.config import ConfigError
     from qwen3_spmd.pipeline.requests import RequestError
     from qwen3_spmd.pipeline.sampling import SamplingError
     from qwen3_spmd.run.text import TextError
     from qwen3_spmd.sharding.mesh import MeshError
     from qwen3_spmd.sharding.plan import PlanError
 
-    return (CLIError, ConfigError, LoadError, RequestError, SamplingError, TextError, MeshError,
-            PlanError, FileNotFoundError)
+    return (
+        CLIError,
+        ConfigError,
+        LoadError,
+        RequestError,
+        SamplingError,
+        TextError,
+        MeshError,
+        PlanError,
+        FileNotFoundError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

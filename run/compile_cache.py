@@ -23,10 +23,12 @@ def default_dir() -> str:
 
 def add_argument(parser) -> None:
     parser.add_argument(
-        "--compile-cache", metavar="DIR",
+        "--compile-cache",
+        metavar="DIR",
         help=f"keep compiled programs in DIR and reuse them in later runs with the same "
-             f"model, mesh and shapes; 'off' turns it off (default: ${ENV}, else "
-             f"{default_dir()})")
+        f"model, mesh and shapes; 'off' turns it off (default: ${ENV}, else "
+        f"{default_dir()})",
+    )
 
 
 class CompileCache:

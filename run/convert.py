@@ -30,22 +30,39 @@ import numpy as np
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("convert", help="convert a Hugging Face checkpoint to an orbax "
-                                              "checkpoint that restores sharded onto any mesh")
-    p.add_argument("--model", required=True, metavar="HF_DIR",
-                   help="the Hugging Face checkpoint folder (config.json, safetensors)")
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint to an orbax "
+        "checkpoint that restores sharded onto any mesh",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="HF_DIR",
+        help="the Hugging Face checkpoint folder (config.json, safetensors)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="the orbax checkpoint folder")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: config.json's dtype, else "
-                                   "float32)")
+    p.add_argument(
+        "--dtype", help="float32 or bfloat16 (default: config.json's dtype, else float32)"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
-    p.add_argument("--measure", metavar="SxC[,SxC...]",
-                   help="then measure load time and peak RSS of both formats on these meshes "
-                        "(emulated CPU devices, one fresh process per load)")
-    p.add_argument("--measure-dtype", default="float32",
-                   help="dtype the measured loads restore into (default float32)")
-    p.add_argument("--random-preset", metavar="NAME",
-                   help="first write a Hugging Face checkpoint of this preset with seeded random "
-                        "weights into --model (if absent), for measurements")
+    p.add_argument(
+        "--measure",
+        metavar="SxC[,SxC...]",
+        help="then measure load time and peak RSS of both formats on these meshes "
+        "(emulated CPU devices, one fresh process per load)",
+    )
+    p.add_argument(
+        "--measure-dtype",
+        default="float32",
+        help="dtype the measured loads restore into (default float32)",
+    )
+    p.add_argument(
+        "--random-preset",
+        metavar="NAME",
+        help="first write a Hugging Face checkpoint of this preset with seeded random "
+        "weights into --model (if absent), for measurements",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
@@ -57,32 +74,48 @@ def main(args) -> int:
     from qwen3_spmd.sharding.mesh import parse_mesh
 
     meshes = [parse_mesh(m) for m in args.measure.split(",")] if args.measure else []
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
-        (lambda *a: print(*a, flush=True))
+    say = (
+        (lambda *a: print(*a, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda *a: print(*a, flush=True))
+    )
     if args.random_preset:
         from qwen3_spmd.model.config import PRESETS
 
         if args.random_preset not in PRESETS:
-            raise CLIError(f"--random-preset {args.random_preset} is not a preset: use one of "
-                           f"{', '.join(PRESETS)}")
+            raise CLIError(
+                f"--random-preset {args.random_preset} is not a preset: use one of "
+                f"{', '.join(PRESETS)}"
+            )
         if not Path(args.model).exists():
             t0 = time.perf_counter()
             write_random_hf(PRESETS[args.random_preset], args.model)
-            say(f"wrote random {args.random_preset} checkpoint {args.model} "
-                f"({time.perf_counter() - t0:.1f} s)")
+            say(
+                f"wrote random {args.random_preset} checkpoint {args.model} "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
     report: dict = {"model": args.model, "out": args.out}
     out = Path(args.out)
-    if meshes and orbax_io.is_orbax_checkpoint(out) and not args.force \
-            and (out / orbax_io.COMPLETE_FILE).is_file():
+    if (
+        meshes
+        and orbax_io.is_orbax_checkpoint(out)
+        and not args.force
+        and (out / orbax_io.COMPLETE_FILE).is_file()
+    ):
         say(f"{out} is already converted; measuring it")
     else:
         t0 = time.perf_counter()
         with _progress_bar(f"{args.model} -> {args.out}") as progress:
             meta = conversion.convert(args.model, args.out, args.dtype, args.force, progress)
-        report["convert"] = {"dtype": meta["dtype"], "bytes": meta["bytes"],
-                             "seconds": round(time.perf_counter() - t0, 2)}
-        say(f"wrote {args.out}: {meta['bytes'] / 1e6:.1f} MB of {meta['dtype']} parameters in "
-            f"{report['convert']['seconds']} s")
+        report["convert"] = {
+            "dtype": meta["dtype"],
+            "bytes": meta["bytes"],
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        say(
+            f"wrote {args.out}: {meta['bytes'] / 1e6:.1f} MB of {meta['dtype']} parameters in "
+            f"{report['convert']['seconds']} s"
+        )
     if meshes:
         report["loads"] = measure(args.model, args.out, meshes, args.measure_dtype, say)
     if args.json:
@@ -103,8 +136,14 @@ class _progress_bar:
             TimeRemainingColumn,
         )
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                            TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
         self.title, self.tasks = title, {}
 
     def __enter__(self):
@@ -133,26 +172,41 @@ def hf_config(cfg) -> dict:
     """A transformers 4.x-style config.json for `cfg` (Qwen3-MoE's fields as the hub
     writes them)."""
     if cfg.E:
-        return {**_dense_config(cfg), "architectures": ["Qwen3MoeForCausalLM"],
-                "model_type": "qwen3_moe", "num_experts": cfg.E,
-                "num_experts_per_tok": cfg.A, "moe_intermediate_size": cfg.moe_intermediate_size,
-                "norm_topk_prob": cfg.norm_topk_prob,
-                "decoder_sparse_step": cfg.decoder_sparse_step,
-                "mlp_only_layers": list(cfg.mlp_only_layers)}
+        return {
+            **_dense_config(cfg),
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_experts": cfg.E,
+            "num_experts_per_tok": cfg.A,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "norm_topk_prob": cfg.norm_topk_prob,
+            "decoder_sparse_step": cfg.decoder_sparse_step,
+            "mlp_only_layers": list(cfg.mlp_only_layers),
+        }
     return _dense_config(cfg)
 
 
 def _dense_config(cfg) -> dict:
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-        "vocab_size": cfg.V, "hidden_size": cfg.D, "intermediate_size": cfg.F,
-        "num_hidden_layers": cfg.L, "num_attention_heads": cfg.N,
-        "num_key_value_heads": cfg.K, "head_dim": cfg.H,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "attention_bias": cfg.attention_bias,
-        "hidden_act": "silu", "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) or None, "torch_dtype": "float32",
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": cfg.V,
+        "hidden_size": cfg.D,
+        "intermediate_size": cfg.F,
+        "num_hidden_layers": cfg.L,
+        "num_attention_heads": cfg.N,
+        "num_key_value_heads": cfg.K,
+        "head_dim": cfg.H,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) or None,
+        "torch_dtype": "float32",
         "use_sliding_window": False,
     }
 
@@ -201,14 +255,14 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     import jax.numpy as jnp
     import numpy as np
 
-    from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.model.checkpoint.orbax_io import OrbaxCheckpoint
+    from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
     from qwen3_spmd.sharding.place import place_state
     from qwen3_spmd.sharding.plan import StagePlan
 
-    mesh = make_mesh(stage, seq, jax.devices()[:stage * seq])
+    mesh = make_mesh(stage, seq, jax.devices()[: stage * seq])
     jnp.zeros(1).block_until_ready()  # start the backend before measuring
     rss_before = _peak_rss()
     t0 = time.perf_counter()
@@ -222,16 +276,27 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     leaves = jax.tree_util.tree_leaves(state)
     kept = sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
     sizes = []
-    map_params(lambda path, x: sizes.append(
-        int(np.prod(x.shape[1:] if path[0] == "layers" else x.shape)) * x.dtype.itemsize), abstract)
+    map_params(
+        lambda path, x: sizes.append(
+            int(np.prod(x.shape[1:] if path[0] == "layers" else x.shape)) * x.dtype.itemsize
+        ),
+        abstract,
+    )
     largest = max(sizes)
     target = 1.5 * kept + largest
     fmt = "orbax" if isinstance(spec.source, OrbaxCheckpoint) else "safetensors"
-    return {"format": fmt, "mesh": f"{stage}x{seq}",
-            "dtype": dtype, "load_s": round(seconds, 3), "peak_rss_bytes": peak,
-            "rss_before_load_bytes": rss_before, "kept_bytes": kept,
-            "largest_tensor_bytes": largest, "target_bytes": int(target),
-            "under_target": peak < target}
+    return {
+        "format": fmt,
+        "mesh": f"{stage}x{seq}",
+        "dtype": dtype,
+        "load_s": round(seconds, 3),
+        "peak_rss_bytes": peak,
+        "rss_before_load_bytes": rss_before,
+        "kept_bytes": kept,
+        "largest_tensor_bytes": largest,
+        "target_bytes": int(target),
+        "under_target": peak < target,
+    }
 
 
 def _peak_rss() -> int:
@@ -254,16 +319,21 @@ def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) 
     results = []
     for stage, seq in meshes:
         for folder in (hf_folder, orbax_folder):
-            code = ("import json, sys; from qwen3_spmd.run.convert import measure_load; "
-                    f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r})))")
-            out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                                 text=True, check=False)
+            code = (
+                "import json, sys; from qwen3_spmd.run.convert import measure_load; "
+                f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r})))"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"measuring {folder} on {stage}x{seq} failed:\n{out.stderr}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(r)
-            say(f"{r['mesh']} {r['format']:>11}: load {r['load_s']:.2f} s, peak RSS "
+            say(
+                f"{r['mesh']} {r['format']:>11}: load {r['load_s']:.2f} s, peak RSS "
                 f"{r['peak_rss_bytes'] / 1e9:.2f} GB (before load {r['rss_before_load_bytes'] / 1e9:.2f}"
                 f" GB), kept {r['kept_bytes'] / 1e9:.2f} GB, target < 1.5 x kept + largest tensor "
-                f"= {r['target_bytes'] / 1e9:.2f} GB: {'ok' if r['under_target'] else 'OVER'}")
+                f"= {r['target_bytes'] / 1e9:.2f} GB: {'ok' if r['under_target'] else 'OVER'}"
+            )
     return results

@@ -41,17 +41,28 @@ DEFAULT_PEER_TIMEOUT = 60
 
 def add_flags(parser) -> None:
     g = parser.add_argument_group(
-        "several processes (jax.distributed; each process runs the same command)")
-    g.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="address of process 0, which runs the coordination service")
+        "several processes (jax.distributed; each process runs the same command)"
+    )
+    g.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="address of process 0, which runs the coordination service",
+    )
     g.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
     g.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1")
-    g.add_argument("--distributed", choices=["auto"],
-                   help="auto: let jax.distributed.initialize() detect the cluster "
-                        "(SLURM, Open MPI, ...)")
-    g.add_argument("--peer-timeout", type=float, default=DEFAULT_PEER_TIMEOUT, metavar="S",
-                   help="seconds to wait for every process to join, and after which a silent "
-                        f"peer counts as lost (default {DEFAULT_PEER_TIMEOUT})")
+    g.add_argument(
+        "--distributed",
+        choices=["auto"],
+        help="auto: let jax.distributed.initialize() detect the cluster (SLURM, Open MPI, ...)",
+    )
+    g.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT,
+        metavar="S",
+        help="seconds to wait for every process to join, and after which a silent "
+        f"peer counts as lost (default {DEFAULT_PEER_TIMEOUT})",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +86,12 @@ SINGLE = Processes(0, 1, None, (socket.gethostname(),))
 
 
 def requested(args) -> bool:
-    return bool(args.distributed or args.coordinator or args.num_processes is not None
-                or args.process_id is not None)
+    return bool(
+        args.distributed
+        or args.coordinator
+        or args.num_processes is not None
+        or args.process_id is not None
+    )
 
 
 def check_flags(args) -> None:
@@ -84,30 +99,41 @@ def check_flags(args) -> None:
     from qwen3_spmd.run.cli import CLIError
 
     if not 0 < args.peer_timeout < float("inf"):  # NaN fails too
-        raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be a positive number of "
-                       "seconds")
+        raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be a positive number of seconds")
     if not requested(args):
         return
     if args.distributed == "auto":
         return  # flags given with auto override what detection finds
-    missing = [f for f, v in (("--coordinator", args.coordinator),
-                              ("--num-processes", args.num_processes),
-                              ("--process-id", args.process_id)) if v is None]
+    missing = [
+        f
+        for f, v in (
+            ("--coordinator", args.coordinator),
+            ("--num-processes", args.num_processes),
+            ("--process-id", args.process_id),
+        )
+        if v is None
+    ]
     if missing:
-        raise CLIError(f"several processes need --coordinator HOST:PORT --num-processes N "
-                       f"--process-id I, but {' and '.join(missing)} "
-                       f"{'is' if len(missing) == 1 else 'are'} missing (or pass "
-                       "--distributed auto on a cluster that JAX detects)")
+        raise CLIError(
+            f"several processes need --coordinator HOST:PORT --num-processes N "
+            f"--process-id I, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing (or pass "
+            "--distributed auto on a cluster that JAX detects)"
+        )
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise CLIError(f"--coordinator {args.coordinator!r} is not HOST:PORT "
-                       "(e.g. 10.0.0.1:1234, the address of process 0)")
+        raise CLIError(
+            f"--coordinator {args.coordinator!r} is not HOST:PORT "
+            "(e.g. 10.0.0.1:1234, the address of process 0)"
+        )
     if args.num_processes < 1:
         raise CLIError(f"--num-processes {args.num_processes} must be at least 1")
     if not 0 <= args.process_id < args.num_processes:
-        raise CLIError(f"--process-id {args.process_id} is not among the {args.num_processes} "
-                       f"processes of --num-processes {args.num_processes}: use 0 .. "
-                       f"{args.num_processes - 1}")
+        raise CLIError(
+            f"--process-id {args.process_id} is not among the {args.num_processes} "
+            f"processes of --num-processes {args.num_processes}: use 0 .. "
+            f"{args.num_processes - 1}"
+        )
 
 
 def start(args) -> Processes:
@@ -125,9 +151,14 @@ def start(args) -> Processes:
     # peer is lost; failures reach us through the heartbeat either way.
     jax.config.update("jax_enable_preemption_service", False)
     t = max(1, round(args.peer_timeout))
-    kwargs = dict(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                  process_id=args.process_id, initialization_timeout=t,
-                  heartbeat_timeout_seconds=t, shutdown_timeout_seconds=t)
+    kwargs = dict(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=t,
+        heartbeat_timeout_seconds=t,
+        shutdown_timeout_seconds=t,
+    )
     known = inspect.signature(jax.distributed.initialize).parameters
     if os.environ.get(WORKER_ENV):
         os.write(2, _JOINING.encode())
@@ -154,8 +185,9 @@ def finish(procs: Processes) -> None:
 
 def _exchange_hosts(client, me: int, n: int, timeout_s: int) -> tuple[str, ...]:
     client.key_value_set(f"qwen3-spmd/host/{me}", socket.gethostname())
-    return tuple(client.blocking_key_value_get(f"qwen3-spmd/host/{i}", timeout_s * 1000)
-                 for i in range(n))
+    return tuple(
+        client.blocking_key_value_get(f"qwen3-spmd/host/{i}", timeout_s * 1000) for i in range(n)
+    )
 
 
 def _report_joined(procs: Processes) -> None:
@@ -193,13 +225,20 @@ def supervise(args) -> int | None:
     env = {**os.environ, WORKER_ENV: f"{real[0]},{real[1]}"}
     # The child's native stdout and stderr (gloo writes to stdout, XLA to stderr) come
     # to us; its Python stdout and stderr are ours.
-    child = subprocess.Popen([sys.executable, "-m", "qwen3_spmd.run", *argv], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=real)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "qwen3_spmd.run", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=real,
+    )
     for fd in real:
         os.close(fd)
     log: list[str] = []
-    readers = [threading.Thread(target=_drain, args=(pipe, log), daemon=True)
-               for pipe in (child.stdout, child.stderr)]
+    readers = [
+        threading.Thread(target=_drain, args=(pipe, log), daemon=True)
+        for pipe in (child.stdout, child.stderr)
+    ]
     for reader in readers:
         reader.start()
     interrupted: list[threading.Timer] = []
@@ -299,7 +338,7 @@ def explain(log: list[str], args, gave_up: bool = False) -> tuple[int, str]:
     joined = None
     for line in log:
         if line.startswith(_JOINED):
-            joined = json.loads(line[len(_JOINED):])
+            joined = json.loads(line[len(_JOINED) :])
     text = "".join(log)
     me = joined["index"] if joined else args.process_id
     n = joined["count"] if joined else args.num_processes
@@ -316,20 +355,25 @@ def explain(log: list[str], args, gave_up: bool = False) -> tuple[int, str]:
     if lost:
         ids = [int(x) for x in re.findall(r"(?:task:|^|\s)(\d+)\b", lost.group(1))]
         names = ", ".join(named(i) for i in ids) or lost.group(1).strip()
-        return 1, (f"lost {names}: no heartbeat for {t} (coordinator {address}); {who} stops "
-                   "here")
+        return 1, (f"lost {names}: no heartbeat for {t} (coordinator {address}); {who} stops here")
     unexpected = re.search(r"Unexpected task registered with task=(\d+)", text)
     if unexpected:
-        return 2, (f"the coordinator at {address} does not expect process "
-                   f"{unexpected.group(1)}: every process must pass the same --num-processes")
+        return 2, (
+            f"the coordinator at {address} does not expect process "
+            f"{unexpected.group(1)}: every process must pass the same --num-processes"
+        )
     if gave_up or ("RegisterTask" in text and "DEADLINE_EXCEEDED" in text.upper()):
         if me == 0:
-            return 2, (f"not all {n} processes joined at {address} within {t}: start every "
-                       f"process 0 .. {(n or 1) - 1} with --coordinator {address} "
-                       f"--num-processes {n}, or raise --peer-timeout")
-        return 2, (f"{who} could not join the coordinator at {address} within {t}: it is "
-                   "unreachable, or process 0 is not running there, or it expects a different "
-                   "--num-processes")
+            return 2, (
+                f"not all {n} processes joined at {address} within {t}: start every "
+                f"process 0 .. {(n or 1) - 1} with --coordinator {address} "
+                f"--num-processes {n}, or raise --peer-timeout"
+            )
+        return 2, (
+            f"{who} could not join the coordinator at {address} within {t}: it is "
+            "unreachable, or process 0 is not running there, or it expects a different "
+            "--num-processes"
+        )
     if joined is None and me == 0 and re.search(r"[Aa]ddress already in use|bind", text):
         return 2, f"process 0 cannot serve the coordinator at {address}: the port is in use"
     if re.search(r"coordination service|leader task|Socket closed|Connection refused", text):

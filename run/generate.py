@@ -16,47 +16,88 @@ DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84,
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate tokens for prompts on a device mesh")
-    p.add_argument("--model", help="Hugging Face checkpoint folder, or a preset name "
-                                   "(tiny, 0.6B, ..., 32B) with random weights; default: tiny")
-    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a prompt as text (repeatable; needs tokenizer.json)")
-    p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
-                   help="a prompt as comma-separated token ids (repeatable)")
-    p.add_argument("--chat", action="store_true",
-                   help="wrap each text prompt in the checkpoint's chat template")
-    p.add_argument("--no-thinking", action="store_true",
-                   help="with --chat: enable_thinking=False (Qwen3 answers without <think>)")
-    p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="tokens to generate per prompt (default 32)")
+    p.add_argument(
+        "--model",
+        help="Hugging Face checkpoint folder, or a preset name "
+        "(tiny, 0.6B, ..., 32B) with random weights; default: tiny",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt as text (repeatable; needs tokenizer.json)",
+    )
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        metavar="1,2,3",
+        help="a prompt as comma-separated token ids (repeatable)",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each text prompt in the checkpoint's chat template",
+    )
+    p.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="with --chat: enable_thinking=False (Qwen3 answers without <think>)",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--max-seq-len", type=int,
-                   help="KV cache capacity per request (default: just enough for the request)")
-    p.add_argument("--mesh", default=None,
-                   help="SxC: S pipeline stages x C sequence devices (default: 1x1, but 2x2 "
-                        "emulated CPU devices on a CPU without --model or with several "
-                        "processes)")
-    p.add_argument("--cpu-devices", type=int,
-                   help="emulate this many CPU devices (default on CPU: S*C of --mesh)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="KV cache capacity per request (default: just enough for the request)",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="SxC: S pipeline stages x C sequence devices (default: 1x1, but 2x2 "
+        "emulated CPU devices on a CPU without --model or with several "
+        "processes)",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        help="emulate this many CPU devices (default on CPU: S*C of --mesh)",
+    )
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
-    p.add_argument("--cp", default="ring", choices=("ring", "ulysses", "auto"),
-                   help="how prefill splits attention along seq: ring (K/V blocks around "
-                        "the ring), ulysses (all-to-all to a head split; seq must divide the "
-                        "query heads) or auto (the cost model's pick); default ring")
+    p.add_argument(
+        "--cp",
+        default="ring",
+        choices=("ring", "ulysses", "auto"),
+        help="how prefill splits attention along seq: ring (K/V blocks around "
+        "the ring), ulysses (all-to-all to a head split; seq must divide the "
+        "query heads) or auto (the cost model's pick); default ring",
+    )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
-    p.add_argument("--check", action="store_true",
-                   help="also run on one device and report whether the tokens match")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run on one device and report whether the tokens match",
+    )
     p.add_argument("--timeline", action="store_true", help="print the executed schedules")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--logits-out", metavar="FILE.npy",
-                   help="save the first request's logits at each generated step [steps, V]")
-    p.add_argument("--profile", metavar="DIR",
-                   help="write a JAX profiler trace of the generate run into DIR (TensorBoard, "
-                        "Perfetto)")
+    p.add_argument(
+        "--logits-out",
+        metavar="FILE.npy",
+        help="save the first request's logits at each generated step [steps, V]",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write a JAX profiler trace of the generate run into DIR (TensorBoard, Perfetto)",
+    )
     from qwen3_spmd.run import compile_cache, distributed
 
     compile_cache.add_argument(p)
@@ -70,8 +111,10 @@ def _prompts(args, text) -> list[list[int]]:
     prompts = [int_list(raw, "--prompt-ids") for raw in args.prompt_ids]
     for raw in args.prompt:
         if text is None:
-            raise CLIError("--prompt needs tokenizer.json in the checkpoint folder, which has "
-                           "none: pass --prompt-ids 1,2,3 instead")
+            raise CLIError(
+                "--prompt needs tokenizer.json in the checkpoint folder, which has "
+                "none: pass --prompt-ids 1,2,3 instead"
+            )
         prompts.append(text.encode(text.chat(raw, not args.no_thinking) if args.chat else raw))
     if args.chat and not args.prompt:
         raise CLIError("--chat applies to --prompt TEXT prompts, and none was given")
@@ -102,8 +145,10 @@ def main(args) -> int:
         if on_cpu:
             use_cpu_devices(_local_cpu_devices(args, mesh_text, stage * seq, procs.count))
         elif args.cpu_devices is not None:
-            raise CLIError("--cpu-devices emulates CPU devices, but this run is on an "
-                           "accelerator: leave it out (or set JAX_PLATFORMS=cpu)")
+            raise CLIError(
+                "--cpu-devices emulates CPU devices, but this run is on an "
+                "accelerator: leave it out (or set JAX_PLATFORMS=cpu)"
+            )
         return _run(args, procs, mesh_text, stage, seq, compile_cache.use(args.compile_cache))
     finally:
         distributed.finish(procs)
@@ -117,14 +162,19 @@ def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
         if args.cpu_devices < 1:
             raise CLIError(f"--cpu-devices {args.cpu_devices} must be at least 1")
         if args.cpu_devices * n_proc != total:
-            per = (f"{n_proc} processes x --cpu-devices {args.cpu_devices} = "
-                   f"{args.cpu_devices * n_proc}" if n_proc > 1
-                   else f"--cpu-devices is {args.cpu_devices}")
+            per = (
+                f"{n_proc} processes x --cpu-devices {args.cpu_devices} = "
+                f"{args.cpu_devices * n_proc}"
+                if n_proc > 1
+                else f"--cpu-devices is {args.cpu_devices}"
+            )
             raise CLIError(f"--mesh {mesh_text} needs {total} devices but {per}: make them agree")
         return args.cpu_devices
     if total % n_proc:
-        raise CLIError(f"--mesh {mesh_text} has {total} devices, which {n_proc} processes cannot "
-                       f"share evenly: choose a mesh with a multiple of {n_proc} devices")
+        raise CLIError(
+            f"--mesh {mesh_text} has {total} devices, which {n_proc} processes cannot "
+            f"share evenly: choose a mesh with a multiple of {n_proc} devices"
+        )
     return total // n_proc
 
 
@@ -159,10 +209,16 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(_readable(report, job.prompts, job.text,
-                    streamed=stream is not None and stream.shown_all,
-                    timelines=_timelines(engine, out.layout) if args.timeline else (),
-                    demo=job.demo))
+    print(
+        _readable(
+            report,
+            job.prompts,
+            job.text,
+            streamed=stream is not None and stream.shown_all,
+            timelines=_timelines(engine, out.layout) if args.timeline else (),
+            demo=job.demo,
+        )
+    )
     return 0
 
 
@@ -200,8 +256,10 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
     if args.check and procs.many:
-        raise CLIError("--check reruns the requests on one device of one process, which a "
-                       "multi-process job cannot wait for: compare with a one-process run instead")
+        raise CLIError(
+            "--check reruns the requests on one device of one process, which a "
+            "multi-process job cannot wait for: compare with a one-process run instead"
+        )
     if not 0 <= args.seed < 2**31:
         raise CLIError(f"--seed {args.seed} must be in [0, 2**31)")
     longest = max(len(p) for p in prompts)
@@ -212,11 +270,23 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     except ValueError as e:
         raise CLIError(str(e)) from None
     if procs.leader and max_seq_len % seq:
-        print(f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
-              f"a multiple of the {seq} seq devices (each holds the same number of slots)",
-              file=sys.stderr)
-    return _Job(spec, text, prompts, demo, dtype_name, sampling, max_seq_len, spec.eos_ids(),
-                mesh, len(jax.devices()) - len(devices))
+        print(
+            f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
+            f"a multiple of the {seq} seq devices (each holds the same number of slots)",
+            file=sys.stderr,
+        )
+    return _Job(
+        spec,
+        text,
+        prompts,
+        demo,
+        dtype_name,
+        sampling,
+        max_seq_len,
+        spec.eos_ids(),
+        mesh,
+        len(jax.devices()) - len(devices),
+    )
 
 
 def _load_and_generate(args, job: _Job, procs, show: bool):
@@ -232,18 +302,30 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
     progress = Progress(enabled=show)
     stream = None
     try:
-        source = progress.loading(job.spec.source, _bytes_to_read(job.spec.cfg, dtype, stage,
-                                                                  job.mesh))
-        engine = Engine(job.spec.cfg, source, job.mesh, dtype, job.max_seq_len,
-                        args.microbatches, args.groups, args.chunk,
-                        on_compile=progress.compiling, cp=args.cp)
+        source = progress.loading(
+            job.spec.source, _bytes_to_read(job.spec.cfg, dtype, stage, job.mesh)
+        )
+        engine = Engine(
+            job.spec.cfg,
+            source,
+            job.mesh,
+            dtype,
+            job.max_seq_len,
+            args.microbatches,
+            args.groups,
+            args.chunk,
+            on_compile=progress.compiling,
+            cp=args.cp,
+        )
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
             print(f"model: {job.spec.label}\n{_mesh_line(job, procs, stage, seq)}", flush=True)
-            stream = (_Streamer(job.text, progress) if len(job.prompts) == 1 else
-                      _DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens,
-                                    job.eos))
+            stream = (
+                _Streamer(job.text, progress)
+                if len(job.prompts) == 1
+                else _DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens, job.eos)
+            )
         out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream)
     finally:
         progress.stop()
@@ -256,11 +338,15 @@ def _mesh_line(job: _Job, procs, stage: int, seq: int) -> str:
     """'mesh 2x2 (stage x seq) over 4 CPU devices, float32', and what is left unused."""
     n = stage * seq
     platform = job.mesh.devices.flat[0].platform.upper()
-    line = (f"mesh {stage}x{seq} (stage x seq) over {n} {platform} device{'s' * (n != 1)}"
-            f"{f' in {procs.count} processes' if procs.many else ''}, {job.dtype_name}")
+    line = (
+        f"mesh {stage}x{seq} (stage x seq) over {n} {platform} device{'s' * (n != 1)}"
+        f"{f' in {procs.count} processes' if procs.many else ''}, {job.dtype_name}"
+    )
     if job.unused_devices:
-        line += (f" ({job.unused_devices} more device{'s' * (job.unused_devices != 1)} left "
-                 "unused: pass --mesh SxC to use them)")
+        line += (
+            f" ({job.unused_devices} more device{'s' * (job.unused_devices != 1)} left "
+            "unused: pass --mesh SxC to use them)"
+        )
     return line
 
 
@@ -281,15 +367,21 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         "stage_layers": engine.plan.stage_layers,
         "stage_devices": [[int(d.id) for d in row] for row in mesh.devices],
         "stage_processes": [sorted({int(d.process_index) for d in row}) for row in mesh.devices],
-        "requests": [{"prompt_ids": c.prompt_ids, "token_ids": c.token_ids,
-                      "text": text.decode(c.token_ids) if text else None,
-                      "finish_reason": c.finish_reason} for c in out.completions],
+        "requests": [
+            {
+                "prompt_ids": c.prompt_ids,
+                "token_ids": c.token_ids,
+                "text": text.decode(c.token_ids) if text else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in out.completions
+        ],
         "timing": out.timing,
         "compile_cache": cache.report(),
         "max_seq_len": job.max_seq_len,
         "bytes_between_stages": accounting.bytes_between_stages(
-            cfg, S, [len(p) for p in job.prompts],
-            [len(c.token_ids) - 1 for c in out.completions]),
+            cfg, S, [len(p) for p in job.prompts], [len(c.token_ids) - 1 for c in out.completions]
+        ),
         "bytes_sent": accounting.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
         "schedule": engine.schedules(out.layout),
         "kv_bytes_per_device": max(accounting.bytes_per_device((out.cache.k, out.cache.v))),
@@ -310,13 +402,23 @@ def _check_single_device(args, job: _Job, out) -> dict:
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.sharding.mesh import make_mesh
 
-    single = Engine(job.spec.cfg, job.spec.source, make_mesh(1, 1, jax.local_devices()[:1]),
-                    jnp.dtype(job.dtype_name), job.max_seq_len, 1, 1, args.chunk)
+    single = Engine(
+        job.spec.cfg,
+        job.spec.source,
+        make_mesh(1, 1, jax.local_devices()[:1]),
+        jnp.dtype(job.dtype_name),
+        job.max_seq_len,
+        1,
+        1,
+        args.chunk,
+    )
     ref = single.generate(job.prompts, args.max_new_tokens, job.sampling, args.seed, job.eos)
-    return {"matches_single_device": all(
-                a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)),
-            "max_error_vs_single_device": accounting.max_abs_error(out.first_logits,
-                                                                   ref.first_logits)}
+    return {
+        "matches_single_device": all(
+            a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)
+        ),
+        "max_error_vs_single_device": accounting.max_abs_error(out.first_logits, ref.first_logits),
+    }
 
 
 def _write_logits(path: str, logits) -> None:
@@ -335,18 +437,22 @@ def _timelines(engine, layout: dict) -> tuple[str, str]:
     from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, timeline
 
     steps = min(layout["chunk"], max(layout["decode_steps"], 1))
-    return (timeline(prefill_grid(engine.M, engine.stages), "prefill"),
-            timeline(decode_grid(layout["groups"], engine.stages, steps), "decode"))
+    return (
+        timeline(prefill_grid(engine.M, engine.stages), "prefill"),
+        timeline(decode_grid(layout["groups"], engine.stages, steps), "decode"),
+    )
 
 
 def _cp_report(layout: dict, timing: dict) -> dict:
     """The strategy prefill ran along `seq`, the bytes it moved per device (cost model,
     pipeline.cp_cost) and the model's time next to the measured one."""
     chosen = layout["cp"][layout["cp_strategy"]]
-    return {"cp_strategy": layout["cp_strategy"],
-            "cp_bytes_per_device": chosen["bytes_per_device"],
-            "cp_predicted_prefill_s": chosen["predicted_s"],
-            "cp_measured_prefill_s": timing["prefill_s"]}
+    return {
+        "cp_strategy": layout["cp_strategy"],
+        "cp_bytes_per_device": chosen["bytes_per_device"],
+        "cp_predicted_prefill_s": chosen["predicted_s"],
+        "cp_measured_prefill_s": timing["prefill_s"],
+    }
 
 
 def _generate(engine, args, prompts, sampling, eos, stream):
@@ -354,13 +460,27 @@ def _generate(engine, args, prompts, sampling, eos, stream):
     # Per-step logits only when something reads them (--logits-out, --check).
     with_logits = bool(args.logits_out or args.check)
     if not args.profile:
-        return engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,
-                               on_tokens=stream, with_logits=with_logits)
+        return engine.generate(
+            prompts,
+            args.max_new_tokens,
+            sampling,
+            args.seed,
+            eos,
+            on_tokens=stream,
+            with_logits=with_logits,
+        )
     import jax
 
     with jax.profiler.trace(args.profile):
-        return engine.generate(prompts, args.max_new_tokens, sampling, args.seed, eos,
-                               on_tokens=stream, with_logits=with_logits)
+        return engine.generate(
+            prompts,
+            args.max_new_tokens,
+            sampling,
+            args.seed,
+            eos,
+            on_tokens=stream,
+            with_logits=with_logits,
+        )
 
 
 def _mesh_devices(n: int, procs, mesh_text: str):
@@ -372,12 +492,16 @@ def _mesh_devices(n: int, procs, mesh_text: str):
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if len(devices) < n:
-        raise CLIError(f"--mesh {mesh_text} needs {n} devices, but {len(devices)} "
-                       f"{'is' if len(devices) == 1 else 'are'} visible: choose a smaller "
-                       f"--mesh, or (on CPU) --cpu-devices {n}")
+        raise CLIError(
+            f"--mesh {mesh_text} needs {n} devices, but {len(devices)} "
+            f"{'is' if len(devices) == 1 else 'are'} visible: choose a smaller "
+            f"--mesh, or (on CPU) --cpu-devices {n}"
+        )
     if procs.many and len(devices) != n:
-        raise CLIError(f"--mesh {mesh_text} needs {n} devices, but the {procs.count} processes "
-                       f"hold {len(devices)}: a multi-process mesh must use every device")
+        raise CLIError(
+            f"--mesh {mesh_text} needs {n} devices, but the {procs.count} processes "
+            f"hold {len(devices)}: a multi-process mesh must use every device"
+        )
     return devices[:n] if len(devices) > n else devices
 
 
@@ -391,8 +515,11 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
     from qwen3_spmd.sharding.plan import StagePlan
 
     plan = StagePlan(cfg.L, stages)
-    mine = {s for s, row in enumerate(mesh.devices)
-            if any(d.process_index == jax.process_index() for d in row)}
+    mine = {
+        s
+        for s, row in enumerate(mesh.devices)
+        if any(d.process_index == jax.process_index() for d in row)
+    }
     layers = sum(plan.counts[s] for s in mine)
     total = []
     _, abstract = abstract_model(cfg, dtype)
@@ -411,8 +538,12 @@ def _per_process(value: int, procs) -> list[int]:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    return [int(v) for v in np.asarray(
-        multihost_utils.process_allgather(np.array([value], np.int64))).reshape(-1)]
+    return [
+        int(v)
+        for v in np.asarray(multihost_utils.process_allgather(np.array([value], np.int64))).reshape(
+            -1
+        )
+    ]
 
 
 class _Streamer:
@@ -429,10 +560,10 @@ class _Streamer:
         ids = tokens[0]
         if self.text is not None:
             s = self.text.decode(ids)
-            sys.stdout.write(s[self.shown:])
+            sys.stdout.write(s[self.shown :])
             self.shown = len(s)
         else:
-            sys.stdout.write("".join(f" {t}" for t in ids[self.shown:]))
+            sys.stdout.write("".join(f" {t}" for t in ids[self.shown :]))
             self.shown = len(ids)
         sys.stdout.flush()
 
@@ -458,8 +589,10 @@ class _DoneStreamer:
         if self.progress is not None:
             self.progress.stop()
         shown = self.text.decode(ids) if self.text is not None else " ".join(map(str, ids))
-        print(f"[{n}] ({len(self.prompts[n])} prompt tokens -> {len(ids)} new, {reason}) "
-              f"{shown}", flush=True)
+        print(
+            f"[{n}] ({len(self.prompts[n])} prompt tokens -> {len(ids)} new, {reason}) {shown}",
+            flush=True,
+        )
         self.printed.add(n)
 
     def __call__(self, tokens: list[list[int]]) -> None:
@@ -470,12 +603,12 @@ class _DoneStreamer:
             if ids and ids[-1] in self.eos:
                 self._show(n, ids, "stop")
             elif len(ids) >= self.max_new:
-                self._show(n, ids[:self.max_new], "length")
+                self._show(n, ids[: self.max_new], "length")
 
     def finish(self) -> None:
         for n, ids in enumerate(self.last):
             if n not in self.printed:
-                self._show(n, ids[:self.max_new], "length")
+                self._show(n, ids[: self.max_new], "length")
 
 
 def _from_cache(c: dict) -> str:
@@ -489,38 +622,53 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
     if not streamed:
         for n, req in enumerate(r["requests"]):
             shown = req["text"] if text is not None else " ".join(map(str, req["token_ids"]))
-            lines.append(f"[{n}] ({len(prompts[n])} prompt tokens -> {len(req['token_ids'])} "
-                         f"new, {req['finish_reason']}) {shown}")
+            lines.append(
+                f"[{n}] ({len(prompts[n])} prompt tokens -> {len(req['token_ids'])} "
+                f"new, {req['finish_reason']}) {shown}"
+            )
         lines.append("")
-    lines.append("stages (layers each stage holds, and its seq devices, numbered by mesh "
-                 "position):")
+    lines.append(
+        "stages (layers each stage holds, and its seq devices, numbered by mesh position):"
+    )
     C = r["mesh"]["seq"]
     for s, (first, last) in enumerate(r["stage_layers"]):
         procs = r["stage_processes"][s]
         where = f" in process {', '.join(map(str, procs))}" if r["processes"] > 1 else ""
-        lines.append(f"  stage {s}: layers {first}-{last}  on devices "
-                     f"{', '.join(str(s * C + c) for c in range(C))}{where}")
+        lines.append(
+            f"  stage {s}: layers {first}-{last}  on devices "
+            f"{', '.join(str(s * C + c) for c in range(C))}{where}"
+        )
     if timelines:
-        lines += ["", "timeline (a column per tick: the microbatch (prefill) or request group "
-                      "(decode) each stage works on; blank = idle):"]
+        lines += [
+            "",
+            "timeline (a column per tick: the microbatch (prefill) or request group "
+            "(decode) each stage works on; blank = idle):",
+        ]
         for t in timelines:
             lines += ["  " + row for row in t.splitlines()]
     t = r["timing"]
-    lines += ["",
-              f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
-              "at 2 bytes per value)",
-              f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
-              f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
-              f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "
-              f"bytes per device; prefill predicted {r['cp_predicted_prefill_s']:.3f} s)",
-              f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
-              f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
-              f"compile {t['compile_s']:.1f} s{_from_cache(r['compile_cache'])}"]
+    lines += [
+        "",
+        f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
+        "at 2 bytes per value)",
+        f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
+        f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
+        f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "
+        f"bytes per device; prefill predicted {r['cp_predicted_prefill_s']:.3f} s)",
+        f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
+        f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
+        f"compile {t['compile_s']:.1f} s{_from_cache(r['compile_cache'])}",
+    ]
     if "matches_single_device" in r:
-        lines.append(f"matches_single_device: {str(r['matches_single_device']).lower()} "
-                     f"(the tokens of a one-device run of the same requests; max logits error "
-                     f"{r['max_error_vs_single_device']:.2e})")
+        lines.append(
+            f"matches_single_device: {str(r['matches_single_device']).lower()} "
+            f"(the tokens of a one-device run of the same requests; max logits error "
+            f"{r['max_error_vs_single_device']:.2e})"
+        )
     if demo:
-        lines += ["", "(the built-in demo: random weights, so the tokens are noise; pass --model "
-                      "a Hugging Face Qwen3 folder for real text)"]
+        lines += [
+            "",
+            "(the built-in demo: random weights, so the tokens are noise; pass --model "
+            "a Hugging Face Qwen3 folder for real text)",
+        ]
     return "\n".join(lines)

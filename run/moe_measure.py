@@ -50,10 +50,14 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
                 times.append(time.perf_counter() - t)
             ms = 1e3 * statistics.median(times)
             need = (distinct if how in ("gathered", "looped") else E) * per_expert
-            out.append(dict(rows=R, how=how, ms=ms, bytes=need,
-                            gbps=need / ms / 1e6, distinct=distinct))
-            print(f"rows {R:5d}  {how:9s} {ms:9.2f} ms  reads {need / 1e6:8.1f} MB "
-                  f"({distinct} distinct experts chosen)  {need / ms / 1e6:6.1f} GB/s", flush=True)
+            out.append(
+                dict(rows=R, how=how, ms=ms, bytes=need, gbps=need / ms / 1e6, distinct=distinct)
+            )
+            print(
+                f"rows {R:5d}  {how:9s} {ms:9.2f} ms  reads {need / 1e6:8.1f} MB "
+                f"({distinct} distinct experts chosen)  {need / ms / 1e6:6.1f} GB/s",
+                flush=True,
+            )
     return out
 
 

@@ -17,12 +17,18 @@ class Progress:
         self.bar = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import (BarColumn, Progress as Bar, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as Bar
 
-            self.bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                           TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-                           console=Console(file=sys.stderr), transient=True)
+            self.bar = Bar(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=Console(file=sys.stderr),
+                transient=True,
+            )
             self.bar.start()
 
     def stop(self) -> None:
@@ -34,8 +40,9 @@ class Progress:
         """`source` with each read counted against `total_bytes` (this process's share)."""
         if self.bar is None or hasattr(source, "place"):  # a state placed already (bench)
             return source
-        task = self.bar.add_task("loading weights", total=total_bytes,
-                                 detail=f"0/{total_bytes / 1e6:.1f} MB")
+        task = self.bar.add_task(
+            "loading weights", total=total_bytes, detail=f"0/{total_bytes / 1e6:.1f} MB"
+        )
         return _Counted(source, self, task)
 
     @contextlib.contextmanager

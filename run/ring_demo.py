@@ -27,12 +27,8 @@ PARTITIONS = ("contiguous", "zigzag")
 
 def register(subparsers) -> None:
     """Adds the `ring` subcommand to an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "ring", help="ring attention demo: error vs dense, work per device"
-    )
-    p.add_argument(
-        "--heads", type=int, default=4, help="attention heads N (= KV heads)"
-    )
+    p = subparsers.add_parser("ring", help="ring attention demo: error vs dense, work per device")
+    p.add_argument("--heads", type=int, default=4, help="attention heads N (= KV heads)")
     p.add_argument(
         "--seq",
         type=int,
@@ -107,13 +103,9 @@ def _run(args) -> dict:
     report = {}
     for name in PARTITIONS:
         partition = getattr(ring, name)(args.seq, c)
-        pos = np.broadcast_to(
-            ring.device_positions(partition), (args.batch, c * partition[0].size)
-        )
+        pos = np.broadcast_to(ring.device_positions(partition), (args.batch, c * partition[0].size))
         inputs = [ring.to_device_order(x, partition) for x in (q, k, v)] + [pos]
-        placed = [
-            jax.device_put(jnp.asarray(x), NamedSharding(mesh, seq)) for x in inputs
-        ]
+        placed = [jax.device_put(jnp.asarray(x), NamedSharding(mesh, seq)) for x in inputs]
         o, _, blocks = sharded(*placed)
         o = ring.from_device_order(np.asarray(o), partition)
         report[name] = {
@@ -138,9 +130,7 @@ def main(args) -> int:
         f"ring attention: B={args.batch} T={args.seq} N={args.heads} H={args.dim} on {args.devices} seq devices"
     )
     for name, r in report["partitions"].items():
-        print(
-            f"{name:>10}: max error {r['max_error']:.2e}  work {r['work']}  blocks {r['blocks']}"
-        )
+        print(f"{name:>10}: max error {r['max_error']:.2e}  work {r['work']}  blocks {r['blocks']}")
     return 0
 
 

@@ -24,8 +24,10 @@ class Text:
         try:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
-            raise TextError(f"{folder / 'tokenizer.json'} cannot be read ({e}): replace it, "
-                            "or remove it and pass --prompt-ids") from None
+            raise TextError(
+                f"{folder / 'tokenizer.json'} cannot be read ({e}): replace it, "
+                "or remove it and pass --prompt-ids"
+            ) from None
         config_path = folder / "tokenizer_config.json"
         try:
             self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
@@ -34,7 +36,7 @@ class Text:
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def find(cls, folder: str | Path | None) -> "Text | None":
+    def find(cls, folder: str | Path | None) -> Text | None:
         if folder is None or not (Path(folder) / "tokenizer.json").is_file():
             return None
         return cls(folder)
@@ -64,8 +66,10 @@ class Text:
         if isinstance(template, list):  # several named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not template:
-            raise TextError("--chat needs a chat_template in tokenizer_config.json, and this "
-                            "checkpoint has none: pass the prompt without --chat")
+            raise TextError(
+                "--chat needs a chat_template in tokenizer_config.json, and this "
+                "checkpoint has none: pass the prompt without --chat"
+            )
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -77,9 +81,13 @@ class Text:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(template).render(
-                messages=[{"role": "user", "content": user}], add_generation_prompt=True,
-                enable_thinking=enable_thinking, bos_token=self.config.get("bos_token") or "",
-                eos_token=self.config.get("eos_token") or "")
+                messages=[{"role": "user", "content": user}],
+                add_generation_prompt=True,
+                enable_thinking=enable_thinking,
+                bos_token=self.config.get("bos_token") or "",
+                eos_token=self.config.get("eos_token") or "",
+            )
         except TemplateError as e:
-            raise TextError(f"the chat template of this checkpoint failed ({e}): "
-                            "pass the prompt without --chat") from None
+            raise TextError(
+                f"the chat template of this checkpoint failed ({e}): pass the prompt without --chat"
+            ) from None

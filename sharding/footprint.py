@@ -25,8 +25,9 @@ def _shard_bytes(mesh: AbstractMesh, spec, shape, dtype) -> int:
     return math.prod(NamedSharding(mesh, spec).shard_shape(tuple(shape))) * np.dtype(dtype).itemsize
 
 
-def bytes_per_device(cfg: Qwen3Config, stages: int, seq: int, dtype, batch: int = 1,
-                     max_seq_len: int = 0) -> dict[str, int]:
+def bytes_per_device(
+    cfg: Qwen3Config, stages: int, seq: int, dtype, batch: int = 1, max_seq_len: int = 0
+) -> dict[str, int]:
     """{'weights', 'kv', 'total'}: bytes on one device (every device holds the same)."""
     mesh = AbstractMesh((stages, seq), ("stage", "seq"))
     plan = StagePlan(cfg.L, stages)
@@ -62,14 +63,18 @@ def _cli():
     a = p.parse_args()
     cfg = PRESETS[a.model]
     dtype = jax.numpy.dtype(a.dtype)
-    print(f"{a.model}: {cfg.param_count() / 1e9:.1f}B parameters, "
-          f"{cfg.param_count(active=True) / 1e9:.2f}B active; {a.dtype}, batch {a.batch}, "
-          f"{a.max_seq_len} cache slots per request")
+    print(
+        f"{a.model}: {cfg.param_count() / 1e9:.1f}B parameters, "
+        f"{cfg.param_count(active=True) / 1e9:.2f}B active; {a.dtype}, batch {a.batch}, "
+        f"{a.max_seq_len} cache slots per request"
+    )
     for m in a.meshes.split(","):
         S, C = map(int, m.split("x"))
         b = bytes_per_device(cfg, S, C, dtype, a.batch, a.max_seq_len)
-        print(f"  {S}x{C}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "
-              f"= {b['total'] / 1e9:6.1f} GB per device")
+        print(
+            f"  {S}x{C}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "
+            f"= {b['total'] / 1e9:6.1f} GB per device"
+        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh
@@ -17,8 +17,10 @@ def parse_mesh(text: str) -> tuple[int, int]:
     try:
         stage, seq = (int(p) for p in text.lower().split("x"))
     except ValueError:
-        raise MeshError(f"--mesh {text!r} is not of the form SxC (e.g. 2x2): "
-                        "S pipeline stages times C sequence devices") from None
+        raise MeshError(
+            f"--mesh {text!r} is not of the form SxC (e.g. 2x2): "
+            "S pipeline stages times C sequence devices"
+        ) from None
     if stage < 1 or seq < 1:
         raise MeshError(f"--mesh {text!r} needs positive sizes")
     return stage, seq
@@ -35,6 +37,8 @@ def make_mesh(stage: int, seq: int, devices: Sequence[jax.Device] | None = None)
             f"mesh {stage}x{seq} needs {n} devices, but {len(devices)} "
             f"{'is' if len(devices) == 1 else 'are'} {given}: pass a mesh of {len(devices)} "
             f"devices, or on CPU emulate {n} with jax.config.update('jax_num_cpu_devices', {n}) "
-            "before the first JAX computation")
-    return jax.make_mesh((stage, seq), ("stage", "seq"), devices=devices,
-                         axis_types=(AxisType.Auto, AxisType.Auto))
+            "before the first JAX computation"
+        )
+    return jax.make_mesh(
+        (stage, seq), ("stage", "seq"), devices=devices, axis_types=(AxisType.Auto, AxisType.Auto)
+    )

@@ -8,7 +8,8 @@ the stage plan are zeros.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -20,8 +21,9 @@ from qwen3_spmd.sharding.specs import param_spec
 
 
 class WeightSource(Protocol):
-    def read(self, path: tuple[str, ...], dtype, layers: Sequence[int] | None = None) -> np.ndarray:
-        ...
+    def read(
+        self, path: tuple[str, ...], dtype, layers: Sequence[int] | None = None
+    ) -> np.ndarray: ...
 
 
 def place_state(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
@@ -55,9 +57,14 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
             whole = source.read(path, x.dtype)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
         shape = (plan.stages, *x.shape[1:])  # one slot of every stage
-        stages = sorted({s for index in sharding.addressable_devices_indices_map(shape).values()
-                         for s in range(*index[0].indices(plan.stages)[:2])})
-        mine = [i for s in stages for i in slots[s * per:(s + 1) * per] if i is not None]
+        stages = sorted(
+            {
+                s
+                for index in sharding.addressable_devices_indices_map(shape).values()
+                for s in range(*index[0].indices(plan.stages)[:2])
+            }
+        )
+        mine = [i for s in stages for i in slots[s * per : (s + 1) * per] if i is not None]
         row = {layer: r for r, layer in enumerate(mine)}
         read = source.read(path, x.dtype, mine)  # [len(mine), ...]
         zeros = np.zeros(x.shape[1:], x.dtype)
@@ -67,7 +74,8 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
                 start, stop, _ = index[0].indices(plan.stages)
                 ids = (slots[s * per + j] for s in range(start, stop))
                 return np.stack([zeros if i is None else read[row[i]] for i in ids])[
-                    (slice(None), *index[1:])]
+                    (slice(None), *index[1:])
+                ]
 
             return jax.make_array_from_callback(shape, sharding, shard)
 

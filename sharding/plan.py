@@ -27,7 +27,8 @@ class StagePlan:
         if self.stages > self.num_layers:
             raise PlanError(
                 f"{self.stages} pipeline stages but the model has only {self.num_layers} layers: "
-                f"use at most {self.num_layers} stages")
+                f"use at most {self.num_layers} stages"
+            )
 
     @property
     def per_stage(self) -> int:

@@ -27,10 +27,7 @@ def dense_attention(q, k, v, q_pos, k_pos, scale):
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(axis=-1)
-    o = (
-        np.einsum("bnts,bsnh->btnh", p, v)
-        / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
-    )
+    o = np.einsum("bnts,bsnh->btnh", p, v) / np.where(l > 0, l, 1.0).transpose(0, 2, 1)[..., None]
     with np.errstate(divide="ignore"):
         lse = (m[..., 0] + np.log(l)).transpose(0, 2, 1)
     return o, lse
@@ -43,6 +40,6 @@ def right_padded(seqs, width: int | None = None):
     tokens = np.zeros((len(seqs), width), np.int32)
     positions = np.full((len(seqs), width), -1, np.int32)
     for b, s in enumerate(seqs):
-        tokens[b, :len(s)] = s
-        positions[b, :len(s)] = np.arange(len(s))
+        tokens[b, : len(s)] = s
+        positions[b, : len(s)] = np.arange(len(s))
     return tokens, positions

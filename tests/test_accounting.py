@@ -12,8 +12,23 @@ from qwen3_spmd.pipeline import accounting
 from qwen3_spmd.sharding.plan import StagePlan
 
 # The issue's example: a Qwen3 chat prompt, 20 new tokens, 2 stages.
-CHAT_PROMPT = [151644, 872, 198, 105043, 100165, 11319, 151645, 198, 151644, 77091, 198, 151667,
-               271, 151668, 271]
+CHAT_PROMPT = [
+    151644,
+    872,
+    198,
+    105043,
+    100165,
+    11319,
+    151645,
+    198,
+    151644,
+    77091,
+    198,
+    151667,
+    271,
+    151668,
+    271,
+]
 
 
 def test_qwen3_0_6b_two_stages_plan_and_bytes():
@@ -48,12 +63,16 @@ def test_bytes_sent_counts_padding_and_bubbles():
 def test_bytes_per_device_counts_each_devices_shard(spec):
     """From the sharding alone, the bytes of the shard each device holds."""
     mesh = jax.make_mesh((2, 2), ("stage", "seq"), devices=jax.devices()[:4])
-    x = jax.device_put(np.zeros((4, 6), np.float32),
-                       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    x = jax.device_put(
+        np.zeros((4, 6), np.float32),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)),
+    )
     y = jax.device_put(np.zeros((3,), np.int32), jax.devices()[5])
     want = collections.Counter()
     for a in (x, y):
         for shard in a.addressable_shards:
             want[shard.device.id] += shard.data.nbytes
     assert accounting.bytes_per_device({"x": x, "y": y}) == [want[d] for d in sorted(want)]
-    assert sum(want.values()) == 4 * 6 * 4 * 4 // math.prod(mesh.shape[a] for a in spec if a) + 3 * 4
+    assert (
+        sum(want.values()) == 4 * 6 * 4 * 4 // math.prod(mesh.shape[a] for a in spec if a) + 3 * 4
+    )

@@ -34,9 +34,13 @@ def check_common(out: dict, meshes: list[str]) -> None:
     assert out["model"]["random_weights"] is True and out["dtype"] == "float32"
     assert [x["mesh"] for x in out["meshes"]] == meshes
     assert set(out["targets"]) == {
-        "decode_b1_bandwidth_roofline_fraction", "decode_b1_speedup_vs_peer",
-        "prefill_512_speedup_vs_peer", "prefill_2048_2x2_time_ratio_vs_1x1",
-        "decode_b8_2x1_time_ratio_vs_1x1", "compile_s_max"}
+        "decode_b1_bandwidth_roofline_fraction",
+        "decode_b1_speedup_vs_peer",
+        "prefill_512_speedup_vs_peer",
+        "prefill_2048_2x2_time_ratio_vs_1x1",
+        "decode_b8_2x1_time_ratio_vs_1x1",
+        "compile_s_max",
+    }
     assert out["targets"]["compile_s_max"]["value"] > 0
     for mesh in out["meshes"]:
         assert set(mesh["timeline"]) == {"prefill", "decode"}
@@ -44,8 +48,17 @@ def check_common(out: dict, meshes: list[str]) -> None:
 
 
 def test_prefill_and_rooflines_on_2x2(capsys):
-    out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--mesh", "2x2",
-                   "--prompt-lens", "16")
+    out = run_json(
+        capsys,
+        "--scenario",
+        "prefill",
+        "--scenario",
+        "roofline",
+        "--mesh",
+        "2x2",
+        "--prompt-lens",
+        "16",
+    )
     check_common(out, ["1x1", "2x2"])
     roof = out["roofline"]
     assert roof["bandwidth_bytes_per_s"]["median"] > 0 and roof["matmul_flops_per_s"]["median"] > 0
@@ -58,8 +71,9 @@ def test_prefill_and_rooflines_on_2x2(capsys):
         assert job["compile_s"] > 0 and job["flops"] > 0
         assert in_unit(job["compute_roofline_fraction"])
         assert 0 < job["time_ratio_vs_1x1"] < math.inf
-        assert set(job["programs"]) and all(a is None or a["argument_size_in_bytes"] > 0
-                                            for a in job["programs"].values())
+        assert set(job["programs"]) and all(
+            a is None or a["argument_size_in_bytes"] > 0 for a in job["programs"].values()
+        )
     one, two = out["meshes"]
     assert one["prefill"][0]["time_ratio_vs_1x1"] == 1.0
     assert one["prefill"][0]["idle_fraction"] == 0.0
@@ -71,8 +85,21 @@ def test_prefill_and_rooflines_on_2x2(capsys):
 
 
 def test_decode_and_memory_on_2x1(capsys):
-    out = run_json(capsys, "--scenario", "decode", "--scenario", "memory", "--scenario",
-                   "roofline", "--mesh", "2x1", "--batches", "2", "--decode-cache-len", "41")
+    out = run_json(
+        capsys,
+        "--scenario",
+        "decode",
+        "--scenario",
+        "memory",
+        "--scenario",
+        "roofline",
+        "--mesh",
+        "2x1",
+        "--batches",
+        "2",
+        "--decode-cache-len",
+        "41",
+    )
     check_common(out, ["1x1", "2x1"])
     for mesh in out["meshes"]:
         assert "prefill" not in mesh
@@ -92,8 +119,9 @@ def test_decode_and_memory_on_2x1(capsys):
         assert len(mem["weight_bytes_per_device"]) == mesh["devices"]
         assert mem["max_weight_bytes"] > 0 and mem["max_kv_bytes"] > 0
         for analysis in mem["programs"].values():
-            assert analysis is None or (analysis["temp_size_in_bytes"] >= 0
-                                        and analysis["argument_size_in_bytes"] > 0)
+            assert analysis is None or (
+                analysis["temp_size_in_bytes"] >= 0 and analysis["argument_size_in_bytes"] > 0
+            )
     one, two = out["meshes"]
     assert one["decode"][0]["stage_bytes_per_token"] == 0
     assert two["decode"][0]["stage_bytes_per_token"] > 0
@@ -107,11 +135,17 @@ def test_decode_and_memory_on_2x1(capsys):
 
 def test_decode_groups_compare_with_the_groups_run_in_turn_on_1x1():
     def job(batch, groups, seconds):
-        return {"batch": batch, "padded_batch": batch, "groups": groups,
-                "time_s": {"median": seconds}}
+        return {
+            "batch": batch,
+            "padded_batch": batch,
+            "groups": groups,
+            "time_s": {"median": seconds},
+        }
 
-    meshes = [{"mesh": "1x1", "decode": [job(1, 1, 1.0), job(2, 1, 1.5)]},
-              {"mesh": "2x1", "decode": [job(1, 1, 1.1), job(2, 2, 2.4)]}]
+    meshes = [
+        {"mesh": "1x1", "decode": [job(1, 1, 1.0), job(2, 1, 1.5)]},
+        {"mesh": "2x1", "decode": [job(1, 1, 1.1), job(2, 2, 2.4)]},
+    ]
     add_ratios(meshes)
     one, two = meshes[1]["decode"]
     assert one["time_ratio_vs_1x1"] == pytest.approx(1.1)
@@ -123,8 +157,21 @@ def test_decode_groups_compare_with_the_groups_run_in_turn_on_1x1():
 def test_table_and_plot(capsys, tmp_path):
     pytest.importorskip("matplotlib")  # --plot only; not an install requirement
     plot = tmp_path / "bench.png"
-    assert main(["bench", "--smoke", "--scenario", "prefill", "--prompt-lens", "16",
-                 "--plot", str(plot)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--smoke",
+                "--scenario",
+                "prefill",
+                "--prompt-lens",
+                "16",
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for heading in ("machine:", "prefill", "targets"):
         assert heading in text
@@ -136,43 +183,71 @@ def test_peer_transformers(capsys):
     # scenario is tested only where they are installed.
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    out = run_json(capsys, "--scenario", "prefill", "--scenario", "decode", "--peer",
-                   "transformers", "--prompt-lens", "16", "--batches", "1")
+    out = run_json(
+        capsys,
+        "--scenario",
+        "prefill",
+        "--scenario",
+        "decode",
+        "--peer",
+        "transformers",
+        "--prompt-lens",
+        "16",
+        "--batches",
+        "1",
+    )
     check_common(out, ["1x1"])
     peer = out["peer"]
     assert peer["threads"] >= 1 and peer["attn_implementation"] == "sdpa"
     assert [j["prompt_len"] for j in peer["prefill"]] == [16]
     assert [j["batch"] for j in peer["decode"]] == [1]
     for job in peer["prefill"] + peer["decode"]:
-        for key in ("ours_time_s", "theirs_time_s", "ours_tokens_per_s", "theirs_tokens_per_s",
-                    "speedup"):
+        for key in (
+            "ours_time_s",
+            "theirs_time_s",
+            "ours_tokens_per_s",
+            "theirs_tokens_per_s",
+            "speedup",
+        ):
             check_spread(job[key])
         assert len(job["speedup_pairs"]) == 2
     assert out["targets"]["decode_b1_speedup_vs_peer"]["value"] > 0
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--prompt-lens", "0"], "positive"),
-    (["--scenario", "peer"], "--peer transformers"),
-    (["--mesh", "2x2", "--cpu-devices", "2"], "needs 4 devices"),
-    (["--decode-cache-len", "20"], "--decode-cache-len 20 is below the 21 slots"),
-    # 0 is refused, not taken for "use the default"
-    (["--decode-steps", "0"], "--decode-steps 0 must be at least 1"),
-    (["--repeats", "0"], "--repeats 0 must be at least 1"),
-    (["--chunk", "0"], "--chunk 0 must be at least 1"),
-    (["--decode-prompt-len", "0"], "--decode-prompt-len 0 must be at least 1"),
-    (["--prompt-lens", ""], "positive"),
-    (["--prompt-lens", "16 32"], "comma-separated"),
-    (["--prompt-lens", "5000"], "--prompt-lens 5000: a prompt and the token after it need 5001"),
-    (["--decode-prompt-len", "4090", "--decode-steps", "8"], "4090 + --decode-steps 8 + 1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--prompt-lens", "0"], "positive"),
+        (["--scenario", "peer"], "--peer transformers"),
+        (["--mesh", "2x2", "--cpu-devices", "2"], "needs 4 devices"),
+        (["--decode-cache-len", "20"], "--decode-cache-len 20 is below the 21 slots"),
+        # 0 is refused, not taken for "use the default"
+        (["--decode-steps", "0"], "--decode-steps 0 must be at least 1"),
+        (["--repeats", "0"], "--repeats 0 must be at least 1"),
+        (["--chunk", "0"], "--chunk 0 must be at least 1"),
+        (["--decode-prompt-len", "0"], "--decode-prompt-len 0 must be at least 1"),
+        (["--prompt-lens", ""], "positive"),
+        (["--prompt-lens", "16 32"], "comma-separated"),
+        (
+            ["--prompt-lens", "5000"],
+            "--prompt-lens 5000: a prompt and the token after it need 5001",
+        ),
+        (["--decode-prompt-len", "4090", "--decode-steps", "8"], "4090 + --decode-steps 8 + 1"),
+    ],
+)
 def test_bad_input(capsys, argv, words):
     assert main(["bench", "--smoke", *argv]) == 2
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("plot, words", [("bench.txt", "image format"), ("bench", "image format"),
-                                         ("/no/such/folder/b.png", "there is no folder")])
+@pytest.mark.parametrize(
+    "plot, words",
+    [
+        ("bench.txt", "image format"),
+        ("bench", "image format"),
+        ("/no/such/folder/b.png", "there is no folder"),
+    ],
+)
 def test_plot_path_is_checked_before_the_run(capsys, plot, words):
     if "format" in words:
         pytest.importorskip("matplotlib")  # the formats are matplotlib's
@@ -187,8 +262,21 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
     time, and the link bandwidth is measured for it."""
     from qwen3_spmd.pipeline import cp_cost
 
-    out = run_json(capsys, "--scenario", "prefill", "--scenario", "roofline", "--prompt-lens",
-                   "16", "--mesh", "1x2", "--cp", "ring", "--cp", "ulysses")
+    out = run_json(
+        capsys,
+        "--scenario",
+        "prefill",
+        "--scenario",
+        "roofline",
+        "--prompt-lens",
+        "16",
+        "--mesh",
+        "1x2",
+        "--cp",
+        "ring",
+        "--cp",
+        "ulysses",
+    )
     assert [m["mesh"] for m in out["meshes"]] == ["1x1", "1x2", "1x2 ulysses"]
     link = out["roofline"]["link_bytes_per_s"]
     assert link["devices"] == 2
@@ -200,12 +288,12 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
 
     cfg = open_model(None, 0).cfg
     for job in (ring, uly):
-        per_layer = cp_cost.bytes_per_layer(job["cp_strategy"], cfg, 2, 1,
-                                            job["padded_prompt"], 4)
+        per_layer = cp_cost.bytes_per_layer(job["cp_strategy"], cfg, 2, 1, job["padded_prompt"], 4)
         assert job["cp_bytes_per_device_per_layer"] == per_layer > 0
         assert job["cp_bytes_per_device"] == per_layer * cfg.L
         assert job["cp_predicted_s"] > 0
         assert set(job["cp_model"]) == {"ring", "ulysses"}
-    assert main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp",
-                 "ulysses"]) == 2
+    assert (
+        main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp", "ulysses"]) == 2
+    )
     assert "--mesh 1x3: ulysses: 4 query heads cannot be shared" in capsys.readouterr().err

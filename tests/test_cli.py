@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import FIXTURES
 
 from qwen3_spmd.run.cli import main
-from reference import FIXTURES
 
 ROOT = Path(__file__).parent.parent
 
@@ -23,8 +23,16 @@ def run_json(capsys, *argv) -> dict:
 def test_json_contract_matches_transformers(capsys, tmp_path):
     ref = np.load(FIXTURES / "tiny" / "reference.npz")
     prompts = [ref[f"prompt_{i}"].tolist() for i in range(3)]
-    argv = ["--model", str(FIXTURES / "tiny"), "--mesh", "1x1", "--max-new-tokens", "8",
-            "--logits-out", str(tmp_path / "logits.npy")]
+    argv = [
+        "--model",
+        str(FIXTURES / "tiny"),
+        "--mesh",
+        "1x1",
+        "--max-new-tokens",
+        "8",
+        "--logits-out",
+        str(tmp_path / "logits.npy"),
+    ]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     out = run_json(capsys, *argv)
@@ -35,8 +43,13 @@ def test_json_contract_matches_transformers(capsys, tmp_path):
         assert req["token_ids"] == ref[f"greedy_tokens_{i}"].tolist()
         assert req["finish_reason"] == "length"
         assert isinstance(req["text"], str)
-    assert set(out["timing"]) >= {"compile_s", "prefill_s", "decode_s", "prefill_tokens_per_s",
-                                  "decode_tokens_per_s"}
+    assert set(out["timing"]) >= {
+        "compile_s",
+        "prefill_s",
+        "decode_s",
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+    }
     assert all(v > 0 for v in out["timing"].values())
     logits = np.load(tmp_path / "logits.npy")
     assert logits.shape == (8, ref["step_logits_0"].shape[1]) and logits.dtype == np.float32
@@ -55,39 +68,55 @@ def test_demo_on_2x2_matches_single_device(capsys):
 
 
 def test_chat_prompt_uses_template(capsys):
-    out = run_json(capsys, "--model", str(FIXTURES / "tiny"), "--mesh", "1x1", "--prompt", "Hi",
-                   "--chat", "--no-thinking", "--max-new-tokens", "2")
+    out = run_json(
+        capsys,
+        "--model",
+        str(FIXTURES / "tiny"),
+        "--mesh",
+        "1x1",
+        "--prompt",
+        "Hi",
+        "--chat",
+        "--no-thinking",
+        "--max-new-tokens",
+        "2",
+    )
     ids = out["requests"][0]["prompt_ids"]
     # <|im_start|>user ... <|im_start|>assistant, then the empty <think>\n\n</think>\n\n
     # that Qwen3's template adds for enable_thinking=False.
     assert ids[0] == 301 and ids[-6:] == [303, 198, 198, 304, 198, 198]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "/no/such/folder"], "no such folder"),
-    (["--prompt-ids", "1,2,x"], "comma-separated"),
-    (["--prompt-ids", "1 2 3"], "comma-separated"),  # not the one token 123
-    (["--prompt-ids", "1,,2"], "comma-separated"),
-    (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature nan"),
-    (["--prompt-ids", ""], "empty"),
-    (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
-    (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),
-    (["--prompt-ids", "1,2", "--dtype", "float16"], "--dtype"),
-    (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
-    (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
-    (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
-    (["--prompt", "hello"], "tokenizer"),
-    (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
-    (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
-    # outputs are checked before the work, whose result would otherwise be lost
-    (["--prompt-ids", "1,2", "--logits-out", "/no/such/folder/l.npy"], "there is no folder"),
-    (["--prompt-ids", "1,2", "--logits-out", str(FIXTURES)], "is a folder"),
-    (["--prompt-ids", "1,2", "--profile", str(FIXTURES / "tiny" / "config.json")],
-     "cannot make that folder"),
-    # argparse's own errors, one line too
-    (["--prompt-ids", "1,2", "--max-new-tokens", "x"], "invalid int value"),
-    (["--prompt-ids", "1,2", "--no-such-flag"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--model", "/no/such/folder"], "no such folder"),
+        (["--prompt-ids", "1,2,x"], "comma-separated"),
+        (["--prompt-ids", "1 2 3"], "comma-separated"),  # not the one token 123
+        (["--prompt-ids", "1,,2"], "comma-separated"),
+        (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature nan"),
+        (["--prompt-ids", ""], "empty"),
+        (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),
+        (["--prompt-ids", "1,2", "--dtype", "float16"], "--dtype"),
+        (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
+        (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
+        (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
+        (["--prompt", "hello"], "tokenizer"),
+        (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
+        (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
+        # outputs are checked before the work, whose result would otherwise be lost
+        (["--prompt-ids", "1,2", "--logits-out", "/no/such/folder/l.npy"], "there is no folder"),
+        (["--prompt-ids", "1,2", "--logits-out", str(FIXTURES)], "is a folder"),
+        (
+            ["--prompt-ids", "1,2", "--profile", str(FIXTURES / "tiny" / "config.json")],
+            "cannot make that folder",
+        ),
+        # argparse's own errors, one line too
+        (["--prompt-ids", "1,2", "--max-new-tokens", "x"], "invalid int value"),
+        (["--prompt-ids", "1,2", "--no-such-flag"], "unrecognized arguments"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(capsys, argv, words):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -102,8 +131,14 @@ def test_folder_without_config(capsys, tmp_path):
 def test_console_script_sets_cpu_devices_before_jax_starts():
     # No model and no prompt: the demo, on an emulated 2x2 CPU mesh, checked and drawn.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-m", "qwen3_spmd.run", "generate", "--max-new-tokens", "4"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "qwen3_spmd.run", "generate", "--max-new-tokens", "4"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "mesh 2x2 (stage x seq) over 4 CPU devices" in out.stdout
     assert "stage 0: layers 0-1" in out.stdout and "stage 1: layers 2-3" in out.stdout
@@ -113,16 +148,47 @@ def test_console_script_sets_cpu_devices_before_jax_starts():
 
 
 def test_several_requests_print_each_when_done(capsys):
-    assert main(["generate", "--model", str(FIXTURES / "tiny"), "--mesh", "1x1",
-                 "--prompt-ids", "1,2,3", "--prompt-ids", "4,5", "--max-new-tokens", "3"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(FIXTURES / "tiny"),
+                "--mesh",
+                "1x1",
+                "--prompt-ids",
+                "1,2,3",
+                "--prompt-ids",
+                "4,5",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("[0] (3 prompt tokens -> 3 new") == 1
     assert out.count("[1] (2 prompt tokens -> 3 new") == 1
 
 
 def test_profile_writes_a_trace(capsys, tmp_path):
-    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
-                 "--json", "--profile", str(tmp_path / "trace")]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--mesh",
+                "1x1",
+                "--prompt-ids",
+                "1,2,3",
+                "--max-new-tokens",
+                "2",
+                "--json",
+                "--profile",
+                str(tmp_path / "trace"),
+            ]
+        )
+        == 0
+    )
     json.loads(capsys.readouterr().out)
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
 
@@ -131,8 +197,10 @@ def test_bad_distributed_flags_are_one_line_exit_2(capsys):
     for argv, words in [
         (["--coordinator", "nohost", "--num-processes", "2", "--process-id", "0"], "HOST:PORT"),
         (["--num-processes", "2", "--process-id", "0"], "--coordinator"),
-        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"],
-         "--process-id 5"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "5"],
+            "--process-id 5",
+        ),
         (["--peer-timeout", "0"], "--peer-timeout"),
         (["--peer-timeout", "nan"], "--peer-timeout"),
         (["--peer-timeout", "inf"], "--peer-timeout"),
@@ -145,9 +213,23 @@ def test_bad_distributed_flags_are_one_line_exit_2(capsys):
 def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path):
     """Two runs with one --compile-cache folder: the first compiles and writes its
     programs there, the second reads them back (and gives the same tokens)."""
-    argv = [sys.executable, "-m", "qwen3_spmd.run", "generate", "--model", str(FIXTURES / "tiny"),
-            "--mesh", "1x2", "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "5", "--json",
-            "--compile-cache", str(tmp_path / "xla")]
+    argv = [
+        sys.executable,
+        "-m",
+        "qwen3_spmd.run",
+        "generate",
+        "--model",
+        str(FIXTURES / "tiny"),
+        "--mesh",
+        "1x2",
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--max-new-tokens",
+        "5",
+        "--json",
+        "--compile-cache",
+        str(tmp_path / "xla"),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     runs = []
     for _ in range(2):
@@ -162,12 +244,38 @@ def test_a_second_run_reads_its_programs_from_the_compile_cache(tmp_path):
 
 
 def test_compile_cache_off_and_unusable(capsys, tmp_path):
-    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2", "--max-new-tokens", "2",
-                 "--json", "--compile-cache", "off"]) == 0
-    assert json.loads(capsys.readouterr().out)["compile_cache"] == {"dir": None,
-                                                                   "programs_read": 0}
+    assert (
+        main(
+            [
+                "generate",
+                "--mesh",
+                "1x1",
+                "--prompt-ids",
+                "1,2",
+                "--max-new-tokens",
+                "2",
+                "--json",
+                "--compile-cache",
+                "off",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["compile_cache"] == {"dir": None, "programs_read": 0}
     (tmp_path / "file").write_text("")
-    assert main(["generate", "--mesh", "1x1", "--prompt-ids", "1,2",
-                 "--compile-cache", str(tmp_path / "file" / "xla")]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--mesh",
+                "1x1",
+                "--prompt-ids",
+                "1,2",
+                "--compile-cache",
+                str(tmp_path / "file" / "xla"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --compile-cache") and "\n" not in err

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import FIXTURES
 
 from qwen3_spmd.model.config import PRESETS, ConfigError, Qwen3Config, RopeScaling
 from qwen3_spmd.model.layers import Qwen3
-from reference import FIXTURES
 
 NAMES = ("tiny", "tied", "yarn")
 
@@ -35,14 +35,32 @@ def _as_4x(raw: dict, type_key: str = "rope_type") -> dict:
 
 # Qwen3-0.6B's published config.json (transformers 4.51 layout).
 QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -54,8 +72,14 @@ def test_fixture_config_parses_to_its_fields(name):
     raw = _raw(name)
     cfg = Qwen3Config.from_hf(FIXTURES / name)
     assert (cfg.V, cfg.D, cfg.F, cfg.L, cfg.N, cfg.K, cfg.H) == (
-        raw["vocab_size"], raw["hidden_size"], raw["intermediate_size"], raw["num_hidden_layers"],
-        raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"])
+        raw["vocab_size"],
+        raw["hidden_size"],
+        raw["intermediate_size"],
+        raw["num_hidden_layers"],
+        raw["num_attention_heads"],
+        raw["num_key_value_heads"],
+        raw["head_dim"],
+    )
     assert cfg.max_position_embeddings == raw["max_position_embeddings"]
     assert cfg.rms_norm_eps == raw["rms_norm_eps"]
     assert cfg.tie_word_embeddings == raw["tie_word_embeddings"]
@@ -92,8 +116,15 @@ def test_transformers_4x_layout_equals_5x_layout(name, type_key):
 
 def test_4x_yarn_with_every_option_equals_5x():
     base = _raw("yarn")
-    options = {"factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 24.0,
-               "beta_slow": 2.0, "mscale": 0.707, "mscale_all_dim": 0.5, "truncate": False}
+    options = {
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 24.0,
+        "beta_slow": 2.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.5,
+        "truncate": False,
+    }
     five = copy.deepcopy(base)
     five["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 5000.0, **options}
     four = copy.deepcopy(base)
@@ -104,8 +135,14 @@ def test_4x_yarn_with_every_option_equals_5x():
     assert c4 == c5
     assert c5.rope_theta == 5000.0
     assert c5.rope_scaling == RopeScaling(
-        factor=8.0, original_max_position_embeddings=16, beta_fast=24.0, beta_slow=2.0,
-        mscale=0.707, mscale_all_dim=0.5, truncate=False)
+        factor=8.0,
+        original_max_position_embeddings=16,
+        beta_fast=24.0,
+        beta_slow=2.0,
+        mscale=0.707,
+        mscale_all_dim=0.5,
+        truncate=False,
+    )
 
 
 def test_published_0_6b_config_is_the_preset():
@@ -120,9 +157,12 @@ def test_defaults_for_optional_fields_are_transformers_defaults():
     """A config.json without head_dim, num_key_value_heads or max_position_embeddings
     means what transformers' Qwen3Config makes of it: 128, 32 and 32768 (not hidden /
     heads, one KV head per query head, or the published 40960)."""
-    raw = {k: v for k, v in _raw("tiny").items()
-           if k not in ("head_dim", "num_key_value_heads", "max_position_embeddings",
-                        "rope_parameters")}
+    raw = {
+        k: v
+        for k, v in _raw("tiny").items()
+        if k
+        not in ("head_dim", "num_key_value_heads", "max_position_embeddings", "rope_parameters")
+    }
     raw["num_attention_heads"] = 64
     cfg = Qwen3Config.from_hf(raw)
     assert (cfg.K, cfg.H, cfg.max_position_embeddings) == (32, 128, 32768)
@@ -130,14 +170,21 @@ def test_defaults_for_optional_fields_are_transformers_defaults():
     assert Qwen3Config.from_hf({**raw, "num_key_value_heads": None}).K == 64
     transformers = pytest.importorskip("transformers")
     theirs = transformers.Qwen3Config(**raw)
-    assert (theirs.num_key_value_heads, theirs.head_dim, theirs.max_position_embeddings) == \
-        (cfg.K, cfg.H, cfg.max_position_embeddings)
+    assert (theirs.num_key_value_heads, theirs.head_dim, theirs.max_position_embeddings) == (
+        cfg.K,
+        cfg.H,
+        cfg.max_position_embeddings,
+    )
 
 
 def test_top_level_original_window_wins_for_yarn():
     raw = _raw("tiny")
-    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                              "original_max_position_embeddings": 64}
+    raw["rope_parameters"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64,
+    }
     raw["original_max_position_embeddings"] = 16
     assert Qwen3Config.from_hf(raw).rope_scaling.original_max_position_embeddings == 16
 
@@ -225,8 +272,10 @@ def test_refuses_sliding_layer_types():
     assert "layer_types" in _refused(raw)
 
 
-@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size",
-                                   "num_hidden_layers", "num_attention_heads"])
+@pytest.mark.parametrize(
+    "field",
+    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"],
+)
 def test_refuses_missing_required_field(field):
     raw = _raw("tiny")
     del raw[field]
@@ -240,12 +289,21 @@ def test_refuses_non_positive_size(field):
     assert field in _refused(raw)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("vocab_size", None), ("hidden_size", 48.0), ("max_position_embeddings", None),
-    ("num_key_value_heads", "2"), ("rope_theta", "abc"), ("rms_norm_eps", True),
-    ("tie_word_embeddings", "yes"), ("eos_token_id", "abc"), ("eos_token_id", [1, "2"]),
-    ("rope_scaling", "yarn"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vocab_size", None),
+        ("hidden_size", 48.0),
+        ("max_position_embeddings", None),
+        ("num_key_value_heads", "2"),
+        ("rope_theta", "abc"),
+        ("rms_norm_eps", True),
+        ("tie_word_embeddings", "yes"),
+        ("eos_token_id", "abc"),
+        ("eos_token_id", [1, "2"]),
+        ("rope_scaling", "yarn"),
+    ],
+)
 def test_refuses_a_field_of_the_wrong_type(field, value):
     raw = _raw("tiny")
     raw[field] = value
@@ -368,19 +426,35 @@ def test_linear_and_llama3_rope(layout):
     linear = Qwen3Config.from_hf(_as_4x(raw, "type") if layout == "4.x" else raw)
     assert (linear.rope_scaling.rope_type, linear.rope_scaling.factor) == ("linear", 2.0)
     assert linear.rope_theta == 5000.0
-    raw["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                              "rope_theta": 5000.0}
+    raw["rope_parameters"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 5000.0,
+    }
     y = Qwen3Config.from_hf(_as_4x(raw, "type") if layout == "4.x" else raw).rope_scaling
-    assert (y.rope_type, y.factor, y.low_freq_factor, y.high_freq_factor,
-            y.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 64)
+    assert (
+        y.rope_type,
+        y.factor,
+        y.low_freq_factor,
+        y.high_freq_factor,
+        y.original_max_position_embeddings,
+    ) == ("llama3", 8.0, 1.0, 4.0, 64)
 
 
-@pytest.mark.parametrize("rope_type, missing", [("linear", "factor"),
-                                                ("llama3", "low_freq_factor")])
+@pytest.mark.parametrize(
+    "rope_type, missing", [("linear", "factor"), ("llama3", "low_freq_factor")]
+)
 def test_refuses_scaled_rope_without_its_parameters(rope_type, missing):
     raw = _raw("yarn")
-    raw["rope_parameters"] = {"rope_type": rope_type, "factor": 2.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "rope_theta": 5000.0}
+    raw["rope_parameters"] = {
+        "rope_type": rope_type,
+        "factor": 2.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "rope_theta": 5000.0,
+    }
     del raw["rope_parameters"][missing]
     assert missing in _refused(raw)

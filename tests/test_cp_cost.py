@@ -11,29 +11,40 @@ from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.run.cli import main
 
 # Qwen3-0.6B's attention shape: N=16 query heads, K=8 KV heads, H=128, 28 layers.
-Q06 = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                  head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0)
+Q06 = Qwen3Config(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+)
 
 
 def test_bytes_per_layer_by_hand():
     f32 = 4
     # ring, C=4, P=2048: 3 steps, each a K and a V block [512, 8, 128] and 512 positions
-    assert cp_cost.bytes_per_layer("ring", Q06, 4, 1, 2048, f32) == 3 * (2 * 512 * 8 * 128 * 4
-                                                                        + 512 * 4)
+    assert cp_cost.bytes_per_layer("ring", Q06, 4, 1, 2048, f32) == 3 * (
+        2 * 512 * 8 * 128 * 4 + 512 * 4
+    )
     # ulysses, C=4: q and o [512, 16, 128] and k, v [512, 8, 128], 3/4 of each received;
     # 3 other devices' 512 query and 512 key positions
     per = 512 * (2 * 16 + 2 * 8) * 128 * 4
     assert cp_cost.bytes_per_layer("ulysses", Q06, 4, 1, 2048, f32) == per * 3 // 4 + 3 * 512 * 8
     # C=16 > K=8: each KV head goes to 2 devices, 16 KV heads travel instead of 8
     per16 = 128 * (2 * 16 + 2 * 16) * 128 * 4
-    assert cp_cost.bytes_per_layer("ulysses", Q06, 16, 1, 2048, f32) == per16 * 15 // 16 \
-        + 15 * 128 * 8
+    assert (
+        cp_cost.bytes_per_layer("ulysses", Q06, 16, 1, 2048, f32) == per16 * 15 // 16 + 15 * 128 * 8
+    )
     # one device moves nothing; batch scales linearly
     assert cp_cost.bytes_per_layer("ring", Q06, 1, 1, 2048, f32) == 0
     assert cp_cost.bytes_per_layer("ulysses", Q06, 1, 1, 2048, f32) == 0
-    assert cp_cost.bytes_per_layer("ring", Q06, 8, 3, 2048, 2) == \
-        3 * cp_cost.bytes_per_layer("ring", Q06, 8, 1, 2048, 2)
+    assert cp_cost.bytes_per_layer("ring", Q06, 8, 3, 2048, 2) == 3 * cp_cost.bytes_per_layer(
+        "ring", Q06, 8, 1, 2048, 2
+    )
 
 
 def test_ring_bytes_grow_with_c_and_ulysses_bytes_do_not():
@@ -49,17 +60,22 @@ def test_hybrid_figures_reduce_to_either_strategy():
     """ulysses:C,ring:1 is Ulysses and ulysses:1,ring:C is the ring; on one uniform link
     the hybrid of C = 8 moves more than Ulysses alone (0.6B, P = 8192, float32)."""
     for c in (2, 4, 8):
-        assert cp_cost.hybrid_bytes_per_layer(Q06, c, 1, 1, 8192, 4)["total"] == \
-            cp_cost.bytes_per_layer("ulysses", Q06, c, 1, 8192, 4)
-        assert cp_cost.hybrid_bytes_per_layer(Q06, 1, c, 1, 8192, 4)["total"] == \
-            cp_cost.bytes_per_layer("ring", Q06, c, 1, 8192, 4)
+        assert cp_cost.hybrid_bytes_per_layer(Q06, c, 1, 1, 8192, 4)[
+            "total"
+        ] == cp_cost.bytes_per_layer("ulysses", Q06, c, 1, 8192, 4)
+        assert cp_cost.hybrid_bytes_per_layer(Q06, 1, c, 1, 8192, 4)[
+            "total"
+        ] == cp_cost.bytes_per_layer("ring", Q06, c, 1, 8192, 4)
     h = cp_cost.hybrid_bytes_per_layer(Q06, 2, 4, 1, 8192, 4)
     # inside pairs: 1/2 of q, k, v, o [1024, 16+8+8+16 heads, 128]; then 3 steps of a
     # pair's K/V block [2048, 4 + 4 heads, 128] and its positions
     assert h["ulysses"] == 1024 * 48 * 128 * 4 // 2 + 1024 * 8
     assert h["ring"] == 3 * 2048 * (2 * 4 * 128 * 4 + 4)
-    assert cp_cost.bytes_per_layer("ulysses", Q06, 8, 1, 8192, 4) < h["total"] < \
-        cp_cost.bytes_per_layer("ring", Q06, 8, 1, 8192, 4)
+    assert (
+        cp_cost.bytes_per_layer("ulysses", Q06, 8, 1, 8192, 4)
+        < h["total"]
+        < cp_cost.bytes_per_layer("ring", Q06, 8, 1, 8192, 4)
+    )
 
 
 def test_predict_counts_every_tick_and_layer():
@@ -77,8 +93,9 @@ def test_a_link_figure_per_collective():
     slow_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, links, 1e11)
     fast_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, 1e10, 1e11)
     per_layer = cp_cost.bytes_per_layer("ulysses", Q06, 4, 1, 2048, 4)
-    assert slow_a2a["attention_s_per_layer"] - fast_a2a["attention_s_per_layer"] == \
-        pytest.approx(per_layer / 1e8 - per_layer / 1e10)
+    assert slow_a2a["attention_s_per_layer"] - fast_a2a["attention_s_per_layer"] == pytest.approx(
+        per_layer / 1e8 - per_layer / 1e10
+    )
 
 
 def test_auto_picks_the_smaller_prediction_and_only_what_fits():
@@ -96,8 +113,22 @@ def test_auto_picks_the_smaller_prediction_and_only_what_fits():
 
 
 def test_generate_cp_ulysses_json_and_bad_split(capsys):
-    assert main(["generate", "--mesh", "1x2", "--cp", "ulysses", "--check",
-                 "--max-new-tokens", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--mesh",
+                "1x2",
+                "--cp",
+                "ulysses",
+                "--check",
+                "--max-new-tokens",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["cp_strategy"] == "ulysses" and out["matches_single_device"] is True
     assert out["max_error_vs_single_device"] < 1e-4
@@ -105,5 +136,7 @@ def test_generate_cp_ulysses_json_and_bad_split(capsys):
     assert out["cp_predicted_prefill_s"] > 0 and out["cp_measured_prefill_s"] > 0
     assert main(["generate", "--mesh", "1x3", "--cp", "ulysses"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == ("error: ulysses: 4 query heads cannot be shared equally by 3 seq "
-                           "devices; use --cp ring, or a seq size that divides 4 (1, 2, 4)")
+    assert err.strip() == (
+        "error: ulysses: 4 query heads cannot be shared equally by 3 seq "
+        "devices; use --cp ring, or a seq size that divides 4 (1, 2, 4)"
+    )

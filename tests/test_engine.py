@@ -7,6 +7,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from reference import TINY
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
@@ -16,9 +17,6 @@ from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import make_mesh
 from qwen3_spmd.sharding.plan import PlanError
-
-from reference import TINY
-
 
 # ---- bad requests ------------------------------------------------------------
 # Engine.check: every request precondition refused in words before anything compiles.
@@ -35,15 +33,20 @@ def cfg():
 @pytest.fixture(scope="module")
 def engine(cfg):
     """1x4: four seq devices, 16 cache slots each."""
-    return Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 4, jax.devices()[:4]),
-                  max_seq_len=MAX_SEQ)
+    return Engine(
+        cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 4, jax.devices()[:4]), max_seq_len=MAX_SEQ
+    )
 
 
 @pytest.fixture(scope="module")
 def roomy(cfg):
     """A cache longer than the model's positions, so that check is the one to fire."""
-    return Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]),
-                  max_seq_len=cfg.max_position_embeddings + 64)
+    return Engine(
+        cfg,
+        HFCheckpoint(TINY, cfg),
+        make_mesh(1, 1, jax.devices()[:1]),
+        max_seq_len=cfg.max_position_embeddings + 64,
+    )
 
 
 def _refused(engine, prompts, n) -> str:
@@ -123,11 +126,14 @@ def test_max_new_tokens_below_one(engine, n):
     assert str(n) in _refused(engine, [[1, 2, 3]], n)
 
 
-@pytest.mark.parametrize("kwargs,word", [
-    (dict(microbatches=0), "--microbatches"),
-    (dict(groups=0), "--groups"),
-    (dict(max_seq_len=0), "--max-seq-len"),
-])
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        (dict(microbatches=0), "--microbatches"),
+        (dict(groups=0), "--groups"),
+        (dict(max_seq_len=0), "--max-seq-len"),
+    ],
+)
 def test_bad_engine_settings(cfg, kwargs, word):
     with pytest.raises(RequestError, match=word):
         Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), **kwargs)
@@ -143,6 +149,7 @@ def test_more_stages_than_layers_is_refused(cfg):
 # Stopping at EOS: a request ends at its first EOS id (kept, finish_reason "stop"),
 # mid-chunk and on any mesh, while the others go on; all finished ends the loop early.
 
+
 @pytest.fixture(scope="module")
 def fixture():
     cfg = Qwen3Config.from_hf(TINY)
@@ -155,7 +162,7 @@ def fixture():
 def expected(tokens, eos):
     for n, t in enumerate(tokens):
         if t in eos:
-            return tokens[:n + 1], "stop"
+            return tokens[: n + 1], "stop"
     return tokens, "length"
 
 
@@ -163,8 +170,13 @@ def expected(tokens, eos):
 def test_request_stops_at_its_first_eos(fixture, S, C):
     cfg, prompts, greedy = fixture
     eos = (greedy[0][4],)  # request 0's fifth token: inside the second chunk of 3 steps
-    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(S, C, jax.devices()[:S * C]),
-                 max_seq_len=64, chunk=3)
+    eng = Engine(
+        cfg,
+        HFCheckpoint(TINY, cfg),
+        make_mesh(S, C, jax.devices()[: S * C]),
+        max_seq_len=64,
+        chunk=3,
+    )
     out = eng.generate(prompts, 8, eos_ids=eos)
     for got, want in zip(out.completions, greedy):
         tokens, reason = expected(want, eos)
@@ -176,8 +188,9 @@ def test_request_stops_at_its_first_eos(fixture, S, C):
 def test_all_finished_ends_the_loop_early(fixture):
     cfg, prompts, greedy = fixture
     eos = tuple(g[1] for g in greedy)  # every request stops by its second token
-    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]),
-                 max_seq_len=64, chunk=2)
+    eng = Engine(
+        cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), max_seq_len=64, chunk=2
+    )
     out = eng.generate(prompts, 8, eos_ids=eos)
     assert all(c.finish_reason == "stop" and len(c.token_ids) <= 2 for c in out.completions)
     assert out.layout["chunks"] == 1  # no chunk ran after every request had stopped
@@ -187,19 +200,27 @@ def test_all_finished_ends_the_loop_early(fixture):
 # The KV cache is donated to the compiled programs and updated in place: XLA's memory
 # analysis shows the cache aliased between input and output and no cache-sized copy.
 
+
 @pytest.mark.parametrize("S, C", [(1, 1), (2, 2)])
 def test_programs_alias_the_cache(S, C):
     cfg = Qwen3Config.from_hf(TINY)
     # A cache large against everything else, so a copy of it could not hide in temp.
-    eng = Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(S, C, jax.devices()[:S * C]),
-                 max_seq_len=4096, chunk=4)
+    eng = Engine(
+        cfg,
+        HFCheckpoint(TINY, cfg),
+        make_mesh(S, C, jax.devices()[: S * C]),
+        max_seq_len=4096,
+        chunk=4,
+    )
     out = eng.generate([[5, 6, 7, 8, 9]] * S, 6, with_logits=False)
     assert isinstance(out.cache, KVCache)
     k, v, pos = out.cache
     kv_bytes = 2 * k.addressable_shards[0].data.nbytes  # one device's k and v
     assert np.asarray(pos).shape == (k.shape[1], k.shape[3])  # k [L_pad, B, K, S_cap, H]
     names = list(eng.programs.compiled)
-    assert any(n.startswith("prefill") for n in names) and any(n.startswith("decode") for n in names)
+    assert any(n.startswith("prefill") for n in names) and any(
+        n.startswith("decode") for n in names
+    )
     for name, program in eng.programs.compiled.items():
         m = program.memory_analysis()
         assert m.alias_size_in_bytes >= kv_bytes, name  # k and v updated in place

@@ -12,16 +12,16 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from reference import FIXTURES
 
-from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.layers import DecoderLayer
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import DecoderLayer
 from qwen3_spmd.pipeline.engine import Engine, Generation
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.ring import zigzag
 from qwen3_spmd.sharding.mesh import make_mesh
-from reference import FIXTURES
 
 TOL = 1e-4
 N_NEW = 12  # 11 decode steps: every seq device of C <= 8 gets at least one decode slot
@@ -31,15 +31,22 @@ SEED = 3
 
 # A config of our own for 8 stages (the fixtures have at most 5 layers): 9 layers,
 # prime-ish sizes, grouped-query heads, head_dim independent of the width.
-RAND9 = Qwen3Config(vocab_size=263, hidden_size=52, intermediate_size=97, num_hidden_layers=9,
-                    num_attention_heads=6, num_key_value_heads=2, head_dim=14,
-                    max_position_embeddings=256, rope_theta=10_000.0)
+RAND9 = Qwen3Config(
+    vocab_size=263,
+    hidden_size=52,
+    intermediate_size=97,
+    num_hidden_layers=9,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=14,
+    max_position_embeddings=256,
+    rope_theta=10_000.0,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """An engine: model, mesh S x C, microbatches M, groups G (None = S), poison.
-    """
+    """An engine: model, mesh S x C, microbatches M, groups G (None = S), poison."""
 
     model: str = "tiny"
     S: int = 1
@@ -49,8 +56,13 @@ class Setup:
     poison: bool = False
 
     def __str__(self):
-        extra = "".join([f"-M{self.M}" if self.M > 1 else "", f"-G{self.G}" if self.G else "",
-                         "-poison" if self.poison else ""])
+        extra = "".join(
+            [
+                f"-M{self.M}" if self.M > 1 else "",
+                f"-G{self.G}" if self.G else "",
+                "-poison" if self.poison else "",
+            ]
+        )
         return f"{self.model}-{self.S}x{self.C}{extra}"
 
 
@@ -96,14 +108,26 @@ class Runs:
     def engine(self, setup: Setup) -> Engine:
         if setup not in self.engines:
             cfg, source, _, _, max_seq = self.model(setup.model)
-            mesh = make_mesh(setup.S, setup.C, jax.devices()[:setup.S * setup.C])
-            self.engines[setup] = Engine(cfg, source, mesh, max_seq_len=max_seq,
-                                         microbatches=setup.M, groups=setup.G, chunk=4,
-                                         poison=setup.poison)
+            mesh = make_mesh(setup.S, setup.C, jax.devices()[: setup.S * setup.C])
+            self.engines[setup] = Engine(
+                cfg,
+                source,
+                mesh,
+                max_seq_len=max_seq,
+                microbatches=setup.M,
+                groups=setup.G,
+                chunk=4,
+                poison=setup.poison,
+            )
         return self.engines[setup]
 
-    def run(self, setup: Setup, batch: tuple[int, ...] | None = None, sampling=GREEDY,
-            n_new: int = N_NEW) -> Run:
+    def run(
+        self,
+        setup: Setup,
+        batch: tuple[int, ...] | None = None,
+        sampling=GREEDY,
+        n_new: int = N_NEW,
+    ) -> Run:
         """Generates the fixture's prompts (or those with the indices in `batch`)."""
         key = (setup, batch, sampling, n_new)
         if key not in self.runs:
@@ -126,11 +150,17 @@ def runs():
 
 BASE = Setup()
 MESHES = [
-    Setup(S=1, C=2), Setup(S=1, C=4), Setup(S=1, C=8), Setup(S=2, C=2), Setup(S=2, C=4),
-    Setup(S=4, C=2), Setup(S=3, C=1, G=2),
+    Setup(S=1, C=2),
+    Setup(S=1, C=4),
+    Setup(S=1, C=8),
+    Setup(S=2, C=2),
+    Setup(S=2, C=4),
+    Setup(S=4, C=2),
+    Setup(S=3, C=1, G=2),
     # 3 stages with G = 2 < S groups; microbatches (5 prompts, M=2: the batch pads to 6 or 8),
     # groups G = 2S, poisoned bubbles
-    Setup(S=2, C=1, M=2, G=4, poison=True), Setup(S=2, C=2, M=2, poison=True),
+    Setup(S=2, C=1, M=2, G=4, poison=True),
+    Setup(S=2, C=2, M=2, poison=True),
 ]
 SEQ_MESHES = [s for s in [BASE, *MESHES] if s.C > 1]
 ids = [str(s) for s in MESHES]
@@ -161,8 +191,9 @@ def test_mesh_matches_1x1_and_the_fixture(runs, setup):
     np.testing.assert_allclose(run.gen.first_logits[:8], ref["step_logits_0"], atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("setup", [BASE, Setup(S=2, C=2), Setup(S=2, C=1, M=2, G=4, poison=True)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "setup", [BASE, Setup(S=2, C=2), Setup(S=2, C=1, M=2, G=4, poison=True)], ids=str
+)
 def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch):
     """With decode attention blocks of 12 slots (the cache holds 64 per device on 1x1,
     32 with C = 2; neither a multiple of 12), each step reads only the blocks below its
@@ -173,24 +204,43 @@ def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch)
     base = runs.run(setup)  # traced with the default block, more slots than the cache
     monkeypatch.setattr(ring_decode, "DECODE_BLOCK", 12)
     cfg, source, prompts, _, max_seq = runs.model(setup.model)
-    mesh = make_mesh(setup.S, setup.C, jax.devices()[:setup.S * setup.C])
-    engine = Engine(cfg, source, mesh, max_seq_len=max_seq, microbatches=setup.M,
-                    groups=setup.G, chunk=4, poison=setup.poison)
+    mesh = make_mesh(setup.S, setup.C, jax.devices()[: setup.S * setup.C])
+    engine = Engine(
+        cfg,
+        source,
+        mesh,
+        max_seq_len=max_seq,
+        microbatches=setup.M,
+        groups=setup.G,
+        chunk=4,
+        poison=setup.poison,
+    )
     gen = engine.generate(prompts, N_NEW, sampling=GREEDY, seed=SEED)
 
     def loops(engine):
-        return sum(c.as_text().count(" while(") for name, c in engine.programs.compiled.items()
-                   if name.startswith("decode"))
+        return sum(
+            c.as_text().count(" while(")
+            for name, c in engine.programs.compiled.items()
+            if name.startswith("decode")
+        )
 
     assert loops(engine) >= loops(base.engine) + -(-cfg.L // setup.S)  # a stage's layers
     assert [c.token_ids for c in gen.completions] == base.tokens
     np.testing.assert_allclose(gen.first_logits, base.gen.first_logits, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("setup,batch", [
-    (BASE, 5), (Setup(S=2, C=2, M=2, poison=True), 6), (Setup(S=2, C=1, M=2, G=4, poison=True), 8),
-    (Setup(S=4, C=2), 8), (Setup(S=3, C=1, G=2), 6), (Setup(S=1, C=8), 5),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "setup,batch",
+    [
+        (BASE, 5),
+        (Setup(S=2, C=2, M=2, poison=True), 6),
+        (Setup(S=2, C=1, M=2, G=4, poison=True), 8),
+        (Setup(S=4, C=2), 8),
+        (Setup(S=3, C=1, G=2), 6),
+        (Setup(S=1, C=8), 5),
+    ],
+    ids=lambda x: str(x),
+)
 def test_batch_padding(runs, setup, batch):
     run = runs.run(setup)
     layout = run.gen.layout
@@ -244,8 +294,11 @@ def test_eight_stages_match_one_device():
     _check_cache_matches(eight, one)
 
 
-@pytest.mark.parametrize("setup", [Setup(model="rand9"), Setup(model="rand9", S=2),
-                                   Setup(model="rand9", S=2, C=2)], ids=str)
+@pytest.mark.parametrize(
+    "setup",
+    [Setup(model="rand9"), Setup(model="rand9", S=2), Setup(model="rand9", S=2, C=2)],
+    ids=str,
+)
 def test_a_layer_is_traced_once_per_program(setup, monkeypatch):
     """Slots share one traced layer (`pipeline.stage.run_stage`): building the prefill
     and decode programs traces the decoder layer once each, not once per slot (9 on
@@ -296,7 +349,8 @@ def test_sampling_after_greedy_on_one_engine_really_samples(runs, setup):
     assert all(t in row for t, row in zip(toks, top20))
     decoded, argmax = toks[1:], np.argmax(logits[1:], axis=-1)
     assert (decoded != argmax).any(), (
-        f"{setup}: every decode-step token is the argmax of its logits: decode did not sample")
+        f"{setup}: every decode-step token is the argmax of its logits: decode did not sample"
+    )
 
 
 # ---- poison, NaN -------------------------------------------------------------------------------
@@ -340,7 +394,7 @@ def _check_slot_positions(run):
     share = zigzag(P, C)
     for b, n in enumerate(_lengths(run)):
         for c in range(C):
-            want[b, c, :P // C] = np.where(share[c] < n, share[c], -1)
+            want[b, c, : P // C] = np.where(share[c] < n, share[c], -1)
         for j in range(steps):
             want[b, j % C, P // C + j // C] = n + j
     np.testing.assert_array_equal(sp, want)
@@ -353,19 +407,19 @@ def test_decode_slots_follow_the_placement_rule(runs, setup):
     C, P = run.engine.C, run.gen.layout["padded_prompt"]
     sp = _check_slot_positions(run)
     # every seq device received decode slots
-    assert all((sp[:, c, P // C:] >= 0).any() for c in range(C))
+    assert all((sp[:, c, P // C :] >= 0).any() for c in range(C))
     # slots that hold no position were never written (the cache starts as zeros)
     # [L_pad, B, K, S_cap, H] -> [L_pad, B, C, S_cap / C, K, H]
     by_slot = lambda a: np.moveaxis(np.asarray(a), 2, 3)  # noqa: E731
     k = by_slot(run.k).reshape(run.k.shape[0], run.k.shape[1], C, -1, *run.k.shape[2:5:2])
     v = by_slot(run.v).reshape(k.shape)
     unwritten = np.zeros(sp.shape, bool)
-    unwritten[:, :, P // C:] = sp[:, :, P // C:] < 0
+    unwritten[:, :, P // C :] = sp[:, :, P // C :] < 0
     assert unwritten.any()
     assert not k[:, unwritten].any() and not v[:, unwritten].any()
     # slots that do hold a decode position were written, on every real layer
     decode = np.zeros(sp.shape, bool)
-    decode[:, :, P // C:] = sp[:, :, P // C:] >= 0
+    decode[:, :, P // C :] = sp[:, :, P // C :] >= 0
     real = run.engine.plan.real_slots
     assert (np.abs(k[real][:, decode]).sum(axis=(-1, -2)) > 0).all()
 

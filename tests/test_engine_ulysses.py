@@ -7,15 +7,14 @@ and a random one with N=8, K=4 for C = 2 < K, C = 4 = K, C = 8 > K. Every engine
 built once and every batch generated once (module-scoped cache).
 """
 
-
 import jax
 import numpy as np
 import pytest
 from reference import FIXTURES
 
-from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -27,9 +26,17 @@ SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9)
 SEED = 3
 
 # N=8 query heads over K=4 KV heads, prime-ish sizes, head_dim independent of the width.
-RAND8 = Qwen3Config(vocab_size=263, hidden_size=44, intermediate_size=73, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, head_dim=10,
-                    max_position_embeddings=256, rope_theta=10_000.0)
+RAND8 = Qwen3Config(
+    vocab_size=263,
+    hidden_size=44,
+    intermediate_size=73,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=10,
+    max_position_embeddings=256,
+    rope_theta=10_000.0,
+)
 
 
 def _model(name):
@@ -59,9 +66,10 @@ class Runs:
         key = (name, S, C, cp, M, poison)
         if key not in self.engines:
             cfg, source, _, _ = self.model(name)
-            mesh = make_mesh(S, C, jax.devices()[:S * C])
-            self.engines[key] = Engine(cfg, source, mesh, max_seq_len=80, microbatches=M,
-                                       chunk=N_NEW, poison=poison, cp=cp)
+            mesh = make_mesh(S, C, jax.devices()[: S * C])
+            self.engines[key] = Engine(
+                cfg, source, mesh, max_seq_len=80, microbatches=M, chunk=N_NEW, poison=poison, cp=cp
+            )
         if (key, sampling) not in self.runs:
             eng = self.engines[key]
             gen = eng.generate(self.model(name)[2], N_NEW, sampling=sampling, seed=SEED)
@@ -83,11 +91,19 @@ def _by_position(run, b):
     """{position: (k, v) [L, K, H]} of request b, wherever its slot lies, layers in
     model order (identity slots of a padded stage plan dropped)."""
     engine, _, (k, v, slot_pos) = run
-    layers = [slot for layer, slot in sorted((layer, slot) for slot, layer
-                                             in enumerate(engine.plan.layer_of_slot)
-                                             if layer is not None)]
-    return {int(p): (k[layers, b, :, col], v[layers, b, :, col])
-            for col, p in enumerate(slot_pos[b]) if p >= 0}
+    layers = [
+        slot
+        for layer, slot in sorted(
+            (layer, slot)
+            for slot, layer in enumerate(engine.plan.layer_of_slot)
+            if layer is not None
+        )
+    ]
+    return {
+        int(p): (k[layers, b, :, col], v[layers, b, :, col])
+        for col, p in enumerate(slot_pos[b])
+        if p >= 0
+    }
 
 
 def _check_same(run, ref, n_req):
@@ -129,7 +145,9 @@ def test_grouped_heads_every_split_matches_1x1(runs, S, C):
     assert len({tuple(t) for t in _tokens(base[1])}) > 1  # not a degenerate model
     run = runs.run("rand8", S, C)
     assert run[1].layout["cp_strategy"] == "ulysses"
-    prefill = [c.as_text() for name, c in run[0].programs.compiled.items() if name.startswith("prefill")]
+    prefill = [
+        c.as_text() for name, c in run[0].programs.compiled.items() if name.startswith("prefill")
+    ]
     assert len(prefill) == 1 and "all-to-all" in prefill[0]
     if S == 1:  # nothing moves along `stage`: no point-to-point transfer at all
         assert "collective-permute" not in prefill[0]
@@ -152,14 +170,26 @@ def test_seeded_sampling_identical(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("links,strategy", [({"ppermute": 1e3, "all_to_all": 1e12}, "ulysses"),
-                                             ({"ppermute": 1e12, "all_to_all": 1e3}, "ring")])
+@pytest.mark.parametrize(
+    "links,strategy",
+    [
+        ({"ppermute": 1e3, "all_to_all": 1e12}, "ulysses"),
+        ({"ppermute": 1e12, "all_to_all": 1e3}, "ring"),
+    ],
+)
 def test_auto_runs_what_the_model_picks(runs, links, strategy):
     """cp="auto" with link figures that make one strategy's transfers crawl runs the
     other; the tokens are the 1x1 run's either way."""
     cfg, source, prompts, _ = runs.model("tiny")
-    engine = Engine(cfg, source, make_mesh(1, 2, jax.devices()[:2]), max_seq_len=80,
-                    chunk=N_NEW, cp="auto", link_bytes_per_s=links)
+    engine = Engine(
+        cfg,
+        source,
+        make_mesh(1, 2, jax.devices()[:2]),
+        max_seq_len=80,
+        chunk=N_NEW,
+        cp="auto",
+        link_bytes_per_s=links,
+    )
     gen = engine.generate(prompts, 2, seed=SEED)
     assert gen.layout["cp_strategy"] == strategy and set(gen.layout["cp"]) == {"ring", "ulysses"}
     assert [t[:2] for t in _tokens(runs.run("tiny", 1, 1, cp="ring")[1])] == _tokens(gen)
@@ -167,8 +197,9 @@ def test_auto_runs_what_the_model_picks(runs, links, strategy):
 
 def test_impossible_head_split_fails_before_compiling():
     cfg, source, _, _ = _model("tiny")
-    with pytest.raises(RequestError, match="6 query heads cannot be shared equally by 4 seq "
-                                           "devices; use --cp ring"):
+    with pytest.raises(
+        RequestError, match="6 query heads cannot be shared equally by 4 seq devices; use --cp ring"
+    ):
         Engine(cfg, source, make_mesh(1, 4, jax.devices()[:4]), cp="ulysses")
     with pytest.raises(RequestError, match="--cp 'ulyses' is not one of ring, ulysses, auto"):
         Engine(cfg, source, make_mesh(1, 2, jax.devices()[:2]), cp="ulyses")
@@ -182,10 +213,20 @@ def test_eight_query_heads_on_1x4_and_1x8_match_transformers(tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.Qwen3Config(
-        vocab_size=211, hidden_size=40, intermediate_size=88, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=12, max_position_embeddings=128,
-        rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
-        attention_bias=False, use_sliding_window=False)
+        vocab_size=211,
+        hidden_size=40,
+        intermediate_size=88,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+    )
     torch.manual_seed(5)
     hf = transformers.Qwen3ForCausalLM(hf_cfg).to(torch.float32).eval()
     with torch.no_grad():  # norms away from 1, so a wrong one shows
@@ -205,11 +246,17 @@ def test_eight_query_heads_on_1x4_and_1x8_match_transformers(tmp_path):
                 if step == 0:
                     want_logits.append(logits)
                 ids.append(int(logits.argmax()))
-            want.append(ids[len(p):])
+            want.append(ids[len(p) :])
     cfg = Qwen3Config.from_hf(tmp_path)
     for C in (4, 8):
-        engine = Engine(cfg, HFCheckpoint(tmp_path, cfg), make_mesh(1, C, jax.devices()[:C]),
-                        max_seq_len=64, chunk=steps, cp="ulysses")
+        engine = Engine(
+            cfg,
+            HFCheckpoint(tmp_path, cfg),
+            make_mesh(1, C, jax.devices()[:C]),
+            max_seq_len=64,
+            chunk=steps,
+            cp="ulysses",
+        )
         gen = engine.generate(prompts, steps)
         assert gen.layout["cp_strategy"] == "ulysses"
         assert _tokens(gen) == want, C

@@ -13,12 +13,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from reference import FIXTURES
 from safetensors.numpy import load_file, save_file
 
-from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
-from reference import FIXTURES
 
 TINY, TIED = FIXTURES / "tiny", FIXTURES / "tied"
 
@@ -83,8 +83,15 @@ def test_folder_without_safetensors(tmp_path, tiny_cfg):
     assert "model.safetensors" in msg and str(folder) in msg
 
 
-@pytest.mark.parametrize("name", ["model.layers.3.mlp.up_proj.weight", "model.norm.weight",
-                                  "lm_head.weight", "model.embed_tokens.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.3.mlp.up_proj.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+    ],
+)
 def test_missing_tensor(tmp_path, tiny_cfg, tiny_tensors, name):
     tensors = {k: v for k, v in tiny_tensors.items() if k != name}
     assert len(tensors) == len(tiny_tensors) - 1
@@ -97,20 +104,28 @@ def test_missing_tensors_counts_the_rest(tmp_path, tiny_cfg, tiny_tensors):
     assert "model.layers.4." in msg and "10 more" in msg
 
 
-@pytest.mark.parametrize("name,shape", [
-    ("model.layers.0.self_attn.q_proj.bias", (96,)),  # the config has attention_bias false
-    ("model.layers.5.mlp.up_proj.weight", (104, 48)),  # a sixth layer of a 5-layer config
-    ("model.rotary_emb.inv_freq", (8,)),
-])
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("model.layers.0.self_attn.q_proj.bias", (96,)),  # the config has attention_bias false
+        ("model.layers.5.mlp.up_proj.weight", (104, 48)),  # a sixth layer of a 5-layer config
+        ("model.rotary_emb.inv_freq", (8,)),
+    ],
+)
 def test_unexpected_tensor(tmp_path, tiny_cfg, tiny_tensors, name, shape):
     tensors = dict(tiny_tensors)
     tensors[name] = np.zeros(shape, np.float32)
     assert name in _load_error(_tiny_with(tmp_path, tensors), tiny_cfg)
 
 
-@pytest.mark.parametrize("name", ["model.layers.2.self_attn.q_proj.weight",
-                                  "model.layers.0.self_attn.k_norm.weight",
-                                  "lm_head.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.2.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+        "lm_head.weight",
+    ],
+)
 def test_mis_shaped_tensor(tmp_path, tiny_cfg, tiny_tensors, name):
     tensors = dict(tiny_tensors)
     good = tensors[name]
@@ -131,7 +146,7 @@ def test_integer_tensor(tmp_path, tiny_cfg, tiny_tensors):
 def test_truncated_safetensors_file(tmp_path, tiny_cfg):
     folder = _copy(TINY, tmp_path / "ckpt")
     data = (folder / "model.safetensors").read_bytes()
-    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     msg = _load_error(folder, tiny_cfg)
     assert "model.safetensors is not a readable safetensors file" in msg and "\n" not in msg
 
@@ -235,8 +250,10 @@ def test_layout_of_each_tensor(tiny_cfg, tiny_tensors):
     np.testing.assert_array_equal(gate[2], tiny_tensors["model.layers.2.mlp.gate_proj.weight"])
     np.testing.assert_array_equal(down[2], tiny_tensors["model.layers.2.mlp.down_proj.weight"])
     np.testing.assert_array_equal(head, tiny_tensors["lm_head.weight"])
-    np.testing.assert_array_equal(ckpt.read(("layers", "q_norm", "scale"), np.float32)[4],
-                                  tiny_tensors["model.layers.4.self_attn.q_norm.weight"])
+    np.testing.assert_array_equal(
+        ckpt.read(("layers", "q_norm", "scale"), np.float32)[4],
+        tiny_tensors["model.layers.4.self_attn.q_norm.weight"],
+    )
 
 
 def test_layer_subsets_in_the_order_asked(tiny_cfg):
@@ -247,8 +264,9 @@ def test_layer_subsets_in_the_order_asked(tiny_cfg):
     assert empty.shape == (0, *whole.shape[1:])
 
 
-@pytest.mark.parametrize("path", [("layers", "q_nhd"), ("layers", "down_df"),
-                                  ("layers", "input_norm", "scale")])
+@pytest.mark.parametrize(
+    "path", [("layers", "q_nhd"), ("layers", "down_df"), ("layers", "input_norm", "scale")]
+)
 def test_bytes_read_of_one_layer_is_one_over_L(tiny_cfg, path):
     one = HFCheckpoint(TINY, tiny_cfg)
     x = one.read(path, np.float32, layers=[0])
@@ -287,13 +305,16 @@ def test_bfloat16_checkpoint_loads_as_float32(tmp_path, tiny_cfg, tiny_tensors):
     assert leaves and all(x.dtype == np.float32 for x in leaves)
     np.testing.assert_array_equal(
         np.asarray(model.embed_vd[...]),
-        tiny_tensors["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16).astype(np.float32))
+        tiny_tensors["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16).astype(np.float32),
+    )
 
 
 def test_load_model_matches_reads(tiny_cfg):
     model = load_model(TINY, tiny_cfg, np.float32)
     ckpt = HFCheckpoint(TINY, tiny_cfg)
-    np.testing.assert_array_equal(np.asarray(model.layers.v_khd[...]),
-                                  ckpt.read(("layers", "v_khd"), np.float32))
-    np.testing.assert_array_equal(np.asarray(model.norm.scale[...]),
-                                  ckpt.read(("norm", "scale"), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(model.layers.v_khd[...]), ckpt.read(("layers", "v_khd"), np.float32)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.norm.scale[...]), ckpt.read(("norm", "scale"), np.float32)
+    )

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from reference import FIXTURES, right_padded
 
-from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, load_model
+from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.stack import forward
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.sharding.mesh import make_mesh
-from reference import FIXTURES, right_padded
 
 NAMES = ("tiny", "tied", "yarn")
 TOL = 1e-4
@@ -38,8 +38,12 @@ def _forward_fn(name):
     """Jitted full forward (dense attention, no cache) of the loaded fixture."""
     folder, cfg, _, _ = _fixture(name)
     graphdef, state = nnx.split(load_model(folder, cfg, jnp.float32))
-    fn = jax.jit(lambda st, tokens, positions: forward(nnx.merge(graphdef, st), cfg, tokens, positions))
-    return lambda tokens, positions: np.asarray(fn(state, jnp.asarray(tokens), jnp.asarray(positions)))
+    fn = jax.jit(
+        lambda st, tokens, positions: forward(nnx.merge(graphdef, st), cfg, tokens, positions)
+    )
+    return lambda tokens, positions: np.asarray(
+        fn(state, jnp.asarray(tokens), jnp.asarray(positions))
+    )
 
 
 @functools.cache
@@ -58,7 +62,7 @@ def _greedy_by_recomputation(name):
         step_logits.append(last)
         for b, s in enumerate(seqs):
             s.append(int(np.argmax(last[b])))
-    new = np.array([s[len(p):] for s, p in zip(seqs, prompts)])
+    new = np.array([s[len(p) :] for s, p in zip(seqs, prompts)])
     return new, np.stack(step_logits, axis=1), seqs
 
 
@@ -69,8 +73,13 @@ def test_prefill_logits_match_transformers(name):
     logits = _forward_fn(name)(tokens, positions)
     assert logits.dtype == np.float32 and logits.shape == (*tokens.shape, cfg.V)
     for i, p in enumerate(prompts):
-        np.testing.assert_allclose(logits[i, :len(p)], ref[f"prefill_logits_{i}"], atol=TOL, rtol=0,
-                                   err_msg=f"{name} prompt {i}")
+        np.testing.assert_allclose(
+            logits[i, : len(p)],
+            ref[f"prefill_logits_{i}"],
+            atol=TOL,
+            rtol=0,
+            err_msg=f"{name} prompt {i}",
+        )
     # padding rows stay finite (a query that sees no key gets 0, not NaN)
     assert np.isfinite(logits).all()
 
@@ -96,8 +105,14 @@ def test_greedy_by_full_recomputation_matches_transformers(name):
 @functools.cache
 def _engine_run(name, dtype=jnp.float32):
     folder, cfg, ref, prompts = _fixture(name)
-    eng = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]), dtype=dtype,
-                 max_seq_len=128, chunk=4)
+    eng = Engine(
+        cfg,
+        HFCheckpoint(folder, cfg),
+        make_mesh(1, 1, jax.devices()[:1]),
+        dtype=dtype,
+        max_seq_len=128,
+        chunk=4,
+    )
     return eng.generate(prompts, int(ref["max_new_tokens"]))
 
 
@@ -168,8 +183,9 @@ def test_decode_program_compiled_ahead_is_collected():
     at its first token) leaves it pending; the next call collects it, once, and gives
     the reference tokens with it."""
     folder, cfg, ref, prompts = _fixture("tiny")
-    eng = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]),
-                 max_seq_len=128, chunk=4)
+    eng = Engine(
+        cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]), max_seq_len=128, chunk=4
+    )
     firsts = tuple({int(ref[f"greedy_tokens_{i}"][0]) for i in range(len(prompts))})
     stopped = eng.generate(prompts, int(ref["max_new_tokens"]), eos_ids=firsts)
     assert all(c.finish_reason == "stop" and len(c.token_ids) == 1 for c in stopped.completions)

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import FIXTURES, right_padded
 from flax import nnx
+from reference import FIXTURES, right_padded
 
 from qwen3_spmd.model import moe
-from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.stack import forward
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -98,7 +98,9 @@ def test_formulations_agree_with_the_dense_one(rows):
     weights, ids, logits = moe.route(x, router, A, True)
     np.testing.assert_allclose(jnp.sum(weights, -1), 1.0, rtol=1e-6)
     chosen = jax.nn.one_hot(ids, E).sum(1) > 0
-    assert (jnp.where(chosen, logits, jnp.inf).min(-1) > jnp.where(chosen, -jnp.inf, logits).max(-1)).all()
+    assert (
+        jnp.where(chosen, logits, jnp.inf).min(-1) > jnp.where(chosen, -jnp.inf, logits).max(-1)
+    ).all()
     # the reference: a loop over rows and chosen experts in numpy
     xn, ref = np.asarray(x, np.float64), np.zeros((rows, D))
     for r in range(rows):
@@ -118,8 +120,9 @@ def test_dense_formulation_chunks_rows():
     weights, ids, _ = moe.route(x, jax.random.normal(keys[1], (E, D)), A, False)
     w = [jax.random.normal(k, s) for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])]
     whole = moe.experts_dense(x, weights, ids, *w, chunk=64)
-    np.testing.assert_allclose(moe.experts_dense(x, weights, ids, *w, chunk=5), whole,
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        moe.experts_dense(x, weights, ids, *w, chunk=5), whole, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_formulation_by_rows():
@@ -141,8 +144,9 @@ def _forward_fn(name, how=None):
         return forward(nnx.merge(graphdef, st), cfg, tokens, positions)
 
     fn = jax.jit(run)
-    return lambda tokens, positions: np.asarray(fn(state, jnp.asarray(tokens),
-                                                   jnp.asarray(positions)))
+    return lambda tokens, positions: np.asarray(
+        fn(state, jnp.asarray(tokens), jnp.asarray(positions))
+    )
 
 
 @pytest.mark.parametrize("name", list(REFERENCE))
@@ -150,8 +154,13 @@ def test_prefill_logits_match_transformers(name):
     _, cfg, ref, prompts = _fixture(name)
     logits = _forward_fn(name)(*right_padded(prompts))
     for i, p in enumerate(prompts):
-        np.testing.assert_allclose(logits[i, :len(p)], ref[f"prefill_logits_{i}"], atol=TOL,
-                                   rtol=0, err_msg=f"{name} prompt {i}")
+        np.testing.assert_allclose(
+            logits[i, : len(p)],
+            ref[f"prefill_logits_{i}"],
+            atol=TOL,
+            rtol=0,
+            err_msg=f"{name} prompt {i}",
+        )
     assert np.isfinite(logits).all()
 
 
@@ -165,8 +174,13 @@ def test_every_formulation_matches_transformers(how, monkeypatch):
     tokens, positions = right_padded(prompts)
     logits = np.asarray(forward(model, cfg, jnp.asarray(tokens), jnp.asarray(positions)))
     for i, p in enumerate(prompts):
-        np.testing.assert_allclose(logits[i, :len(p)], ref[f"prefill_logits_{i}"], atol=TOL,
-                                   rtol=0, err_msg=f"{how} prompt {i}")
+        np.testing.assert_allclose(
+            logits[i, : len(p)],
+            ref[f"prefill_logits_{i}"],
+            atol=TOL,
+            rtol=0,
+            err_msg=f"{how} prompt {i}",
+        )
 
 
 @pytest.mark.parametrize("name", ["moe", "moe_tied"])
@@ -181,8 +195,9 @@ def test_router_margin_of_the_references(name):
     def spy(x, router, top, normalize):
         out = route(x, router, top, normalize)
         ranked = jnp.sort(out[2], axis=-1)[:, ::-1]
-        jax.debug.callback(lambda g: margins.append(float(g)),
-                           jnp.min(ranked[:, top - 1] - ranked[:, top]))
+        jax.debug.callback(
+            lambda g: margins.append(float(g)), jnp.min(ranked[:, top - 1] - ranked[:, top])
+        )
         return out
 
     route = moe.route
@@ -191,7 +206,9 @@ def test_router_margin_of_the_references(name):
         for s in seqs:  # one at a time: no padding rows in the minimum
             forward(model, cfg, jnp.asarray([s]), jnp.arange(len(s))[None]).block_until_ready()
     ours = min(margins)
-    print(f"{name}: smallest router margin {ours:.3e} (transformers' {float(ref['router_margin']):.3e})")
+    print(
+        f"{name}: smallest router margin {ours:.3e} (transformers' {float(ref['router_margin']):.3e})"
+    )
     assert abs(ours - float(ref["router_margin"])) < 1e-4
 
 
@@ -201,8 +218,13 @@ def test_router_margin_of_the_references(name):
 @functools.cache
 def _engine(name, S, C):
     folder, cfg, _, _ = _fixture(name)
-    return Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, jax.devices()[:S * C]),
-                  max_seq_len=64, chunk=4)
+    return Engine(
+        cfg,
+        HFCheckpoint(folder, cfg),
+        make_mesh(S, C, jax.devices()[: S * C]),
+        max_seq_len=64,
+        chunk=4,
+    )
 
 
 @functools.cache
@@ -212,8 +234,16 @@ def _generate(name, S, C, sampled=False):
     return _engine(name, S, C).generate(prompts, int(ref["max_new_tokens"]), **kw)
 
 
-MESHES = [("moe", 1, 1), ("moe", 2, 2), ("moe", 4, 1), ("moe", 1, 4), ("moe", 2, 4),
-          ("moe_tied", 1, 1), ("moe_tied", 2, 2), ("moe_fused", 1, 1)]
+MESHES = [
+    ("moe", 1, 1),
+    ("moe", 2, 2),
+    ("moe", 4, 1),
+    ("moe", 1, 4),
+    ("moe", 2, 4),
+    ("moe_tied", 1, 1),
+    ("moe_tied", 2, 2),
+    ("moe_fused", 1, 1),
+]
 
 
 @pytest.mark.parametrize("name,S,C", MESHES, ids=[f"{n}-{s}x{c}" for n, s, c in MESHES])
@@ -227,12 +257,14 @@ def test_engine_greedy_tokens_match_transformers(name, S, C):
 
 def test_seeded_sampling_identical_across_meshes():
     base = _generate("moe", 1, 1, sampled=True)
-    assert [c.token_ids for c in base.completions] != \
-        [c.token_ids for c in _generate("moe", 1, 1).completions]  # it really samples
+    assert [c.token_ids for c in base.completions] != [
+        c.token_ids for c in _generate("moe", 1, 1).completions
+    ]  # it really samples
     for S, C in [(2, 2), (4, 1), (1, 4)]:
         out = _generate("moe", S, C, sampled=True)
-        assert [c.token_ids for c in out.completions] == \
-            [c.token_ids for c in base.completions], f"{S}x{C}"
+        assert [c.token_ids for c in out.completions] == [c.token_ids for c in base.completions], (
+            f"{S}x{C}"
+        )
 
 
 # ---- the loader --------------------------------------------------------------------------------
@@ -272,8 +304,9 @@ def test_loader_names_a_wrong_expert_count(tmp_path):
     def nine(t):
         for i in (0, 1, 3, 4):
             for p in ("gate", "up", "down"):
-                t[f"model.layers.{i}.mlp.experts.8.{p}_proj.weight"] = \
-                    t[f"model.layers.{i}.mlp.experts.0.{p}_proj.weight"]
+                t[f"model.layers.{i}.mlp.experts.8.{p}_proj.weight"] = t[
+                    f"model.layers.{i}.mlp.experts.0.{p}_proj.weight"
+                ]
         return t
 
     assert "has 9 experts in layer 0" in _load_error(_edited(tmp_path / "9", "moe", nine))
@@ -293,7 +326,8 @@ def test_loader_refuses_a_router_in_a_dense_layer(tmp_path):
         return t
 
     assert "unexpected tensor model.layers.2.mlp.gate.weight" in _load_error(
-        _edited(tmp_path, "moe", extra))
+        _edited(tmp_path, "moe", extra)
+    )
 
 
 def test_mixed_layers_hold_zeros_for_the_other_kind():
@@ -330,7 +364,7 @@ def test_moe_preset_parameter_counts_match_model_cards(name):
     assert not hasattr(model.layers, "gate_fd")  # every layer sparse: no dense MLP buffers
     for count, printed in zip((total, cfg.param_count(active=True)), PUBLISHED[name]):
         digits = len(printed.split(".")[1]) if "." in printed else 0
-        assert math.floor(count / 10 ** (9 - digits)) / 10 ** digits == float(printed)
+        assert math.floor(count / 10 ** (9 - digits)) / 10**digits == float(printed)
 
 
 def test_235b_fits_h200s_at_8_stages_in_bfloat16():
@@ -361,11 +395,14 @@ def test_orbax_round_trip_of_a_moe_checkpoint(tmp_path):
     folder, cfg, ref, prompts = _fixture("moe")
     conversion.convert(folder, tmp_path / "orbax", "float32")
     orb, hf = ob.OrbaxCheckpoint(tmp_path / "orbax", cfg), HFCheckpoint(folder, cfg)
-    for path in [("layers", "moe", p) for p in ("router_ed", "gate_efd", "up_efd", "down_edf")] \
-            + [("layers", "gate_fd"), ("embed_vd",)]:
+    for path in [("layers", "moe", p) for p in ("router_ed", "gate_efd", "up_efd", "down_edf")] + [
+        ("layers", "gate_fd"),
+        ("embed_vd",),
+    ]:
         np.testing.assert_array_equal(orb.read(path, np.float32), hf.read(path, np.float32))
-    out = Engine(cfg, orb, make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64,
-                 chunk=4).generate(prompts, int(ref["max_new_tokens"]))
+    out = Engine(cfg, orb, make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64, chunk=4).generate(
+        prompts, int(ref["max_new_tokens"])
+    )
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
     np.testing.assert_array_equal(out.first_logits, _generate("moe", 2, 2).first_logits)
@@ -396,8 +433,9 @@ def test_bench_peer_and_random_checkpoint_hold_the_same_moe(tmp_path):
     write_random_hf(cfg, tmp_path / "hf", 3)
     spec = open_model(str(tmp_path / "hf"))
     assert spec.cfg == cfg
-    ours = forward(load_model(tmp_path / "hf", cfg, jnp.float32), cfg, jnp.asarray(ids),
-                   jnp.arange(5)[None])
+    ours = forward(
+        load_model(tmp_path / "hf", cfg, jnp.float32), cfg, jnp.asarray(ids), jnp.arange(5)[None]
+    )
     np.testing.assert_allclose(ours, want, atol=TOL, rtol=0)
 
 
@@ -420,8 +458,9 @@ def test_other_platforms_formulations_on_a_mesh(monkeypatch):
     monkeypatch.setitem(moe.DECODE, jax.default_backend(), "gathered")
     monkeypatch.setitem(moe.PREFILL, jax.default_backend(), "grouped")
     folder, cfg, ref, prompts = _fixture("moe")
-    out = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(2, 2, jax.devices()[:4]),
-                 max_seq_len=64, chunk=4).generate(prompts, int(ref["max_new_tokens"]))
+    out = Engine(
+        cfg, HFCheckpoint(folder, cfg), make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64, chunk=4
+    ).generate(prompts, int(ref["max_new_tokens"]))
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
     np.testing.assert_allclose(out.first_logits, ref["step_logits_0"], atol=TOL, rtol=0)

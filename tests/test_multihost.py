@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import TINY
 from safetensors import safe_open
 
 from qwen3_spmd.run.cli import main
-from reference import TINY
 
 ROOT = Path(__file__).parent.parent
 REF = np.load(TINY / "reference.npz")
@@ -37,14 +37,34 @@ def free_port() -> int:
 
 
 def spawn(argv, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "qwen3_spmd.run", "generate", *argv], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "qwen3_spmd.run", "generate", *argv],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def job(n: int, port: int, argv, peer_timeout: float = 30) -> list[subprocess.Popen]:
-    return [spawn([*argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
-                   "--process-id", str(i), "--peer-timeout", str(peer_timeout)])
-            for i in range(n)]
+    return [
+        spawn(
+            [
+                *argv,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(n),
+                "--process-id",
+                str(i),
+                "--peer-timeout",
+                str(peer_timeout),
+            ]
+        )
+        for i in range(n)
+    ]
 
 
 def finish(procs, timeout=240) -> list[tuple[int, str, str]]:
@@ -56,8 +76,17 @@ def finish(procs, timeout=240) -> list[tuple[int, str, str]]:
 
 
 def reference_argv(mesh: str, cpu_devices: int) -> list[str]:
-    argv = ["--model", str(TINY), "--mesh", mesh, "--cpu-devices", str(cpu_devices),
-            "--max-new-tokens", str(NEW), "--json"]
+    argv = [
+        "--model",
+        str(TINY),
+        "--mesh",
+        mesh,
+        "--cpu-devices",
+        str(cpu_devices),
+        "--max-new-tokens",
+        str(NEW),
+        "--json",
+    ]
     for p in PROMPTS:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     return argv
@@ -71,8 +100,9 @@ REFERENCE_TOKENS = [REF[f"greedy_tokens_{i}"].tolist()[:NEW] for i in range(3)]
 
 
 def run_two(mesh: str, cpu_devices: int) -> dict:
-    (rc0, out0, err0), (rc1, out1, err1) = finish(job(2, free_port(),
-                                                      reference_argv(mesh, cpu_devices)))
+    (rc0, out0, err0), (rc1, out1, err1) = finish(
+        job(2, free_port(), reference_argv(mesh, cpu_devices))
+    )
     assert rc0 == 0 and rc1 == 0, (err0, err1)
     assert out1 == "" and err1 == ""  # only process 0 prints
     assert err0 == ""  # --json: nothing on stderr either (no gloo or XLA chatter)
@@ -103,8 +133,11 @@ def test_2x1_over_two_processes_each_reads_only_its_stage():
     shared = [n for n in names if not n.startswith("model.layers.")]
     expected = []
     for first, last in report["stage_layers"]:
-        mine = [n for n in names if n.startswith("model.layers.")
-                and first <= int(n.split(".")[2]) <= last]
+        mine = [
+            n
+            for n in names
+            if n.startswith("model.layers.") and first <= int(n.split(".")[2]) <= last
+        ]
         expected.append(_tensor_bytes(shared) + _tensor_bytes(mine))
     assert report["weight_bytes_read_per_process"] == expected
     assert sum(expected) < 2 * _tensor_bytes(names)  # neither process read everything
@@ -118,8 +151,20 @@ def test_1x2_over_two_processes_ring_crosses_them():
 
 def test_losing_a_peer_ends_the_other_with_one_line():
     port, timeout = free_port(), 5
-    argv = ["--mesh", "2x2", "--cpu-devices", "2", "--prompt-ids", "1,2,3", "--chunk", "1",
-            "--max-new-tokens", "400", "--max-seq-len", "420"]
+    argv = [
+        "--mesh",
+        "2x2",
+        "--cpu-devices",
+        "2",
+        "--prompt-ids",
+        "1,2,3",
+        "--chunk",
+        "1",
+        "--max-new-tokens",
+        "400",
+        "--max-seq-len",
+        "420",
+    ]
     p0, p1 = job(2, port, argv, peer_timeout=timeout)
     try:
         first = p0.stdout.readline() + p0.stdout.readline()  # model, mesh
@@ -143,8 +188,20 @@ def test_losing_a_peer_ends_the_other_with_one_line():
 
 def test_start_up_errors_are_one_line_exit_2(capsys):
     # Flags alone: said before any process starts to wait.
-    assert main(["generate", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
-                 "--process-id", "2"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "--process-id 2 is not among the 2 processes" in capsys.readouterr().err
     assert main(["generate", "--coordinator", "127.0.0.1:1", "--num-processes", "2"]) == 2
     assert "--process-id" in capsys.readouterr().err
@@ -153,16 +210,57 @@ def test_start_up_errors_are_one_line_exit_2(capsys):
     lone, odd = free_port(), free_port()
     procs = [
         # nobody serves this port
-        spawn([*base, "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2",
-               "--process-id", "1"]),
+        spawn(
+            [
+                *base,
+                "--coordinator",
+                f"127.0.0.1:{free_port()}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "1",
+            ]
+        ),
         # process 0 of 2, but the other never comes
-        spawn([*base, "--coordinator", f"127.0.0.1:{lone}", "--num-processes", "2",
-               "--process-id", "0"]),
+        spawn(
+            [
+                *base,
+                "--coordinator",
+                f"127.0.0.1:{lone}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+            ]
+        ),
         # process 0 expects 2 processes; the other one believes there are 4
-        spawn([*base, "--coordinator", f"127.0.0.1:{odd}", "--num-processes", "2",
-               "--process-id", "0"]),
-        spawn(["--mesh", "2x2", "--cpu-devices", "1", "--peer-timeout", "2", "--coordinator",
-               f"127.0.0.1:{odd}", "--num-processes", "4", "--process-id", "3"]),
+        spawn(
+            [
+                *base,
+                "--coordinator",
+                f"127.0.0.1:{odd}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "0",
+            ]
+        ),
+        spawn(
+            [
+                "--mesh",
+                "2x2",
+                "--cpu-devices",
+                "1",
+                "--peer-timeout",
+                "2",
+                "--coordinator",
+                f"127.0.0.1:{odd}",
+                "--num-processes",
+                "4",
+                "--process-id",
+                "3",
+            ]
+        ),
     ]
     t0 = time.monotonic()
     results = finish(procs, timeout=120)
@@ -178,8 +276,20 @@ def test_start_up_errors_are_one_line_exit_2(capsys):
 
 def test_interrupt_is_one_line_exit_130():
     port = free_port()
-    argv = ["--mesh", "1x2", "--cpu-devices", "1", "--prompt-ids", "1,2,3", "--chunk", "1",
-            "--max-new-tokens", "400", "--max-seq-len", "420"]
+    argv = [
+        "--mesh",
+        "1x2",
+        "--cpu-devices",
+        "1",
+        "--prompt-ids",
+        "1,2,3",
+        "--chunk",
+        "1",
+        "--max-new-tokens",
+        "400",
+        "--max-seq-len",
+        "420",
+    ]
     procs = job(2, port, argv, peer_timeout=5)
     try:
         p0 = procs[0]

@@ -15,10 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import TINY
 
 from qwen3_spmd.model.checkpoint import orbax_io as ob
-from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
+from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.run import conversion
@@ -28,8 +29,6 @@ from qwen3_spmd.run.models import open_model
 from qwen3_spmd.sharding.mesh import make_mesh
 from qwen3_spmd.sharding.place import place_params
 from qwen3_spmd.sharding.plan import StagePlan
-
-from reference import TINY
 
 ROOT = Path(__file__).parent.parent
 MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
@@ -56,13 +55,19 @@ def prompts():
 
 
 def _mesh(S, C):
-    return make_mesh(S, C, jax.devices()[:S * C])
+    return make_mesh(S, C, jax.devices()[: S * C])
 
 
 def test_folder_has_params_config_tokenizer_and_marker(converted):
     folder = converted / "f32"
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", ob.METADATA_FILE, ob.COMPLETE_FILE):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        ob.METADATA_FILE,
+        ob.COMPLETE_FILE,
+    ):
         assert (folder / name).is_file(), name
     assert (folder / "config.json").read_bytes() == (TINY / "config.json").read_bytes()
     meta = json.loads((folder / ob.METADATA_FILE).read_text())
@@ -83,8 +88,9 @@ def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
         _, abstract = abstract_model(cfg, dtype)
         want = place_params(abstract, plan, mesh, HFCheckpoint(TINY, cfg))
         got = place_params(abstract, plan, mesh, ob.OrbaxCheckpoint(converted / folder, cfg))
-        for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got),
-                        strict=True):
+        for w, g in zip(
+            jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True
+        ):
             assert g.shape == w.shape and g.dtype == w.dtype and g.sharding == w.sharding
             for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True):
                 assert ws.device == gs.device and ws.index == gs.index
@@ -93,8 +99,12 @@ def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
 
 def test_read_matches_safetensors(converted, cfg):
     hf, orb = HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg)
-    for path, layers in ((("layers", "q_nhd"), [1, 3]), (("layers", "gate_fd"), None),
-                         (("embed_vd",), None), (("norm", "scale"), None)):
+    for path, layers in (
+        (("layers", "q_nhd"), [1, 3]),
+        (("layers", "gate_fd"), None),
+        (("embed_vd",), None),
+        (("norm", "scale"), None),
+    ):
         assert np.array_equal(orb.read(path, np.float32, layers), hf.read(path, np.float32, layers))
     assert orb.read(("layers", "up_fd"), np.float32, []).shape == (0, cfg.F, cfg.D)
 
@@ -103,8 +113,10 @@ def test_read_matches_safetensors(converted, cfg):
 def test_generation_matches_safetensors_on_every_mesh(converted, cfg, prompts, S, C):
     prompts, ref = prompts
     mesh = _mesh(S, C)
-    outs = [Engine(cfg, source, mesh, jnp.float32, max_seq_len=128, chunk=4).generate(prompts, 8)
-            for source in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg))]
+    outs = [
+        Engine(cfg, source, mesh, jnp.float32, max_seq_len=128, chunk=4).generate(prompts, 8)
+        for source in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg))
+    ]
     hf, orb = outs
     for i, (a, b) in enumerate(zip(hf.completions, orb.completions, strict=True)):
         assert b.token_ids == a.token_ids == ref[f"greedy_tokens_{i}"].tolist()
@@ -114,8 +126,10 @@ def test_generation_matches_safetensors_on_every_mesh(converted, cfg, prompts, S
 def test_bfloat16_conversion_generates_like_bfloat16_safetensors(converted, cfg, prompts):
     prompts, _ = prompts
     mesh = _mesh(2, 2)
-    hf, orb = (Engine(cfg, s, mesh, jnp.bfloat16, max_seq_len=128, chunk=4).generate(prompts, 8)
-               for s in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "bf16", cfg)))
+    hf, orb = (
+        Engine(cfg, s, mesh, jnp.bfloat16, max_seq_len=128, chunk=4).generate(prompts, 8)
+        for s in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "bf16", cfg))
+    )
     assert [c.token_ids for c in orb.completions] == [c.token_ids for c in hf.completions]
     assert np.array_equal(orb.first_logits, hf.first_logits)
 
@@ -149,8 +163,13 @@ sys.exit(main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))
 def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path, capsys):
     out = tmp_path / "ckpt"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen([sys.executable, "-c", _STALL, str(TINY), str(out)], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STALL, str(TINY), str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "stalled").exists():
@@ -177,8 +196,10 @@ def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path
     assert isinstance(open_model(str(out)).source, ob.OrbaxCheckpoint)
     assert main(["convert", "--model", str(TINY), "--out", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
-    assert main(["convert", "--model", str(TINY), "--out", str(out), "--force",
-                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main(["convert", "--model", str(TINY), "--out", str(out), "--force", "--dtype", "bfloat16"])
+        == 0
+    )
     assert open_model(str(out)).source.meta["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "stalled"]
 
@@ -186,13 +207,22 @@ def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path
 # ---- mismatched and foreign folders ---------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value, words", [
-    ("intermediate_size", 96, (r"parameter layers\.down_df\.0 .* has shape \[48, 104\], "
-                               r"but config\.json implies \[48, 96\]")),
-    ("num_hidden_layers", 4, r"unexpected parameter layers\.down_df\.4"),
-    ("num_hidden_layers", 6, r"lacks parameter layers\.down_df\.5"),
-    ("tie_word_embeddings", True, r"unexpected parameter lm_head_vd"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        (
+            "intermediate_size",
+            96,
+            (
+                r"parameter layers\.down_df\.0 .* has shape \[48, 104\], "
+                r"but config\.json implies \[48, 96\]"
+            ),
+        ),
+        ("num_hidden_layers", 4, r"unexpected parameter layers\.down_df\.4"),
+        ("num_hidden_layers", 6, r"lacks parameter layers\.down_df\.5"),
+        ("tie_word_embeddings", True, r"unexpected parameter lm_head_vd"),
+    ],
+)
 def test_config_that_does_not_match_the_arrays(converted, tmp_path, field, value, words):
     folder = tmp_path / "ckpt"
     shutil.copytree(converted / "f32", folder)
@@ -259,10 +289,17 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, "-c", _HOST, str(r), str(port),
-                               str(converted / "f32"), str(TINY)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HOST, str(r), str(port), str(converted / "f32"), str(TINY)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     results = []
     for p, (out, err) in zip(procs, outs):
@@ -276,8 +313,9 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
     map_params(lambda path, x: sizes.__setitem__(path, x.size * 4), abstract)
     per_layer = sum(n for path, n in sizes.items() if path[0] == "layers") // cfg.L
     shared = sum(n for path, n in sizes.items() if path[0] != "layers")
-    assert results == [["True", str(b), str(b)] for b in (3 * per_layer + shared,
-                                                          2 * per_layer + shared)]
+    assert results == [
+        ["True", str(b), str(b)] for b in (3 * per_layer + shared, 2 * per_layer + shared)
+    ]
 
 
 def test_load_measurement_runs_both_formats(converted):
@@ -300,9 +338,11 @@ def test_convert_never_deletes_what_it_did_not_write(tmp_path, capsys):
     shutil.copytree(TINY, hf)
     (tmp_path / "work" / "notes.txt").write_text("mine")
     before = sorted(p.name for p in hf.iterdir())
-    for out, words in [(hf, "holds the checkpoint being converted"),
-                       (tmp_path / "work", "holds the checkpoint being converted"),
-                       (tmp_path, "holds the checkpoint being converted")]:
+    for out, words in [
+        (hf, "holds the checkpoint being converted"),
+        (tmp_path / "work", "holds the checkpoint being converted"),
+        (tmp_path, "holds the checkpoint being converted"),
+    ]:
         assert main(["convert", "--model", str(hf), "--out", str(out), "--force"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and words in err and "\n" not in err
@@ -340,8 +380,9 @@ def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
     shutil.rmtree(gone / ob.PARAMS_DIR)
     cut = tmp_path / "cut"
     shutil.copytree(converted / "f32", cut)
-    data = max((p for p in (cut / ob.PARAMS_DIR).rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+    data = max(
+        (p for p in (cut / ob.PARAMS_DIR).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
     data.write_bytes(data.read_bytes()[:1000])
     argv = ["generate", "--mesh", "1x1", "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     errors = {}
@@ -350,8 +391,14 @@ def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
         errors[folder] = capsys.readouterr().err.strip()
     assert f"{data.relative_to(cut).as_posix()} is 1,000 bytes" in errors[cut]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-m", "qwen3_spmd.run", *argv, "--model", str(cut)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "qwen3_spmd.run", *argv, "--model", str(cut)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and out.stderr.strip() == errors[cut]
     for folder, err in errors.items():
         assert "\n" not in err and err.startswith(f"error: orbax checkpoint {folder} cannot be")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import dense_attention
 
 from qwen3_spmd import ring
-from reference import dense_attention
 
 SEQ = P(None, "seq")
 
@@ -36,9 +36,7 @@ def _ring(c, scale):
 
     mesh = _mesh(c)
     return mesh, jax.jit(
-        jax.shard_map(
-            fn, mesh=mesh, in_specs=(SEQ,) * 4, out_specs=(SEQ, SEQ, P("seq"))
-        )
+        jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * 4, out_specs=(SEQ, SEQ, P("seq")))
     )
 
 
@@ -65,9 +63,7 @@ def _run_ring(q, k, v, lengths, kind, c, dtype=jnp.float32):
         )
         for x in (q, k, v)
     ]
-    o, lse, blocks = fn(
-        *placed, jax.device_put(jnp.asarray(pos), NamedSharding(mesh, SEQ))
-    )
+    o, lse, blocks = fn(*placed, jax.device_put(jnp.asarray(pos), NamedSharding(mesh, SEQ)))
     o = ring.from_device_order(np.asarray(o.astype(jnp.float32)), partition)
     return o, ring.from_device_order(np.asarray(lse), partition), np.asarray(blocks)
 
@@ -89,9 +85,7 @@ def _assert_close(o, lse, o_ref, lse_ref, atol, lse_atol=1e-5):
 
 def test_block_attention_is_dense_causal_attention():
     q, k, v, lengths = _case(0, b=2, length=7, n=6, kh=2, h=5, row_lengths=[7, 4])
-    pos = np.where(np.arange(7)[None] < lengths, np.arange(7)[None], -1).astype(
-        np.int32
-    )
+    pos = np.where(np.arange(7)[None] < lengths, np.arange(7)[None], -1).astype(np.int32)
     o, lse = ring.block_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), pos, pos, scale=0.3
     )
@@ -132,9 +126,7 @@ def test_ring_matches_dense_odd_heads_padded(c):
         o, lse, blocks = _run_ring(q, k, v, lengths, kind, c)
         _assert_close(o, lse, o_ref, lse_ref, atol=1e-5)
         # Padding only removes work: never more pairs than the unpadded counts.
-        full = (
-            [3 + 4 * d for d in range(c)] if kind == "contiguous" else [2 * c + 1] * c
-        )
+        full = [3 + 4 * d for d in range(c)] if kind == "contiguous" else [2 * c + 1] * c
         assert np.all(blocks <= full)
 
 
@@ -145,9 +137,7 @@ def test_ring_bfloat16():
     # ulp at |o| < 4 (2**-7); lse stays float32 (error 3e-7).
     c = 4
     q, k, v, lengths = _case(3, b=2, length=4 * c, n=4, kh=2, h=8)
-    q, k, v = (
-        np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v)
-    )
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
     o_ref, lse_ref = _reference(q, k, v, lengths)
     o, lse, _ = _run_ring(q, k, v, lengths, "zigzag", c, dtype=jnp.bfloat16)
     _assert_close(o, lse, o_ref, lse_ref, atol=2**-7)
@@ -158,9 +148,7 @@ def _eqns(jaxpr, weight=1):
     runs multiplies by the length of each enclosing scan."""
     for eqn in jaxpr.eqns:
         yield eqn, weight
-        inner = (
-            weight * eqn.params["length"] if eqn.primitive.name == "scan" else weight
-        )
+        inner = weight * eqn.params["length"] if eqn.primitive.name == "scan" else weight
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -179,13 +167,9 @@ def test_ring_collectives(c):
     """(C-1) steps send k, v and positions: 3 ppermutes each, and nothing is gathered."""
     mesh, fn = _ring(c, 0.5)
     args = [
-        jax.ShapeDtypeStruct(
-            (1, 2 * c, 2, 4), jnp.float32, sharding=NamedSharding(mesh, SEQ)
-        )
+        jax.ShapeDtypeStruct((1, 2 * c, 2, 4), jnp.float32, sharding=NamedSharding(mesh, SEQ))
     ] * 3
-    args.append(
-        jax.ShapeDtypeStruct((1, 2 * c), jnp.int32, sharding=NamedSharding(mesh, SEQ))
-    )
+    args.append(jax.ShapeDtypeStruct((1, 2 * c), jnp.int32, sharding=NamedSharding(mesh, SEQ)))
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     assert _count(jaxpr, "ppermute") == 3 * (c - 1)
     for gather in ("all_gather", "all_gather_invariant", "all_to_all", "psum", "pmax"):
@@ -215,28 +199,19 @@ def test_ring_inside_stage_seq_mesh():
     pos = np.asarray(ring.device_positions(partition)[None], np.int32)
     put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
     args = (
-        put(
-            ring.to_device_order(q, partition), P("stage", "seq")
-        ),  # one batch row per stage
+        put(ring.to_device_order(q, partition), P("stage", "seq")),  # one batch row per stage
         put(ring.to_device_order(k[:1], partition), SEQ),
         put(ring.to_device_order(v[:1], partition), SEQ),
         put(pos, SEQ),
     )
     jaxpr = jax.make_jaxpr(sharded)(*args).jaxpr
     assert _count(jaxpr, "ppermute") == 3 * 3
-    axes = {
-        eqn.params["axis_name"]
-        for eqn, _ in _eqns(jaxpr)
-        if eqn.primitive.name == "ppermute"
-    }
+    axes = {eqn.params["axis_name"] for eqn, _ in _eqns(jaxpr) if eqn.primitive.name == "ppermute"}
     assert axes == {("seq",)}
 
     o, lse = sharded(*args)
     natural = np.arange(16)[None].repeat(2, 0)
-    k, v = (
-        np.repeat(k[:1], 2, 0),
-        np.repeat(v[:1], 2, 0),
-    )  # both stages see the same k, v
+    k, v = np.repeat(k[:1], 2, 0), np.repeat(v[:1], 2, 0)  # both stages see the same k, v
     o_ref, lse_ref = dense_attention(q, k, v, natural, natural, scale)
     o = ring.from_device_order(np.asarray(o), partition)
     lse = ring.from_device_order(np.asarray(lse), partition)
@@ -247,18 +222,12 @@ def _trace_ring(q_shape, k_shape, v_shape, t_pos, s_pos, axis_name="seq"):
     mesh = _mesh(2)
 
     def fn(q, k, v, q_pos, k_pos):
-        return ring.ring_attention(
-            q, k, v, q_pos, k_pos, axis_name=axis_name, scale=1.0
-        )
+        return ring.ring_attention(q, k, v, q_pos, k_pos, axis_name=axis_name, scale=1.0)
 
     shapes = [(q_shape, jnp.float32), (k_shape, jnp.float32), (v_shape, jnp.float32)]
     shapes += [((q_shape[0], t_pos), jnp.int32), ((k_shape[0], s_pos), jnp.int32)]
-    args = [
-        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, SEQ)) for s, d in shapes
-    ]
-    jax.eval_shape(
-        jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * 5, out_specs=(SEQ, SEQ)), *args
-    )
+    args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, SEQ)) for s, d in shapes]
+    jax.eval_shape(jax.shard_map(fn, mesh=mesh, in_specs=(SEQ,) * 5, out_specs=(SEQ, SEQ)), *args)
 
 
 @pytest.mark.parametrize(
@@ -344,5 +313,9 @@ def test_prompt_attention_is_block_attention_on_real_rows(implementation):
     o_ref, _ = ring.block_attention(q, k, v, pos, pos, scale=0.125)
     real = pos >= 0
     assert o.shape == q.shape and o.dtype == dtype
-    np.testing.assert_allclose(np.asarray(o, np.float32)[real], np.asarray(o_ref, np.float32)[real],
-                               atol=1e-5 if dtype == jnp.float32 else 2e-2, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(o, np.float32)[real],
+        np.asarray(o_ref, np.float32)[real],
+        atol=1e-5 if dtype == jnp.float32 else 2e-2,
+        rtol=0,
+    )

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from reference import dense_attention
 
 from qwen3_spmd import ring
-from reference import dense_attention
 
 SEQ = P(None, "seq")
 CACHE = P(None, None, "seq")  # a heads-major cache [B, K, S, H], slots along seq
@@ -49,9 +49,7 @@ def _case(seed, c, *, n=4, kh=2, h=8):
     k, v = rng.standard_normal((2, b, s, kh, h), dtype=np.float32)
     filled = 3 * c
     usable = (
-        np.array([d != 1 for d in range(c) for _ in range(SLOTS)])
-        if c > 1
-        else np.ones(s, bool)
+        np.array([d != 1 for d in range(c) for _ in range(SLOTS)]) if c > 1 else np.ones(s, bool)
     )
     slot_pos = np.full((b, s), -1, np.int32)
     for row in range(b):
@@ -81,9 +79,7 @@ def test_decode_matches_dense_over_gathered_cache(c):
     o_ref, lse_ref = dense_attention(q, k, v, q_pos, slot_pos, 0.25)
 
     # Every device holds the same result, bit for bit.
-    assert all(
-        np.array_equal(o[0], o[d]) and np.array_equal(lse[0], lse[d]) for d in range(c)
-    )
+    assert all(np.array_equal(o[0], o[d]) and np.array_equal(lse[0], lse[d]) for d in range(c))
     o, lse = o[0], lse[0]
     assert np.all(np.isfinite(o)) and not np.isnan(lse).any()
     assert np.all(np.isneginf(lse[0, 1])) and np.all(o[0, 1] == 0)  # the padding query
@@ -99,9 +95,7 @@ def test_decode_bfloat16():
     # the bound is half a bfloat16 ulp at |o| < 4.
     c = 4
     q, k, v, q_pos, slot_pos = _case(7, c)
-    q, k, v = (
-        np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v)
-    )
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v))
     o, _ = _run(c, q, k, v, q_pos, slot_pos, dtype=jnp.bfloat16)
     o_ref, _ = dense_attention(q, k, v, q_pos, slot_pos, 0.25)
     assert np.all(np.isfinite(o))
@@ -120,9 +114,7 @@ def test_decode_inside_stage_seq_mesh():
 
     in_specs = (P("stage"), P("stage", None, "seq"), P("stage", None, "seq"), P(), SEQ)
     sharded = jax.jit(
-        jax.shard_map(
-            fn, mesh=mesh, in_specs=in_specs, out_specs=(P("stage"), P("stage"))
-        )
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P("stage"), P("stage")))
     )
     # Batch row b of q and of the cache goes to stage b; both stages share row 0's positions.
     q, k, v, q_pos, slot_pos = _case(3, 4)
@@ -132,13 +124,9 @@ def test_decode_inside_stage_seq_mesh():
     o, lse = sharded(*(put(x, spec) for x, spec in zip(cached, in_specs)))
     for stage in range(2):
         rows = slice(stage, stage + 1)
-        o_ref, lse_ref = dense_attention(
-            q[rows], k[rows], v[rows], q_pos, slot_pos, 0.25
-        )
+        o_ref, lse_ref = dense_attention(q[rows], k[rows], v[rows], q_pos, slot_pos, 0.25)
         np.testing.assert_allclose(np.asarray(o)[rows], o_ref, atol=1e-5, rtol=0)
-        np.testing.assert_array_equal(
-            np.isneginf(np.asarray(lse)[rows]), np.isneginf(lse_ref)
-        )
+        np.testing.assert_array_equal(np.isneginf(np.asarray(lse)[rows]), np.isneginf(lse_ref))
 
 
 def _eqns(jaxpr):
@@ -176,9 +164,7 @@ def test_decode_collectives_are_small_reductions():
         "reduce_scatter",
     ):
         assert moving not in names
-    reductions = [
-        eqn for eqn in _eqns(jaxpr) if eqn.primitive.name.startswith(("psum", "pmax"))
-    ]
+    reductions = [eqn for eqn in _eqns(jaxpr) if eqn.primitive.name.startswith(("psum", "pmax"))]
     assert sorted(eqn.primitive.name for eqn in reductions) == [
         "pmax",
         "psum_invariant",
@@ -262,8 +248,17 @@ def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monke
     stacked = P(None, None, None, "seq")
 
     def fn(q, k_cache, v_cache, q_pos, slot_pos, filled):
-        return ring.decode_attention(q, k_cache, v_cache, q_pos, slot_pos, axis_name="seq",
-                                     scale=0.25, at=(layer, row0), filled=filled)
+        return ring.decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            q_pos,
+            slot_pos,
+            axis_name="seq",
+            scale=0.25,
+            at=(layer, row0),
+            filled=filled,
+        )
 
     in_specs = (P(), stacked, stacked, P(), SEQ, P())
     sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(), P())))

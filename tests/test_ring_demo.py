@@ -35,9 +35,7 @@ def test_defaults_reproduce_design_numbers(capsys):
 
 
 def test_table_output_padded_batch(capsys):
-    args = _parse(
-        "--seq", "13", "--devices", "2", "--batch", "2", "--heads", "3", "--dim", "8"
-    )
+    args = _parse("--seq", "13", "--devices", "2", "--batch", "2", "--heads", "3", "--dim", "8")
     assert ring_demo.main(args) == 0
     out = capsys.readouterr().out
     assert "contiguous" in out and "zigzag" in out and "max error" in out

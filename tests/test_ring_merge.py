@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import dense_attention
 
 from qwen3_spmd import ring
-from reference import dense_attention
 
 SCALE = 8**-0.5
 
@@ -29,8 +29,7 @@ def _random_case(seed, dtype):
     p2[1] = 20  # present but after every query
     # Round the inputs to dtype so the reference sees exactly what the kernel sees.
     q, k1, v1, k2, v2 = (
-        np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
-        for x in (q, k1, v1, k2, v2)
+        np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in (q, k1, v1, k2, v2)
     )
     return q, (k1, v1, p1), (k2, v2, p2), q_pos
 
@@ -42,12 +41,8 @@ def _random_case(seed, dtype):
 def test_merge_equals_attention_over_union(seed, dtype, tol):
     q, (k1, v1, p1), (k2, v2, p2), q_pos = _random_case(seed, dtype)
     as_dtype = lambda x: jnp.asarray(x, dtype)
-    o1, lse1 = ring.block_attention(
-        as_dtype(q), as_dtype(k1), as_dtype(v1), q_pos, p1, scale=SCALE
-    )
-    o2, lse2 = ring.block_attention(
-        as_dtype(q), as_dtype(k2), as_dtype(v2), q_pos, p2, scale=SCALE
-    )
+    o1, lse1 = ring.block_attention(as_dtype(q), as_dtype(k1), as_dtype(v1), q_pos, p1, scale=SCALE)
+    o2, lse2 = ring.block_attention(as_dtype(q), as_dtype(k2), as_dtype(v2), q_pos, p2, scale=SCALE)
     o, lse = ring.merge(o1, lse1, o2, lse2)
 
     o_ref, lse_ref = dense_attention(
@@ -72,24 +67,18 @@ def test_merge_equals_attention_over_union(seed, dtype, tol):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_merge_masked_sides(dtype):
     o_a = jnp.full((1, 3, 2, 4), 0.5, dtype)
-    lse_a = jnp.array(
-        [[[0.3, -jnp.inf], [-jnp.inf, -jnp.inf], [1.0, 2.0]]], jnp.float32
-    )
+    lse_a = jnp.array([[[0.3, -jnp.inf], [-jnp.inf, -jnp.inf], [1.0, 2.0]]], jnp.float32)
     o_b = jnp.zeros((1, 3, 2, 4), dtype)
     lse_b = jnp.full((1, 3, 2), -jnp.inf, jnp.float32)
 
-    o, lse = ring.merge(
-        o_a, lse_a, o_b, lse_b
-    )  # one side fully masked: the other unchanged
+    o, lse = ring.merge(o_a, lse_a, o_b, lse_b)  # one side fully masked: the other unchanged
     assert o.dtype == dtype
     assert np.array_equal(np.asarray(lse), np.asarray(lse_a))
     expected = np.where(np.isneginf(np.asarray(lse_a))[..., None], 0.0, 0.5)
     assert np.array_equal(np.asarray(o, np.float32), np.broadcast_to(expected, o.shape))
 
     o, lse = ring.merge(o_b, lse_b, o_b, lse_b)  # both masked: 0 and -inf, no NaN
-    assert np.all(np.asarray(o, np.float32) == 0) and np.all(
-        np.isneginf(np.asarray(lse))
-    )
+    assert np.all(np.asarray(o, np.float32) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
 def test_merge_is_symmetric():

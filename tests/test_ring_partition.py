@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from qwen3_spmd import ring
+
+
 def test_design_work_counts():
     assert ring.causal_work(ring.contiguous(64, 4)) == [136, 392, 648, 904]
     assert ring.causal_work(ring.zigzag(64, 4)) == [520, 520, 520, 520]

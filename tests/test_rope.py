@@ -8,11 +8,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import FIXTURES
 
 from qwen3_spmd.model.config import PRESETS, Qwen3Config, RopeScaling
 from qwen3_spmd.model.rope import apply_rope, inverse_frequencies, rope_tables
-from reference import FIXTURES
-
 
 
 def reference_default(theta: float, dim: int) -> np.ndarray:
@@ -21,9 +20,18 @@ def reference_default(theta: float, dim: int) -> np.ndarray:
     return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
 
 
-def reference_yarn(theta: float, dim: int, factor: float, original: int, beta_fast=None,
-                   beta_slow=None, attention_factor=None, mscale=None, mscale_all_dim=None,
-                   truncate=True) -> tuple[np.ndarray, float]:
+def reference_yarn(
+    theta: float,
+    dim: int,
+    factor: float,
+    original: int,
+    beta_fast=None,
+    beta_slow=None,
+    attention_factor=None,
+    mscale=None,
+    mscale_all_dim=None,
+    truncate=True,
+) -> tuple[np.ndarray, float]:
     """YaRN as transformers computes it (the NTK-by-parts blend of interpolated and
     extrapolated frequencies, and the attention factor that scales cos/sin)."""
 
@@ -58,13 +66,22 @@ def reference_yarn(theta: float, dim: int, factor: float, original: int, beta_fa
 
 
 def _yarn_cfg(theta=10_000.0, head_dim=16, **scaling) -> Qwen3Config:
-    return Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                       rope_theta=theta, rope_scaling=RopeScaling(**scaling))
+    return Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=RopeScaling(**scaling),
+    )
 
 
-@pytest.mark.parametrize("theta,dim", [(10_000.0, 16), (1_000_000.0, 128), (500_000.0, 64),
-                                       (10_000.0, 6)])
+@pytest.mark.parametrize(
+    "theta,dim", [(10_000.0, 16), (1_000_000.0, 128), (500_000.0, 64), (10_000.0, 6)]
+)
 def test_default_inverse_frequencies(theta, dim):
     cfg = dataclasses.replace(PRESETS["tiny"], rope_theta=theta, head_dim=dim)
     inv, factor = inverse_frequencies(cfg)
@@ -77,24 +94,60 @@ YARN_CASES = {
     # the fixture's settings
     "fixture": dict(theta=10_000.0, head_dim=16, factor=4.0, original_max_position_embeddings=32),
     # Qwen3's model card: factor 4 over the 32768-token window
-    "qwen3-card": dict(theta=1_000_000.0, head_dim=128, factor=4.0,
-                       original_max_position_embeddings=32768),
-    "betas": dict(theta=10_000.0, head_dim=64, factor=8.0, original_max_position_embeddings=256,
-                  beta_fast=16.0, beta_slow=2.0),
-    "no-truncate": dict(theta=1_000_000.0, head_dim=128, factor=4.0,
-                        original_max_position_embeddings=32768, truncate=False),
-    "no-truncate-small": dict(theta=10_000.0, head_dim=16, factor=4.0,
-                              original_max_position_embeddings=32, truncate=False),
-    "mscale": dict(theta=10_000.0, head_dim=64, factor=40.0, original_max_position_embeddings=4096,
-                   mscale=1.0, mscale_all_dim=0.707),
-    "mscale-equal": dict(theta=10_000.0, head_dim=64, factor=40.0,
-                         original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0),
-    "mscale-only": dict(theta=10_000.0, head_dim=64, factor=40.0,
-                        original_max_position_embeddings=4096, mscale=0.707),
-    "attention-factor": dict(theta=10_000.0, head_dim=32, factor=4.0,
-                             original_max_position_embeddings=64, attention_factor=0.8),
-    "factor-below-one": dict(theta=10_000.0, head_dim=32, factor=0.5,
-                             original_max_position_embeddings=64),
+    "qwen3-card": dict(
+        theta=1_000_000.0, head_dim=128, factor=4.0, original_max_position_embeddings=32768
+    ),
+    "betas": dict(
+        theta=10_000.0,
+        head_dim=64,
+        factor=8.0,
+        original_max_position_embeddings=256,
+        beta_fast=16.0,
+        beta_slow=2.0,
+    ),
+    "no-truncate": dict(
+        theta=1_000_000.0,
+        head_dim=128,
+        factor=4.0,
+        original_max_position_embeddings=32768,
+        truncate=False,
+    ),
+    "no-truncate-small": dict(
+        theta=10_000.0, head_dim=16, factor=4.0, original_max_position_embeddings=32, truncate=False
+    ),
+    "mscale": dict(
+        theta=10_000.0,
+        head_dim=64,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=0.707,
+    ),
+    "mscale-equal": dict(
+        theta=10_000.0,
+        head_dim=64,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    "mscale-only": dict(
+        theta=10_000.0,
+        head_dim=64,
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        mscale=0.707,
+    ),
+    "attention-factor": dict(
+        theta=10_000.0,
+        head_dim=32,
+        factor=4.0,
+        original_max_position_embeddings=64,
+        attention_factor=0.8,
+    ),
+    "factor-below-one": dict(
+        theta=10_000.0, head_dim=32, factor=0.5, original_max_position_embeddings=64
+    ),
     # correction range collapses to one point (low == high): the ramp guard
     "narrow": dict(theta=10_000.0, head_dim=8, factor=2.0, original_max_position_embeddings=4),
 }
@@ -107,9 +160,17 @@ def test_yarn_inverse_frequencies(case):
     cfg = _yarn_cfg(theta=theta, head_dim=dim, **args)
     inv, factor = inverse_frequencies(cfg)
     want, want_factor = reference_yarn(
-        theta, dim, args["factor"], args["original_max_position_embeddings"],
-        args.get("beta_fast"), args.get("beta_slow"), args.get("attention_factor"),
-        args.get("mscale"), args.get("mscale_all_dim"), args.get("truncate", True))
+        theta,
+        dim,
+        args["factor"],
+        args["original_max_position_embeddings"],
+        args.get("beta_fast"),
+        args.get("beta_slow"),
+        args.get("attention_factor"),
+        args.get("mscale"),
+        args.get("mscale_all_dim"),
+        args.get("truncate", True),
+    )
     np.testing.assert_allclose(inv, want, rtol=1e-6)
     assert factor == pytest.approx(want_factor, rel=1e-12)
 
@@ -125,17 +186,30 @@ def test_yarn_ramp_guard_case_really_collapses():
 def test_yarn_attention_factor_formulas():
     _, f = inverse_frequencies(_yarn_cfg(factor=4.0, original_max_position_embeddings=32))
     assert f == pytest.approx(0.1 * math.log(4.0) + 1.0, rel=1e-12)  # 1.1386
-    _, f = inverse_frequencies(_yarn_cfg(factor=40.0, original_max_position_embeddings=32,
-                                         mscale=1.0, mscale_all_dim=0.707))
-    assert f == pytest.approx((0.1 * math.log(40) + 1) / (0.1 * 0.707 * math.log(40) + 1), rel=1e-12)
-    _, f = inverse_frequencies(_yarn_cfg(factor=4.0, original_max_position_embeddings=32,
-                                         attention_factor=0.5, mscale=1.0, mscale_all_dim=0.5))
+    _, f = inverse_frequencies(
+        _yarn_cfg(
+            factor=40.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.707
+        )
+    )
+    assert f == pytest.approx(
+        (0.1 * math.log(40) + 1) / (0.1 * 0.707 * math.log(40) + 1), rel=1e-12
+    )
+    _, f = inverse_frequencies(
+        _yarn_cfg(
+            factor=4.0,
+            original_max_position_embeddings=32,
+            attention_factor=0.5,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+        )
+    )
     assert f == 0.5  # an explicit attention_factor wins
 
 
 def test_yarn_blends_between_extrapolation_and_interpolation():
-    cfg = _yarn_cfg(theta=1_000_000.0, head_dim=128, factor=4.0,
-                    original_max_position_embeddings=32768)
+    cfg = _yarn_cfg(
+        theta=1_000_000.0, head_dim=128, factor=4.0, original_max_position_embeddings=32768
+    )
     inv, _ = inverse_frequencies(cfg)
     base = reference_default(1_000_000.0, 128)
     # high frequencies are kept, low ones divided by the factor, a ramp in between
@@ -192,7 +266,9 @@ def test_apply_rope_scales_norms_by_the_attention_factor():
     positions = jnp.asarray(np.array([[0, 40, 100]], np.int32))
     x = _x((1, 3, 2, cfg.H), seed=1)
     y = apply_rope(x, *rope_tables(cfg, positions, jnp.float32))
-    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), f * np.linalg.norm(x, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(y, axis=-1), f * np.linalg.norm(x, axis=-1), rtol=1e-5
+    )
 
 
 def test_apply_rope_is_rotate_half_pairs():
@@ -203,10 +279,10 @@ def test_apply_rope_is_rotate_half_pairs():
     x = np.asarray(_x((1, 1, 1, H), seed=2))
     y = np.asarray(apply_rope(jnp.asarray(x), *rope_tables(cfg, jnp.asarray(pos), jnp.float32)))
     inv, _ = inverse_frequencies(cfg)
-    a, b = x[0, 0, 0, :H // 2].astype(np.float64), x[0, 0, 0, H // 2:].astype(np.float64)
+    a, b = x[0, 0, 0, : H // 2].astype(np.float64), x[0, 0, 0, H // 2 :].astype(np.float64)
     ang = 9 * inv.astype(np.float64)
-    np.testing.assert_allclose(y[0, 0, 0, :H // 2], a * np.cos(ang) - b * np.sin(ang), atol=1e-5)
-    np.testing.assert_allclose(y[0, 0, 0, H // 2:], b * np.cos(ang) + a * np.sin(ang), atol=1e-5)
+    np.testing.assert_allclose(y[0, 0, 0, : H // 2], a * np.cos(ang) - b * np.sin(ang), atol=1e-5)
+    np.testing.assert_allclose(y[0, 0, 0, H // 2 :], b * np.cos(ang) + a * np.sin(ang), atol=1e-5)
 
 
 def test_scores_depend_only_on_relative_position():
@@ -225,9 +301,15 @@ def test_scores_depend_only_on_relative_position():
 
 def _scaled(rope_type: str, **params) -> Qwen3Config:
     cfg = PRESETS["tiny"]
-    return dataclasses.replace(cfg, rope_theta=10_000.0, rope_scaling=RopeScaling(
-        rope_type=rope_type, original_max_position_embeddings=params.pop("original", 64),
-        **params))
+    return dataclasses.replace(
+        cfg,
+        rope_theta=10_000.0,
+        rope_scaling=RopeScaling(
+            rope_type=rope_type,
+            original_max_position_embeddings=params.pop("original", 64),
+            **params,
+        ),
+    )
 
 
 def test_linear_divides_every_frequency_by_the_factor():
@@ -252,19 +334,30 @@ def test_llama3_keeps_high_frequencies_divides_low_ones_and_blends_between():
     assert attention_factor == 1.0
 
 
-@pytest.mark.parametrize("rope_type, params", [
-    ("linear", {"factor": 4.0}),
-    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
-])
+@pytest.mark.parametrize(
+    "rope_type, params",
+    [
+        ("linear", {"factor": 4.0}),
+        ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+    ],
+)
 def test_scaled_rope_matches_transformers(rope_type, params):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = transformers.Qwen3Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=256, rope_parameters={
-            "rope_type": rope_type, "rope_theta": 10_000.0,
-            "original_max_position_embeddings": 64, **params})
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": rope_type,
+            "rope_theta": 10_000.0,
+            "original_max_position_embeddings": 64,
+            **params,
+        },
+    )
     theirs, their_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     ours, our_factor = inverse_frequencies(_scaled(rope_type, original=64, **params))
     np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)

@@ -40,8 +40,15 @@ def test_greedy_of_a_row_with_nan_is_its_first_nan_as_numpy_argmax():
     logits = np.array(_logits(3, seed=2))
     logits[0, [5, 9]] = np.nan
     logits[2, :] = np.nan
-    got = np.asarray(_sample(jnp.asarray(logits), jnp.arange(3, dtype=jnp.int32), jnp.int32(0),
-                             jnp.int32(0), Sampling()))
+    got = np.asarray(
+        _sample(
+            jnp.asarray(logits),
+            jnp.arange(3, dtype=jnp.int32),
+            jnp.int32(0),
+            jnp.int32(0),
+            Sampling(),
+        )
+    )
     np.testing.assert_array_equal(got, np.argmax(logits, -1))  # [5, argmax, 0]
     assert got.max() < V
 
@@ -51,8 +58,13 @@ def test_top_k_one_is_greedy_at_any_temperature(temperature):
     logits = _logits(8, seed=2)
     want = np.argmax(np.asarray(logits), -1)
     for step in range(6):
-        got = _sample(logits, jnp.arange(8, dtype=jnp.int32), jnp.int32(step), jnp.int32(step + 11),
-                      Sampling(temperature=temperature, top_k=1))
+        got = _sample(
+            logits,
+            jnp.arange(8, dtype=jnp.int32),
+            jnp.int32(step),
+            jnp.int32(step + 11),
+            Sampling(temperature=temperature, top_k=1),
+        )
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -124,20 +136,23 @@ def test_per_row_steps_equal_scalar_steps():
     steps = jnp.array([0, 3, 3, 9, 1, 2], jnp.int32)
     together = np.asarray(_sample(logits, request, steps, jnp.int32(2), CFG))
     for b in range(B):
-        alone = _sample(logits[b:b + 1], request[b:b + 1], steps[b], jnp.int32(2), CFG)
+        alone = _sample(logits[b : b + 1], request[b : b + 1], steps[b], jnp.int32(2), CFG)
         assert int(alone[0]) == together[b]
 
 
-@pytest.mark.parametrize("kwargs,word", [
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(top_p=float("nan")), "top-p"),
-    (dict(top_k=-1), "top-k"),
-    (dict(top_p=0.0), "top-p"),
-    (dict(top_p=1.5), "top-p"),
-    (dict(top_p=-0.2), "top-p"),
-])
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top-p"),
+        (dict(top_k=-1), "top-k"),
+        (dict(top_p=0.0), "top-p"),
+        (dict(top_p=1.5), "top-p"),
+        (dict(top_p=-0.2), "top-p"),
+    ],
+)
 def test_invalid_parameters_raise(kwargs, word):
     with pytest.raises(SamplingError, match=word):
         Sampling(**kwargs)

@@ -13,15 +13,18 @@ from qwen3_spmd.sharding.plan import PlanError, StagePlan
 # ---- StagePlan ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("L,S,want", [
-    (28, 2, [[0, 13], [14, 27]]),
-    (5, 2, [[0, 2], [3, 4]]),
-    (5, 4, [[0, 1], [2, 2], [3, 3], [4, 4]]),
-    (9, 8, [[0, 1]] + [[i, i] for i in range(2, 9)]),
-    (36, 5, [[0, 7], [8, 14], [15, 21], [22, 28], [29, 35]]),
-    (4, 4, [[0, 0], [1, 1], [2, 2], [3, 3]]),
-    (3, 1, [[0, 2]]),
-])
+@pytest.mark.parametrize(
+    "L,S,want",
+    [
+        (28, 2, [[0, 13], [14, 27]]),
+        (5, 2, [[0, 2], [3, 4]]),
+        (5, 4, [[0, 1], [2, 2], [3, 3], [4, 4]]),
+        (9, 8, [[0, 1]] + [[i, i] for i in range(2, 9)]),
+        (36, 5, [[0, 7], [8, 14], [15, 21], [22, 28], [29, 35]]),
+        (4, 4, [[0, 0], [1, 1], [2, 2], [3, 3]]),
+        (3, 1, [[0, 2]]),
+    ],
+)
 def test_stage_layers(L, S, want):
     assert StagePlan(L, S).stage_layers == want
 
@@ -35,7 +38,7 @@ def test_plan_invariants(L, S):
     # every real layer exactly once, in order
     assert [i for i in slots if i is not None] == list(range(L))
     for s, (first, last) in enumerate(plan.stage_layers):
-        mine = slots[s * per:(s + 1) * per]
+        mine = slots[s * per : (s + 1) * per]
         n = last - first + 1
         # the stage's real layers first, then identity slots
         assert mine == list(range(first, last + 1)) + [None] * (per - n)
@@ -124,10 +127,13 @@ def _assert_tokens_arrive_in_time(grid, G, S):
         for i in range(1, len(first)):
             assert first[i] > last[i - 1], (
                 f"G={G} S={S}: group {g} step {i} enters stage 0 at tick {first[i]}, before "
-                f"its step {i - 1} left stage {S - 1} at tick {last[i - 1]}")
+                f"its step {i - 1} left stage {S - 1} at tick {last[i - 1]}"
+            )
 
 
-@pytest.mark.parametrize("G,S,n", [(2, 2, 3), (4, 2, 2), (3, 3, 4), (5, 4, 3), (8, 8, 2), (1, 1, 5)])
+@pytest.mark.parametrize(
+    "G,S,n", [(2, 2, 3), (4, 2, 2), (3, 3, 4), (5, 4, 3), (8, 8, 2), (1, 1, 5)]
+)
 def test_decode_steady_state_has_no_idle_when_groups_cover_stages(G, S, n):
     grid = decode_grid(G, S, n)
     assert stats(grid, skip_edges=S - 1)["idle_fraction"] == 0
@@ -176,7 +182,10 @@ def test_stats_window():
     grid = [[0, None, 1, None], [None, 0, None, 1]]
     assert stats(grid) == {"ticks": 4, "busy_slots": 4, "idle_fraction": 0.5}
     assert stats(grid, skip_edges=1) == {"ticks": 2, "busy_slots": 2, "idle_fraction": 0.5}
-    assert stats(grid, skip_edges=2)["ticks"] == 0 and stats(grid, skip_edges=2)["idle_fraction"] == 0.0
+    assert (
+        stats(grid, skip_edges=2)["ticks"] == 0
+        and stats(grid, skip_edges=2)["idle_fraction"] == 0.0
+    )
 
 
 def test_all_small_shapes_idle_fraction_formula():

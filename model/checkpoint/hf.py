@@ -16,8 +16,8 @@ import contextlib
 import dataclasses
 import json
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -84,8 +84,9 @@ class Entry:
     def to_hf(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
         return x.reshape(self.hf_shape(cfg))
 
-    def hf_tensors(self, x: np.ndarray, cfg: Qwen3Config, layer: int | None = None
-                   ) -> dict[str, np.ndarray]:
+    def hf_tensors(
+        self, x: np.ndarray, cfg: Qwen3Config, layer: int | None = None
+    ) -> dict[str, np.ndarray]:
         """Our tensor (one layer's, for a stacked entry) -> {checkpoint name: tensor} in
         the hub's layout (the inverse of reading; fused entries are read-only)."""
         if self.part is not None:
@@ -103,30 +104,77 @@ def _vec(n: Callable[[Qwen3Config], int]):
 
 _P = "model.layers.{i}."
 _LAYER = [
-    Entry(("layers", "input_norm", "scale"), _P + "input_layernorm.weight", _vec(lambda c: c.D),
-          _vec(lambda c: c.D)),
-    Entry(("layers", "q_nhd"), _P + "self_attn.q_proj.weight", lambda c: (c.N * c.H, c.D),
-          lambda c: (c.N, c.H, c.D)),
-    Entry(("layers", "k_khd"), _P + "self_attn.k_proj.weight", lambda c: (c.K * c.H, c.D),
-          lambda c: (c.K, c.H, c.D)),
-    Entry(("layers", "v_khd"), _P + "self_attn.v_proj.weight", lambda c: (c.K * c.H, c.D),
-          lambda c: (c.K, c.H, c.D)),
-    Entry(("layers", "o_dnh"), _P + "self_attn.o_proj.weight", lambda c: (c.D, c.N * c.H),
-          lambda c: (c.D, c.N, c.H)),
-    Entry(("layers", "q_norm", "scale"), _P + "self_attn.q_norm.weight", _vec(lambda c: c.H),
-          _vec(lambda c: c.H)),
-    Entry(("layers", "k_norm", "scale"), _P + "self_attn.k_norm.weight", _vec(lambda c: c.H),
-          _vec(lambda c: c.H)),
-    Entry(("layers", "post_norm", "scale"), _P + "post_attention_layernorm.weight",
-          _vec(lambda c: c.D), _vec(lambda c: c.D)),
+    Entry(
+        ("layers", "input_norm", "scale"),
+        _P + "input_layernorm.weight",
+        _vec(lambda c: c.D),
+        _vec(lambda c: c.D),
+    ),
+    Entry(
+        ("layers", "q_nhd"),
+        _P + "self_attn.q_proj.weight",
+        lambda c: (c.N * c.H, c.D),
+        lambda c: (c.N, c.H, c.D),
+    ),
+    Entry(
+        ("layers", "k_khd"),
+        _P + "self_attn.k_proj.weight",
+        lambda c: (c.K * c.H, c.D),
+        lambda c: (c.K, c.H, c.D),
+    ),
+    Entry(
+        ("layers", "v_khd"),
+        _P + "self_attn.v_proj.weight",
+        lambda c: (c.K * c.H, c.D),
+        lambda c: (c.K, c.H, c.D),
+    ),
+    Entry(
+        ("layers", "o_dnh"),
+        _P + "self_attn.o_proj.weight",
+        lambda c: (c.D, c.N * c.H),
+        lambda c: (c.D, c.N, c.H),
+    ),
+    Entry(
+        ("layers", "q_norm", "scale"),
+        _P + "self_attn.q_norm.weight",
+        _vec(lambda c: c.H),
+        _vec(lambda c: c.H),
+    ),
+    Entry(
+        ("layers", "k_norm", "scale"),
+        _P + "self_attn.k_norm.weight",
+        _vec(lambda c: c.H),
+        _vec(lambda c: c.H),
+    ),
+    Entry(
+        ("layers", "post_norm", "scale"),
+        _P + "post_attention_layernorm.weight",
+        _vec(lambda c: c.D),
+        _vec(lambda c: c.D),
+    ),
 ]
 _DENSE = [
-    Entry(("layers", "gate_fd"), _P + "mlp.gate_proj.weight", lambda c: (c.F, c.D),
-          lambda c: (c.F, c.D), kind="dense"),
-    Entry(("layers", "up_fd"), _P + "mlp.up_proj.weight", lambda c: (c.F, c.D),
-          lambda c: (c.F, c.D), kind="dense"),
-    Entry(("layers", "down_df"), _P + "mlp.down_proj.weight", lambda c: (c.D, c.F),
-          lambda c: (c.D, c.F), kind="dense"),
+    Entry(
+        ("layers", "gate_fd"),
+        _P + "mlp.gate_proj.weight",
+        lambda c: (c.F, c.D),
+        lambda c: (c.F, c.D),
+        kind="dense",
+    ),
+    Entry(
+        ("layers", "up_fd"),
+        _P + "mlp.up_proj.weight",
+        lambda c: (c.F, c.D),
+        lambda c: (c.F, c.D),
+        kind="dense",
+    ),
+    Entry(
+        ("layers", "down_df"),
+        _P + "mlp.down_proj.weight",
+        lambda c: (c.D, c.F),
+        lambda c: (c.D, c.F),
+        kind="dense",
+    ),
 ]
 
 
@@ -134,46 +182,91 @@ def _experts(c: Qwen3Config, *shape: int) -> tuple[int, ...]:
     return (c.E, *shape)
 
 
-_ROUTER = Entry(("layers", "moe", "router_ed"), _P + "mlp.gate.weight", lambda c: (c.E, c.D),
-                lambda c: (c.E, c.D), kind="sparse")
+_ROUTER = Entry(
+    ("layers", "moe", "router_ed"),
+    _P + "mlp.gate.weight",
+    lambda c: (c.E, c.D),
+    lambda c: (c.E, c.D),
+    kind="sparse",
+)
 # The hub's layout: one tensor per expert and projection.
 _EXPERTS = [
-    Entry(("layers", "moe", "gate_efd"), _P + "mlp.experts.{e}.gate_proj.weight",
-          lambda c: (c.moe_intermediate_size, c.D),
-          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse"),
-    Entry(("layers", "moe", "up_efd"), _P + "mlp.experts.{e}.up_proj.weight",
-          lambda c: (c.moe_intermediate_size, c.D),
-          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse"),
-    Entry(("layers", "moe", "down_edf"), _P + "mlp.experts.{e}.down_proj.weight",
-          lambda c: (c.D, c.moe_intermediate_size),
-          lambda c: _experts(c, c.D, c.moe_intermediate_size), kind="sparse"),
+    Entry(
+        ("layers", "moe", "gate_efd"),
+        _P + "mlp.experts.{e}.gate_proj.weight",
+        lambda c: (c.moe_intermediate_size, c.D),
+        lambda c: _experts(c, c.moe_intermediate_size, c.D),
+        kind="sparse",
+    ),
+    Entry(
+        ("layers", "moe", "up_efd"),
+        _P + "mlp.experts.{e}.up_proj.weight",
+        lambda c: (c.moe_intermediate_size, c.D),
+        lambda c: _experts(c, c.moe_intermediate_size, c.D),
+        kind="sparse",
+    ),
+    Entry(
+        ("layers", "moe", "down_edf"),
+        _P + "mlp.experts.{e}.down_proj.weight",
+        lambda c: (c.D, c.moe_intermediate_size),
+        lambda c: _experts(c, c.D, c.moe_intermediate_size),
+        kind="sparse",
+    ),
 ]
 # transformers 5.x's in-memory layout (Qwen3MoeExperts): gate_up_proj [E, 2F, D] (gate
 # rows first), down_proj [E, D, F].
 _FUSED = [
-    Entry(("layers", "moe", "gate_efd"), _P + "mlp.experts.gate_up_proj",
-          lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
-          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse", part=(0, 2)),
-    Entry(("layers", "moe", "up_efd"), _P + "mlp.experts.gate_up_proj",
-          lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
-          lambda c: _experts(c, c.moe_intermediate_size, c.D), kind="sparse", part=(1, 2)),
-    Entry(("layers", "moe", "down_edf"), _P + "mlp.experts.down_proj",
-          lambda c: _experts(c, c.D, c.moe_intermediate_size),
-          lambda c: _experts(c, c.D, c.moe_intermediate_size), kind="sparse"),
+    Entry(
+        ("layers", "moe", "gate_efd"),
+        _P + "mlp.experts.gate_up_proj",
+        lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
+        lambda c: _experts(c, c.moe_intermediate_size, c.D),
+        kind="sparse",
+        part=(0, 2),
+    ),
+    Entry(
+        ("layers", "moe", "up_efd"),
+        _P + "mlp.experts.gate_up_proj",
+        lambda c: _experts(c, 2 * c.moe_intermediate_size, c.D),
+        lambda c: _experts(c, c.moe_intermediate_size, c.D),
+        kind="sparse",
+        part=(1, 2),
+    ),
+    Entry(
+        ("layers", "moe", "down_edf"),
+        _P + "mlp.experts.down_proj",
+        lambda c: _experts(c, c.D, c.moe_intermediate_size),
+        lambda c: _experts(c, c.D, c.moe_intermediate_size),
+        kind="sparse",
+    ),
 ]
 FUSED_MARK = "mlp.experts.gate_up_proj"  # a checkpoint name ending so is the fused layout
 _BIAS = [
-    Entry(("layers", "q_bias"), _P + "self_attn.q_proj.bias", _vec(lambda c: c.N * c.H),
-          lambda c: (c.N, c.H)),
-    Entry(("layers", "k_bias"), _P + "self_attn.k_proj.bias", _vec(lambda c: c.K * c.H),
-          lambda c: (c.K, c.H)),
-    Entry(("layers", "v_bias"), _P + "self_attn.v_proj.bias", _vec(lambda c: c.K * c.H),
-          lambda c: (c.K, c.H)),
-    Entry(("layers", "o_bias"), _P + "self_attn.o_proj.bias", _vec(lambda c: c.D),
-          _vec(lambda c: c.D)),
+    Entry(
+        ("layers", "q_bias"),
+        _P + "self_attn.q_proj.bias",
+        _vec(lambda c: c.N * c.H),
+        lambda c: (c.N, c.H),
+    ),
+    Entry(
+        ("layers", "k_bias"),
+        _P + "self_attn.k_proj.bias",
+        _vec(lambda c: c.K * c.H),
+        lambda c: (c.K, c.H),
+    ),
+    Entry(
+        ("layers", "v_bias"),
+        _P + "self_attn.v_proj.bias",
+        _vec(lambda c: c.K * c.H),
+        lambda c: (c.K, c.H),
+    ),
+    Entry(
+        ("layers", "o_bias"), _P + "self_attn.o_proj.bias", _vec(lambda c: c.D), _vec(lambda c: c.D)
+    ),
 ]
-_EMBED = Entry(("embed_vd",), "model.embed_tokens.weight", lambda c: (c.V, c.D),
-               lambda c: (c.V, c.D))
+_EMBED = Entry(
+    ("embed_vd",), "model.embed_tokens.weight", lambda c: (c.V, c.D), lambda c: (c.V, c.D)
+)
 _NORM = Entry(("norm", "scale"), "model.norm.weight", _vec(lambda c: c.D), _vec(lambda c: c.D))
 _HEAD = Entry(("lm_head_vd",), "lm_head.weight", lambda c: (c.V, c.D), lambda c: (c.V, c.D))
 
@@ -199,8 +292,10 @@ def _opened(file: Path):
         with safe_open(file, framework="numpy") as f:
             yield f
     except SafetensorError as e:
-        raise LoadError(f"{file} is not a readable safetensors file, or lacks a tensor its "
-                        f"index puts there ({e}): re-download it") from None
+        raise LoadError(
+            f"{file} is not a readable safetensors file, or lacks a tensor its "
+            f"index puts there ({e}): re-download it"
+        ) from None
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -220,7 +315,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     if not single.is_file():
         raise LoadError(
             f"no model.safetensors or model.safetensors.index.json in {folder}: "
-            "pass a Hugging Face checkpoint folder with safetensors weights")
+            "pass a Hugging Face checkpoint folder with safetensors weights"
+        )
     with _opened(single) as f:
         return {name: single for name in f.keys()}
 
@@ -257,13 +353,17 @@ class HFCheckpoint:
             return
         for i in (i for i in range(self.cfg.L) if self.cfg.is_sparse(i)):
             prefix = _P.format(i=i) + "mlp.experts."
-            found = {int(n[len(prefix):].split(".")[0]) for n in self.files
-                     if n.startswith(prefix) and n[len(prefix):].split(".")[0].isdigit()}
+            found = {
+                int(n[len(prefix) :].split(".")[0])
+                for n in self.files
+                if n.startswith(prefix) and n[len(prefix) :].split(".")[0].isdigit()
+            }
             if found and max(found) + 1 != self.cfg.E:
                 raise LoadError(
                     f"checkpoint {self.folder} has {max(found) + 1} experts in layer {i} "
                     f"({prefix}*), but config.json says num_experts={self.cfg.E}: the weights "
-                    "and config.json do not belong together")
+                    "and config.json do not belong together"
+                )
 
     def _check(self) -> None:
         self._check_experts()
@@ -274,7 +374,8 @@ class HFCheckpoint:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise LoadError(
                 f"checkpoint {self.folder} lacks tensor {missing[0]}{more}, which config.json "
-                "implies: the weights and config.json do not belong together")
+                "implies: the weights and config.json do not belong together"
+            )
         # A tied checkpoint may still carry lm_head.weight (some exporters write it); the
         # config says to use the embedding, so it is ignored rather than refused.
         ignorable = {"lm_head.weight"} if self.cfg.tie_word_embeddings else set()
@@ -283,7 +384,8 @@ class HFCheckpoint:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
             raise LoadError(
                 f"checkpoint {self.folder} has unexpected tensor {unexpected[0]}{more}: not a "
-                "weight of the Qwen3 that config.json describes")
+                "weight of the Qwen3 that config.json describes"
+            )
         by_file: dict[Path, list[str]] = {}
         for name in expected:
             by_file.setdefault(self.files[name], []).append(name)
@@ -293,21 +395,29 @@ class HFCheckpoint:
                     tensor = f.get_slice(name)
                     shape, want = tuple(tensor.get_shape()), expected[name][0]
                     e = expected[name][1]
-                    if shape != want and e.stacked and "experts" in e.hf and len(shape) == 3 \
-                            and shape[1:] == want[1:]:
+                    if (
+                        shape != want
+                        and e.stacked
+                        and "experts" in e.hf
+                        and len(shape) == 3
+                        and shape[1:] == want[1:]
+                    ):
                         raise LoadError(
                             f"tensor {name} in {file.name} holds {shape[0]} experts, but "
                             f"config.json says num_experts={self.cfg.E}: the weights and "
-                            "config.json do not belong together")
+                            "config.json do not belong together"
+                        )
                     if shape != want:
                         raise LoadError(
                             f"tensor {name} in {file.name} has shape {list(shape)}, but config.json "
-                            f"implies {list(want)}: the weights and config.json do not match")
+                            f"implies {list(want)}: the weights and config.json do not match"
+                        )
                     if tensor.get_dtype() not in FLOAT_DTYPES:
                         raise LoadError(
                             f"tensor {name} in {file.name} holds {tensor.get_dtype()}, not floating "
                             f"point ({', '.join(FLOAT_DTYPES)}): quantized or foreign weights are "
-                            "not supported")
+                            "not supported"
+                        )
 
     def _read_tensor(self, name: str, part: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor `name`, or only piece k of n of its axis 1 (part = (k, n))."""
@@ -317,7 +427,7 @@ class HFCheckpoint:
                 x = tensor[...]
             else:
                 size = tensor.get_shape()[1] // part[1]
-                x = tensor[:, part[0] * size:(part[0] + 1) * size]
+                x = tensor[:, part[0] * size : (part[0] + 1) * size]
         with self._lock:
             self.bytes_read += x.nbytes
         return x

@@ -52,15 +52,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import LoadError
+from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
 
 FORMAT = "qwen3-spmd-orbax"
@@ -69,9 +69,19 @@ METADATA_FILE = "qwen3_spmd_orbax.json"
 COMPLETE_FILE = "CONVERSION_COMPLETE"
 PARAMS_DIR = "params"
 # Files copied beside the parameters: the config, and every tokenizer file present.
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-          "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-          "tokenizer.model", "chat_template.jinja", "chat_template.json")
+COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 DTYPES = ("float32", "bfloat16")
 RERUN = "re-run `qwen3-spmd convert` to write it again"
 
@@ -94,7 +104,9 @@ def _param_shapes(cfg: Qwen3Config) -> dict[ParamPath, tuple[int, ...]]:
     return shapes
 
 
-def _stored_keys(path: ParamPath, shape, layers: Sequence[int]) -> list[tuple[tuple[str, ...], tuple]]:
+def _stored_keys(
+    path: ParamPath, shape, layers: Sequence[int]
+) -> list[tuple[tuple[str, ...], tuple]]:
     """(key path in the stored tree, stored shape) of one parameter, one per layer."""
     if path[0] != "layers":
         return [(path, tuple(shape))]
@@ -130,8 +142,9 @@ def _checkpointer():
 # ---- writing -----------------------------------------------------------------------
 
 
-def write_params(params_dir: Path, source, cfg: Qwen3Config, dtype,
-                 progress: Progress | None = None) -> int:
+def write_params(
+    params_dir: Path, source, cfg: Qwen3Config, dtype, progress: Progress | None = None
+) -> int:
     """Reads `source` tensor by tensor and writes the orbax checkpoint `params_dir`.
 
     Holds one copy of the parameters (in `dtype`) while orbax writes them; the source
@@ -144,8 +157,11 @@ def write_params(params_dir: Path, source, cfg: Qwen3Config, dtype,
 
     dtype = jnp.dtype(dtype)
     shapes = _param_shapes(cfg)
-    items = [(path, keys, shape) for path, full in shapes.items()
-             for keys, shape in _stored_keys(path, full, range(cfg.L))]
+    items = [
+        (path, keys, shape)
+        for path, full in shapes.items()
+        for keys, shape in _stored_keys(path, full, range(cfg.L))
+    ]
     total = sum(int(np.prod(s)) for _, _, s in items) * dtype.itemsize
     flat, done = {}, 0
     for path, keys, shape in items:
@@ -154,7 +170,9 @@ def write_params(params_dir: Path, source, cfg: Qwen3Config, dtype,
         else:
             x = source.read(path, dtype)
         if tuple(x.shape) != shape:  # a source bug, not a user error
-            raise LoadError(f"parameter {'.'.join(keys)} read as {list(x.shape)}, expected {list(shape)}")
+            raise LoadError(
+                f"parameter {'.'.join(keys)} read as {list(x.shape)}, expected {list(shape)}"
+            )
         flat[keys] = np.ascontiguousarray(x)
         done += x.nbytes
         if progress:
@@ -230,8 +248,10 @@ class OrbaxCheckpoint:
             stored = _flatten(meta.item_metadata.tree)
         except (FileNotFoundError, ValueError, OSError, AttributeError) as e:
             # AttributeError: orbax finds no item metadata (params/ missing or emptied)
-            raise LoadError(f"orbax checkpoint {self.folder} cannot be read "
-                            f"({type(e).__name__}: {_first_line(e)}): {RERUN}") from None
+            raise LoadError(
+                f"orbax checkpoint {self.folder} cannot be read "
+                f"({type(e).__name__}: {_first_line(e)}): {RERUN}"
+            ) from None
         expected = {}
         for path, full in self.shapes.items():
             for keys, shape in _stored_keys(path, full, range(self.cfg.L)):
@@ -241,35 +261,43 @@ class OrbaxCheckpoint:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise LoadError(
                 f"orbax checkpoint {self.folder} lacks parameter {'.'.join(missing[0])}{more}, "
-                "which its config.json implies: the arrays and config.json do not belong together")
+                "which its config.json implies: the arrays and config.json do not belong together"
+            )
         unexpected = sorted(k for k in stored if k not in expected)
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
             raise LoadError(
                 f"orbax checkpoint {self.folder} has unexpected parameter "
                 f"{'.'.join(unexpected[0])}{more}: not a weight of the Qwen3 its config.json "
-                "describes")
+                "describes"
+            )
         for keys, (_, want) in expected.items():
             shape = tuple(stored[keys].shape)
             if shape != want:
                 raise LoadError(
                     f"parameter {'.'.join(keys)} in orbax checkpoint {self.folder} has shape "
                     f"{list(shape)}, but config.json implies {list(want)}: the arrays and "
-                    "config.json do not match")
+                    "config.json do not match"
+                )
 
     def _restore(self, targets: dict[tuple[str, ...], tuple[tuple, object]]) -> dict:
         """Restores the stored arrays named by `targets` (key -> (shape, restore args))."""
         import orbax.checkpoint as ocp
 
-        item = _nest({k: jax.ShapeDtypeStruct(shape, self.dtype) for k, (shape, _) in targets.items()})
+        item = _nest(
+            {k: jax.ShapeDtypeStruct(shape, self.dtype) for k, (shape, _) in targets.items()}
+        )
         args = _nest({k: a for k, (_, a) in targets.items()})
         try:
             out = _checkpointer().restore(
                 self.params_dir,
-                args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))
+                args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+            )
         except (ValueError, OSError) as e:  # damaged data files (tensorstore's errors)
-            raise LoadError(f"orbax checkpoint {self.folder} cannot be restored "
-                            f"({type(e).__name__}: {_first_line(e)}): {RERUN}") from None
+            raise LoadError(
+                f"orbax checkpoint {self.folder} cannot be restored "
+                f"({type(e).__name__}: {_first_line(e)}): {RERUN}"
+            ) from None
         return _flatten(out)
 
     def _read(self, path: ParamPath, dtype, layers: Sequence[int]) -> list[np.ndarray]:
@@ -324,8 +352,11 @@ def _release_host_memory() -> None:
 def data_files(params_dir: Path) -> dict[str, int]:
     """Every file under params/ -> its size in bytes (paths relative, '/'-separated).
     `run.conversion` records them in the completion marker once they are on disk."""
-    return {p.relative_to(params_dir).as_posix(): p.stat().st_size
-            for p in sorted(params_dir.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(params_dir).as_posix(): p.stat().st_size
+        for p in sorted(params_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _check_data_files(folder: Path) -> None:
@@ -343,27 +374,37 @@ def _check_data_files(folder: Path) -> None:
         now = path.stat().st_size if path.is_file() else None
         if now != size:
             state = "is missing" if now is None else f"is {now:,} bytes, {size:,} when written"
-            raise LoadError(f"orbax checkpoint {folder} cannot be restored: its data file "
-                            f"{PARAMS_DIR}/{rel} {state}: {RERUN}")
+            raise LoadError(
+                f"orbax checkpoint {folder} cannot be restored: its data file "
+                f"{PARAMS_DIR}/{rel} {state}: {RERUN}"
+            )
 
 
 def read_metadata(folder: Path) -> dict:
     """Our metadata, after checking the conversion completed and the format is ours."""
     meta_file = folder / METADATA_FILE
     if not meta_file.is_file():
-        raise LoadError(f"{folder} has no {METADATA_FILE}: not an orbax checkpoint written by "
-                        "`qwen3-spmd convert`")
+        raise LoadError(
+            f"{folder} has no {METADATA_FILE}: not an orbax checkpoint written by "
+            "`qwen3-spmd convert`"
+        )
     if not (folder / COMPLETE_FILE).is_file():
-        raise LoadError(f"{folder} holds an incomplete conversion (no {COMPLETE_FILE}; the "
-                        f"conversion was interrupted): {RERUN}")
+        raise LoadError(
+            f"{folder} holds an incomplete conversion (no {COMPLETE_FILE}; the "
+            f"conversion was interrupted): {RERUN}"
+        )
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise LoadError(f"{meta_file} is not valid JSON ({e}): {RERUN}") from e
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise LoadError(f"{meta_file} says format {meta.get('format')!r} version "
-                        f"{meta.get('version')!r}; this build reads {FORMAT!r} version {VERSION}: "
-                        f"{RERUN}")
+        raise LoadError(
+            f"{meta_file} says format {meta.get('format')!r} version "
+            f"{meta.get('version')!r}; this build reads {FORMAT!r} version {VERSION}: "
+            f"{RERUN}"
+        )
     if meta.get("dtype") not in DTYPES:
-        raise LoadError(f"{meta_file} names dtype {meta.get('dtype')!r}, not one of {DTYPES}: {RERUN}")
+        raise LoadError(
+            f"{meta_file} names dtype {meta.get('dtype')!r}, not one of {DTYPES}: {RERUN}"
+        )
     return meta

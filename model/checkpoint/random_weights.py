@@ -8,7 +8,7 @@ so any subset reads the same values wherever it is read, on any mesh or host.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -70,9 +70,17 @@ def main(argv=None) -> int:
             rows.append({"devices": C, "longest_prompt": 0})
             continue
         T, eng, mem = best
-        row = {"devices": C, "longest_prompt": T, "bytes_per_device": mem,
-               "kv_bytes_per_device": eng.plan.padded_layers * 2 * eng.slots_per_device
-               * spec.cfg.K * spec.cfg.H * eng.dtype.itemsize}
+        row = {
+            "devices": C,
+            "longest_prompt": T,
+            "bytes_per_device": mem,
+            "kv_bytes_per_device": eng.plan.padded_layers
+            * 2
+            * eng.slots_per_device
+            * spec.cfg.K
+            * spec.cfg.H
+            * eng.dtype.itemsize,
+        }
         if not args.no_run:
             prompt = np.random.default_rng(0).integers(0, spec.cfg.V, T).tolist()
             t0 = time.perf_counter()
@@ -80,8 +88,11 @@ def main(argv=None) -> int:
             row["prefill_s"] = out.timing["prefill_s"]
             row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
-    print(json.dumps({"model": spec.label, "budget_bytes_per_device": budget, "meshes": rows},
-                     indent=1))
+    print(
+        json.dumps(
+            {"model": spec.label, "budget_bytes_per_device": budget, "meshes": rows}, indent=1
+        )
+    )
     return 0
 
 

@@ -32,47 +32,89 @@ SMOKE = {"prompt_lens": "16,32", "batches": "1,2", "decode_steps": 4, "repeats":
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmark prefill and decode against rooflines "
-                                            "and transformers")
-    p.add_argument("--model", help="checkpoint folder or preset (tiny, 0.6B, ...; random "
-                                   "weights); default: tiny")
-    p.add_argument("--mesh", action="append", default=[], metavar="SxC",
-                   help="a mesh shape to run (repeatable); 1x1 always runs as the baseline")
-    p.add_argument("--cpu-devices", type=int,
-                   help="emulate this many CPU devices (default on CPU: the largest mesh)")
+    p = subparsers.add_parser(
+        "bench", help="benchmark prefill and decode against rooflines and transformers"
+    )
+    p.add_argument(
+        "--model",
+        help="checkpoint folder or preset (tiny, 0.6B, ...; random weights); default: tiny",
+    )
+    p.add_argument(
+        "--mesh",
+        action="append",
+        default=[],
+        metavar="SxC",
+        help="a mesh shape to run (repeatable); 1x1 always runs as the baseline",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        help="emulate this many CPU devices (default on CPU: the largest mesh)",
+    )
     p.add_argument("--dtype", help="float32 or bfloat16 (default: float32 on CPU, else bfloat16)")
-    p.add_argument("--scenario", action="append", choices=SCENARIOS, default=[],
-                   help="repeatable; default: prefill, decode, memory, roofline "
-                        "(and peer when --peer is given)")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        choices=SCENARIOS,
+        default=[],
+        help="repeatable; default: prefill, decode, memory, roofline "
+        "(and peer when --peer is given)",
+    )
     p.add_argument("--prompt-lens", help="prompt lengths for prefill (default 128,512,2048)")
     p.add_argument("--prefill-batch", type=int, default=1, help="requests per prefill job")
     p.add_argument("--batches", help="decode batch sizes (default 1,8,32)")
-    p.add_argument("--decode-prompt-len", type=int,
-                   help="prompt length before the decode steps (default: the shortest "
-                        "--prompt-lens)")
+    p.add_argument(
+        "--decode-prompt-len",
+        type=int,
+        help="prompt length before the decode steps (default: the shortest --prompt-lens)",
+    )
     p.add_argument("--decode-steps", type=int, help="decode steps timed per job (default 32)")
-    p.add_argument("--decode-cache-len", type=int,
-                   help="KV cache slots per request in decode jobs, as a server sized for "
-                        "long requests has (default: just enough for the prompt and steps)")
+    p.add_argument(
+        "--decode-cache-len",
+        type=int,
+        help="KV cache slots per request in decode jobs, as a server sized for "
+        "long requests has (default: just enough for the prompt and steps)",
+    )
     p.add_argument("--chunk", type=int, help="decode steps per on-device chunk (default 16)")
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
-    p.add_argument("--cp", action="append", choices=("ring", "ulysses", "auto"), default=[],
-                   help="seq attention of prefill (repeatable: each mesh with C > 1 runs "
-                        "each); default ring")
+    p.add_argument(
+        "--cp",
+        action="append",
+        choices=("ring", "ulysses", "auto"),
+        default=[],
+        help="seq attention of prefill (repeatable: each mesh with C > 1 runs each); default ring",
+    )
     p.add_argument("--groups", type=int, help="decode groups G (default: S)")
     p.add_argument("--repeats", type=int, help="timed runs per job (default 5)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed runs per job after the compiling one (default 1)")
-    p.add_argument("--peer", choices=("transformers",),
-                   help="also run Hugging Face transformers on the same weights and prompts")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed runs per job after the compiling one (default 1)",
+    )
+    p.add_argument(
+        "--peer",
+        choices=("transformers",),
+        help="also run Hugging Face transformers on the same weights and prompts",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights (presets) and prompt ids")
-    p.add_argument("--layers", type=int, metavar="L",
-                   help="a preset cut to its first L layers (full width, random weights)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        metavar="L",
+        help="a preset cut to its first L layers (full width, random weights)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="throughput against prompt length per mesh, and the pipeline timeline")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes for tests: prompts 16,32, batches 1,2, 4 steps, 2 repeats")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="throughput against prompt length per mesh, and the pipeline timeline",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes for tests: prompts 16,32, batches 1,2, 4 steps, 2 repeats",
+    )
     p.set_defaults(func=main)
 
 
@@ -94,8 +136,9 @@ def _settings(args) -> dict:
         return value if value is not None else smoke.get(name, default)
 
     s = {
-        "prompt_lens": _ints(given(args.prompt_lens, "prompt_lens", "128,512,2048"),
-                             "--prompt-lens"),
+        "prompt_lens": _ints(
+            given(args.prompt_lens, "prompt_lens", "128,512,2048"), "--prompt-lens"
+        ),
         "batches": _ints(given(args.batches, "batches", "1,8,32"), "--batches"),
         "decode_steps": given(args.decode_steps, "decode_steps", 32),
         "repeats": given(args.repeats, "repeats", 5),
@@ -108,10 +151,17 @@ def _settings(args) -> dict:
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
     }
-    s["decode_prompt_len"] = (args.decode_prompt_len if args.decode_prompt_len is not None
-                              else min(s["prompt_lens"]))
-    for name in ("decode_steps", "repeats", "chunk", "microbatches", "prefill_batch",
-                 "decode_prompt_len"):
+    s["decode_prompt_len"] = (
+        args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])
+    )
+    for name in (
+        "decode_steps",
+        "repeats",
+        "chunk",
+        "microbatches",
+        "prefill_batch",
+        "decode_prompt_len",
+    ):
         if s[name] < 1:
             raise CLIError(f"--{name.replace('_', '-')} {s[name]} must be at least 1")
     if s["warmup"] < 0:
@@ -128,14 +178,18 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
     from qwen3_spmd.run.cli import CLIError
 
     if "prefill" in scenarios and max(s["prompt_lens"]) + 1 > positions:
-        raise CLIError(f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
-                       f"need {max(s['prompt_lens']) + 1} positions, but the model has "
-                       f"{positions}: use lengths up to {positions - 1}")
+        raise CLIError(
+            f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
+            f"need {max(s['prompt_lens']) + 1} positions, but the model has "
+            f"{positions}: use lengths up to {positions - 1}"
+        )
     need = s["decode_prompt_len"] + s["decode_steps"] + 1
     if "decode" in scenarios and need > positions:
-        raise CLIError(f"decode jobs need --decode-prompt-len {s['decode_prompt_len']} + "
-                       f"--decode-steps {s['decode_steps']} + 1 = {need} positions, but the "
-                       f"model has {positions}: shorten one")
+        raise CLIError(
+            f"decode jobs need --decode-prompt-len {s['decode_prompt_len']} + "
+            f"--decode-steps {s['decode_steps']} + 1 = {need} positions, but the "
+            f"model has {positions}: shorten one"
+        )
 
 
 def _meshes(args) -> list[tuple[int, int]]:
@@ -174,16 +228,25 @@ def machine(device_count: int) -> dict:
     cpu = None
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), None)
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+            )
     except OSError:
         pass
     dev = jax.devices()[0]
-    return {"backend": jax.default_backend(), "device_kind": dev.device_kind,
-            "device_count": device_count, "cpu_model": cpu or platform.processor(),
-            "cpu_cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__, "flax": flax.__version__, "numpy": np.__version__}
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": device_count,
+        "cpu_model": cpu or platform.processor(),
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+    }
 
 
 def _fewer_layers(spec, layers: int, seed: int):
@@ -194,25 +257,29 @@ def _fewer_layers(spec, layers: int, seed: int):
     from qwen3_spmd.run.cli import CLIError
 
     if not spec.random:
-        raise CLIError("--layers cuts a preset (random weights): pass --model with a preset "
-                       "name, not a checkpoint folder")
+        raise CLIError(
+            "--layers cuts a preset (random weights): pass --model with a preset "
+            "name, not a checkpoint folder"
+        )
     if not 1 <= layers <= spec.cfg.L:
         raise CLIError(f"--layers {layers} must be between 1 and the preset's {spec.cfg.L}")
     cfg = dataclasses.replace(spec.cfg, num_hidden_layers=layers)
-    return dataclasses.replace(spec, cfg=cfg, source=RandomWeights(cfg, seed),
-                               label=f"{spec.label}, first {layers} layers")
+    return dataclasses.replace(
+        spec, cfg=cfg, source=RandomWeights(cfg, seed), label=f"{spec.label}, first {layers} layers"
+    )
 
 
 def main(args) -> int:
-    from qwen3_spmd.run.cli import CLIError, check_output_file, use_cpu_devices
-    from qwen3_spmd.run.cli import platform_is_cpu
+    from qwen3_spmd.run.cli import CLIError, check_output_file, platform_is_cpu, use_cpu_devices
 
     settings = _settings(args)
     meshes = _meshes(args)
     need = max(S * C for S, C in meshes)
     if args.cpu_devices is not None and args.cpu_devices < need:
-        raise CLIError(f"--mesh {'x'.join(map(str, max(meshes, key=lambda m: m[0] * m[1])))} "
-                       f"needs {need} devices but --cpu-devices is {args.cpu_devices}: raise it")
+        raise CLIError(
+            f"--mesh {'x'.join(map(str, max(meshes, key=lambda m: m[0] * m[1])))} "
+            f"needs {need} devices but --cpu-devices is {args.cpu_devices}: raise it"
+        )
     if platform_is_cpu():
         use_cpu_devices(args.cpu_devices or need)
     scenarios = set(args.scenario) or {"prefill", "decode", "memory", "roofline"}
@@ -225,14 +292,17 @@ def main(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise CLIError("--plot needs matplotlib, which is not installed: "
-                           "pip install matplotlib") from None
+            raise CLIError(
+                "--plot needs matplotlib, which is not installed: pip install matplotlib"
+            ) from None
         from matplotlib.figure import Figure
 
         kinds = Figure().canvas.get_supported_filetypes()
         if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
-            raise CLIError(f"--plot {args.plot}: the name must end in an image format matplotlib "
-                           f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png")
+            raise CLIError(
+                f"--plot {args.plot}: the name must end in an image format matplotlib "
+                f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png"
+            )
 
     import jax
     import jax.numpy as jnp
@@ -248,8 +318,10 @@ def main(args) -> int:
     from qwen3_spmd.sharding.mesh import make_mesh
 
     if len(jax.devices()) < need:
-        raise CLIError(f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
-                       f"visible: on CPU pass --cpu-devices {need}")
+        raise CLIError(
+            f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
+            f"visible: on CPU pass --cpu-devices {need}"
+        )
     dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     if dtype_name not in ("float32", "bfloat16"):
         raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
@@ -261,46 +333,72 @@ def main(args) -> int:
     cps = _cps(args, spec.cfg, meshes)
     settings["cp"] = cps
     source = MemoSource(spec.source)
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
-        (lambda *a: print(*a, flush=True))
+    say = (
+        (lambda *a: print(*a, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda *a: print(*a, flush=True))
+    )
 
     report = {
         "machine": machine(len(jax.devices())),
-        "model": {"name": spec.label, "random_weights": spec.random,
-                  "params": spec.cfg.param_count(), "layers": spec.cfg.L,
-                  "active_params": spec.cfg.param_count(active=True),
-                  "vocab": spec.cfg.V},
+        "model": {
+            "name": spec.label,
+            "random_weights": spec.random,
+            "params": spec.cfg.param_count(),
+            "layers": spec.cfg.L,
+            "active_params": spec.cfg.param_count(active=True),
+            "vocab": spec.cfg.V,
+        },
         "dtype": dtype_name,
         "scenarios": sorted(scenarios),
         "settings": settings,
     }
-    say(f"bench: {spec.label}; {dtype_name}; meshes "
-        f"{', '.join(f'{S}x{C}' for S, C in meshes)}; scenarios {', '.join(sorted(scenarios))}")
+    say(
+        f"bench: {spec.label}; {dtype_name}; meshes "
+        f"{', '.join(f'{S}x{C}' for S, C in meshes)}; scenarios {', '.join(sorted(scenarios))}"
+    )
     roof = None
     if "roofline" in scenarios:
-        roof = rooflines(dtype, max(settings["repeats"], 3), max(settings["warmup"], 1),
-                         settings["smoke"])
+        roof = rooflines(
+            dtype, max(settings["repeats"], 3), max(settings["warmup"], 1), settings["smoke"]
+        )
         seq = max(C for _, C in meshes)
         if seq > 1:
             roof["link_bytes_per_s"] = link_bandwidth(jax.devices()[:seq], settings["smoke"])
             link = roof["link_bytes_per_s"]
-            say(f"link over {seq} devices, received per device: ppermute "
+            say(
+                f"link over {seq} devices, received per device: ppermute "
                 f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "
-                f"{link['all_to_all']['median'] / 1e9:.3f} GB/s")
+                f"{link['all_to_all']['median'] / 1e9:.3f} GB/s"
+            )
         report["roofline"] = roof
-        say(f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
-            f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})")
+        say(
+            f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
+            f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})"
+        )
 
     report["meshes"] = []
     # The 1x1 engines (and their compiled programs) stay for the peer's paired runs.
-    single = MeshEngines(spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings,
-                         "ring", roof)
+    single = MeshEngines(
+        spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings, "ring", roof
+    )
     for S, C in meshes:
-        mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[:S * C])
+        mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[: S * C])
         for cp in cps if C > 1 else ["ring"]:
-            report["meshes"].append(run_mesh(spec.cfg, source, mesh, dtype, settings,
-                                             scenarios, roof, say,
-                                             single if (S, C) == (1, 1) else None, cp))
+            report["meshes"].append(
+                run_mesh(
+                    spec.cfg,
+                    source,
+                    mesh,
+                    dtype,
+                    settings,
+                    scenarios,
+                    roof,
+                    say,
+                    single if (S, C) == (1, 1) else None,
+                    cp,
+                )
+            )
     add_ratios(report["meshes"])
 
     if "peer" in scenarios:

@@ -11,8 +11,16 @@ from qwen3_spmd.pipeline import accounting
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid
-from qwen3_spmd.run.bench.measure import (PlacedSource, decode_bytes_per_step, prefill_flops,
-                               program_memory, prompts_for, ring_bytes, run_once, spread)
+from qwen3_spmd.run.bench.measure import (
+    PlacedSource,
+    decode_bytes_per_step,
+    prefill_flops,
+    program_memory,
+    prompts_for,
+    ring_bytes,
+    run_once,
+    spread,
+)
 
 
 class MeshEngines:
@@ -28,9 +36,18 @@ class MeshEngines:
         """The engine for this cache size, made (and placed) on first use."""
         if max_seq_len not in self.engines:
             src = self.source if self.state is None else PlacedSource(self.state)
-            e = Engine(self.cfg, src, self.mesh, self.dtype, max_seq_len,
-                       self.s["microbatches"], self.s["groups"], self.s["chunk"], cp=self.cp,
-                       **measured_rates(self.roof))
+            e = Engine(
+                self.cfg,
+                src,
+                self.mesh,
+                self.dtype,
+                max_seq_len,
+                self.s["microbatches"],
+                self.s["groups"],
+                self.s["chunk"],
+                cp=self.cp,
+                **measured_rates(self.roof),
+            )
             self.state = e.weights.state
             self.engines[max_seq_len] = e
         return self.engines[max_seq_len]
@@ -47,8 +64,12 @@ def time_job(engine, prompts, new_tokens: int, settings) -> dict:
         if runs:  # one cache on the devices at a time: keep only the last run's
             runs[-1]["out"].cache = None
         runs.append(run_once(engine, prompts, new_tokens))
-    return {"compile_s": first["compile_s"], "runs": runs, "layout": runs[-1]["out"].layout,
-            "cache": runs[-1]["out"].cache}
+    return {
+        "compile_s": first["compile_s"],
+        "runs": runs,
+        "layout": runs[-1]["out"].layout,
+        "cache": runs[-1]["out"].cache,
+    }
 
 
 def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
@@ -63,7 +84,9 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
     sent = accounting.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
     flops = prefill_flops(cfg, T, B)
     out = {
-        "prompt_len": T, "batch": B, "padded_prompt": layout["padded_prompt"],
+        "prompt_len": T,
+        "batch": B,
+        "padded_prompt": layout["padded_prompt"],
         "time_s": t,
         "tokens_per_s": spread([B * T / r["prefill_s"] for r in job["runs"]]),
         "program_time_s": spread([r["program_prefill_s"] for r in job["runs"]]),
@@ -72,23 +95,30 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
         "idle_fraction": engine.schedules(layout)["prefill"]["idle_fraction"],
         "stage_bytes": sent["prefill"],
         "stage_bytes_per_token": sent["prefill"] / (B * T),
-        "ring_bytes": ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"],
-                                 dtype.itemsize)["prefill"],
+        "ring_bytes": ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)[
+            "prefill"
+        ],
         "programs": program_memory(engine),
     }
     out["ring_bytes_per_token"] = out["ring_bytes"] / (B * T)
     chosen = layout["cp"][layout["cp_strategy"]]
-    out.update(cp_strategy=layout["cp_strategy"], cp_bytes_per_device=chosen["bytes_per_device"],
-               cp_bytes_per_device_per_layer=chosen["bytes_per_layer"],
-               cp_predicted_s=chosen["predicted_s"], cp_model=layout["cp"])
+    out.update(
+        cp_strategy=layout["cp_strategy"],
+        cp_bytes_per_device=chosen["bytes_per_device"],
+        cp_bytes_per_device_per_layer=chosen["bytes_per_layer"],
+        cp_predicted_s=chosen["predicted_s"],
+        cp_model=layout["cp"],
+    )
     if roof is not None:
         ideal = flops / roof["matmul_flops_per_s"]["median"]
         out["compute_roofline_s"] = ideal
         out["compute_roofline_fraction"] = ideal / t["median"]
-    say(f"  prefill T={T} B={B}: {out['tokens_per_s']['median']:.1f} tok/s "
+    say(
+        f"  prefill T={T} B={B}: {out['tokens_per_s']['median']:.1f} tok/s "
         f"({t['median']:.3f} s, min {t['min']:.3f}, max {t['max']:.3f}; {out['cp_strategy']} "
         f"predicted {out['cp_predicted_s']:.3f} s, {out['cp_bytes_per_device']:,} bytes per "
-        f"device along seq); compile {job['compile_s']:.1f} s")
+        f"device along seq); compile {job['compile_s']:.1f} s"
+    )
     return out
 
 
@@ -103,8 +133,10 @@ def decode_cache_len(s: dict, C: int) -> int:
     if asked < need:
         from qwen3_spmd.run.cli import CLIError
 
-        raise CLIError(f"--decode-cache-len {asked} is below the {need} slots a decode job of "
-                       f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}")
+        raise CLIError(
+            f"--decode-cache-len {asked} is below the {need} slots a decode job of "
+            f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}"
+        )
     return C * -(-asked // C)
 
 
@@ -122,15 +154,20 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
     out = {
-        "batch": B, "padded_batch": layout["batch"], "groups": layout["groups"],
-        "prompt_len": T, "steps": N, "cache_len": cache_len,
+        "batch": B,
+        "padded_batch": layout["batch"],
+        "groups": layout["groups"],
+        "prompt_len": T,
+        "steps": N,
+        "cache_len": cache_len,
         "chunks": layout["chunks"],
         "time_s": t,
         "time_per_output_token_s": spread([r["decode_s"] / N for r in job["runs"]]),
         "tokens_per_s": spread([B * N / r["decode_s"] for r in job["runs"]]),
         "program_time_s": spread([r["program_decode_s"] for r in job["runs"]]),
         "host_overhead_fraction": spread(
-            [1 - r["program_decode_s"] / r["decode_s"] for r in job["runs"]]),
+            [1 - r["program_decode_s"] / r["decode_s"] for r in job["runs"]]
+        ),
         "compile_s": job["compile_s"],
         "bytes_read_per_step": read,
         "idle_fraction": engine.schedules(layout)["decode"]["idle_fraction"],
@@ -145,9 +182,11 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         out["bandwidth_roofline_s_per_step"] = ideal
         out["bandwidth_roofline_fraction"] = ideal / out["time_per_output_token_s"]["median"]
     tp = out["time_per_output_token_s"]
-    say(f"  decode B={B}: {out['tokens_per_s']['median']:.1f} tok/s, "
+    say(
+        f"  decode B={B}: {out['tokens_per_s']['median']:.1f} tok/s, "
         f"{tp['median'] * 1e3:.1f} ms/token (min {tp['min'] * 1e3:.1f}, max {tp['max'] * 1e3:.1f})"
-        f"; compile {job['compile_s']:.1f} s")
+        f"; compile {job['compile_s']:.1f} s"
+    )
     return out, (engine, job["cache"])
 
 
@@ -155,9 +194,13 @@ def memory_of(engine: Engine, cache: KVCache) -> dict:
     """Bytes per device of the weights and of a cache the engine left, and of its programs."""
     weights = accounting.bytes_per_device(engine.weights.state)
     kv = accounting.bytes_per_device((cache.k, cache.v))
-    return {"weight_bytes_per_device": weights, "kv_bytes_per_device": kv,
-            "max_weight_bytes": max(weights), "max_kv_bytes": max(kv),
-            "programs": program_memory(engine)}
+    return {
+        "weight_bytes_per_device": weights,
+        "kv_bytes_per_device": kv,
+        "max_weight_bytes": max(weights),
+        "max_kv_bytes": max(kv),
+        "programs": program_memory(engine),
+    }
 
 
 def measured_rates(roof) -> dict:
@@ -166,13 +209,26 @@ def measured_rates(roof) -> dict:
     if not roof:
         return {}
     link = roof.get("link_bytes_per_s")
-    return {"link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
-            if link else None,
-            "flops_per_s": roof["matmul_flops_per_s"]["median"]}
+    return {
+        "link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
+        if link
+        else None,
+        "flops_per_s": roof["matmul_flops_per_s"]["median"],
+    }
 
 
-def run_mesh(cfg, source, mesh, dtype, settings, scenarios, roof, say,
-             engines: MeshEngines | None = None, cp: str = "ring") -> dict:
+def run_mesh(
+    cfg,
+    source,
+    mesh,
+    dtype,
+    settings,
+    scenarios,
+    roof,
+    say,
+    engines: MeshEngines | None = None,
+    cp: str = "ring",
+) -> dict:
     """Every job of the scenarios on one mesh, prefill's attention along seq split as
     `cp` says. `engines` (kept by the caller to reuse the compiled programs later, as
     the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
@@ -195,12 +251,16 @@ def run_mesh(cfg, source, mesh, dtype, settings, scenarios, roof, say,
             _, last = decode_job(engines, max(settings["batches"]), None, say)
         entry["memory"] = {**memory_of(*last), "after": f"decode batch {last[1].k.shape[1]}"}
         m = entry["memory"]
-        say(f"  memory: weights {m['max_weight_bytes'] / 2**20:.1f} MiB, KV "
-            f"{m['max_kv_bytes'] / 2**20:.1f} MiB per device")
+        say(
+            f"  memory: weights {m['max_weight_bytes'] / 2**20:.1f} MiB, KV "
+            f"{m['max_kv_bytes'] / 2**20:.1f} MiB per device"
+        )
     steps = min(settings["chunk"], settings["decode_steps"])
     G = S if settings["groups"] is None else settings["groups"]
-    entry["timeline"] = {"prefill": prefill_grid(settings["microbatches"], S),
-                         "decode": decode_grid(G, S, steps)}
+    entry["timeline"] = {
+        "prefill": prefill_grid(settings["microbatches"], S),
+        "decode": decode_grid(G, S, steps),
+    }
     compiles = [j["compile_s"] for k in ("prefill", "decode") for j in entry.get(k, [])]
     entry["compile_s_max"] = max(compiles) if compiles else 0.0
     del engines, last

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
 
 # ---- rooflines ------------------------------------------------------------------------
 
+
 def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     """Memory bandwidth and matmul throughput, both on the first device.
 
@@ -62,13 +63,20 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     a = jax.device_put(jnp.ones((n_bytes // 4 // cols, cols), jnp.float32), dev)
     v = jax.device_put(jnp.ones((cols,), jnp.float32), dev)
     n_parts = max(2, os.cpu_count() or 1)
-    parts = [jax.device_put(jnp.ones((a.shape[0] // n_parts, cols), jnp.float32), dev)
-             for _ in range(n_parts)]
+    parts = [
+        jax.device_put(jnp.ones((a.shape[0] // n_parts, cols), jnp.float32), dev)
+        for _ in range(n_parts)
+    ]
     # name -> (kernel, its arguments, the bytes it reads)
-    kernels = {"sum": (jax.jit(jnp.sum), (a,), a.nbytes),
-               "matvec": (jax.jit(jnp.matmul), (a, v), a.nbytes),
-               "split_sum": (jax.jit(lambda ps: [p.sum() for p in ps]), (parts,),
-                             sum(p.nbytes for p in parts))}
+    kernels = {
+        "sum": (jax.jit(jnp.sum), (a,), a.nbytes),
+        "matvec": (jax.jit(jnp.matmul), (a, v), a.nbytes),
+        "split_sum": (
+            jax.jit(lambda ps: [p.sum() for p in ps]),
+            (parts,),
+            sum(p.nbytes for p in parts),
+        ),
+    }
     per_kernel = {}
     for name, (fn, args, read) in kernels.items():
         times = timed(lambda fn=fn, args=args: jax.block_until_ready(fn(*args)), repeats, warmup)
@@ -105,19 +113,26 @@ def link_bandwidth(devices, smoke: bool, repeats: int = 3) -> dict:
     mesh = jax.make_mesh((C,), ("seq",), devices=devices)
     rows = (1 if smoke else 16) * 2**20 // 4 // 1024 // C * C
     x = jax.device_put(jnp.ones((C * rows, 1024), jnp.float32), NamedSharding(mesh, P("seq")))
-    ops = {"ppermute": (lambda a: jax.lax.ppermute(a, "seq", [(i, (i + 1) % C) for i in range(C)]),
-                        rows * 1024 * 4),
-           "all_to_all": (lambda a: jax.lax.all_to_all(a, "seq", 0, 0, tiled=True),
-                          rows * 1024 * 4 * (C - 1) // C)}
+    ops = {
+        "ppermute": (
+            lambda a: jax.lax.ppermute(a, "seq", [(i, (i + 1) % C) for i in range(C)]),
+            rows * 1024 * 4,
+        ),
+        "all_to_all": (
+            lambda a: jax.lax.all_to_all(a, "seq", 0, 0, tiled=True),
+            rows * 1024 * 4 * (C - 1) // C,
+        ),
+    }
     out = {"devices": C}
     for name, (op, received) in ops.items():
         fn = jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("seq"), out_specs=P("seq")))
-        times = timed(lambda: fn(x).block_until_ready(), repeats, 1)
+        times = timed(lambda fn=fn: fn(x).block_until_ready(), repeats, 1)
         out[name] = {**spread([received / t for t in times]), "bytes_received": received}
     return out
 
 
 # ---- model arithmetic ------------------------------------------------------------------
+
 
 def layer_params(cfg: Qwen3Config) -> int:
     D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
@@ -156,8 +171,11 @@ def decode_bytes_per_step(cfg: Qwen3Config, B: int, context: float, itemsize: in
     reach are needed (`distinct_experts`)."""
     expert = 3 * cfg.D * cfg.moe_intermediate_size
     sparse = sum(cfg.sparse_layers)
-    needed = (non_embedding_params(cfg, active=False) - sparse * cfg.E * expert
-              + sparse * distinct_experts(cfg, B) * expert)
+    needed = (
+        non_embedding_params(cfg, active=False)
+        - sparse * cfg.E * expert
+        + sparse * distinct_experts(cfg, B) * expert
+    )
     weights = (needed + cfg.V * cfg.D + B * cfg.D) * itemsize
     kv = 2 * cfg.L * B * context * cfg.K * cfg.H * itemsize
     return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
@@ -173,17 +191,26 @@ def ring_bytes(cfg: Qwen3Config, C: int, B: int, P_len: int, itemsize: int) -> d
     ring all-reduce moves 2 (C - 1) / C of the buffer per device.
     """
     if C == 1:
-        return {"prefill": 0, "prefill_per_token": 0.0, "decode_per_step": 0,
-                "decode_per_token": 0.0}
+        return {
+            "prefill": 0,
+            "prefill_per_token": 0.0,
+            "decode_per_step": 0,
+            "decode_per_token": 0.0,
+        }
     blk = B * (P_len // C)
     prefill = cfg.L * C * (C - 1) * (2 * blk * cfg.K * cfg.H * itemsize + blk * 4)
     merged = B * cfg.N * (cfg.H + 2) * 4
     decode = int(cfg.L * C * 2 * (C - 1) / C * merged)
-    return {"prefill": int(prefill), "prefill_per_token": prefill / (B * P_len),
-            "decode_per_step": decode, "decode_per_token": decode / B}
+    return {
+        "prefill": int(prefill),
+        "prefill_per_token": prefill / (B * P_len),
+        "decode_per_step": decode,
+        "decode_per_token": decode / B,
+    }
 
 
 # ---- the engine, timed --------------------------------------------------------------------
+
 
 def prompts_for(cfg: Qwen3Config, B: int, T: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng([seed, B, T])
@@ -194,13 +221,22 @@ def run_once(engine, prompts, new_tokens: int) -> dict:
     """One generate call, split at the streaming callbacks (see the module docstring)."""
     marks = []
     t0 = time.perf_counter()
-    out = engine.generate(prompts, new_tokens, on_tokens=lambda _: marks.append(time.perf_counter()),
-                          with_logits=False)
+    out = engine.generate(
+        prompts,
+        new_tokens,
+        on_tokens=lambda _: marks.append(time.perf_counter()),
+        with_logits=False,
+    )
     end = time.perf_counter()
-    return {"prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0], "total_s": end - t0,
-            "program_prefill_s": out.timing["prefill_s"],
-            "program_decode_s": out.timing["decode_s"],
-            "compile_s": out.timing["compile_s"], "out": out}
+    return {
+        "prefill_s": marks[0] - t0,
+        "decode_s": marks[-1] - marks[0],
+        "total_s": end - t0,
+        "program_prefill_s": out.timing["prefill_s"],
+        "program_decode_s": out.timing["decode_s"],
+        "compile_s": out.timing["compile_s"],
+        "out": out,
+    }
 
 
 def memory_analysis(compiled) -> dict | None:
@@ -211,8 +247,13 @@ def memory_analysis(compiled) -> dict | None:
         return None
     if m is None:
         return None
-    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
-            "alias_size_in_bytes", "generated_code_size_in_bytes")
+    keys = (
+        "temp_size_in_bytes",
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     return {k: int(getattr(m, k, 0)) for k in keys}
 
 

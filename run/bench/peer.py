@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from qwen3_spmd.pipeline.requests import fitting_seq_len
-from qwen3_spmd.run.bench.measure import prompts_for, run_once, spread
 from qwen3_spmd.run.bench.jobs import decode_cache_len
+from qwen3_spmd.run.bench.measure import prompts_for, run_once, spread
 
 
 def _import():
@@ -30,8 +30,10 @@ def _import():
         import torch
         import transformers
     except ImportError as e:
-        raise CLIError(f"--peer transformers needs torch and transformers ({e}): "
-                       "pip install torch transformers") from None
+        raise CLIError(
+            f"--peer transformers needs torch and transformers ({e}): "
+            "pip install torch transformers"
+        ) from None
     return torch, transformers
 
 
@@ -41,10 +43,18 @@ def hf_model(spec, source, dtype_name: str):
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     cfg = spec.cfg
-    moe = dict(num_experts=cfg.E, num_experts_per_tok=cfg.A,
-               moe_intermediate_size=cfg.moe_intermediate_size,
-               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
-               mlp_only_layers=list(cfg.mlp_only_layers)) if cfg.E else {}
+    moe = (
+        dict(
+            num_experts=cfg.E,
+            num_experts_per_tok=cfg.A,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=cfg.decoder_sparse_step,
+            mlp_only_layers=list(cfg.mlp_only_layers),
+        )
+        if cfg.E
+        else {}
+    )
     kind = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
     if spec.folder is not None:
         model = kind.from_pretrained(spec.folder, dtype=tdtype, attn_implementation="sdpa")
@@ -52,16 +62,26 @@ def hf_model(spec, source, dtype_name: str):
     if cfg.rope_scaling is not None:
         from qwen3_spmd.run.cli import CLIError
 
-        raise CLIError("--peer transformers with a YaRN preset is not supported: use a "
-                       "checkpoint folder")
+        raise CLIError(
+            "--peer transformers with a YaRN preset is not supported: use a checkpoint folder"
+        )
     hf_cfg = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(
-        vocab_size=cfg.V, hidden_size=cfg.D, intermediate_size=cfg.F,
-        num_hidden_layers=cfg.L, num_attention_heads=cfg.N, num_key_value_heads=cfg.K,
-        head_dim=cfg.H, max_position_embeddings=cfg.max_position_embeddings,
+        vocab_size=cfg.V,
+        hidden_size=cfg.D,
+        intermediate_size=cfg.F,
+        num_hidden_layers=cfg.L,
+        num_attention_heads=cfg.N,
+        num_key_value_heads=cfg.K,
+        head_dim=cfg.H,
+        max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
-        use_sliding_window=False, attn_implementation="sdpa", **moe)
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_bias=cfg.attention_bias,
+        use_sliding_window=False,
+        attn_implementation="sdpa",
+        **moe,
+    )
     model = kind(hf_cfg).to(tdtype)
     weights = {}
     for e in name_table(cfg):
@@ -72,18 +92,22 @@ def hf_model(spec, source, dtype_name: str):
             for name, x in e.hf_tensors(full if i is None else full[i], cfg, i).items():
                 weights[name] = torch.from_numpy(np.ascontiguousarray(x))
     if moe:  # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D], down_proj [E, D, F]
-        gate, up, down = (source.full(("layers", "moe", n), np.float32)
-                          for n in ("gate_efd", "up_efd", "down_edf"))
+        gate, up, down = (
+            source.full(("layers", "moe", n), np.float32)
+            for n in ("gate_efd", "up_efd", "down_edf")
+        )
         for i in (i for i in range(cfg.L) if cfg.is_sparse(i)):
             prefix = f"model.layers.{i}.mlp.experts."
             weights[prefix + "gate_up_proj"] = torch.from_numpy(
-                np.concatenate([gate[i], up[i]], axis=1))
+                np.concatenate([gate[i], up[i]], axis=1)
+            )
             weights[prefix + "down_proj"] = torch.from_numpy(np.ascontiguousarray(down[i]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
-        raise AssertionError(f"weights for transformers: missing {missing}, unexpected "
-                             f"{unexpected}")
+        raise AssertionError(
+            f"weights for transformers: missing {missing}, unexpected {unexpected}"
+        )
     model.tie_weights()
     return model.to(tdtype).eval()
 
@@ -109,10 +133,16 @@ def _theirs(model, prompts, new_tokens: int) -> dict:
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                       logits_processor=transformers.LogitsProcessorList([Mark()]),
-                       pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            num_beams=1,
+            logits_processor=transformers.LogitsProcessorList([Mark()]),
+            pad_token_id=0,
+        )
     return {"prefill_s": marks[0] - t0, "decode_s": marks[-1] - marks[0]}
 
 
@@ -126,11 +156,14 @@ def _pairs(engine, model, prompts, new_tokens, settings, phase: str, tokens: int
     for _ in range(settings["repeats"]):
         ours.append(run_once(engine, prompts, new_tokens)[phase])
         theirs.append(_theirs(model, prompts, new_tokens)[phase])
-    return {"ours_time_s": spread(ours), "theirs_time_s": spread(theirs),
-            "ours_tokens_per_s": spread([tokens / t for t in ours]),
-            "theirs_tokens_per_s": spread([tokens / t for t in theirs]),
-            "speedup_pairs": [b / a for a, b in zip(ours, theirs)],
-            "speedup": spread([b / a for a, b in zip(ours, theirs)])}
+    return {
+        "ours_time_s": spread(ours),
+        "theirs_time_s": spread(theirs),
+        "ours_tokens_per_s": spread([tokens / t for t in ours]),
+        "theirs_tokens_per_s": spread([tokens / t for t in theirs]),
+        "speedup_pairs": [b / a for a, b in zip(ours, theirs)],
+        "speedup": spread([b / a for a, b in zip(ours, theirs)]),
+    }
 
 
 def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
@@ -142,28 +175,39 @@ def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
     device = _device(torch)
     model = hf_model(spec, source, engines.dtype.name).to(device)
     cfg, s = spec.cfg, settings
-    out = {"transformers": transformers.__version__, "torch": torch.__version__,
-           "threads": threads, "device": device, "attn_implementation": "sdpa", "mesh": "1x1",
-           "prefill": [], "decode": []}
+    out = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "threads": threads,
+        "device": device,
+        "attn_implementation": "sdpa",
+        "mesh": "1x1",
+        "prefill": [],
+        "decode": [],
+    }
     say("peer: transformers")
     if "prefill" in scenarios:
         B = s["prefill_batch"]
         for T in s["prompt_lens"]:
             engine = engines.get(fitting_seq_len(T, 1, 1))
-            job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), 1, s, "prefill_s",
-                         B * T)
+            job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), 1, s, "prefill_s", B * T)
             out["prefill"].append({"prompt_len": T, "batch": B, **job})
-            say(f"  prefill T={T}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
+            say(
+                f"  prefill T={T}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
                 f"theirs {job['theirs_tokens_per_s']['median']:.1f}, speedup "
-                f"{job['speedup']['median']:.2f}")
+                f"{job['speedup']['median']:.2f}"
+            )
     if "decode" in scenarios:
         T, N = s["decode_prompt_len"], s["decode_steps"]
         for B in s["batches"]:
             engine = engines.get(decode_cache_len(s, 1))
-            job = _pairs(engine, model, prompts_for(cfg, B, T, s["seed"]), N + 1, s, "decode_s",
-                         B * N)
+            job = _pairs(
+                engine, model, prompts_for(cfg, B, T, s["seed"]), N + 1, s, "decode_s", B * N
+            )
             out["decode"].append({"batch": B, "prompt_len": T, "steps": N, **job})
-            say(f"  decode B={B}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
+            say(
+                f"  decode B={B}: ours {job['ours_tokens_per_s']['median']:.1f} tok/s, "
                 f"theirs {job['theirs_tokens_per_s']['median']:.1f}, speedup "
-                f"{job['speedup']['median']:.2f}")
+                f"{job['speedup']['median']:.2f}"
+            )
     return out

@@ -54,33 +54,46 @@ def check_targets(report: dict) -> dict:
         p8192 = _find(report, "1x1", "prefill", "prompt_len", 8192)
         return {
             "decode_b1_bandwidth_roofline_fraction": _target(
-                d1.get("bandwidth_roofline_fraction") if d1 else None, 0.5, True),
+                d1.get("bandwidth_roofline_fraction") if d1 else None, 0.5, True
+            ),
             "prefill_8192_compute_roofline_fraction": _target(
-                p8192.get("compute_roofline_fraction") if p8192 else None, 0.4, True),
+                p8192.get("compute_roofline_fraction") if p8192 else None, 0.4, True
+            ),
             "decode_b1_speedup_vs_peer": _target(peer_speedup("decode", "batch", 1), 2.0, True),
             "prefill_8192_speedup_vs_peer": _target(
-                peer_speedup("prefill", "prompt_len", 8192), 2.0, True),
+                peer_speedup("prefill", "prompt_len", 8192), 2.0, True
+            ),
             "compile_s_max": _target(max(compiles) if compiles else None, 20.0, False),
         }
     p2048 = _find(report, "2x2", "prefill", "prompt_len", 2048)
     d8 = _find(report, "2x1", "decode", "batch", 8)
     return {
         "decode_b1_bandwidth_roofline_fraction": _target(
-            d1.get("bandwidth_roofline_fraction") if d1 else None, 0.8, True),
+            d1.get("bandwidth_roofline_fraction") if d1 else None, 0.8, True
+        ),
         "decode_b1_speedup_vs_peer": _target(peer_speedup("decode", "batch", 1), 1.7, True),
-        "prefill_512_speedup_vs_peer": _target(peer_speedup("prefill", "prompt_len", 512), 1.5,
-                                               True),
+        "prefill_512_speedup_vs_peer": _target(
+            peer_speedup("prefill", "prompt_len", 512), 1.5, True
+        ),
         "prefill_2048_2x2_time_ratio_vs_1x1": _target(
-            p2048["time_ratio_vs_1x1"] if p2048 else None, 1.25, False),
+            p2048["time_ratio_vs_1x1"] if p2048 else None, 1.25, False
+        ),
         "decode_b8_2x1_time_ratio_vs_1x1": _target(
-            d8["time_ratio_vs_1x1"] if d8 else None, 1.25, False),
+            d8["time_ratio_vs_1x1"] if d8 else None, 1.25, False
+        ),
         "compile_s_max": _target(max(compiles) if compiles else None, 20.0, False),
     }
 
 
 def _s(x: dict, scale=1.0, fmt="{:.3g}") -> str:
-    return (fmt.format(x["median"] * scale) + " (" + fmt.format(x["min"] * scale) + ".."
-            + fmt.format(x["max"] * scale) + ")")
+    return (
+        fmt.format(x["median"] * scale)
+        + " ("
+        + fmt.format(x["min"] * scale)
+        + ".."
+        + fmt.format(x["max"] * scale)
+        + ")"
+    )
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -95,81 +108,189 @@ def _opt(j: dict, key: str, fmt="{:.3f}") -> str:
 
 def print_table(r: dict) -> None:
     m = r["machine"]
-    print(f"\nmachine: {m['cpu_model']} ({m['cpu_cores']} cores), {m['backend']} x"
-          f"{m['device_count']} ({m['device_kind']}); jax {m['jax']}, flax {m['flax']}")
-    print(f"model: {r['model']['name']}; {r['dtype']}; median (min..max) of "
-          f"{r['settings']['repeats']} runs")
+    print(
+        f"\nmachine: {m['cpu_model']} ({m['cpu_cores']} cores), {m['backend']} x"
+        f"{m['device_count']} ({m['device_kind']}); jax {m['jax']}, flax {m['flax']}"
+    )
+    print(
+        f"model: {r['model']['name']}; {r['dtype']}; median (min..max) of "
+        f"{r['settings']['repeats']} runs"
+    )
     if "roofline" in r:
         ro = r["roofline"]
         if "link_bytes_per_s" in ro:
             link = ro["link_bytes_per_s"]
-            print(f"link over {link['devices']} devices (received per device): ppermute "
-                  f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
-                  f"{_s(link['all_to_all'], 1e-9)} GB/s")
-        print(f"roofline: bandwidth {_s(ro['bandwidth_bytes_per_s'], 1e-9)} GB/s, matmul "
-              f"{_s(ro['matmul_flops_per_s'], 1e-9)} GFLOP/s")
-    rows = [[m["mesh"], j["prompt_len"], _s(j["tokens_per_s"]), _s(j["time_s"]),
-             _opt(j, "time_ratio_vs_1x1", "{:.2f}"), _opt(j, "compute_roofline_fraction"),
-             f"{j['idle_fraction']:.2f}", f"{j['stage_bytes_per_token']:.0f}",
-             f"{j['ring_bytes_per_token']:.0f}", f"{j['compile_s']:.1f}"]
-            for m in r["meshes"] for j in m.get("prefill", [])]
+            print(
+                f"link over {link['devices']} devices (received per device): ppermute "
+                f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
+                f"{_s(link['all_to_all'], 1e-9)} GB/s"
+            )
+        print(
+            f"roofline: bandwidth {_s(ro['bandwidth_bytes_per_s'], 1e-9)} GB/s, matmul "
+            f"{_s(ro['matmul_flops_per_s'], 1e-9)} GFLOP/s"
+        )
+    rows = [
+        [
+            m["mesh"],
+            j["prompt_len"],
+            _s(j["tokens_per_s"]),
+            _s(j["time_s"]),
+            _opt(j, "time_ratio_vs_1x1", "{:.2f}"),
+            _opt(j, "compute_roofline_fraction"),
+            f"{j['idle_fraction']:.2f}",
+            f"{j['stage_bytes_per_token']:.0f}",
+            f"{j['ring_bytes_per_token']:.0f}",
+            f"{j['compile_s']:.1f}",
+        ]
+        for m in r["meshes"]
+        for j in m.get("prefill", [])
+    ]
     if rows:
         print("\nprefill")
-        print(_table(["mesh", "T", "tokens/s", "time s", "x 1x1", "of FLOP roof", "idle",
-                      "stage B/tok", "ring B/tok", "compile s"], rows))
-    rows = [[m["mesh"], j["prompt_len"], j["cp_strategy"], _s(j["time_s"]),
-             f"{j['cp_predicted_s']:.3g}", f"{j['cp_bytes_per_device']:,}",
-             f"{j['cp_bytes_per_device_per_layer']:,}"]
-            for m in r["meshes"] if m["seq"] > 1 for j in m.get("prefill", [])]
+        print(
+            _table(
+                [
+                    "mesh",
+                    "T",
+                    "tokens/s",
+                    "time s",
+                    "x 1x1",
+                    "of FLOP roof",
+                    "idle",
+                    "stage B/tok",
+                    "ring B/tok",
+                    "compile s",
+                ],
+                rows,
+            )
+        )
+    rows = [
+        [
+            m["mesh"],
+            j["prompt_len"],
+            j["cp_strategy"],
+            _s(j["time_s"]),
+            f"{j['cp_predicted_s']:.3g}",
+            f"{j['cp_bytes_per_device']:,}",
+            f"{j['cp_bytes_per_device_per_layer']:,}",
+        ]
+        for m in r["meshes"]
+        if m["seq"] > 1
+        for j in m.get("prefill", [])
+    ]
     if rows:
         print("\nprefill attention along seq (bytes each device receives; cost model's time)")
-        print(_table(["mesh", "T", "cp", "time s", "predicted s", "bytes/device",
-                      "bytes/device/layer"], rows))
-    rows = [[m["mesh"], j["batch"], _s(j["tokens_per_s"]),
-             _s(j["time_per_output_token_s"], 1e3), _opt(j, "time_ratio_vs_1x1", "{:.2f}"),
-             _opt(j, "time_ratio_vs_1x1_groups_in_turn", "{:.2f}"),
-             _opt(j, "bandwidth_roofline_fraction"), _s(j["host_overhead_fraction"]),
-             f"{j['steady_idle_fraction']:.2f}", f"{j['stage_bytes_per_token']:.0f}",
-             f"{j['ring_bytes_per_token']:.0f}", f"{j['compile_s']:.1f}"]
-            for m in r["meshes"] for j in m.get("decode", [])]
+        print(
+            _table(
+                ["mesh", "T", "cp", "time s", "predicted s", "bytes/device", "bytes/device/layer"],
+                rows,
+            )
+        )
+    rows = [
+        [
+            m["mesh"],
+            j["batch"],
+            _s(j["tokens_per_s"]),
+            _s(j["time_per_output_token_s"], 1e3),
+            _opt(j, "time_ratio_vs_1x1", "{:.2f}"),
+            _opt(j, "time_ratio_vs_1x1_groups_in_turn", "{:.2f}"),
+            _opt(j, "bandwidth_roofline_fraction"),
+            _s(j["host_overhead_fraction"]),
+            f"{j['steady_idle_fraction']:.2f}",
+            f"{j['stage_bytes_per_token']:.0f}",
+            f"{j['ring_bytes_per_token']:.0f}",
+            f"{j['compile_s']:.1f}",
+        ]
+        for m in r["meshes"]
+        for j in m.get("decode", [])
+    ]
     if rows:
         cache = r["settings"].get("decode_cache_len")
-        print(f"\ndecode ({r['settings']['decode_steps']} steps after "
-              f"{r['settings']['decode_prompt_len']} prompt tokens"
-              f"{f', {cache} cache slots per request' if cache else ''})")
-        print(_table(["mesh", "B", "tokens/s", "ms/token", "x 1x1", "x 1x1 groups in turn",
-                      "of BW roof", "host frac",
-                      "idle", "stage B/tok", "ring B/tok", "compile s"], rows))
+        print(
+            f"\ndecode ({r['settings']['decode_steps']} steps after "
+            f"{r['settings']['decode_prompt_len']} prompt tokens"
+            f"{f', {cache} cache slots per request' if cache else ''})"
+        )
+        print(
+            _table(
+                [
+                    "mesh",
+                    "B",
+                    "tokens/s",
+                    "ms/token",
+                    "x 1x1",
+                    "x 1x1 groups in turn",
+                    "of BW roof",
+                    "host frac",
+                    "idle",
+                    "stage B/tok",
+                    "ring B/tok",
+                    "compile s",
+                ],
+                rows,
+            )
+        )
     rows = []
     for m in r["meshes"]:
         if "memory" in m:
             mem = m["memory"]
             for name, a in mem["programs"].items():
                 a = a or {}
-                rows.append([m["mesh"], name, f"{mem['max_weight_bytes'] / 2**20:.1f}",
-                             f"{mem['max_kv_bytes'] / 2**20:.1f}",
-                             f"{a.get('temp_size_in_bytes', 0) / 2**20:.1f}",
-                             f"{a.get('argument_size_in_bytes', 0) / 2**20:.1f}",
-                             f"{a.get('output_size_in_bytes', 0) / 2**20:.1f}",
-                             f"{a.get('alias_size_in_bytes', 0) / 2**20:.1f}"])
+                rows.append(
+                    [
+                        m["mesh"],
+                        name,
+                        f"{mem['max_weight_bytes'] / 2**20:.1f}",
+                        f"{mem['max_kv_bytes'] / 2**20:.1f}",
+                        f"{a.get('temp_size_in_bytes', 0) / 2**20:.1f}",
+                        f"{a.get('argument_size_in_bytes', 0) / 2**20:.1f}",
+                        f"{a.get('output_size_in_bytes', 0) / 2**20:.1f}",
+                        f"{a.get('alias_size_in_bytes', 0) / 2**20:.1f}",
+                    ]
+                )
     if rows:
         print("\nmemory per device (MiB)")
-        print(_table(["mesh", "program", "weights", "KV", "XLA temp", "args", "outputs",
-                      "aliased"], rows))
+        print(
+            _table(
+                ["mesh", "program", "weights", "KV", "XLA temp", "args", "outputs", "aliased"], rows
+            )
+        )
     peer = r.get("peer")
     if peer:
-        print(f"\npeer: transformers {peer['transformers']} (torch {peer['torch']}, "
-              f"{peer['threads']} threads); speedup = our tokens/s / theirs, pair by pair")
-        rows = [["prefill", f"T={j['prompt_len']}", _s(j["ours_tokens_per_s"]),
-                 _s(j["theirs_tokens_per_s"]), _s(j["speedup"], fmt="{:.2f}")]
-                for j in peer.get("prefill", [])]
-        rows += [["decode", f"B={j['batch']}", _s(j["ours_tokens_per_s"]),
-                  _s(j["theirs_tokens_per_s"]), _s(j["speedup"], fmt="{:.2f}")]
-                 for j in peer.get("decode", [])]
+        print(
+            f"\npeer: transformers {peer['transformers']} (torch {peer['torch']}, "
+            f"{peer['threads']} threads); speedup = our tokens/s / theirs, pair by pair"
+        )
+        rows = [
+            [
+                "prefill",
+                f"T={j['prompt_len']}",
+                _s(j["ours_tokens_per_s"]),
+                _s(j["theirs_tokens_per_s"]),
+                _s(j["speedup"], fmt="{:.2f}"),
+            ]
+            for j in peer.get("prefill", [])
+        ]
+        rows += [
+            [
+                "decode",
+                f"B={j['batch']}",
+                _s(j["ours_tokens_per_s"]),
+                _s(j["theirs_tokens_per_s"]),
+                _s(j["speedup"], fmt="{:.2f}"),
+            ]
+            for j in peer.get("decode", [])
+        ]
         print(_table(["job", "size", "ours tok/s", "transformers tok/s", "speedup"], rows))
-    rows = [[k, "-" if t["value"] is None else f"{t['value']:.3g}", t["target"],
-             {True: "yes", False: "NO", None: "not run"}[t["met"]]]
-            for k, t in r["targets"].items()]
+    rows = [
+        [
+            k,
+            "-" if t["value"] is None else f"{t['value']:.3g}",
+            t["target"],
+            {True: "yes", False: "NO", None: "not run"}[t["met"]],
+        ]
+        for k, t in r["targets"].items()
+    ]
     print("\ntargets")
     print(_table(["target", "value", "want", "met"], rows))
 
@@ -182,31 +303,49 @@ def plot(r: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     shown = [m for m in r["meshes"] if m["stage"] > 1] or r["meshes"][:1]
-    fig, axes = plt.subplots(2, 2 + len(shown) - 1 if len(shown) > 1 else 2,
-                             figsize=(6 * max(2, len(shown)), 8), squeeze=False)
+    fig, axes = plt.subplots(
+        2,
+        2 + len(shown) - 1 if len(shown) > 1 else 2,
+        figsize=(6 * max(2, len(shown)), 8),
+        squeeze=False,
+    )
     ax = axes[0][0]
     for m in r["meshes"]:
         if m.get("prefill"):
-            ax.plot([j["prompt_len"] for j in m["prefill"]],
-                    [j["tokens_per_s"]["median"] for j in m["prefill"]], "o-", label=m["mesh"])
+            ax.plot(
+                [j["prompt_len"] for j in m["prefill"]],
+                [j["tokens_per_s"]["median"] for j in m["prefill"]],
+                "o-",
+                label=m["mesh"],
+            )
     if r.get("peer", {}).get("prefill"):
-        ax.plot([j["prompt_len"] for j in r["peer"]["prefill"]],
-                [j["theirs_tokens_per_s"]["median"] for j in r["peer"]["prefill"]], "k--",
-                label="transformers")
+        ax.plot(
+            [j["prompt_len"] for j in r["peer"]["prefill"]],
+            [j["theirs_tokens_per_s"]["median"] for j in r["peer"]["prefill"]],
+            "k--",
+            label="transformers",
+        )
     ax.set(xscale="log", xlabel="prompt length", ylabel="prefill tokens/s", title="prefill")
     ax = axes[0][1]
     for m in r["meshes"]:
         if m.get("decode"):
-            ax.plot([j["batch"] for j in m["decode"]],
-                    [j["tokens_per_s"]["median"] for j in m["decode"]], "o-", label=m["mesh"])
+            ax.plot(
+                [j["batch"] for j in m["decode"]],
+                [j["tokens_per_s"]["median"] for j in m["decode"]],
+                "o-",
+                label=m["mesh"],
+            )
     ax.set(xscale="log", xlabel="batch", ylabel="decode tokens/s", title="decode")
     for n, m in enumerate(shown):
         ax = axes[1][n]
         grid = m["timeline"]["decode"]
         cells = [[-1 if c is None else c for c in row] for row in grid]
         ax.imshow(cells, aspect="auto", cmap="tab10", vmin=-1, vmax=9, interpolation="nearest")
-        ax.set(xlabel="tick", ylabel="stage", title=f"decode timeline {m['mesh']} "
-                                                    "(colour = group, dark = idle)")
+        ax.set(
+            xlabel="tick",
+            ylabel="stage",
+            title=f"decode timeline {m['mesh']} (colour = group, dark = idle)",
+        )
     for row in axes:
         for ax in row:
             if ax.get_legend_handles_labels()[0]:
