@@ -79,6 +79,8 @@ class DecodeCarry(NamedTuple):
     out: DecodeOutputs  # filled by the last stage
 
 
+# One shard_map program, read top to bottom as DESIGN.md's decode schedule: the tick
+# closure shares the group sizes, the slot placement and the sampling set up here.
 def build_decode(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,

@@ -71,6 +71,8 @@ class PrefillCarry(NamedTuple):
     logits: jax.Array  # [B, V] float32: the last prompt token's logits (last stage)
 
 
+# One shard_map program, read top to bottom as DESIGN.md's prefill schedule: its
+# closures (the tick, the microbatch slicing) share the mesh sizes and specs set here.
 def build_prefill(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,

@@ -102,6 +102,8 @@ def on_last_stage(active, fn, shapes, x):
     return last, jax.lax.cond(last, lambda x: jax.tree.map(vary, fn(x)), zeros, x)
 
 
+# One stage's layers as one function: the layer loop, its cache writes and the shift
+# are the body of a lax.scan/fori_loop that XLA sees whole.
 def run_stage(
     model: Qwen3,
     cfg: Qwen3Config,

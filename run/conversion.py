@@ -50,6 +50,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# The conversion protocol in order (check, write into DIR.partial-<pid>, verify, mark
+# complete, rename): splitting it would hide the order the crash-safety rests on.
 def convert(
     hf_folder: str | Path,
     out: str | Path,

@@ -199,6 +199,8 @@ def _report_joined(procs: Processes) -> None:
 # ---- supervision ------------------------------------------------------------------
 
 
+# The supervisor's whole life (spawn the child, forward signals, wait, report) in one
+# place, so what happens on each way a child can end is read side by side.
 def supervise(args) -> int | None:
     """Runs this command as a supervised child if it joins several processes.
 

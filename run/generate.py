@@ -14,6 +14,7 @@ import sys
 DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59]]
 
 
+# Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate tokens for prompts on a device mesh")
     p.add_argument(
@@ -222,6 +223,8 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
     return 0
 
 
+# Every check of generate's flags before anything loads, in the order a user meets
+# them; each failure is one CLIError line.
 def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     import jax
 

@@ -17,6 +17,8 @@ import os
 import time
 
 
+# One measurement read top to bottom: its flags, then per mesh the largest prompt that
+# compiles within the budget (bisection), then the table.
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qwen3_spmd.run.bench.capacity")
     p.add_argument("--budget-mib", type=float, default=64.0)

@@ -26,11 +26,13 @@ import json
 import os
 import platform
 import sys
+from functools import partial
 
 SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer")
 SMOKE = {"prompt_lens": "16,32", "batches": "1,2", "decode_steps": 4, "repeats": 2, "chunk": 4}
 
 
+# Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark prefill and decode against rooflines and transformers"
@@ -269,11 +271,69 @@ def _fewer_layers(spec, layers: int, seed: int):
     )
 
 
-def main(args) -> int:
-    from qwen3_spmd.run.cli import CLIError, check_output_file, platform_is_cpu, use_cpu_devices
+def _check_plot(path: str) -> None:
+    """--plot needs matplotlib and a file name in one of the image formats it writes."""
+    from qwen3_spmd.run.cli import CLIError, check_output_file
 
-    settings = _settings(args)
-    meshes = _meshes(args)
+    check_output_file(path, "--plot")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib"
+        ) from None
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    if os.path.splitext(path)[1][1:].lower() not in kinds:
+        raise CLIError(
+            f"--plot {path}: the name must end in an image format matplotlib "
+            f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png"
+        )
+
+
+def _measure_rooflines(dtype, settings: dict, meshes, say) -> dict:
+    """The machine's own bandwidth and matmul rooflines, and the link among the largest
+    mesh's `seq` devices; the ratios in the report are taken against these."""
+    import jax
+
+    from qwen3_spmd.run.bench.measure import link_bandwidth, rooflines
+
+    roof = rooflines(
+        dtype, max(settings["repeats"], 3), max(settings["warmup"], 1), settings["smoke"]
+    )
+    seq = max(C for _, C in meshes)
+    if seq > 1:
+        roof["link_bytes_per_s"] = link_bandwidth(jax.devices()[:seq], settings["smoke"])
+        link = roof["link_bytes_per_s"]
+        say(
+            f"link over {seq} devices, received per device: ppermute "
+            f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "
+            f"{link['all_to_all']['median'] / 1e9:.3f} GB/s"
+        )
+    say(
+        f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
+        f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype.name})"
+    )
+    return roof
+
+
+def _model_entry(spec) -> dict:
+    cfg = spec.cfg
+    return {
+        "name": spec.label,
+        "random_weights": spec.random,
+        "params": cfg.param_count(),
+        "layers": cfg.L,
+        "active_params": cfg.param_count(active=True),
+        "vocab": cfg.V,
+    }
+
+
+def _scenarios(args, meshes) -> set[str]:
+    """The scenarios to run, checked, and the CPU devices set up, before JAX starts."""
+    from qwen3_spmd.run.cli import CLIError, platform_is_cpu, use_cpu_devices
+
     need = max(S * C for S, C in meshes)
     if args.cpu_devices is not None and args.cpu_devices < need:
         raise CLIError(
@@ -288,44 +348,51 @@ def main(args) -> int:
     if "peer" in scenarios and not args.peer:
         raise CLIError("--scenario peer needs --peer transformers")
     if args.plot:
-        check_output_file(args.plot, "--plot")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise CLIError(
-                "--plot needs matplotlib, which is not installed: pip install matplotlib"
-            ) from None
-        from matplotlib.figure import Figure
+        _check_plot(args.plot)
+    return scenarios
 
-        kinds = Figure().canvas.get_supported_filetypes()
-        if os.path.splitext(args.plot)[1][1:].lower() not in kinds:
-            raise CLIError(
-                f"--plot {args.plot}: the name must end in an image format matplotlib "
-                f"writes ({', '.join('.' + k for k in sorted(kinds))}), e.g. bench.png"
-            )
 
+def _dtype(args, meshes):
+    """The benchmark's dtype (float32 on CPU, bfloat16 elsewhere unless --dtype), after
+    checking that the largest mesh has its devices."""
     import jax
     import jax.numpy as jnp
+
+    from qwen3_spmd.run.cli import CLIError
+
+    need = max(S * C for S, C in meshes)
+    if len(jax.devices()) < need:
+        raise CLIError(
+            f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
+            f"visible: on CPU pass --cpu-devices {need}"
+        )
+    name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if name not in ("float32", "bfloat16"):
+        raise CLIError(f"--dtype {name} is not supported: use float32 or bfloat16")
+    return jnp.dtype(name)
+
+
+# Reads as the benchmark's run in order (plan, rooflines, each mesh, peer, report); each
+# step is a function above or in jobs/peer/report.
+def main(args) -> int:
+    settings = _settings(args)
+    meshes = _meshes(args)
+    scenarios = _scenarios(args, meshes)
+
+    import jax
 
     # Compile times are part of the figures: every program compiles here, none is read
     # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
     jax.config.update("jax_enable_compilation_cache", False)
 
     from qwen3_spmd.run.bench.jobs import MeshEngines, run_mesh
-    from qwen3_spmd.run.bench.measure import MemoSource, link_bandwidth, rooflines
+    from qwen3_spmd.run.bench.measure import MemoSource
     from qwen3_spmd.run.bench.report import add_ratios, check_targets, print_table
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
 
-    if len(jax.devices()) < need:
-        raise CLIError(
-            f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
-            f"visible: on CPU pass --cpu-devices {need}"
-        )
-    dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
-    dtype = jnp.dtype(dtype_name)
+    dtype = _dtype(args, meshes)
+    dtype_name = dtype.name
     spec = open_model(args.model, args.seed)
     if args.layers is not None:
         spec = _fewer_layers(spec, args.layers, args.seed)
@@ -333,22 +400,12 @@ def main(args) -> int:
     cps = _cps(args, spec.cfg, meshes)
     settings["cp"] = cps
     source = MemoSource(spec.source)
-    say = (
-        (lambda *a: print(*a, file=sys.stderr, flush=True))
-        if args.json
-        else (lambda *a: print(*a, flush=True))
-    )
+    # With --json, stdout holds only the report.
+    say = partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     report = {
         "machine": machine(len(jax.devices())),
-        "model": {
-            "name": spec.label,
-            "random_weights": spec.random,
-            "params": spec.cfg.param_count(),
-            "layers": spec.cfg.L,
-            "active_params": spec.cfg.param_count(active=True),
-            "vocab": spec.cfg.V,
-        },
+        "model": _model_entry(spec),
         "dtype": dtype_name,
         "scenarios": sorted(scenarios),
         "settings": settings,
@@ -359,45 +416,19 @@ def main(args) -> int:
     )
     roof = None
     if "roofline" in scenarios:
-        roof = rooflines(
-            dtype, max(settings["repeats"], 3), max(settings["warmup"], 1), settings["smoke"]
-        )
-        seq = max(C for _, C in meshes)
-        if seq > 1:
-            roof["link_bytes_per_s"] = link_bandwidth(jax.devices()[:seq], settings["smoke"])
-            link = roof["link_bytes_per_s"]
-            say(
-                f"link over {seq} devices, received per device: ppermute "
-                f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "
-                f"{link['all_to_all']['median'] / 1e9:.3f} GB/s"
-            )
-        report["roofline"] = roof
-        say(
-            f"roofline: {roof['bandwidth_bytes_per_s']['median'] / 1e9:.1f} GB/s, "
-            f"{roof['matmul_flops_per_s']['median'] / 1e9:.1f} GFLOP/s ({dtype_name})"
-        )
+        roof = report["roofline"] = _measure_rooflines(dtype, settings, meshes, say)
 
-    report["meshes"] = []
     # The 1x1 engines (and their compiled programs) stay for the peer's paired runs.
     single = MeshEngines(
         spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings, "ring", roof
     )
+    report["meshes"] = []
     for S, C in meshes:
         mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[: S * C])
+        engines = single if (S, C) == (1, 1) else None
         for cp in cps if C > 1 else ["ring"]:
             report["meshes"].append(
-                run_mesh(
-                    spec.cfg,
-                    source,
-                    mesh,
-                    dtype,
-                    settings,
-                    scenarios,
-                    roof,
-                    say,
-                    single if (S, C) == (1, 1) else None,
-                    cp,
-                )
+                run_mesh(spec.cfg, source, mesh, dtype, settings, scenarios, roof, say, engines, cp)
             )
     add_ratios(report["meshes"])
 

@@ -37,6 +37,8 @@ def _import():
     return torch, transformers
 
 
+# Long because it builds transformers' config field by field from ours (dense and MoE)
+# and copies each tensor under transformers' name: one table, read together.
 def hf_model(spec, source, dtype_name: str):
     torch, transformers = _import()
     from qwen3_spmd.model.checkpoint.hf import name_table

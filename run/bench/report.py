@@ -107,6 +107,13 @@ def _opt(j: dict, key: str, fmt="{:.3f}") -> str:
 
 
 def print_table(r: dict) -> None:
+    """The report as tables on stdout, one section after another."""
+    for section in (_header, _prefill, _prefill_cp, _decode, _memory, _peer, _targets):
+        section(r)
+
+
+def _header(r: dict) -> None:
+    """The machine, the model and the measured rooflines."""
     m = r["machine"]
     print(
         f"\nmachine: {m['cpu_model']} ({m['cpu_cores']} cores), {m['backend']} x"
@@ -129,6 +136,10 @@ def print_table(r: dict) -> None:
             f"roofline: bandwidth {_s(ro['bandwidth_bytes_per_s'], 1e-9)} GB/s, matmul "
             f"{_s(ro['matmul_flops_per_s'], 1e-9)} GFLOP/s"
         )
+
+
+def _prefill(r: dict) -> None:
+    """Prefill throughput per mesh and prompt length."""
     rows = [
         [
             m["mesh"],
@@ -164,6 +175,10 @@ def print_table(r: dict) -> None:
                 rows,
             )
         )
+
+
+def _prefill_cp(r: dict) -> None:
+    """Bytes each device receives for attention along seq, and the cost model's time."""
     rows = [
         [
             m["mesh"],
@@ -186,6 +201,10 @@ def print_table(r: dict) -> None:
                 rows,
             )
         )
+
+
+def _decode(r: dict) -> None:
+    """Decode throughput per mesh and batch."""
     rows = [
         [
             m["mesh"],
@@ -230,6 +249,10 @@ def print_table(r: dict) -> None:
                 rows,
             )
         )
+
+
+def _memory(r: dict) -> None:
+    """Weights, KV cache and XLA's buffers per device, per compiled program."""
     rows = []
     for m in r["meshes"]:
         if "memory" in m:
@@ -255,6 +278,10 @@ def print_table(r: dict) -> None:
                 ["mesh", "program", "weights", "KV", "XLA temp", "args", "outputs", "aliased"], rows
             )
         )
+
+
+def _peer(r: dict) -> None:
+    """Our tokens/s against transformers', pair by pair."""
     peer = r.get("peer")
     if peer:
         print(
@@ -282,6 +309,10 @@ def print_table(r: dict) -> None:
             for j in peer.get("decode", [])
         ]
         print(_table(["job", "size", "ours tok/s", "transformers tok/s", "speedup"], rows))
+
+
+def _targets(r: dict) -> None:
+    """The issue's targets and whether this run met them."""
     rows = [
         [
             k,
