@@ -460,21 +460,14 @@ def _cp_report(layout: dict, timing: dict) -> dict:
 
 def _generate(engine, args, prompts, sampling, eos, stream):
     """engine.generate, under the JAX profiler if --profile DIR."""
-    # Per-step logits only when something reads them (--logits-out, --check).
-    with_logits = bool(args.logits_out or args.check)
-    if not args.profile:
-        return engine.generate(
-            prompts,
-            args.max_new_tokens,
-            sampling,
-            args.seed,
-            eos,
-            on_tokens=stream,
-            with_logits=with_logits,
-        )
+    import contextlib
+
     import jax
 
-    with jax.profiler.trace(args.profile):
+    # Per-step logits only when something reads them (--logits-out, --check).
+    with_logits = bool(args.logits_out or args.check)
+    profile = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
+    with profile:
         return engine.generate(
             prompts,
             args.max_new_tokens,
