@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.sampling import Sampling, sample
+from qwen3_spmd.pipeline.sampling import RowSampling, sample_rows
 from qwen3_spmd.pipeline.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
@@ -48,20 +48,21 @@ from qwen3_spmd.ring import decode_attention, decode_slot
 
 class DecodeInputs(NamedTuple):
     """What a decode chunk starts from, besides the weights and the cache. Every field is
-    replicated (P()): a new per-row field is one line here."""
+    replicated (P()) and, but for run_steps, one per row: each row is a request at its
+    own step (continuous batching), and a new per-row field is one line here."""
 
-    tokens: jax.Array  # [B] int32: the token each row feeds at step `first_step`
+    tokens: jax.Array  # [B] int32: the token each row feeds at its step `step`
     positions: jax.Array  # [B] int32: its position
-    request: jax.Array  # [B] int32: the row's request index (sampling keys)
-    first_step: jax.Array  # [] int32: decode step index j of the chunk's first step
+    step: jax.Array  # [B] int32: the row's decode step index j at the chunk's first step
+    limit: jax.Array  # [B] int32: steps j >= limit write nothing (0: an empty row)
+    prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took (P_pad / C)
+    sampling: RowSampling  # [B] each: the row's sampling parameters and key
     run_steps: jax.Array  # [] int32: steps of the chunk that run (the last chunk may need fewer)
-    limit: jax.Array  # [] int32: steps j >= limit write nothing (past the request's last token)
-    prompt_slots: jax.Array  # [] int32: P_pad / C, the local slots the prompt took
-    seed: jax.Array  # [] int32: sampling seed
 
     @classmethod
     def specs(cls) -> DecodeInputs:
-        return cls(*[P()] * len(cls._fields))
+        fields = {name: P() for name in cls._fields}
+        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
 
 
 class DecodeOutputs(NamedTuple):
@@ -88,7 +89,7 @@ def build_decode(
     mesh: Mesh,
     groups: int,
     steps: int,
-    sampling: Sampling,
+    sampled: bool,
     with_logits: bool = True,
 ):
     """The decode program for a chunk of `steps` steps (not yet jitted).
@@ -96,8 +97,9 @@ def build_decode(
     Returns f(weights: Weights, cache: KVCache, inputs: DecodeInputs) ->
     (DecodeOutputs, KVCache). `cache.pos` must already list the slots this chunk
     writes (positions ahead of a query are masked anyway); the program writes k and v
-    only, so `cache` is donated and updated in place. with_logits=False leaves row 0's
-    per-step logits out, sparing a [steps, V] buffer per chunk.
+    only, so `cache` is donated and updated in place. sampled=False promises every row
+    is greedy (no sort of the vocabulary). with_logits=False leaves row 0's per-step
+    logits out, sparing a [steps, V] buffer per chunk.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles (period = groups): no cond is needed around its layers.
@@ -128,11 +130,11 @@ def build_decode(
             )
 
             active, row0, i = slot_of(t - s)
-            j = inputs.first_step + i
+            j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
             q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
             x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
-            device, slot = decode_slot(j, inputs.prompt_slots, C)
-            mine = active & (c == device) & (j < inputs.limit)
+            device, slot = decode_slot(j, rows(inputs.prompt_slots, row0, Bg), C)
+            mine = active & (c == device) & (j < rows(inputs.limit, row0, Bg))
             group_slot_pos = rows(cache.pos, row0, Bg)
 
             def attend_at(layer):
@@ -161,9 +163,8 @@ def build_decode(
 
             def head(x):
                 logits = model.logits(x)[:, 0]  # [Bg, V]
-                return logits, sample(
-                    logits, rows(inputs.request, row0, Bg), j + 1, inputs.seed, sampling
-                )
+                params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+                return logits, sample_rows(logits, params, j + 1, sampled)
 
             shapes = (
                 jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),

@@ -24,14 +24,13 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
-from qwen3_spmd.pipeline.layout import Batch, lay_out
+from qwen3_spmd.pipeline.layout import Batch, lay_out, list_decode_slots
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
 from qwen3_spmd.pipeline.programs import OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
-from qwen3_spmd.pipeline.sampling import Sampling, sample
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, sample_rows
 from qwen3_spmd.pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
-from qwen3_spmd.ring import decode_slot
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
@@ -47,8 +46,9 @@ class Generation:
 
 
 @dataclasses.dataclass
-class _Clock:
-    """Seconds one generate call spent waiting for compiles and running programs."""
+class Clock:
+    """Seconds spent waiting for compiles and running programs (one generate call, or a
+    scheduler's life)."""
 
     compile_s: float = 0.0
     prefill_s: float = 0.0
@@ -139,8 +139,9 @@ class Engine:
         self.programs = Programs(self.dtype, on_compile)
         self._prefill: dict[str, Callable] = {}  # cp strategy -> jitted prefill
         self._decode: dict[tuple, Callable] = {}
-        self._zeros: dict[tuple, Callable] = {}  # cache shape -> jitted zeros
-        self._sample = jax.jit(sample, static_argnums=4)
+        # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
+        self._helpers: dict[tuple, Callable] = {}
+        self._sample = jax.jit(sample_rows, static_argnames="sampled")
 
     # ---- checks and sizes ----------------------------------------------------------
 
@@ -166,13 +167,41 @@ class Engine:
 
     def new_cache(self, batch: Batch) -> KVCache:
         """Zeroed k, v and the batch's slot positions, sharded as CACHE_SPECS."""
-        shape = self.cache_shape(batch.B)
-        if shape not in self._zeros:
-            self._zeros[shape] = jax.jit(
+        return self._zeroed_cache(batch.B, self._slot_pos(batch))
+
+    def empty_cache(self, B: int) -> KVCache:
+        """A cache of B rows that holds nothing (every slot position -1)."""
+        empty = np.full((B, self.slots_per_device * self.C), -1, np.int32)
+        return self._zeroed_cache(B, self._placed(empty, SPECS.slots_bs))
+
+    def _zeroed_cache(self, B: int, pos: jax.Array) -> KVCache:
+        shape = self.cache_shape(B)
+        if shape not in self._helpers:
+            self._helpers[shape] = jax.jit(
                 lambda: jnp.zeros(shape, self.dtype),
                 out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
             )
-        return KVCache(self._zeros[shape](), self._zeros[shape](), self._slot_pos(batch))
+        return KVCache(self._helpers[shape](), self._helpers[shape](), pos)
+
+    def insert(self, cache: KVCache, new: KVCache, rows: np.ndarray) -> KVCache:
+        """cache (donated, updated in place) with k and v row r of `new` written into row
+        rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
+        slots; the caller keeps the slot positions."""
+        key = ("insert", new.k.shape[1])
+        if key not in self._helpers:
+            spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
+
+            def put(cache: KVCache, new: KVCache, rows):
+                k = cache.k.at[:, rows].set(new.k, mode="drop")
+                v = cache.v.at[:, rows].set(new.v, mode="drop")
+                return KVCache(k, v, cache.pos)
+
+            self._helpers[key] = jax.jit(
+                put,
+                donate_argnums=0,
+                out_shardings=KVCache(spec, spec, NamedSharding(self.mesh, SPECS.slots_bs)),
+            )
+        return self._helpers[key](cache, new, jnp.asarray(rows, jnp.int32))
 
     def _slot_pos(self, batch: Batch) -> jax.Array:
         return self._placed(batch.slot_pos.reshape(batch.B, -1), SPECS.slots_bs)
@@ -253,8 +282,13 @@ class Engine:
             self.flops_per_s,
         )
 
-    def _decode_fn(self, groups: int, steps: int, sampling: Sampling, with_logits: bool):
-        key = (groups, steps, sampling, with_logits)
+    @staticmethod
+    def decode_name(groups: int, steps: int, sampled: bool, with_logits: bool) -> tuple:
+        """The decode program's name: every static choice that shapes it."""
+        return ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
+
+    def _decode_fn(self, groups: int, steps: int, sampled: bool, with_logits: bool):
+        key = (groups, steps, sampled, with_logits)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 build_decode(
@@ -264,7 +298,7 @@ class Engine:
                     self.mesh,
                     groups,
                     steps,
-                    sampling,
+                    sampled,
                     with_logits,
                 ),
                 donate_argnames="cache",
@@ -278,27 +312,29 @@ class Engine:
         first_step: int,
         run_steps: int,
         limit: int,
+        sampling: Sampling,
         seed: int,
     ) -> DecodeInputs:
-        scalar = np.int32
+        """Every row of `batch` at step `first_step` of the same request settings."""
+        rows = np.ones(batch.B, np.int32)
         return DecodeInputs(
             tokens=tokens.astype(np.int32),
             positions=batch.lengths + first_step,
-            request=batch.request,
-            first_step=scalar(first_step),
-            run_steps=scalar(run_steps),
-            limit=scalar(limit),
-            prompt_slots=scalar(batch.prompt_slots),
-            seed=scalar(seed),
+            step=rows * first_step,
+            limit=rows * limit,
+            prompt_slots=rows * batch.prompt_slots,
+            sampling=RowSampling.of(sampling, seed, batch.request),
+            run_steps=np.int32(run_steps),
         )
 
     def _compile_decode_ahead(self, batch: Batch, sampling: Sampling, with_logits: bool) -> None:
         """Starts compiling the first decode chunk's program while the prefill compiles
         and runs."""
-        inputs = self._decode_inputs(batch, batch.request, 0, 1, 1, 0)
+        inputs = self._decode_inputs(batch, batch.request, 0, 1, 1, sampling, 0)
+        sampled = sampling.temperature > 0
         self.programs.ahead(
-            ("decode", batch.groups, self.chunk, sampling, with_logits),
-            self._decode_fn(batch.groups, self.chunk, sampling, with_logits),
+            self.decode_name(batch.groups, self.chunk, sampled, with_logits),
+            self._decode_fn(batch.groups, self.chunk, sampled, with_logits),
             self.weights,
             self._abstract_cache(batch.B),
             self._abstract(inputs, DecodeInputs.specs()),
@@ -309,7 +345,7 @@ class Engine:
         positional arguments were)."""
         return jax.tree.map(self._placed, inputs, specs)
 
-    def _run(self, name: tuple, fn, clock: _Clock, cache: KVCache, inputs):
+    def _run(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
         """The compiled program `name` on (weights, cache, inputs placed on the mesh)."""
         program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
         clock.compile_s += waited
@@ -337,11 +373,13 @@ class Engine:
         """
         self.check(prompts, max_new_tokens)
         batch = self.lay_out(prompts)
-        clock = _Clock()
+        clock = Clock()
         if max_new_tokens > 1:
             self._compile_decode_ahead(batch, sampling, with_logits)
         strategy, predictions = self.cp_plan(batch.B, batch.P_pad)
-        first, logits, cache = self._prefill_batch(batch, strategy, sampling, seed, clock)
+        params = RowSampling.of(sampling, seed, batch.request)
+        sampled = sampling.temperature > 0
+        first, logits, cache = self.prefill(batch, strategy, params, sampled, clock)
         state = _Decoding([[int(t)] for t in first], np.isin(first, eos_ids))
         step_logits = [np.asarray(logits[:1])]
         if on_tokens:
@@ -361,19 +399,19 @@ class Engine:
         out.layout.update(cp_strategy=strategy, cp=predictions)
         return out
 
-    def _prefill_batch(
-        self, batch: Batch, strategy: str, sampling: Sampling, seed: int, clock: _Clock
+    def prefill(
+        self, batch: Batch, strategy: str, params: RowSampling, sampled: bool, clock: Clock
     ):
-        """Runs the prefill: (first tokens [B] numpy, logits [B, V], the cache)."""
+        """Runs the prefill of `batch` into a new cache and samples each row's first token
+        with its `params` (host arrays [B]; sampled=False: every row is greedy).
+        Returns (first tokens [B] numpy, logits [B, V], the cache)."""
         cache = self.new_cache(batch)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
         name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, inputs)
-        first = self._sample(
-            logits, jnp.asarray(batch.request), jnp.int32(0), jnp.int32(seed), sampling
-        )
+        first = self._sample(logits, params, jnp.int32(0), sampled=sampled)
         first = np.asarray(first)
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return first, logits, cache
@@ -388,28 +426,24 @@ class Engine:
         seed: int,
         eos_ids,
         with_logits: bool,
-        clock: _Clock,
+        clock: Clock,
     ):
         """One decode chunk of up to `self.chunk` steps; appends each row's new tokens
         (up to its first EOS id) to `state`. Returns (row 0's logits [take, V], cache)."""
         j0 = state.steps_run
         take = min(self.chunk, limit - j0)
         # List the slots this chunk writes; positions ahead of a query are masked.
-        for j in range(j0, j0 + take):
-            device, slot = decode_slot(j, batch.prompt_slots, self.C)
-            batch.slot_pos[:, device, slot] = batch.lengths + j
-        cache = cache._replace(pos=self._slot_pos(batch))
-        tokens = np.array([g[-1] for g in state.generated], np.int32)
-        inputs = self._place_inputs(
-            self._decode_inputs(batch, tokens, j0, take, limit, seed), DecodeInputs.specs()
+        rows = np.ones(batch.B, np.int32)
+        list_decode_slots(
+            batch.slot_pos, rows * j0, take, rows * limit, batch.lengths, rows * batch.prompt_slots
         )
-        name = ("decode", batch.groups, self.chunk, sampling, with_logits)
-        fn = self._decode_fn(batch.groups, self.chunk, sampling, with_logits)
-        compile_before = clock.compile_s
-        t0 = time.perf_counter()
-        out, cache = self._run(name, fn, clock, cache, inputs)
+        tokens = np.array([g[-1] for g in state.generated], np.int32)
+        inputs = self._decode_inputs(batch, tokens, j0, take, limit, sampling, seed)
+        sampled = sampling.temperature > 0
+        out, cache = self.decode(
+            cache, batch.slot_pos, inputs, batch.groups, sampled, with_logits, clock
+        )
         new_tokens = np.asarray(out.tokens)
-        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         state.ticks += decode_ticks(batch.groups, self.stages, take)
         for b in range(batch.B):
             if state.done[b]:
@@ -423,6 +457,33 @@ class Engine:
         state.chunks += 1
         return (np.asarray(out.logits)[:take] if with_logits else None), cache
 
+    def decode(
+        self,
+        cache: KVCache,
+        slot_pos: np.ndarray,
+        inputs: DecodeInputs,
+        groups: int,
+        sampled: bool,
+        with_logits: bool,
+        clock: Clock,
+    ):
+        """One decode chunk (the program of `self.chunk` steps, `inputs.run_steps` of
+        them run) on `cache`, donated, with its slot positions replaced by the host's
+        slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
+        `layout.list_decode_slots`). inputs: host arrays. Returns (DecodeOutputs on
+        device, the cache)."""
+        B = slot_pos.shape[0]
+        cache = cache._replace(pos=self._placed(slot_pos.reshape(B, -1), SPECS.slots_bs))
+        inputs = self._place_inputs(inputs, DecodeInputs.specs())
+        name = self.decode_name(groups, self.chunk, sampled, with_logits)
+        fn = self._decode_fn(groups, self.chunk, sampled, with_logits)
+        compile_before = clock.compile_s
+        t0 = time.perf_counter()
+        out, cache = self._run(name, fn, clock, cache, inputs)
+        out.tokens.block_until_ready()
+        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        return out, cache
+
     def _complete(
         self,
         prompts,
@@ -431,7 +492,7 @@ class Engine:
         step_logits,
         max_new_tokens,
         eos_ids,
-        clock: _Clock,
+        clock: Clock,
         cache: KVCache,
     ) -> Generation:
         completions = []

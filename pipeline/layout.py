@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from qwen3_spmd.pipeline.prefill import PrefillInputs
-from qwen3_spmd.ring import padded_length, to_device_order, zigzag
+from qwen3_spmd.ring import decode_slot, padded_length, to_device_order, zigzag
 
 
 @dataclasses.dataclass
@@ -37,16 +37,31 @@ class Batch:
         return self.P_pad // self.slot_pos.shape[1]
 
 
+def bucket(n: int, unit: int) -> int:
+    """n rounded up to `unit` times a power of two: a server that lays out batches of
+    every size and length meets few distinct shapes, so compiles few programs."""
+    units = -(-n // unit)
+    return unit * (1 << (units - 1).bit_length())
+
+
 def lay_out(
-    prompts: list[list[int]], microbatches: int, groups: int, C: int, slots_per_device: int
+    prompts: list[list[int]],
+    microbatches: int,
+    groups: int,
+    C: int,
+    slots_per_device: int,
+    bucketed: bool = False,
 ) -> Batch:
-    """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups)."""
+    """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
+    bucketed: B and P_pad rounded up further, to that multiple (and 2C) times a power of
+    two (`bucket`)."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
-    B = math.ceil(n_req / unit) * unit
+    B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
     rows = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
     lengths = np.array([len(p) for p in rows], np.int32)
-    P_pad = padded_length(int(lengths.max()), C)
+    longest = int(lengths.max())
+    P_pad = bucket(longest, 2 * C) if bucketed else padded_length(longest, C)
     tokens = np.zeros((B, P_pad), np.int32)
     positions = np.full((B, P_pad), -1, np.int32)
     for b, p in enumerate(rows):
@@ -67,3 +82,22 @@ def lay_out(
         slot_pos,
         request,
     )
+
+
+def list_decode_slots(
+    slot_pos: np.ndarray,
+    step: np.ndarray,
+    take: int,
+    limit: np.ndarray,
+    lengths: np.ndarray,
+    prompt_slots: np.ndarray,
+) -> None:
+    """Lists in slot_pos [B, C, S_loc] the positions a decode chunk of `take` steps will
+    write: row b's steps step[b] .. step[b] + take - 1 below limit[b], at
+    `ring.decode_slot` (step j holds position lengths[b] + j). The programs then mask
+    by position, so listing a slot before its step runs shows nothing early."""
+    C = slot_pos.shape[1]
+    for b in range(len(step)):
+        j = np.arange(step[b], min(step[b] + take, limit[b]))
+        device, slot = decode_slot(j, prompt_slots[b], C)
+        slot_pos[b, device, slot] = lengths[b] + j

@@ -2,14 +2,18 @@
 
 Random keys come from (seed, request index, step) only, so a request samples the same
 tokens whatever its place in the batch, its group, the mesh or the tick it runs at.
+Each row carries its own parameters (`RowSampling`), so greedy and sampled requests
+with different settings share one compiled program.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingError(ValueError):
@@ -51,10 +55,38 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
 
 
+class RowSampling(NamedTuple):
+    """Each row's sampling parameters and key, [B] arrays (replicated, P()): one compiled
+    program serves a batch that mixes greedy rows and rows with their own settings."""
+
+    temperature: jax.Array  # [B] float32: 0 = greedy
+    top_k: jax.Array  # [B] int32: 0 = off
+    top_p: jax.Array  # [B] float32: 1 = off
+    seed: jax.Array  # [B] int32: the request's seed
+    request: jax.Array  # [B] int32: folded into the key after the seed
+
+    @classmethod
+    def of(cls, sampling: Sampling, seed: int, request) -> RowSampling:
+        """Host arrays: every row with `sampling` and `seed`, keyed by its `request`."""
+        request = np.asarray(request, np.int32)
+        return cls.stack([(sampling, seed, int(r)) for r in request])
+
+    @classmethod
+    def stack(cls, rows: list[tuple[Sampling, int, int]]) -> RowSampling:
+        """Host arrays from (sampling, seed, request) for each row."""
+        return cls(
+            np.array([s.temperature for s, _, _ in rows], np.float32),
+            np.array([s.top_k for s, _, _ in rows], np.int32),
+            np.array([s.top_p for s, _, _ in rows], np.float32),
+            np.array([seed for _, seed, _ in rows], np.int32),
+            np.array([r for _, _, r in rows], np.int32),
+        )
+
+
 def sample(
     logits: jax.Array, request: jax.Array, step: jax.Array, seed: jax.Array, cfg: Sampling
 ) -> jax.Array:
-    """Next tokens.
+    """Next tokens, every row with the same `cfg` and `seed`.
 
     Args:
       logits: [B, V] float32; request: [B] int32 request indices; step: [B] or scalar
@@ -62,26 +94,51 @@ def sample(
     Returns:
       tokens [B] int32.
     """
-    if cfg.temperature == 0.0:
-        return greedy(logits)
-    x = logits / cfg.temperature
-    V = x.shape[-1]
-    if 0 < cfg.top_k < V:
-        kth = jax.lax.top_k(x, cfg.top_k)[0][:, -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    if cfg.top_p < 1.0:
-        order = jnp.argsort(-x, axis=-1)
-        probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = (jnp.cumsum(probs, axis=-1) - probs) >= cfg.top_p
-        drop = (
-            jnp.zeros_like(drop_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(drop_sorted)
-        )
-        x = jnp.where(drop, -jnp.inf, x)
-    step = jnp.broadcast_to(step, request.shape)
+    B = logits.shape[0]
+    rows = RowSampling(
+        jnp.full((B,), cfg.temperature, jnp.float32),
+        jnp.full((B,), cfg.top_k, jnp.int32),
+        jnp.full((B,), cfg.top_p, jnp.float32),
+        jnp.broadcast_to(jnp.asarray(seed, jnp.int32), (B,)),
+        request,
+    )
+    return sample_rows(logits, rows, step, sampled=cfg.temperature > 0)
 
-    def one(r, s, row):
+
+def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True) -> jax.Array:
+    """Next tokens, each row with its own parameters; a row samples with the key
+    (seed, request, step) and nothing else, so it draws the same token whatever its
+    place in the batch, its group, the mesh or the tick it runs at.
+
+    Args:
+      logits: [B, V] float32; rows: RowSampling of [B] arrays; step: [B] or scalar int32,
+        the index of the token being produced. sampled=False (static) promises every row
+        is greedy and skips the filters.
+    Returns:
+      tokens [B] int32.
+    """
+    argmax = greedy(logits)
+    if not sampled:
+        return argmax
+    B, V = logits.shape
+    hot = rows.temperature > 0
+    x = logits / jnp.where(hot, rows.temperature, 1.0)[:, None]
+    # Filters as thresholds on the row's sorted values (one sort serves every row's k
+    # and p): top-k keeps values >= the k-th largest, top-p the smallest prefix of the
+    # sorted values whose mass reaches p (the first always stays).
+    desc = -jnp.sort(-x, axis=-1)
+    k = jnp.where((rows.top_k > 0) & (rows.top_k < V), rows.top_k, V)
+    x = jnp.where(x < jnp.take_along_axis(desc, k[:, None] - 1, axis=-1), -jnp.inf, x)
+    desc = jnp.where(jnp.arange(V) < k[:, None], desc, -jnp.inf)
+    probs = jax.nn.softmax(desc, axis=-1)
+    kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < rows.top_p[:, None], axis=-1)
+    last = jnp.take_along_axis(desc, jnp.maximum(kept, 1)[:, None] - 1, axis=-1)
+    x = jnp.where((rows.top_p < 1.0)[:, None] & (x < last), -jnp.inf, x)
+    step = jnp.broadcast_to(step, (B,))
+
+    def one(seed, r, s, row):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), r), s)
         return jax.random.categorical(key, row)
 
-    return jax.vmap(one)(request, step, x).astype(jnp.int32)
+    drawn = jax.vmap(one)(rows.seed, rows.request, step, x).astype(jnp.int32)
+    return jnp.where(hot, drawn, argmax)

@@ -78,14 +78,30 @@ def write_kv(cache: jax.Array, new: jax.Array, at: tuple, ok) -> jax.Array:
     return jax.lax.dynamic_update_slice(cache, jnp.where(ok, new, old), at)
 
 
+def write_kv_rows(cache: jax.Array, new: jax.Array, layer, row0, slots, ok) -> jax.Array:
+    """cache [L/S, B, K, S_cap/C, H] with new [B', 1, K, H] written at `layer`, rows
+    row0 .. row0 + B' - 1, each row at its own slot `slots` [B'] where `ok` [B'] (a
+    decode step: each row is at its own step). A scatter of B' x K x H values; rows
+    not `ok` go to a slot past the end, which the scatter drops."""
+    rows = row0 + jnp.arange(new.shape[0])
+    at = jnp.where(ok, slots, cache.shape[3])
+    return cache.at[layer, rows, :, at, :].set(new[:, 0].astype(cache.dtype), mode="drop")
+
+
 def cache_attend(layer, row0, slot0, ok, attention):
     """An attend function (`model.layers.Attend`) for local layer slot `layer` that
     first writes the new k, v into the stage cache at rows row0.. and slots slot0.. (where
-    `ok`), then returns attention(q, k, v, cache) -> o with the updated cache."""
+    `ok`), then returns attention(q, k, v, cache) -> o with the updated cache. slot0 and
+    ok are scalars (a block of rows and slots), or one per row [B'] for one new token
+    each (`write_kv_rows`)."""
+
+    def write(cache, new):
+        if jnp.ndim(slot0):
+            return write_kv_rows(cache, new, layer, row0, slot0, ok)
+        return write_kv(cache, new, (layer, row0, 0, slot0, 0), ok)
 
     def attend(q, k, v, cache: StageCache):
-        at = (layer, row0, 0, slot0, 0)
-        cache = StageCache(write_kv(cache.k, k, at, ok), write_kv(cache.v, v, at, ok))
+        cache = StageCache(write(cache.k, k), write(cache.v, v))
         return attention(q, k, v, cache), cache
 
     return attend

@@ -40,7 +40,8 @@ DECODE_BLOCK = 256
 def decode_slot(step, prompt_slots, n):
     """Where decode step `step` writes its K/V: (device j mod n, local slot
     prompt_slots + j // n), after the prompt's `prompt_slots` slots per device, so every
-    device's cache fills at the same rate. Ints or traced int32 alike."""
+    device's cache fills at the same rate. Ints, arrays (one per row) or traced int32
+    alike."""
     return step % n, prompt_slots + step // n
 
 
@@ -70,9 +71,10 @@ def decode_attention(
       slot_pos: [B, S] int32 positions held in this device's slots (-1: empty).
       axis_name: the mesh axis the cache is sharded along.
       scale: multiplier of the scores, usually H ** -0.5.
-      filled: optional int32 scalar (traced or not): slots at or past it are ignored
-        (a cache filled in slot order holds nothing visible there yet). On CPU, with
-        more than DECODE_BLOCK slots, attention then reads only the blocks below it.
+      filled: optional int32, a scalar or one per row [B] (traced or not): a row's
+        slots at or past it are ignored (a cache filled in slot order holds nothing
+        visible there yet). On CPU, with more than DECODE_BLOCK slots, attention then
+        reads only the blocks below the largest.
 
     Returns:
       o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: no visible slot on
@@ -94,13 +96,16 @@ def decode_attention(
     check_axis("decode_attention", axis_name)
     S = k_cache.shape[-2]
     if filled is not None:
-        slot_pos = jnp.where(jnp.arange(S) < filled, slot_pos, -1)
+        filled = jnp.asarray(filled)
+        per_row = filled[:, None] if filled.ndim else filled
+        slot_pos = jnp.where(jnp.arange(S) < per_row, slot_pos, -1)
     if filled is None or S <= DECODE_BLOCK or jax.default_backend() != "cpu":
         o, lse = partial_attention(
             q, _rows(k_cache, at, b), _rows(v_cache, at, b), q_pos, slot_pos, scale
         )
     else:
-        o, lse = _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale)
+        most = jnp.max(filled)
+        o, lse = _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, most, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))
     w = jnp.exp(lse - m)  # [B, T, N]
     den = lax.psum(w, axis_name)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qwen3_spmd.pipeline.sampling import Sampling, SamplingError, sample
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, SamplingError, sample, sample_rows
 
 V = 37
 
@@ -161,3 +161,36 @@ def test_invalid_parameters_raise(kwargs, word):
 def test_sampling_is_hashable_for_jit():
     assert hash(Sampling(0.8, 20, 0.9)) == hash(Sampling(0.8, 20, 0.9))
     assert Sampling(0.8, 20, 0.9) != Sampling(0.8, 20, 0.95)
+
+
+def test_each_row_samples_with_its_own_settings_as_it_would_alone():
+    """One batch mixing greedy rows and rows with different temperatures, top-k and
+    top-p draws, row by row, what `sample` draws for that row alone with its settings,
+    its seed and its request index: the batch around a request changes nothing."""
+    settings = [
+        Sampling(),
+        Sampling(temperature=0.7),
+        Sampling(temperature=1.3, top_k=5),
+        Sampling(temperature=0.9, top_p=0.6),
+        Sampling(temperature=1.0, top_k=8, top_p=0.8),
+        Sampling(),
+    ]
+    B = len(settings)
+    logits = _logits(B, seed=8, scale=2.0)
+    seeds, requests = [3, 11, 11, 4, 9, 2], [0, 0, 5, 1, 2, 7]
+    rows = RowSampling.stack(list(zip(settings, seeds, requests)))
+    rows = RowSampling(*map(jnp.asarray, rows))
+    sample_all = jax.jit(sample_rows)
+    for step in range(8):
+        got = np.asarray(sample_all(logits, rows, jnp.int32(step)))
+        for b, cfg in enumerate(settings):
+            alone = _sample(
+                logits[b : b + 1],
+                jnp.asarray([requests[b]], jnp.int32),
+                jnp.int32(step),
+                jnp.int32(seeds[b]),
+                cfg,
+            )
+            assert got[b] == int(alone[0]), (step, b, cfg)
+    greedy_rows = [b for b, cfg in enumerate(settings) if cfg.temperature == 0]
+    np.testing.assert_array_equal(got[greedy_rows], np.argmax(np.asarray(logits), -1)[greedy_rows])

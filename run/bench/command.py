@@ -28,8 +28,18 @@ import platform
 import sys
 from functools import partial
 
-SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer")
-SMOKE = {"prompt_lens": "16,32", "batches": "1,2", "decode_steps": 4, "repeats": 2, "chunk": 4}
+SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer", "serve")
+SMOKE = {
+    "prompt_lens": "16,32",
+    "batches": "1,2",
+    "decode_steps": 4,
+    "repeats": 2,
+    "chunk": 4,
+    "serve_max_batch": 2,
+    "serve_prompt_lens": "3,12",
+    "serve_output_lens": "2,6",
+    "serve_requests": 1,
+}
 
 
 # Long because it is the flag list, one add_argument per flag in --help's order.
@@ -99,6 +109,24 @@ def register(subparsers) -> None:
         choices=("transformers",),
         help="also run Hugging Face transformers on the same weights and prompts",
     )
+    p.add_argument(
+        "--serve-max-batch", type=int, help="serve: the scheduler's decode rows (default 8)"
+    )
+    p.add_argument(
+        "--serve-prompt-lens",
+        metavar="MIN,MAX",
+        help="serve: prompt lengths, uniform in the range (default 16,512)",
+    )
+    p.add_argument(
+        "--serve-output-lens",
+        metavar="MIN,MAX",
+        help="serve: output tokens per request, uniform in the range (default 16,256)",
+    )
+    p.add_argument(
+        "--serve-requests",
+        type=int,
+        help="serve: requests per unit of concurrency in each closed loop (default 2)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights (presets) and prompt ids")
     p.add_argument(
         "--layers",
@@ -129,6 +157,15 @@ def _ints(text: str, flag: str) -> list[int]:
     return xs
 
 
+def _range(text: str, flag: str) -> tuple[int, int]:
+    from qwen3_spmd.run.cli import CLIError
+
+    values = _ints(text, flag)
+    if len(values) != 2 or values[0] > values[1]:
+        raise CLIError(f"{flag} {text}: give MIN,MAX with 1 <= MIN <= MAX, e.g. 16,512")
+    return values[0], values[1]
+
+
 def _settings(args) -> dict:
     from qwen3_spmd.run.cli import CLIError
 
@@ -152,20 +189,30 @@ def _settings(args) -> dict:
         "seed": args.seed,
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
+        "serve_max_batch": given(args.serve_max_batch, "serve_max_batch", 8),
+        "serve_prompt_lens": _range(
+            given(args.serve_prompt_lens, "serve_prompt_lens", "16,512"), "--serve-prompt-lens"
+        ),
+        "serve_output_lens": _range(
+            given(args.serve_output_lens, "serve_output_lens", "16,256"), "--serve-output-lens"
+        ),
+        "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
     }
     s["decode_prompt_len"] = (
         args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])
     )
-    for name in (
-        "decode_steps",
-        "repeats",
-        "chunk",
-        "microbatches",
-        "prefill_batch",
-        "decode_prompt_len",
+    for name, flag in (
+        ("decode_steps", "--decode-steps"),
+        ("repeats", "--repeats"),
+        ("chunk", "--chunk"),
+        ("microbatches", "--microbatches"),
+        ("prefill_batch", "--prefill-batch"),
+        ("decode_prompt_len", "--decode-prompt-len"),
+        ("serve_max_batch", "--serve-max-batch"),
+        ("serve_requests_per_concurrency", "--serve-requests"),
     ):
         if s[name] < 1:
-            raise CLIError(f"--{name.replace('_', '-')} {s[name]} must be at least 1")
+            raise CLIError(f"{flag} {s[name]} must be at least 1")
     if s["warmup"] < 0:
         raise CLIError(f"--warmup {s['warmup']} must not be negative")
     if s["decode_cache_len"] is not None:
@@ -184,6 +231,12 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
             f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
             f"need {max(s['prompt_lens']) + 1} positions, but the model has "
             f"{positions}: use lengths up to {positions - 1}"
+        )
+    need = s["serve_prompt_lens"][1] + s["serve_output_lens"][1]
+    if "serve" in scenarios and need > positions:
+        raise CLIError(
+            f"serve requests need up to {need} positions (--serve-prompt-lens and "
+            f"--serve-output-lens maxima), but the model has {positions}: shorten one"
         )
     need = s["decode_prompt_len"] + s["decode_steps"] + 1
     if "decode" in scenarios and need > positions:

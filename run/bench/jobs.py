@@ -246,6 +246,10 @@ def run_mesh(
         for B in settings["batches"]:
             job, last = decode_job(engines, B, roof, say)
             entry["decode"].append(job)
+    if "serve" in scenarios:
+        from qwen3_spmd.run.bench.serve import serve_job
+
+        entry["serve"] = serve_job(engines, settings, say)
     if "memory" in scenarios:
         if last is None:  # memory alone: one small decode job leaves a cache to measure
             _, last = decode_job(engines, max(settings["batches"]), None, say)

@@ -65,6 +65,7 @@ def check_targets(report: dict) -> dict:
             ),
             "compile_s_max": _target(max(compiles) if compiles else None, 20.0, False),
         }
+    serve = _serve_targets(report)
     p2048 = _find(report, "2x2", "prefill", "prompt_len", 2048)
     d8 = _find(report, "2x1", "decode", "batch", 8)
     return {
@@ -82,6 +83,42 @@ def check_targets(report: dict) -> dict:
             d8["time_ratio_vs_1x1"] if d8 else None, 1.25, False
         ),
         "compile_s_max": _target(max(compiles) if compiles else None, 20.0, False),
+        **serve,
+    }
+
+
+def _serve_targets(report: dict) -> dict:
+    """Issue 17's CPU targets: on 1x1 at concurrency 8, output tokens/s >= 3x concurrency
+    1 and >= 0.8x a static batch of 8 equal-length requests; on 2x1 at concurrency >=
+    2 x rows / G, each stage's steady idle fraction (empty rows counted idle) <= 0.1."""
+
+    def loops(mesh):
+        for m in report.get("meshes", []):
+            if m["mesh"] == mesh and "serve" in m:
+                return m["serve"]
+        return None
+
+    one, two = loops("1x1"), loops("2x1")
+    by_c = {j["concurrency"]: j for j in one["concurrency"]} if one else {}
+    c8 = by_c.get(8)
+    vs_c1 = c8["output_tokens_per_s"] / by_c[1]["output_tokens_per_s"] if c8 and 1 in by_c else None
+    vs_static = (
+        c8["output_tokens_per_s"] / one["static_equal_batch"]["output_tokens_per_s"]
+        if c8 and one["static_equal_batch"]["batch"] == 8
+        else None
+    )
+    idle = None
+    if two:
+        loaded = [
+            j["steady_idle_fraction_with_empty_rows"]
+            for j in two["concurrency"]
+            if j["concurrency"] >= 2 * two["max_batch"] // two["groups"]
+        ]
+        idle = max(loaded) if loaded else None
+    return {
+        "serve_c8_vs_c1_1x1": _target(vs_c1, 3.0, True),
+        "serve_c8_vs_static_batch_8_1x1": _target(vs_static, 0.8, True),
+        "serve_loaded_idle_fraction_2x1": _target(idle, 0.1, False),
     }
 
 
@@ -108,7 +145,7 @@ def _opt(j: dict, key: str, fmt="{:.3f}") -> str:
 
 def print_table(r: dict) -> None:
     """The report as tables on stdout, one section after another."""
-    for section in (_header, _prefill, _prefill_cp, _decode, _memory, _peer, _targets):
+    for section in (_header, _prefill, _prefill_cp, _decode, _serve, _memory, _peer, _targets):
         section(r)
 
 
@@ -249,6 +286,42 @@ def _decode(r: dict) -> None:
                 rows,
             )
         )
+
+
+def _serve(r: dict) -> None:
+    """The closed loops through the scheduler, next to static batches of their requests."""
+    rows = []
+    for m in r["meshes"]:
+        serve = m.get("serve")
+        for j in serve["concurrency"] if serve else []:
+            rows.append(
+                [
+                    m["mesh"],
+                    j["concurrency"],
+                    f"{j['output_tokens_per_s']:.1f}",
+                    f"{j['static']['output_tokens_per_s']:.1f}",
+                    f"{j['speedup_vs_static']:.2f}",
+                    f"{j['requests_per_s']:.2f}",
+                    f"{j['time_to_first_token_s']['p50']:.2f}/{j['time_to_first_token_s']['p90']:.2f}",
+                    "-"
+                    if j["time_per_output_token_s"]["p50"] is None
+                    else f"{1e3 * j['time_per_output_token_s']['p50']:.0f}/"
+                    f"{1e3 * j['time_per_output_token_s']['p90']:.0f}",
+                    f"{j['mean_row_occupancy']:.2f}",
+                    f"{j['steady_idle_fraction']:.2f}",
+                ]
+            )
+    if not rows:
+        return
+    s = r["settings"]
+    print(
+        f"\nserve (closed loop; prompts {s['serve_prompt_lens'][0]}-{s['serve_prompt_lens'][1]}, "
+        f"outputs {s['serve_output_lens'][0]}-{s['serve_output_lens'][1]} tokens; static = "
+        f"the same requests through generate in batches of min(c, rows))"
+    )
+    head = ["mesh", "c", "tok/s", "static tok/s", "x static", "req/s", "TTFT s p50/p90"]
+    head += ["TPOT ms p50/p90", "rows busy", "idle"]
+    print(_table(head, rows))
 
 
 def _memory(r: dict) -> None:

@@ -1,0 +1,126 @@
+"""A request in the continuous-batching scheduler, as its caller sees it.
+
+`Params` says what a request asks besides its prompt; `Handle` is what `submit` gives
+back: the tokens so far, the finish reason, the counts and times, and two ways to
+stream the token ids, a blocking iterator and an async one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from qwen3_spmd.pipeline.sampling import Sampling
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """max_new_tokens counts every generated token (the first comes from the prefill);
+    an EOS id ends the request and is kept as its last token."""
+
+    max_new_tokens: int = 16
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    eos_ids: tuple[int, ...] = ()
+
+
+class Handle:
+    """One submitted request. Read it from any thread; the scheduler writes it.
+
+    tokens: the generated ids so far; finish_reason: None while it runs, then "stop"
+    (an EOS id), "length" (the budget) or "cancelled". Times are seconds since submit.
+    """
+
+    def __init__(self, id: int, prompt: tuple[int, ...], params: Params, drive: Callable[[], bool]):
+        self.id, self.prompt, self.params = id, prompt, params
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.token_times_s: list[float] = []  # when each token reached the host
+        self._submitted = time.perf_counter()
+        self._changed = threading.Condition()
+        # drive() runs one round and says True, or says False when a background loop
+        # runs the rounds (a blocking reader then waits for it).
+        self._drive = drive
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        return self.token_times_s[0] if self.token_times_s else None
+
+    def _deliver(self, tokens: list[int], finish_reason: str | None) -> None:
+        """The scheduler's side: new tokens and, at the end, the finish reason."""
+        now = time.perf_counter() - self._submitted
+        with self._changed:
+            self.tokens += tokens
+            self.token_times_s += [now] * len(tokens)
+            self.finish_reason = finish_reason
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for notify in listeners:
+            notify()
+
+    def __iter__(self) -> Iterator[int]:
+        """The token ids as they come, blocking; runs the scheduler's rounds itself when
+        no background loop is running (Scheduler.start)."""
+        i = 0
+        while True:
+            with self._changed:
+                new, done = self.tokens[i:], self.done
+            i += len(new)
+            yield from new
+            if done:
+                if i == len(self.tokens):
+                    return
+                continue
+            if new or self._drive():  # read what came, or ran a round ourselves
+                continue
+            with self._changed:  # a background loop runs the rounds: wait for it
+                if i == len(self.tokens) and not self.done:
+                    self._changed.wait()
+
+    async def stream(self) -> AsyncIterator[int]:
+        """The token ids as they come, for asyncio callers; needs the scheduler's
+        background loop (Scheduler.start)."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def notify():
+            loop.call_soon_threadsafe(changed.set)
+
+        with self._changed:
+            self._listeners.append(notify)
+        try:
+            i = 0
+            while True:
+                changed.clear()
+                with self._changed:
+                    new, done = self.tokens[i:], self.done
+                i += len(new)
+                for t in new:
+                    yield t
+                if done:
+                    with self._changed:
+                        if i == len(self.tokens):
+                            return
+                    continue
+                await changed.wait()
+        finally:
+            with self._changed:
+                self._listeners.remove(notify)

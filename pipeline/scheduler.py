@@ -1,0 +1,390 @@
+"""Continuous batching: requests join and leave the decode rows while the mesh runs.
+
+A `Scheduler` owns `max_batch` decode rows (a multiple of the decode groups G, cut into
+G round-robin groups as in `Engine.generate`) and one KV cache of that many rows. A row
+is a request slot: its cache row and slot positions, its current token, step and
+budget, and its sampling parameters, all per-row inputs of the one decode program. Each
+`step()` is one round:
+
+    admit   waiting requests into free rows: prefill them together with the pipelined,
+            microbatched prefill (at most `prefill_tokens` prompt tokens a round) and
+            insert their K/V rows into the cache in place (donated, no copy of it);
+    decode  one chunk over all rows, each at its own step (short while requests wait
+            for a row, so finished rows free up soon; long when none wait);
+    retire  finished rows (an EOS id, the token budget, or `cancel`), handing each
+            request its new tokens on the way.
+
+A request's tokens depend only on its prompt, its sampling parameters and its seed:
+its sampling key is (seed, 0, step), as for a request alone in `Engine.generate`, and
+an empty or finished row writes nothing any other row reads.
+
+Rounds run when a caller asks: `step()`, `run()`, or a blocking read of a handle. With
+`start()` a background thread runs them whenever a request is in (what a server needs,
+and what a handle's async stream needs); the state is guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline.decode import DecodeInputs
+from qwen3_spmd.pipeline.engine import Clock, Engine
+from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.ring import slots_per_device
+
+
+class QueueFull(RequestError):
+    """The waiting queue holds --max-queue requests: try again later."""
+
+
+@dataclasses.dataclass
+class Update:
+    """What one round gave a request: its new tokens, and why it ended (None: it goes
+    on). finish_reason is "stop" (an EOS id, kept as the last token), "length" or
+    "cancelled"."""
+
+    id: int
+    tokens: list[int]
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class _Row:
+    """A request in a decode row (host side)."""
+
+    handle: Handle
+    generated: list[int]  # every token so far (token 0 came from the prefill)
+    prompt_slots: int  # local cache slots its prompt took (P_pad / C of its admission)
+
+    @property
+    def params(self) -> Params:
+        return self.handle.params
+
+
+class Scheduler:
+    """Admits, decodes and retires requests continuously over an Engine's mesh.
+
+    Args:
+      engine: the Engine (weights placed, programs compiled on first use). Its
+        max_seq_len bounds every request's prompt + new tokens; its chunk is the long
+        decode chunk.
+      max_batch: decode rows (rounded up to a multiple of the decode groups).
+      prefill_tokens: prompt tokens admitted per round at most (one request a round
+        always, however long), so a burst of long prompts does not stall decoding.
+      short_chunk: decode steps a round runs while requests wait for a row.
+      max_queue: waiting requests at most; `submit` refuses more (QueueFull).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int,
+        prefill_tokens: int = 4096,
+        short_chunk: int | None = None,
+        max_queue: int = 256,
+    ):
+        if max_batch < 1:
+            raise RequestError(f"--max-batch {max_batch} must be at least 1")
+        self.engine = engine
+        self.groups = engine.groups_for(engine.stages)
+        self.B = -(-max_batch // self.groups) * self.groups
+        self.prefill_tokens = prefill_tokens
+        self.short_chunk = short_chunk or max(1, engine.chunk // 4)
+        self.max_queue = max_queue
+        self.clock = Clock()
+        self.rounds = 0
+        self.decode_rounds = 0
+        self.busy_rows = 0  # rows holding a request, summed over the decode rounds
+        self._ids = itertools.count()
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._rows: list[_Row | None] = [None] * self.B
+        C, S_loc = engine.C, engine.slots_per_device
+        self._slot_pos = np.full((self.B, C, S_loc), -1, np.int32)
+        self._lengths = np.zeros(self.B, np.int32)
+        self._cache: KVCache = engine.empty_cache(self.B)
+        self._cancelled: set[Handle] = set()  # taken in by a round
+        # Callers' threads and the rounds meet under _lock, held only for moments:
+        # submits and cancels land in inboxes that the next round takes in. _round runs
+        # one round at a time (on the background thread, or a caller's).
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Handle] = []
+        self._cancels: set[Handle] = set()
+        self._handles: dict[int, Handle] = {}  # every request not yet finished
+        self._queued = 0  # waiting requests as of the last round, plus the inbox
+        self._round = threading.Lock()
+        self._loop: threading.Thread | None = None
+        self._closing = False
+
+    @property
+    def kv_bytes_per_device(self) -> int:
+        """Bytes of the K and V cache each device holds (allocated once, all rows)."""
+        k = self._cache.k
+        return 2 * k.nbytes // (self.engine.stages * self.engine.C)
+
+    # ---- the caller's side -----------------------------------------------------------
+
+    def submit(self, prompt_ids, params: Params = Params()) -> Handle:
+        """Queues a request (checked now, in words: RequestError; QueueFull when
+        max_queue requests wait already) and returns its handle. Never waits for a
+        round: a server's event loop may call it."""
+        prompt = tuple(int(t) for t in prompt_ids)
+        self.engine.check([list(prompt)], params.max_new_tokens)
+        with self._lock:
+            if self._queued >= self.max_queue:
+                raise QueueFull(
+                    f"{self._queued} requests are waiting (--max-queue {self.max_queue}): "
+                    f"retry later, or raise --max-queue"
+                )
+            handle = Handle(next(self._ids), prompt, params, self._drive)
+            self._handles[handle.id] = handle
+            self._inbox.append(handle)
+            self._queued += 1
+            self._wake.notify_all()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Ends a request at the next round (its row is freed then). A handle this
+        scheduler did not give, or one already finished or cancelled, is refused."""
+        with self._lock:
+            if self._handles.get(handle.id) is not handle:
+                raise RequestError(
+                    f"request {handle.id} is not running here (finished, or from another "
+                    f"scheduler): nothing to cancel"
+                )
+            if handle in self._cancels or handle in self._cancelled:
+                raise RequestError(f"request {handle.id} is cancelled already")
+            self._cancels.add(handle)
+            self._wake.notify_all()
+
+    @property
+    def idle(self) -> bool:
+        """No request is waiting or running."""
+        with self._lock:
+            return not self._handles
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self._rows)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return self._queued
+
+    # ---- the rounds' driver: the caller, or a background thread ----------------------
+
+    def start(self) -> None:
+        """Runs rounds on a background thread whenever a request is in, until close()."""
+        with self._lock:
+            if self._loop is None:
+                self._closing = False
+                self._loop = threading.Thread(target=self._serve, name="scheduler", daemon=True)
+                self._loop.start()
+
+    def close(self) -> None:
+        """Stops the background thread (after its current round)."""
+        with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.join()
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while not self._handles and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+            self.step()
+
+    def _drive(self) -> bool:
+        """A blocking reader's turn: one round, unless the background thread runs them."""
+        if self._loop is not None:
+            return False
+        self.step()
+        return True
+
+    def step(self) -> list[Update]:
+        """One round: admit, decode one chunk, retire. Returns every request's news (also
+        delivered to its handle)."""
+        with self._round:
+            with self._lock:
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                self._cancelled |= self._cancels
+                self._cancels.clear()
+            updates = self._drop_cancelled()
+            updates += self._admit()
+            if self.running:
+                updates += self._decode()
+            self.rounds += 1
+            with self._lock:
+                self._queued = len(self._waiting) + len(self._inbox)
+                handles = [self._handles[u.id] for u in updates]
+                for u in updates:
+                    if u.finish_reason:
+                        del self._handles[u.id]
+            for u, handle in zip(updates, handles):
+                handle._deliver(u.tokens, u.finish_reason)
+            return updates
+
+    def run(self) -> None:
+        """Rounds until no request is left (without a background thread)."""
+        while not self.idle:
+            self.step()
+
+    # ---- a round -----------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> list[Update]:
+        out = []
+        if not self._cancelled:
+            return out
+        kept = collections.deque()
+        for handle in self._waiting:
+            if handle in self._cancelled:
+                out.append(Update(handle.id, [], "cancelled"))
+            else:
+                kept.append(handle)
+        self._waiting = kept
+        for b, row in enumerate(self._rows):
+            if row is not None and row.handle in self._cancelled:
+                out.append(Update(row.handle.id, [], "cancelled"))
+                self._free(b)
+        self._cancelled.clear()
+        return out
+
+    def _admit(self) -> list[Update]:
+        """Prefills waiting requests into free rows; returns their first tokens."""
+        free = [b for b, r in enumerate(self._rows) if r is None]
+        chosen: list[Handle] = []
+        tokens = 0
+        while self._waiting and len(chosen) < len(free):
+            handle = self._waiting[0]
+            if chosen and tokens + handle.prompt_tokens > self.prefill_tokens:
+                break
+            if not self._fits(chosen + [handle]):
+                break  # padded with longer prompts it would not fit: next round
+            chosen.append(self._waiting.popleft())
+            tokens += handle.prompt_tokens
+        if not chosen:
+            return []
+        eng = self.engine
+        # Bucketed shapes (few prefill compiles) where the padding leaves room.
+        batch = lay_out(
+            [list(h.prompt) for h in chosen],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            bucketed=self._fits(chosen, bucketed=True),
+        )
+        params = RowSampling.stack(
+            [(h.params.sampling, h.params.seed, 0) for h in chosen]
+            + [(Sampling(), 0, 0)] * (batch.B - len(chosen))
+        )
+        sampled = any(h.params.sampling.temperature > 0 for h in chosen)
+        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
+        first, _, new = eng.prefill(batch, strategy, params, sampled, self.clock)
+        rows = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
+        rows[: len(chosen)] = free[: len(chosen)]
+        self._cache = eng.insert(self._cache, new, rows)
+        updates = []
+        for r, handle in enumerate(chosen):
+            b = free[r]
+            token = int(first[r])
+            self._rows[b] = _Row(handle, [token], batch.prompt_slots)
+            self._slot_pos[b] = batch.slot_pos[r]
+            self._lengths[b] = handle.prompt_tokens
+            updates.append(Update(handle.id, [token], self._finished(self._rows[b])))
+            if updates[-1].finish_reason:
+                self._free(b)
+        return updates
+
+    def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:
+        """Whether each request's prompt, padded as long as the longest of them (and
+        to its `layout.bucket` if bucketed), leaves its new tokens room in a row's cache
+        slots."""
+        eng = self.engine
+        longest = max(h.prompt_tokens for h in handles)
+        if bucketed:
+            longest = bucket(longest, 2 * eng.C)
+        return all(
+            slots_per_device(longest, h.params.max_new_tokens, eng.C) <= eng.slots_per_device
+            for h in handles
+        )
+
+    def _decode(self) -> list[Update]:
+        """One decode chunk over every row; hands out the new tokens, retires rows."""
+        eng = self.engine
+        live = [b for b, r in enumerate(self._rows) if r is not None]
+        self.decode_rounds += 1
+        self.busy_rows += len(live)
+        step = np.zeros(self.B, np.int32)
+        limit = np.zeros(self.B, np.int32)  # an empty row: no step writes
+        prompt_slots = np.zeros(self.B, np.int32)
+        tokens = np.zeros(self.B, np.int32)
+        per_row = [(Sampling(), 0, 0)] * self.B
+        for b in live:
+            row = self._rows[b]
+            step[b] = len(row.generated) - 1  # decode step j feeds token j
+            limit[b] = row.params.max_new_tokens - 1
+            prompt_slots[b] = row.prompt_slots
+            tokens[b] = row.generated[-1]
+            per_row[b] = (row.params.sampling, row.params.seed, 0)
+        chunk = self.short_chunk if self._waiting else eng.chunk
+        take = int(min(chunk, eng.chunk, max(limit[b] - step[b] for b in live)))
+        list_decode_slots(self._slot_pos, step, take, limit, self._lengths, prompt_slots)
+        inputs = DecodeInputs(
+            tokens=tokens,
+            positions=self._lengths + step,
+            step=step,
+            limit=limit,
+            prompt_slots=prompt_slots,
+            sampling=RowSampling.stack(per_row),
+            run_steps=np.int32(take),
+        )
+        sampled = any(self._rows[b].params.sampling.temperature > 0 for b in live)
+        out, self._cache = eng.decode(
+            self._cache, self._slot_pos, inputs, self.groups, sampled, False, self.clock
+        )
+        new_tokens = np.asarray(out.tokens)
+        updates = []
+        for b in live:
+            row = self._rows[b]
+            got = []
+            for t in new_tokens[b, : min(take, limit[b] - step[b])]:
+                got.append(int(t))
+                row.generated.append(int(t))
+                if self._finished(row):
+                    break
+            updates.append(Update(row.handle.id, got, self._finished(row)))
+            if updates[-1].finish_reason:
+                self._free(b)
+        return updates
+
+    @staticmethod
+    def _finished(row: _Row) -> str | None:
+        if row.generated[-1] in row.params.eos_ids:
+            return "stop"
+        if len(row.generated) >= row.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _free(self, b: int) -> None:
+        """Row b holds no request: it writes nothing from now on, and the slot positions
+        of its last request are cleared, so a later request in the row sees none."""
+        self._rows[b] = None
+        self._slot_pos[b] = -1
+        self._lengths[b] = 0

@@ -1,0 +1,154 @@
+"""bench --scenario serve: a closed-loop load through the continuous-batching scheduler,
+and the same requests as static batches through `Engine.generate`, in one run.
+
+Closed loop at concurrency c: c requests are in flight; each one that finishes is
+replaced by the next, until every request has run. Requests mix prompt and output
+lengths (uniform in the given ranges, seeded). Seconds spent waiting for compiles are
+left out of the throughputs (each is reported); times to first token are as measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.requests import fitting_seq_len
+from qwen3_spmd.pipeline.schedule import decode_grid, stats
+from qwen3_spmd.pipeline.scheduler import Scheduler
+
+
+def serve_requests(cfg, n: int, prompt_lens, output_lens, seed: int):
+    """n (prompt ids, output tokens) pairs, lengths uniform in the inclusive ranges."""
+    rng = np.random.default_rng([seed, n])
+    out = []
+    for _ in range(n):
+        T = int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))
+        out.append((rng.integers(0, cfg.V, T).tolist(), int(rng.integers(*output_lens) + 1)))
+    return out
+
+
+def _percentiles(xs) -> dict:
+    xs = np.asarray(xs, float)
+    if not len(xs):
+        return {"p50": None, "p90": None}
+    return {"p50": float(np.percentile(xs, 50)), "p90": float(np.percentile(xs, 90))}
+
+
+def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
+    """Every request through `sched` with `concurrency` in flight (greedy)."""
+    pending, live, finished = list(requests), [], []
+    before = (sched.clock.compile_s, sched.decode_rounds, sched.busy_rows)
+    t0 = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            prompt, n = pending.pop(0)
+            live.append(sched.submit(prompt, Params(n)))
+        sched.step()
+        finished += [h for h in live if h.done]
+        live = [h for h in live if not h.done]
+    compile_s = sched.clock.compile_s - before[0]
+    rounds, busy = sched.decode_rounds - before[1], sched.busy_rows - before[2]
+    wall = time.perf_counter() - t0 - compile_s
+    tokens = sum(h.completion_tokens for h in finished)
+    per_token = [
+        (h.token_times_s[-1] - h.token_times_s[0]) / (h.completion_tokens - 1)
+        for h in finished
+        if h.completion_tokens > 1
+    ]
+    return {
+        "requests": len(finished),
+        "output_tokens": tokens,
+        "time_s": wall,
+        "compile_s": compile_s,
+        "output_tokens_per_s": tokens / wall,
+        "requests_per_s": len(finished) / wall,
+        "time_to_first_token_s": _percentiles([h.time_to_first_token_s for h in finished]),
+        "time_per_output_token_s": _percentiles(per_token),
+        "mean_row_occupancy": busy / (rounds * sched.B) if rounds else 0.0,
+    }
+
+
+def static_batches(engine, requests, batch: int) -> dict:
+    """The same requests through Engine.generate, `batch` at a time in order; each batch
+    runs until its longest request is done (its output budget is the batch's largest)."""
+    tokens, wall, compile_s = 0, 0.0, 0.0
+    for i in range(0, len(requests), batch):
+        group = requests[i : i + batch]
+        t0 = time.perf_counter()
+        out = engine.generate([p for p, _ in group], max(n for _, n in group), with_logits=False)
+        wall += time.perf_counter() - t0 - out.timing["compile_s"]
+        compile_s += out.timing["compile_s"]
+        tokens += sum(min(len(c.token_ids), n) for c, (_, n) in zip(out.completions, group))
+    return {
+        "output_tokens": tokens,
+        "time_s": wall,
+        "compile_s": compile_s,
+        "output_tokens_per_s": tokens / wall,
+    }
+
+
+def serve_job(engines, settings: dict, say) -> dict:
+    """The serve scenario on one mesh: each concurrency's closed loop next to static
+    batches of the same requests, and a static batch of equal-length requests."""
+    s = settings
+    cfg = engines.cfg
+    C, S = engines.mesh.shape["seq"], engines.mesh.shape["stage"]
+    longest_prompt, longest_output = s["serve_prompt_lens"][1], s["serve_output_lens"][1]
+    # Bucketed admissions pad a prompt up to twice its length: leave them the room.
+    engine = engines.get(fitting_seq_len(2 * longest_prompt, longest_output, C))
+    B_max = s["serve_max_batch"]
+    G = engine.groups_for(S)
+    sched_rows = -(-B_max // G) * G
+    concurrencies = sorted({1, G, sched_rows, 2 * sched_rows})
+    steady = stats(decode_grid(G, S, engine.chunk), skip_edges=S - 1)["idle_fraction"]
+    rows = []
+    for c in concurrencies:
+        n = max(s["serve_requests_per_concurrency"] * c, 2)
+        reqs = serve_requests(cfg, n, s["serve_prompt_lens"], s["serve_output_lens"], s["seed"])
+        # A closed loop of one thread is deterministic: a first pass meets (and compiles)
+        # every shape the timed one will; the same for the static batches.
+        for _ in range(max(s["warmup"], 1)):
+            closed_loop(Scheduler(engine, B_max), reqs, c)
+            static_batches(engine, reqs, min(c, sched_rows))
+        loop = closed_loop(Scheduler(engine, B_max), reqs, c)
+        static = static_batches(engine, reqs, min(c, sched_rows))
+        row = {
+            "concurrency": c,
+            **loop,
+            "static": static,
+            "speedup_vs_static": loop["output_tokens_per_s"] / static["output_tokens_per_s"],
+            # bubbles of the decode schedule, and the same with empty rows counted idle
+            "steady_idle_fraction": steady,
+            "steady_idle_fraction_with_empty_rows": 1 - (1 - steady) * loop["mean_row_occupancy"],
+        }
+        rows.append(row)
+        say(
+            f"  serve c={c}: {loop['output_tokens_per_s']:.1f} tok/s "
+            f"({row['speedup_vs_static']:.2f}x static batches of {min(c, sched_rows)}), "
+            f"{loop['requests_per_s']:.2f} req/s, TTFT p50 "
+            f"{loop['time_to_first_token_s']['p50']:.2f} s, TPOT p50 "
+            f"{1e3 * (loop['time_per_output_token_s']['p50'] or 0):.0f} ms, rows busy "
+            f"{loop['mean_row_occupancy']:.2f}"
+        )
+    # The reference of the targets: one static batch of equal-length requests.
+    mid_prompt = sum(s["serve_prompt_lens"]) // 2
+    mid_output = sum(s["serve_output_lens"]) // 2
+    equal = serve_requests(cfg, sched_rows, (mid_prompt, mid_prompt), (0, 1), s["seed"])
+    equal = [(p, mid_output) for p, _ in equal]
+    static_batches(engine, equal, sched_rows)  # compiles
+    static_equal = static_batches(engine, equal, sched_rows)
+    kv = 2 * int(np.prod(engine.cache_shape(sched_rows))) * engine.dtype.itemsize
+    return {
+        "max_batch": sched_rows,
+        "groups": G,
+        "kv_bytes_per_device": kv // (S * C),
+        "concurrency": rows,
+        "static_equal_batch": {
+            "batch": sched_rows,
+            "prompt_len": mid_prompt,
+            "output_tokens": mid_output,
+            **static_equal,
+        },
+    }

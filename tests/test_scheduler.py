@@ -1,0 +1,201 @@
+"""pipeline.scheduler: requests join and leave the decode rows while the mesh runs, and
+each request gets exactly the tokens it gets alone (Engine.generate on its prompt only),
+whatever arrived before, beside or after it, on every mesh shape."""
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+from reference import TINY
+
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.layout import bucket, lay_out
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.sharding.mesh import make_mesh
+
+MAX_SEQ = 64
+MESHES = [(1, 1), (2, 2), (2, 1), (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return Qwen3Config.from_hf(TINY)
+
+
+def _engine(cfg, S, C, **kw):
+    mesh = make_mesh(S, C, jax.devices()[: S * C])
+    return Engine(cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=MAX_SEQ, chunk=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(cfg):
+    """(prompt, params) -> its tokens from Engine.generate on the prompt alone (1x1)."""
+    engine = _engine(cfg, 1, 1)
+    seen = {}
+
+    def tokens(prompt, p: Params) -> list[int]:
+        key = (tuple(prompt), p)
+        if key not in seen:
+            gen = engine.generate(
+                [list(prompt)], p.max_new_tokens, p.sampling, p.seed, p.eos_ids, with_logits=False
+            )
+            seen[key] = gen.completions[0].token_ids
+        return seen[key]
+
+    return tokens
+
+
+def _prompts(cfg, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, cfg.V, L).tolist() for L in [5, 9, 3, 14, 7, 2, 11][:n]]
+
+
+BUDGETS = [6, 3, 9, 5, 1, 8, 4]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_staggered_greedy_requests_get_their_tokens_alone(cfg, alone, mesh):
+    """Seven requests of different lengths and budgets (one of a single token) over
+    fewer rows than requests, arriving in three waves: rows are reused, and every
+    request's tokens and finish reason are those it gets alone."""
+    prompts = _prompts(cfg, 7)
+    params = [Params(n) for n in BUDGETS]
+    # An EOS id the third request meets in its third token: it must stop there.
+    eos = alone(prompts[2], params[2])[2]
+    params[2] = Params(BUDGETS[2], eos_ids=(eos,))
+    sched = Scheduler(_engine(cfg, *mesh, microbatches=2), max_batch=3, prefill_tokens=20)
+    handles = [sched.submit(p, q) for p, q in zip(prompts[:2], params[:2])]
+    sched.step()
+    handles += [sched.submit(p, q) for p, q in zip(prompts[2:5], params[2:5])]
+    sched.step()
+    sched.step()
+    handles += [sched.submit(p, q) for p, q in zip(prompts[5:], params[5:])]
+    sched.run()
+    assert sched.B == (4 if mesh[0] == 2 else 3)  # a multiple of the decode groups
+    for h, prompt, p in zip(handles, prompts, params):
+        want = alone(prompt, p)
+        assert h.tokens == want, h.id
+        stopped = bool(p.eos_ids) and want[-1] in p.eos_ids
+        assert h.finish_reason == ("stop" if stopped else "length")
+        assert (h.prompt_tokens, h.completion_tokens) == (len(prompt), len(want))
+        assert len(h.token_times_s) == len(want) and h.time_to_first_token_s > 0
+        assert h.token_times_s == sorted(h.token_times_s)
+    assert handles[2].finish_reason == "stop" and len(handles[2].tokens) == 3
+
+
+def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
+    """Greedy and seeded sampled requests with different settings decode together in
+    one compiled program; each request's tokens are those it samples alone."""
+    settings = [
+        Params(6, Sampling(), 0),
+        Params(6, Sampling(temperature=0.8), 3),
+        Params(6, Sampling(temperature=1.2, top_k=5), 3),
+        Params(6, Sampling(temperature=0.9, top_p=0.7), 11),
+        Params(6, Sampling(temperature=0.7, top_k=9, top_p=0.9), 5),
+    ]
+    prompts = _prompts(cfg, 5, seed=1)
+    engine = _engine(cfg, 2, 2)
+    sched = Scheduler(engine, max_batch=6)
+    handles = [sched.submit(p, q) for p, q in zip(prompts, settings)]
+    sched.run()
+    for h, prompt, p in zip(handles, prompts, settings):
+        assert h.tokens == alone(prompt, p), p
+    names = [n for n in engine.programs.compiled if n.startswith("decode")]
+    assert len(names) == 1 and "sampled" in names[0], names
+    # the blocking iterator runs the rounds itself: the same request alone in the
+    # scheduler streams the same tokens as under load
+    lone = Scheduler(engine, max_batch=6)
+    assert list(lone.submit(prompts[3], settings[3])) == handles[3].tokens
+
+
+def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
+    prompts = _prompts(cfg, 3, seed=2)
+    sched = Scheduler(_engine(cfg, 1, 1), max_batch=2)
+    handles = [sched.submit(p, Params(12)) for p in prompts]
+    sched.step()
+    assert [len(h.tokens) > 0 for h in handles] == [True, True, False] and sched.waiting == 1
+    sched.cancel(handles[0])
+    with pytest.raises(RequestError, match="cancelled already"):
+        sched.cancel(handles[0])
+    sched.step()
+    assert handles[0].finish_reason == "cancelled"
+    assert handles[2].tokens and sched.waiting == 0  # admitted into the freed row
+    sched.run()
+    for h, prompt in zip(handles[1:], prompts[1:]):
+        assert h.tokens == alone(prompt, Params(12))
+    with pytest.raises(RequestError, match="nothing to cancel"):
+        sched.cancel(handles[1])  # finished
+
+
+def test_background_loop_streams_to_async_and_blocking_readers(cfg, alone):
+    prompts = _prompts(cfg, 4, seed=3)
+    sched = Scheduler(_engine(cfg, 2, 1), max_batch=2)
+    sched.start()
+    try:
+
+        async def read_all():
+            handles = [sched.submit(p, Params(7)) for p in prompts]
+
+            async def read(h):
+                return [t async for t in h.stream()]
+
+            return handles, await asyncio.wait_for(
+                asyncio.gather(*(read(h) for h in handles)), timeout=240
+            )
+
+        handles, streamed = asyncio.run(read_all())
+        for h, prompt, got in zip(handles, prompts, streamed):
+            assert got == h.tokens == alone(prompt, Params(7))
+        assert list(sched.submit(prompts[0], Params(7))) == streamed[0]  # blocking
+    finally:
+        sched.close()
+    assert sched.idle
+
+
+def test_admitted_rows_are_inserted_into_the_cache_in_place(cfg):
+    """The insert donates the running cache: XLA aliases it to the output (no copy of
+    the whole cache), and the old buffers are gone."""
+    engine = _engine(cfg, 2, 2)
+    sched = Scheduler(engine, max_batch=4)
+    before = sched._cache
+    sched.submit([1, 2, 3], Params(2))
+    sched.step()
+    assert before.k.is_deleted() and before.v.is_deleted()
+    new = engine.new_cache(engine.lay_out([[1, 2, 3]]))
+    insert = engine._helpers[("insert", new.k.shape[1])]
+    memory = insert.lower(sched._cache, new, np.zeros(new.k.shape[1], np.int32)).compile()
+    assert memory.memory_analysis().alias_size_in_bytes >= sched.kv_bytes_per_device
+
+
+def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
+    sched = Scheduler(_engine(cfg, 1, 2), max_batch=2, max_queue=2)
+    prompt = _prompts(cfg, 1)[0]
+    running = sched.submit(prompt, Params(5))
+    for bad, match in [
+        (([], Params(4)), "empty"),
+        (([cfg.V], Params(4)), "outside the vocabulary"),
+        ((list(range(60)), Params(10)), "max-seq-len"),
+        (([1, 2], Params(0)), "at least 1"),
+    ]:
+        with pytest.raises(RequestError, match=match):
+            sched.submit(*bad)
+    sched.submit([1, 2], Params(2))
+    with pytest.raises(QueueFull, match="max-queue"):
+        sched.submit([1, 2], Params(2))
+    with pytest.raises(RequestError, match="max-batch"):
+        Scheduler(sched.engine, max_batch=0)
+    sched.run()
+    assert running.tokens == alone(prompt, Params(5))
+
+
+def test_buckets_are_the_unit_times_a_power_of_two():
+    assert [bucket(n, 4) for n in (1, 4, 5, 8, 9, 16, 17)] == [4, 4, 8, 8, 16, 16, 32]
+    assert [bucket(n, 3) for n in (1, 3, 4, 7, 10)] == [3, 3, 6, 12, 12]
+    laid = lay_out([[1] * 5, [2] * 9, [3]], 1, 1, 2, 64, bucketed=True)
+    assert (laid.B, laid.P_pad) == (4, 16) and laid.requests == 3
