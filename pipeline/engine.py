@@ -137,7 +137,7 @@ class Engine:
         )
         self.state_specs = map_params(lambda path, x: param_spec(path), state)
         self.programs = Programs(self.dtype, on_compile)
-        self._prefill: dict[str, Callable] = {}  # cp strategy -> jitted prefill
+        self._prefill: dict[tuple, Callable] = {}  # (cp strategy, with context) -> jitted
         self._decode: dict[tuple, Callable] = {}
         # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
         self._helpers: dict[tuple, Callable] = {}
@@ -203,6 +203,11 @@ class Engine:
             )
         return self._helpers[key](cache, new, jnp.asarray(rows, jnp.int32))
 
+    def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
+        """cache with its slot positions replaced by the host's slot_pos [B, C, S_loc]."""
+        B = slot_pos.shape[0]
+        return cache._replace(pos=self._placed(slot_pos.reshape(B, -1), SPECS.slots_bs))
+
     def _slot_pos(self, batch: Batch) -> jax.Array:
         return self._placed(batch.slot_pos.reshape(batch.B, -1), SPECS.slots_bs)
 
@@ -249,9 +254,10 @@ class Engine:
 
     # ---- the programs --------------------------------------------------------------
 
-    def _prefill_fn(self, strategy: str):
-        if strategy not in self._prefill:
-            self._prefill[strategy] = jax.jit(
+    def _prefill_fn(self, strategy: str, with_context: bool = False):
+        key = (strategy, with_context)
+        if key not in self._prefill:
+            self._prefill[key] = jax.jit(
                 build_prefill(
                     self.cfg,
                     self.graphdef,
@@ -261,10 +267,11 @@ class Engine:
                     self.dtype,
                     self.poison,
                     strategy,
+                    with_context,
                 ),
                 donate_argnames="cache",
             )
-        return self._prefill[strategy]
+        return self._prefill[key]
 
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
@@ -400,17 +407,29 @@ class Engine:
         return out
 
     def prefill(
-        self, batch: Batch, strategy: str, params: RowSampling, sampled: bool, clock: Clock
+        self,
+        batch: Batch,
+        strategy: str,
+        params: RowSampling,
+        sampled: bool,
+        clock: Clock,
+        cache: KVCache | None = None,
     ):
         """Runs the prefill of `batch` into a new cache and samples each row's first token
         with its `params` (host arrays [B]; sampled=False: every row is greedy).
+        A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
+        must list the earlier chunks' slots; its prefill attends to them too (ring only).
         Returns (first tokens [B] numpy, logits [B, V], the cache)."""
-        cache = self.new_cache(batch)
+        with_context = batch.offset > 0
+        if cache is None:
+            cache = self.new_cache(batch)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
         name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
+        name += ("context",) if with_context else ()
+        fn = self._prefill_fn(strategy, with_context)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache = self._run(name, self._prefill_fn(strategy), clock, cache, inputs)
+        logits, cache = self._run(name, fn, clock, cache, inputs)
         first = self._sample(logits, params, jnp.int32(0), sampled=sampled)
         first = np.asarray(first)
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
@@ -472,8 +491,7 @@ class Engine:
         slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
         `layout.list_decode_slots`). inputs: host arrays. Returns (DecodeOutputs on
         device, the cache)."""
-        B = slot_pos.shape[0]
-        cache = cache._replace(pos=self._placed(slot_pos.reshape(B, -1), SPECS.slots_bs))
+        cache = self.with_slot_pos(cache, slot_pos)
         inputs = self._place_inputs(inputs, DecodeInputs.specs())
         name = self.decode_name(groups, self.chunk, sampled, with_logits)
         fn = self._decode_fn(groups, self.chunk, sampled, with_logits)

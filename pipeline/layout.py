@@ -26,6 +26,7 @@ class Batch:
     prefill: PrefillInputs  # host arrays, zigzag device order
     slot_pos: np.ndarray  # [B, C, S_loc] int32 positions held by the cache slots, -1 = empty
     request: np.ndarray  # [B] int32 request index of each row (padding rows: 0)
+    offset: int = 0  # local slots earlier chunks of these prompts hold (chunked prefill)
 
     @property
     def B(self) -> int:
@@ -33,8 +34,9 @@ class Batch:
 
     @property
     def prompt_slots(self) -> int:
-        """P_pad / C: the local slots each device's share of the prompt takes."""
-        return self.P_pad // self.slot_pos.shape[1]
+        """offset + P_pad / C: the local slots each device's share of the prompt (so far)
+        takes."""
+        return self.offset + self.P_pad // self.slot_pos.shape[1]
 
 
 def bucket(n: int, unit: int) -> int:
@@ -51,10 +53,14 @@ def lay_out(
     C: int,
     slots_per_device: int,
     bucketed: bool = False,
+    start: int = 0,
+    offset: int = 0,
 ) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
     bucketed: B and P_pad rounded up further, to that multiple (and 2C) times a power of
-    two (`bucket`)."""
+    two (`bucket`). start, offset: the prompts are chunks that begin at position
+    `start`, after earlier chunks that hold each device's first `offset` local slots
+    (chunked prefill); slot_pos lists this chunk's slots only."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
@@ -66,11 +72,11 @@ def lay_out(
     positions = np.full((B, P_pad), -1, np.int32)
     for b, p in enumerate(rows):
         tokens[b, : len(p)] = p
-        positions[b, : len(p)] = np.arange(len(p))
+        positions[b, : len(p)] = start + np.arange(len(p))
     part = zigzag(P_pad, C)
     tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
     slot_pos = np.full((B, C, slots_per_device), -1, np.int32)
-    slot_pos[:, :, : P_pad // C] = positions.reshape(B, C, P_pad // C)
+    slot_pos[:, :, offset : offset + P_pad // C] = positions.reshape(B, C, P_pad // C)
     request = np.arange(B, dtype=np.int32)
     request[n_req:] = 0
     return Batch(
@@ -78,9 +84,10 @@ def lay_out(
         groups,
         lengths,
         P_pad,
-        PrefillInputs(tokens, positions, lengths - 1),
+        PrefillInputs(tokens, positions, start + lengths - 1, np.int32(offset)),
         slot_pos,
         request,
+        offset,
     )
 
 

@@ -16,6 +16,7 @@ Every device sends only its own 1/C of the hidden state between stages.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -41,6 +42,7 @@ from qwen3_spmd.pipeline.stage import (
     when,
 )
 from qwen3_spmd.ring import (
+    context_attention,
     device_positions,
     fused_attention_available,
     prompt_attention,
@@ -48,6 +50,7 @@ from qwen3_spmd.ring import (
     ulysses_attention,
     zigzag,
 )
+from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.sharding.specs import SPECS
 
 CP_STRATEGIES = ("ring", "ulysses")
@@ -57,10 +60,12 @@ class PrefillInputs(NamedTuple):
     tokens: jax.Array  # [B, P_pad] int32, P(None, 'seq'): zigzag device order
     positions: jax.Array  # [B, P_pad] int32, P(None, 'seq'): their positions, -1 = padding
     last_pos: jax.Array  # [B] int32, P(): each request's last prompt position
+    offset: jax.Array  # [] int32, P(): the first local cache slot the tokens' K/V go to
+    #                    (0, or after the earlier chunks of a chunked prompt)
 
     @classmethod
     def specs(cls) -> PrefillInputs:
-        return cls(SPECS.tokens_bt, SPECS.tokens_bt, SPECS.replicated)
+        return cls(SPECS.tokens_bt, SPECS.tokens_bt, SPECS.replicated, SPECS.replicated)
 
 
 class PrefillCarry(NamedTuple):
@@ -82,6 +87,7 @@ def build_prefill(
     dtype,
     poison: bool = False,
     cp: str = "ring",
+    with_context: bool = False,
 ):
     """The prefill program (not yet jitted).
 
@@ -92,10 +98,15 @@ def build_prefill(
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
     reads one shows NaN in the logits. cp: how attention splits along `seq`, "ring" or
     "ulysses" (ring.ulysses; C must divide N). Either writes each device's own tokens'
-    K/V to its cache slots, so the cache is the same.
+    K/V to its cache slots, so the cache is the same. with_context: the tokens are a
+    later chunk of their prompts, written from local slot `inputs.offset` on, and
+    attend also to the cached slots below it (`ring.context_attention`, merged with the
+    ring's result by LSE); ring only.
     """
     if cp not in CP_STRATEGIES:
         raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
+    if with_context and cp != "ring":
+        raise ValueError("a chunk attending to cached context runs with cp='ring'")
     M = microbatches
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles: no cond is needed around its layers.
@@ -103,7 +114,11 @@ def build_prefill(
     scale = cfg.head_dim**-0.5
     # Without a ring a device holds its prompts whole, in position order (zigzag with
     # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
-    fused = mesh.shape["seq"] == 1 and fused_attention_available(dtype, cfg.head_dim)
+    fused = (
+        mesh.shape["seq"] == 1
+        and not with_context  # the merge needs the log-sum-exp, which the kernel keeps
+        and fused_attention_available(dtype, cfg.head_dim)
+    )
     # Ulysses holds whole prompts too (of its heads), in zigzag order: put in position
     # order, they run the same fused kernel.
     fused_ulysses = cp == "ulysses" and fused_attention_available(dtype, cfg.head_dim)
@@ -125,7 +140,27 @@ def build_prefill(
             # On a bubble every position reads as padding: the ring then skips every block.
             ring_pos = jnp.where(active, pos, -1)
 
-            def attention(q, k, v, kv):
+            def context(layer, q, o, lse, kv):
+                """(o, lse) over the chunk, merged with the earlier chunks' cache."""
+                o2, lse2 = context_attention(
+                    q,
+                    kv.k,
+                    kv.v,
+                    ring_pos,
+                    rows(cache.pos, row0, Bm),
+                    axis_name="seq",
+                    scale=scale,
+                    at=(layer, row0),
+                    filled=inputs.offset,
+                )
+                return merge(o, lse, o2, lse2)[0]
+
+            def attention(q, k, v, kv, layer=None):
+                if with_context:
+                    o, lse = ring_attention(
+                        q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale
+                    )
+                    return context(layer, q, o, lse, kv)
                 if fused:
                     return prompt_attention(q, k, v, scale=scale)
                 if cp == "ulysses":
@@ -137,7 +172,8 @@ def build_prefill(
                 return ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)[0]
 
             def attend_at(layer):
-                return cache_attend(layer, row0, 0, active, attention)
+                at_layer = functools.partial(attention, layer=layer)
+                return cache_attend(layer, row0, inputs.offset, active, at_layer)
 
             def compute(x, kv, gate):
                 x, kv = run_stage(model, cfg, weights.real, x, pos, kv, attend_at, gated, gate)

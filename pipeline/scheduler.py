@@ -8,7 +8,11 @@ budget, and its sampling parameters, all per-row inputs of the one decode progra
 
     admit   waiting requests into free rows: prefill them together with the pipelined,
             microbatched prefill (at most `prefill_tokens` prompt tokens a round) and
-            insert their K/V rows into the cache in place (donated, no copy of it);
+            insert their K/V rows into the cache in place (donated, no copy of it). A
+            prompt longer than a chunk (`prefill_tokens`, a multiple of 2C) holds a
+            row and is prefilled one chunk a round, each chunk attending to the earlier
+            ones in its cache (`ring.context_attention`), so it never stalls the rows
+            that decode meanwhile;
     decode  one chunk over all rows, each at its own step (short while requests wait
             for a row, so finished rows free up soon; long when none wait);
     retire  finished rows (an EOS id, the token budget, or `cancel`), handing each
@@ -21,6 +25,11 @@ an empty or finished row writes nothing any other row reads.
 Rounds run when a caller asks: `step()`, `run()`, or a blocking read of a handle. With
 `start()` a background thread runs them whenever a request is in (what a server needs,
 and what a handle's async stream needs); the state is guarded by one lock.
+
+Several processes (`decisions=SharedDecisions()`): process 0 takes the requests and
+publishes what it took in before each round (`pipeline.decisions`); every other process
+calls `follow()`, which runs the same rounds on the same decisions until process 0
+closes.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import threading
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline.decisions import Decision, SharedDecisions
 from qwen3_spmd.pipeline.decode import DecodeInputs
 from qwen3_spmd.pipeline.engine import Clock, Engine
 from qwen3_spmd.pipeline.handles import Handle, Params
@@ -58,6 +68,19 @@ class Update:
 
 
 @dataclasses.dataclass
+class _Chunked:
+    """A long prompt being prefilled a chunk a round into a cache of its own (M rows, a
+    copy of the request in each), holding decode row `row` for when it is done."""
+
+    handle: Handle
+    row: int
+    done: int = 0  # prompt tokens prefilled so far
+    offset: int = 0  # local cache slots its chunks hold so far (on every device)
+    slot_pos: np.ndarray | None = None  # [C, S_loc] positions its chunks' slots hold
+    cache: KVCache | None = None
+
+
+@dataclasses.dataclass
 class _Row:
     """A request in a decode row (host side)."""
 
@@ -78,10 +101,13 @@ class Scheduler:
         max_seq_len bounds every request's prompt + new tokens; its chunk is the long
         decode chunk.
       max_batch: decode rows (rounded up to a multiple of the decode groups).
-      prefill_tokens: prompt tokens admitted per round at most (one request a round
-        always, however long), so a burst of long prompts does not stall decoding.
+      prefill_tokens: prompt tokens prefilled per round at most, so a burst of prompts
+        does not stall decoding; a longer prompt is prefilled in chunks of this many
+        tokens (rounded down to a multiple of 2C), one a round.
       short_chunk: decode steps a round runs while requests wait for a row.
       max_queue: waiting requests at most; `submit` refuses more (QueueFull).
+      decisions: with several processes, how they share each round's decisions
+        (`pipeline.decisions.SharedDecisions`); None in a single process.
     """
 
     def __init__(
@@ -91,6 +117,7 @@ class Scheduler:
         prefill_tokens: int = 4096,
         short_chunk: int | None = None,
         max_queue: int = 256,
+        decisions: SharedDecisions | None = None,
     ):
         if max_batch < 1:
             raise RequestError(f"--max-batch {max_batch} must be at least 1")
@@ -98,6 +125,9 @@ class Scheduler:
         self.groups = engine.groups_for(engine.stages)
         self.B = -(-max_batch // self.groups) * self.groups
         self.prefill_tokens = prefill_tokens
+        two_c = 2 * engine.C
+        self.chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
+        self._chunked: _Chunked | None = None
         self.short_chunk = short_chunk or max(1, engine.chunk // 4)
         self.max_queue = max_queue
         self.clock = Clock()
@@ -124,6 +154,9 @@ class Scheduler:
         self._round = threading.Lock()
         self._loop: threading.Thread | None = None
         self._closing = False
+        self.decisions = decisions
+        self.follower = decisions is not None and not decisions.leader
+        self.closed = False  # a follower saw process 0 close
 
     @property
     def kv_bytes_per_device(self) -> int:
@@ -137,6 +170,8 @@ class Scheduler:
         """Queues a request (checked now, in words: RequestError; QueueFull when
         max_queue requests wait already) and returns its handle. Never waits for a
         round: a server's event loop may call it."""
+        if self.follower:
+            raise RequestError("this process follows process 0: submit requests there")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens)
         with self._lock:
@@ -167,6 +202,11 @@ class Scheduler:
             self._wake.notify_all()
 
     @property
+    def prefilling(self) -> int:
+        """Long prompts between their first and last chunk (0 or 1)."""
+        return int(self._chunked is not None)
+
+    @property
     def idle(self) -> bool:
         """No request is waiting or running."""
         with self._lock:
@@ -192,13 +232,23 @@ class Scheduler:
                 self._loop.start()
 
     def close(self) -> None:
-        """Stops the background thread (after its current round)."""
+        """Stops the background thread (after its current round); with several
+        processes, process 0 also tells the followers to stop."""
         with self._lock:
             self._closing = True
             self._wake.notify_all()
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.join()
+        if self.decisions is not None and not self.follower and not self.closed:
+            with self._round:
+                self.decisions.publish(self.rounds, Decision([], [], close=True))
+                self.closed = True
+
+    def follow(self) -> None:
+        """A follower's life: process 0's rounds, until it closes."""
+        while not self.closed:
+            self.step()
 
     def _serve(self) -> None:
         while True:
@@ -220,11 +270,8 @@ class Scheduler:
         """One round: admit, decode one chunk, retire. Returns every request's news (also
         delivered to its handle)."""
         with self._round:
-            with self._lock:
-                self._waiting.extend(self._inbox)
-                self._inbox.clear()
-                self._cancelled |= self._cancels
-                self._cancels.clear()
+            if not self._take_in():
+                return []
             updates = self._drop_cancelled()
             updates += self._admit()
             if self.running:
@@ -239,6 +286,36 @@ class Scheduler:
             for u, handle in zip(updates, handles):
                 handle._deliver(u.tokens, u.finish_reason)
             return updates
+
+    def _take_in(self) -> bool:
+        """The round's new requests and cancellations: from the inboxes (process 0,
+        which publishes them when it leads others), or from process 0's decision (a
+        follower). False: process 0 has closed."""
+        if self.follower:
+            decision = self.decisions.receive(self.rounds)
+            if decision.close:
+                self.closed = True
+                return False
+            with self._lock:
+                for id, prompt, params in decision.submits:
+                    handle = Handle(id, prompt, params, lambda: True)
+                    self._handles[id] = handle
+                    self._waiting.append(handle)
+                # a request process 0 cancelled may have finished since: nothing to do
+                self._cancelled |= {
+                    self._handles[i] for i in decision.cancels if i in self._handles
+                }
+            return True
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, set()
+        if self.decisions is not None:
+            submits = [(h.id, h.prompt, h.params) for h in new]
+            cancelled = sorted(h.id for h in cancels)
+            self.decisions.publish(self.rounds, Decision(submits, cancelled))
+        self._waiting.extend(new)
+        self._cancelled |= cancels
+        return True
 
     def run(self) -> None:
         """Rounds until no request is left (without a background thread)."""
@@ -262,17 +339,90 @@ class Scheduler:
             if row is not None and row.handle in self._cancelled:
                 out.append(Update(row.handle.id, [], "cancelled"))
                 self._free(b)
+        if self._chunked is not None and self._chunked.handle in self._cancelled:
+            out.append(Update(self._chunked.handle.id, [], "cancelled"))
+            self._chunked = None
         self._cancelled.clear()
         return out
 
+    def _free_rows(self) -> list[int]:
+        held = self._chunked.row if self._chunked is not None else None
+        return [b for b, r in enumerate(self._rows) if r is None and b != held]
+
+    def _long(self, handle: Handle) -> bool:
+        return handle.prompt_tokens > self.chunk_tokens
+
     def _admit(self) -> list[Update]:
-        """Prefills waiting requests into free rows; returns their first tokens."""
-        free = [b for b, r in enumerate(self._rows) if r is None]
+        """Prefills waiting requests into free rows: the next chunk of a long prompt,
+        then short prompts in the budget left. Returns the first tokens of those done."""
+        updates = []
+        budget = self.prefill_tokens
+        if self._chunked is None and self._waiting and self._long(self._waiting[0]):
+            free = self._free_rows()
+            if free:
+                self._chunked = _Chunked(self._waiting.popleft(), free[0])
+        if self._chunked is not None:
+            budget -= self.chunk_tokens
+            updates += self._prefill_chunk()
+        return updates + self._admit_short(max(budget, 0))
+
+    def _prefill_chunk(self) -> list[Update]:
+        """The next chunk of the long prompt; after its last, the request decodes."""
+        eng, ch = self.engine, self._chunked
+        prompt = ch.handle.prompt
+        end = min(ch.done + self.chunk_tokens, len(prompt))
+        batch = lay_out(
+            [list(prompt[ch.done : end])],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            start=ch.done,
+            offset=ch.offset,
+        )
+        if ch.slot_pos is None:
+            ch.slot_pos = batch.slot_pos[0].copy()
+        else:
+            mine = slice(ch.offset, batch.prompt_slots)
+            ch.slot_pos[:, mine] = batch.slot_pos[0][:, mine]
+        cache = ch.cache
+        if cache is not None:  # the chunk's context: the earlier chunks' slots
+            cache = eng.with_slot_pos(cache, np.broadcast_to(ch.slot_pos, batch.slot_pos.shape))
+        p = ch.handle.params
+        params = RowSampling.stack([(p.sampling, p.seed, 0)] * batch.B)
+        sampled = p.sampling.temperature > 0
+        strategy = eng.cp_plan(batch.B, batch.P_pad)[0] if ch.offset == 0 else "ring"
+        first, _, ch.cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
+        ch.done, ch.offset = end, batch.prompt_slots
+        if end < len(prompt):
+            return []
+        self._chunked = None
+        rows = np.full(batch.B, self.B, np.int32)
+        rows[0] = ch.row
+        self._cache = eng.insert(self._cache, ch.cache, rows)
+        return [self._start_row(ch.row, ch.handle, int(first[0]), ch.offset, ch.slot_pos)]
+
+    def _start_row(self, b: int, handle: Handle, token: int, prompt_slots: int, slot_pos):
+        """Request `handle`, prefilled, decodes in row b from its first token on."""
+        self._rows[b] = _Row(handle, [token], prompt_slots)
+        self._slot_pos[b] = slot_pos
+        self._lengths[b] = handle.prompt_tokens
+        update = Update(handle.id, [token], self._finished(self._rows[b]))
+        if update.finish_reason:
+            self._free(b)
+        return update
+
+    def _admit_short(self, budget: int) -> list[Update]:
+        """Prefills waiting short prompts into free rows together, within `budget`
+        tokens (one at least, when no chunk ran this round)."""
+        free = self._free_rows()
         chosen: list[Handle] = []
         tokens = 0
         while self._waiting and len(chosen) < len(free):
             handle = self._waiting[0]
-            if chosen and tokens + handle.prompt_tokens > self.prefill_tokens:
+            if self._long(handle):
+                break  # it starts chunking when the long prompt before it is done
+            if tokens + handle.prompt_tokens > budget and (chosen or budget < self.prefill_tokens):
                 break
             if not self._fits(chosen + [handle]):
                 break  # padded with longer prompts it would not fit: next round
@@ -300,17 +450,10 @@ class Scheduler:
         rows = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
         rows[: len(chosen)] = free[: len(chosen)]
         self._cache = eng.insert(self._cache, new, rows)
-        updates = []
-        for r, handle in enumerate(chosen):
-            b = free[r]
-            token = int(first[r])
-            self._rows[b] = _Row(handle, [token], batch.prompt_slots)
-            self._slot_pos[b] = batch.slot_pos[r]
-            self._lengths[b] = handle.prompt_tokens
-            updates.append(Update(handle.id, [token], self._finished(self._rows[b])))
-            if updates[-1].finish_reason:
-                self._free(b)
-        return updates
+        return [
+            self._start_row(free[r], h, int(first[r]), batch.prompt_slots, batch.slot_pos[r])
+            for r, h in enumerate(chosen)
+        ]
 
     def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:
         """Whether each request's prompt, padded as long as the longest of them (and

@@ -9,7 +9,7 @@ from qwen3_spmd.ring.attention import (
     prompt_attention,
     ring_attention,
 )
-from qwen3_spmd.ring.decode import decode_attention, decode_slot
+from qwen3_spmd.ring.decode import context_attention, decode_attention, decode_slot
 from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.ring.partition import (
     PAD,
@@ -30,6 +30,7 @@ __all__ = [
     "block_attention",
     "causal_work",
     "contiguous",
+    "context_attention",
     "decode_attention",
     "decode_slot",
     "device_positions",

@@ -158,3 +158,38 @@ def _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale):
             carry,
         )
     return carry
+
+
+def context_attention(
+    q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float, at, filled
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of a chunk of prompt queries, sharded along `axis_name` as prefill holds
+    them, over the cached slots below `filled` on every device (the same prompt's
+    earlier chunks); call inside shard_map. The chunk's queries are gathered along the
+    axis, each device attends over its own cached slots and the partial results merge
+    with LSE (`decode_attention`, as decode context parallelism reads the cache); each
+    device keeps its own queries' rows, to merge with the ring over the chunk's keys.
+
+    Args:
+      q: [B, T, N, H] local queries; q_pos: [B, T] their positions (-1: padding).
+      k_cache, v_cache, at, slot_pos, filled: as `decode_attention` (filled: a scalar).
+    Returns:
+      o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: nothing cached is
+      visible), for the local queries.
+    """
+    T = q.shape[1]
+    q_all = lax.all_gather(q, axis_name, axis=1, tiled=True)
+    pos_all = lax.all_gather(q_pos, axis_name, axis=1, tiled=True)
+    o, lse = decode_attention(
+        q_all,
+        k_cache,
+        v_cache,
+        pos_all,
+        slot_pos,
+        axis_name=axis_name,
+        scale=scale,
+        at=at,
+        filled=filled,
+    )
+    start = lax.axis_index(axis_name) * T
+    return lax.dynamic_slice_in_dim(o, start, T, 1), lax.dynamic_slice_in_dim(lse, start, T, 1)

@@ -11,6 +11,7 @@ from reference import TINY
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.decisions import Decision
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import bucket, lay_out
@@ -87,6 +88,39 @@ def test_staggered_greedy_requests_get_their_tokens_alone(cfg, alone, mesh):
         assert len(h.token_times_s) == len(want) and h.time_to_first_token_s > 0
         assert h.token_times_s == sorted(h.token_times_s)
     assert handles[2].finish_reason == "stop" and len(handles[2].tokens) == 3
+
+
+@pytest.mark.parametrize("mesh", [(1, 1), (2, 2), (1, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
+def test_long_prompts_prefill_in_chunks_while_rows_decode(cfg, alone, mesh):
+    """Prompts longer than a chunk (8 tokens) are prefilled a chunk a round, each chunk
+    attending to the earlier ones in the cache (across the seq devices on C > 1),
+    while the requests already in rows keep decoding; every request's tokens are
+    those it gets alone, the long ones' included (a sampled one too)."""
+    rng = np.random.default_rng(5)
+    short, long_a, long_b = (rng.integers(0, cfg.V, n).tolist() for n in (4, 30, 17))
+    sampled = Params(6, Sampling(temperature=0.9, top_k=20), seed=4)
+    sched = Scheduler(_engine(cfg, *mesh), max_batch=3, prefill_tokens=8)
+    first = sched.submit(short, Params(12))
+    sched.step()
+    a = sched.submit(long_a, Params(5))
+    b = sched.submit(long_b, sampled)
+    c = sched.submit(short[::-1], Params(3))
+    during = []
+    while a.completion_tokens == 0:
+        before = first.completion_tokens
+        sched.step()
+        during.append((sched.prefilling, first.completion_tokens - before))
+    # 30 tokens in chunks of 8: three rounds holding a row before the fourth finishes,
+    # and the row already decoding got tokens in each of them
+    assert [p for p, _ in during] == [1, 1, 1, 0] and all(n > 0 for _, n in during[:3])
+    sched.run()
+    for h, prompt, p in [
+        (first, short, Params(12)),
+        (a, long_a, Params(5)),
+        (b, long_b, sampled),
+        (c, short[::-1], Params(3)),
+    ]:
+        assert h.tokens == alone(prompt, p), h.id
 
 
 def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
@@ -199,3 +233,102 @@ def test_buckets_are_the_unit_times_a_power_of_two():
     assert [bucket(n, 3) for n in (1, 3, 4, 7, 10)] == [3, 3, 6, 12, 12]
     laid = lay_out([[1] * 5, [2] * 9, [3]], 1, 1, 2, 64, bucketed=True)
     assert (laid.B, laid.P_pad) == (4, 16) and laid.requests == 3
+
+
+_PROCESS = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank,
+                           heartbeat_timeout_seconds=30)
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.decisions import SharedDecisions
+from qwen3_spmd.pipeline.decisions import Decision
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.sharding.mesh import make_mesh
+
+folder, mesh_text, requests = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+S, C = map(int, mesh_text.split("x"))
+cfg = Qwen3Config.from_hf(folder)
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices), max_seq_len=64,
+                chunk=4)
+sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30))
+if rank:
+    sched.follow()
+    print("FOLLOWED", sched.rounds, flush=True)
+else:
+    handles = []
+    for wave in requests:  # a wave is submitted, then one round runs
+        handles += [sched.submit(p, Params(n, Sampling(temperature=t), seed=3))
+                    for p, n, t in wave]
+        sched.step()
+    sched.cancel(handles[-1])
+    sched.run()
+    sched.close()
+    print("RESULT", json.dumps([[h.tokens, h.finish_reason] for h in handles]), flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["2x2", "1x4"])
+def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
+    """Two processes of two CPU devices each run one scheduler: process 0 takes staggered
+    requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and
+    the other follows its rounds; every request's tokens are those it gets alone."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(9)
+    waves = [
+        [(rng.integers(0, cfg.V, 5).tolist(), 7, 0.0)],
+        [
+            (rng.integers(0, cfg.V, 21).tolist(), 4, 0.8),
+            (rng.integers(0, cfg.V, 3).tolist(), 6, 0.0),
+        ],
+        [(rng.integers(0, cfg.V, 9).tolist(), 12, 0.0)],
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [str(port), str(TINY), mesh, json.dumps(waves)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS, str(r), *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert "FOLLOWED" in outs[1][0]
+    (line,) = [l for l in outs[0][0].splitlines() if l.startswith("RESULT")]
+    got = json.loads(line.split(" ", 1)[1])
+    requests = [r for wave in waves for r in wave]
+    for (tokens, reason), (prompt, n, t) in zip(got[:-1], requests[:-1]):
+        assert tokens == alone(prompt, Params(n, Sampling(temperature=t), seed=3))
+        assert reason == "length"
+    assert got[-1][1] == "cancelled"
+
+
+def test_a_round_decision_survives_its_json():
+    d = Decision(
+        [(7, (1, 2, 3), Params(5, Sampling(0.7, 3, 0.9), 11, (2, 9))), (8, (4,), Params())],
+        [3, 5],
+    )
+    back = Decision.from_json(d.to_json())
+    assert back == d and not back.close
+    assert Decision.from_json(Decision([], [], close=True).to_json()).close
