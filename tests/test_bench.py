@@ -40,6 +40,9 @@ def check_common(out: dict, meshes: list[str]) -> None:
         "prefill_2048_2x2_time_ratio_vs_1x1",
         "decode_b8_2x1_time_ratio_vs_1x1",
         "compile_s_max",
+        "serve_c8_vs_c1_1x1",
+        "serve_c8_vs_static_batch_8_1x1",
+        "serve_loaded_idle_fraction_2x1",
     }
     assert out["targets"]["compile_s_max"]["value"] > 0
     for mesh in out["meshes"]:
@@ -233,6 +236,19 @@ def test_peer_transformers(capsys):
             "--prompt-lens 5000: a prompt and the token after it need 5001",
         ),
         (["--decode-prompt-len", "4090", "--decode-steps", "8"], "4090 + --decode-steps 8 + 1"),
+        (["--serve-max-batch", "0"], "--serve-max-batch 0 must be at least 1"),
+        (["--serve-prompt-lens", "9,3"], "MIN,MAX with 1 <= MIN <= MAX"),
+        (
+            [
+                "--scenario",
+                "serve",
+                "--serve-prompt-lens",
+                "4000,4000",
+                "--serve-output-lens",
+                "200,200",
+            ],
+            "serve requests need up to 4200 positions",
+        ),
     ],
 )
 def test_bad_input(capsys, argv, words):
@@ -297,3 +313,29 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp", "ulysses"]) == 2
     )
     assert "--mesh 1x3: ulysses: 4 query heads cannot be shared" in capsys.readouterr().err
+
+
+def test_serve_closed_loops_beside_static_batches(capsys):
+    """bench --scenario serve on 2x1: a closed loop per concurrency (1, G, rows, 2 x rows)
+    through the scheduler next to static batches of the same requests, each with
+    throughputs, latencies and row occupancy, and the targets that need them."""
+    out = run_json(capsys, "--scenario", "serve", "--mesh", "2x1")
+    for m in out["meshes"]:
+        serve = m["serve"]
+        G = m["stage"]
+        assert serve["max_batch"] == 2 and serve["groups"] == G
+        assert [j["concurrency"] for j in serve["concurrency"]] == sorted({1, G, 2, 4})
+        assert serve["kv_bytes_per_device"] > 0
+        for j in serve["concurrency"]:
+            assert j["requests"] == max(j["concurrency"], 2) and j["output_tokens"] >= j["requests"]
+            for key in ("output_tokens_per_s", "requests_per_s", "time_s"):
+                assert 0 < j[key] < math.inf
+            assert 0 < j["time_to_first_token_s"]["p50"] <= j["time_to_first_token_s"]["p90"]
+            assert in_unit(j["mean_row_occupancy"])
+            assert 0 <= j["steady_idle_fraction"] <= j["steady_idle_fraction_with_empty_rows"] < 1
+            assert j["static"]["output_tokens"] == j["output_tokens"]
+            assert j["speedup_vs_static"] > 0
+        assert serve["static_equal_batch"]["batch"] == 2
+    idle = out["targets"]["serve_loaded_idle_fraction_2x1"]
+    assert idle["value"] is not None and idle["met"] in (True, False)
+    assert out["targets"]["serve_c8_vs_c1_1x1"]["value"] is None  # rows 2: no c = 8

@@ -54,7 +54,7 @@ def alone(cfg):
 
 def _prompts(cfg, n, seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, cfg.V, L).tolist() for L in [5, 9, 3, 14, 7, 2, 11][:n]]
+    return [rng.integers(0, cfg.V, L).tolist() for L in [5, 9, 3, 14, 7, 1, 11][:n]]
 
 
 BUDGETS = [6, 3, 9, 5, 1, 8, 4]
