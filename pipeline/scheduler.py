@@ -272,20 +272,24 @@ class Scheduler:
         with self._round:
             if not self._take_in():
                 return []
-            updates = self._drop_cancelled()
-            updates += self._admit()
+            # First tokens go out before the decode chunk runs: time to first token is
+            # the prefill's, not the prefill's and a chunk's.
+            updates = self._deliver(self._drop_cancelled() + self._admit())
             if self.running:
-                updates += self._decode()
+                updates += self._deliver(self._decode())
             self.rounds += 1
-            with self._lock:
-                self._queued = len(self._waiting) + len(self._inbox)
-                handles = [self._handles[u.id] for u in updates]
-                for u in updates:
-                    if u.finish_reason:
-                        del self._handles[u.id]
-            for u, handle in zip(updates, handles):
-                handle._deliver(u.tokens, u.finish_reason)
             return updates
+
+    def _deliver(self, updates: list[Update]) -> list[Update]:
+        with self._lock:
+            self._queued = len(self._waiting) + len(self._inbox)
+            handles = [self._handles[u.id] for u in updates]
+            for u in updates:
+                if u.finish_reason:
+                    del self._handles[u.id]
+        for u, handle in zip(updates, handles):
+            handle._deliver(u.tokens, u.finish_reason)
+        return updates
 
     def _take_in(self) -> bool:
         """The round's new requests and cancellations: from the inboxes (process 0,
@@ -474,11 +478,15 @@ class Scheduler:
         live = [b for b, r in enumerate(self._rows) if r is not None]
         self.decode_rounds += 1
         self.busy_rows += len(live)
-        step = np.zeros(self.B, np.int32)
-        limit = np.zeros(self.B, np.int32)  # an empty row: no step writes
-        prompt_slots = np.zeros(self.B, np.int32)
-        tokens = np.zeros(self.B, np.int32)
-        per_row = [(Sampling(), 0, 0)] * self.B
+        # Requests take the lowest free rows, and the chunk runs over the rows up to the
+        # highest busy one (rounded up to the groups times a power of two: few programs),
+        # so a light load does not pay for every row's products.
+        n = min(self.B, bucket(live[-1] + 1, self.groups))
+        step = np.zeros(n, np.int32)
+        limit = np.zeros(n, np.int32)  # an empty row: no step writes
+        prompt_slots = np.zeros(n, np.int32)
+        tokens = np.zeros(n, np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
         for b in live:
             row = self._rows[b]
             step[b] = len(row.generated) - 1  # decode step j feeds token j
@@ -488,10 +496,10 @@ class Scheduler:
             per_row[b] = (row.params.sampling, row.params.seed, 0)
         chunk = self.short_chunk if self._waiting else eng.chunk
         take = int(min(chunk, eng.chunk, max(limit[b] - step[b] for b in live)))
-        list_decode_slots(self._slot_pos, step, take, limit, self._lengths, prompt_slots)
+        list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
         inputs = DecodeInputs(
             tokens=tokens,
-            positions=self._lengths + step,
+            positions=self._lengths[:n] + step,
             step=step,
             limit=limit,
             prompt_slots=prompt_slots,

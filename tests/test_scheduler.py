@@ -332,3 +332,16 @@ def test_a_round_decision_survives_its_json():
     back = Decision.from_json(d.to_json())
     assert back == d and not back.close
     assert Decision.from_json(Decision([], [], close=True).to_json()).close
+
+
+def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alone):
+    """One request among 8 rows in 2 groups takes row 0: the chunks run over the first
+    group's worth of rows (2), not all 8, and give the same tokens."""
+    engine = _engine(cfg, 2, 1)
+    sched = Scheduler(engine, max_batch=8)
+    prompt = _prompts(cfg, 1, seed=6)[0]
+    handle = sched.submit(prompt, Params(6))
+    sched.run()
+    assert handle.tokens == alone(prompt, Params(6))
+    names = [n for n in engine.programs.compiled if n.startswith("decode")]
+    assert names and all(n.endswith("; 2]") for n in names), names
