@@ -85,10 +85,8 @@ class Handle:
                 new, done = self.tokens[i:], self.done
             i += len(new)
             yield from new
-            if done:
-                if i == len(self.tokens):
-                    return
-                continue
+            if done:  # read together with the tokens: nothing comes after
+                return
             if new or self._drive():  # read what came, or ran a round ourselves
                 continue
             with self._changed:  # a background loop runs the rounds: wait for it
@@ -115,11 +113,8 @@ class Handle:
                 i += len(new)
                 for t in new:
                     yield t
-                if done:
-                    with self._changed:
-                        if i == len(self.tokens):
-                            return
-                    continue
+                if done:  # read together with the tokens: nothing comes after
+                    return
                 await changed.wait()
         finally:
             with self._changed:
