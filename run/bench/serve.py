@@ -132,23 +132,22 @@ def serve_job(engines, settings: dict, say) -> dict:
             f"{1e3 * (loop['time_per_output_token_s']['p50'] or 0):.0f} ms, rows busy "
             f"{loop['mean_row_occupancy']:.2f}"
         )
-    # The reference of the targets: one static batch of equal-length requests.
-    mid_prompt = sum(s["serve_prompt_lens"]) // 2
-    mid_output = sum(s["serve_output_lens"]) // 2
-    equal = serve_requests(cfg, sched_rows, (mid_prompt, mid_prompt), (0, 1), s["seed"])
-    equal = [(p, mid_output) for p, _ in equal]
-    static_batches(engine, equal, sched_rows)  # compiles
-    static_equal = static_batches(engine, equal, sched_rows)
     kv = 2 * int(np.prod(engine.cache_shape(sched_rows))) * engine.dtype.itemsize
     return {
         "max_batch": sched_rows,
         "groups": G,
         "kv_bytes_per_device": kv // (S * C),
         "concurrency": rows,
-        "static_equal_batch": {
-            "batch": sched_rows,
-            "prompt_len": mid_prompt,
-            "output_tokens": mid_output,
-            **static_equal,
-        },
+        "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
     }
+
+
+def _static_equal_batch(engine, s: dict, batch: int) -> dict:
+    """The targets' reference: one static batch of equal requests, the ranges' middles."""
+    prompt_len = sum(s["serve_prompt_lens"]) // 2
+    output_tokens = sum(s["serve_output_lens"]) // 2
+    equal = serve_requests(engine.cfg, batch, (prompt_len, prompt_len), (0, 1), s["seed"])
+    equal = [(p, output_tokens) for p, _ in equal]
+    static_batches(engine, equal, batch)  # compiles
+    measured = static_batches(engine, equal, batch)
+    return {"batch": batch, "prompt_len": prompt_len, "output_tokens": output_tokens, **measured}
