@@ -25,7 +25,8 @@ def serve_requests(cfg, n: int, prompt_lens, output_lens, seed: int):
     out = []
     for _ in range(n):
         T = int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))
-        out.append((rng.integers(0, cfg.V, T).tolist(), int(rng.integers(*output_lens) + 1)))
+        new = int(rng.integers(output_lens[0], output_lens[1] + 1))
+        out.append((rng.integers(0, cfg.V, T).tolist(), new))
     return out
 
 
@@ -146,8 +147,8 @@ def _static_equal_batch(engine, s: dict, batch: int) -> dict:
     """The targets' reference: one static batch of equal requests, the ranges' middles."""
     prompt_len = sum(s["serve_prompt_lens"]) // 2
     output_tokens = sum(s["serve_output_lens"]) // 2
-    equal = serve_requests(engine.cfg, batch, (prompt_len, prompt_len), (0, 1), s["seed"])
-    equal = [(p, output_tokens) for p, _ in equal]
+    lengths = (prompt_len, prompt_len), (output_tokens, output_tokens)
+    equal = serve_requests(engine.cfg, batch, *lengths, s["seed"])
     static_batches(engine, equal, batch)  # compiles
     measured = static_batches(engine, equal, batch)
     return {"batch": batch, "prompt_len": prompt_len, "output_tokens": output_tokens, **measured}
