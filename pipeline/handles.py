@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from qwen3_spmd.pipeline.sampling import Sampling
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Handle:
     """One submitted request. Read it from any thread; the scheduler writes it.
 
     tokens: the generated ids so far; finish_reason: None while it runs, then "stop"
-    (an EOS id), "length" (the budget) or "cancelled". Times are seconds since submit.
+    (an EOS id), "length" (the budget), "cancelled", or "error" (the scheduler's loop
+    failed). Times are seconds since submit.
     """
 
     def __init__(self, id: int, prompt: tuple[int, ...], params: Params, drive: Callable[[], bool]):

@@ -18,6 +18,9 @@ budget, and its sampling parameters, all per-row inputs of the one decode progra
     retire  finished rows (an EOS id, the token budget, or `cancel`), handing each
             request its new tokens on the way.
 
+A round that raises ends the background loop: every request still open finishes with
+"error", and later submits are refused with the error's message.
+
 A request's tokens depend only on its prompt, its sampling parameters and its seed:
 its sampling key is (seed, 0, step), as for a request alone in `Engine.generate`, and
 an empty or finished row writes nothing any other row reads.
@@ -105,7 +108,8 @@ class Scheduler:
         does not stall decoding; a longer prompt is prefilled in chunks of this many
         tokens (rounded down to a multiple of 2C), one a round.
       short_chunk: decode steps a round runs while requests wait for a row.
-      max_queue: waiting requests at most; `submit` refuses more (QueueFull).
+      max_queue: requests waiting for a row at most (beyond the rows free as of the
+        last round); `submit` refuses more (QueueFull).
       decisions: with several processes, how they share each round's decisions
         (`pipeline.decisions.SharedDecisions`); None in a single process.
     """
@@ -151,12 +155,14 @@ class Scheduler:
         self._cancels: set[Handle] = set()
         self._handles: dict[int, Handle] = {}  # every request not yet finished
         self._queued = 0  # waiting requests as of the last round, plus the inbox
+        self._free_count = self.B  # free rows as of the last round: the inbox's first go there
         self._round = threading.Lock()
         self._loop: threading.Thread | None = None
         self._closing = False
         self.decisions = decisions
         self.follower = decisions is not None and not decisions.leader
         self.closed = False  # a follower saw process 0 close
+        self.failure: Exception | None = None  # what ended the background loop
 
     @property
     def kv_bytes_per_device(self) -> int:
@@ -172,10 +178,12 @@ class Scheduler:
         round: a server's event loop may call it."""
         if self.follower:
             raise RequestError("this process follows process 0: submit requests there")
+        if self.failure is not None:
+            raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens)
         with self._lock:
-            if self._queued >= self.max_queue:
+            if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(
                     f"{self._queued} requests are waiting (--max-queue {self.max_queue}): "
                     f"retry later, or raise --max-queue"
@@ -205,6 +213,11 @@ class Scheduler:
     def prefilling(self) -> int:
         """Long prompts between their first and last chunk (0 or 1)."""
         return int(self._chunked is not None)
+
+    def handles(self) -> list[Handle]:
+        """Every request not yet finished (waiting or running)."""
+        with self._lock:
+            return list(self._handles.values())
 
     @property
     def idle(self) -> bool:
@@ -257,7 +270,15 @@ class Scheduler:
                     self._wake.wait()
                 if self._closing:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # no request may wait forever on a dead loop
+                self.failure = e
+                with self._lock:
+                    ended, self._handles = list(self._handles.values()), {}
+                for handle in ended:
+                    handle._deliver([], "error")
+                return
 
     def _drive(self) -> bool:
         """A blocking reader's turn: one round, unless the background thread runs them."""
@@ -281,8 +302,10 @@ class Scheduler:
             return updates
 
     def _deliver(self, updates: list[Update]) -> list[Update]:
+        free = len(self._free_rows())
         with self._lock:
             self._queued = len(self._waiting) + len(self._inbox)
+            self._free_count = free
             handles = [self._handles[u.id] for u in updates]
             for u in updates:
                 if u.finish_reason:

@@ -21,8 +21,9 @@ class CLIError(ValueError):
 def _subcommands():
     from qwen3_spmd.run import convert, generate, ring_demo
     from qwen3_spmd.run.bench import command as bench
+    from qwen3_spmd.run.serve import command as serve
 
-    return [generate, ring_demo, bench, convert]
+    return [generate, ring_demo, bench, convert, serve]
 
 
 class _Parser(argparse.ArgumentParser):

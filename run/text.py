@@ -44,31 +44,38 @@ class Text:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of ids; an id past the tokenizer's vocabulary (a random model can emit
-        one) shows as <|id:N|> rather than vanishing."""
+        one) shows as <|id:N|> rather than vanishing. skip_special leaves special tokens
+        (<|im_end|>, ...) out, as a server shows text."""
         out, run = [], []
         for i in ids:
             if i < self.vocab:
                 run.append(i)
                 continue
             if run:
-                out.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                out.append(self.tokenizer.decode(run, skip_special_tokens=skip_special))
                 run = []
             out.append(f"<|id:{i}|>")
         if run:
-            out.append(self.tokenizer.decode(run, skip_special_tokens=False))
+            out.append(self.tokenizer.decode(run, skip_special_tokens=skip_special))
         return "".join(out)
 
     def chat(self, user: str, enable_thinking: bool = True) -> str:
         """One user turn rendered with the checkpoint's chat template, ready for the reply."""
+        messages = [{"role": "user", "content": user}]
+        return self.render(messages, True, enable_thinking=enable_thinking)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Messages rendered with the checkpoint's chat template; kwargs reach the
+        template (Qwen3's enable_thinking)."""
         template = self.config.get("chat_template")
         if isinstance(template, list):  # several named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         if not template:
             raise TextError(
-                "--chat needs a chat_template in tokenizer_config.json, and this "
-                "checkpoint has none: pass the prompt without --chat"
+                "this checkpoint has no chat_template in tokenizer_config.json: give the "
+                "prompt as plain text (without --chat; /v1/completions when serving)"
             )
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -81,13 +88,13 @@ class Text:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(template).render(
-                messages=[{"role": "user", "content": user}],
-                add_generation_prompt=True,
-                enable_thinking=enable_thinking,
-                bos_token=self.config.get("bos_token") or "",
-                eos_token=self.config.get("eos_token") or "",
+                **{
+                    "bos_token": self.config.get("bos_token") or "",
+                    "eos_token": self.config.get("eos_token") or "",
+                    **kwargs,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         except TemplateError as e:
-            raise TextError(
-                f"the chat template of this checkpoint failed ({e}): pass the prompt without --chat"
-            ) from None
+            raise TextError(f"the chat template of this checkpoint failed ({e})") from None

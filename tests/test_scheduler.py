@@ -219,7 +219,8 @@ def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
     ]:
         with pytest.raises(RequestError, match=match):
             sched.submit(*bad)
-    sched.submit([1, 2], Params(2))
+    for _ in range(3):  # 2 free rows + max_queue 2 waiting: the fifth is refused
+        sched.submit([1, 2], Params(2))
     with pytest.raises(QueueFull, match="max-queue"):
         sched.submit([1, 2], Params(2))
     with pytest.raises(RequestError, match="max-batch"):

@@ -1,0 +1,9 @@
+"""`qwen3-spmd serve`: an OpenAI-compatible HTTP server over the continuous-batching
+scheduler (`pipeline.scheduler`).
+
+    detok     token ids -> text deltas: whole UTF-8 characters, stop strings held back
+    protocol  the request bodies (pydantic), the error body, the response objects
+    service   a request -> scheduler requests -> choices, as events; drain and abort
+    app       the HTTP routes (FastAPI): auth, errors, server-sent events, disconnects
+    command   the flags, loading in the background, uvicorn, SIGTERM, followers
+"""

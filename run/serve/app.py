@@ -1,0 +1,304 @@
+"""The HTTP side (FastAPI): routes, the API key, error bodies, server-sent events and
+disconnects. Everything about generating lives in `service`.
+
+    GET  /health               200 when serving; 503 while loading or shutting down
+    GET  /v1/models            the one served model
+    POST /v1/completions       prompt: text, texts, token ids, or lists of token ids
+    POST /v1/chat/completions  messages rendered with the checkpoint's chat template
+
+A stream is `data: <json>\\n\\n` chunks ending with `data: [DONE]\\n\\n`. A client that
+goes away mid-request (streamed or not) cancels its choices, which frees their rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from qwen3_spmd.run.serve import protocol
+from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
+from qwen3_spmd.run.serve.service import Event, Service
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks its client
+SHUTDOWN = APIError(
+    503, "the server ended the request before it finished (shutdown, or an engine error)"
+)
+
+
+@dataclasses.dataclass
+class ServerState:
+    """What the routes read: set by the command as loading goes on."""
+
+    model_name: str
+    api_key: str | None = None
+    service: Service | None = None  # None until the model is loaded and compiled
+    text: object | None = None  # run.text.Text, or None without tokenizer.json
+    status: str = "loading"  # loading, ready, draining, failed
+
+
+def make_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="qwen3-spmd", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.get("/health")
+    async def health():
+        if state.status != "ready":
+            return JSONResponse({"status": state.status}, status_code=503)
+        service = state.service
+        return {
+            "status": "ok",
+            "running": service.scheduler.running,
+            "waiting": service.scheduler.waiting,
+            "finished": dict(service.finished),
+        }
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        service = _ready(state, request)
+        model = {
+            "id": state.model_name,
+            "object": "model",
+            "created": protocol.now(),
+            "owned_by": "qwen3-spmd",
+            "max_model_len": service.settings.max_seq_len,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        service = _ready(state, request)
+        body = protocol.parse(CompletionRequest, await request.body())
+        _check_model(state, body.model)
+        prompts = _prompt_ids(state, body.prompt)
+        job = service.job(prompts, **_job_fields(body, 16), logprobs=body.logprobs)
+        meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
+        echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
+        events = service.run(service.submit(job))
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            return _sse(_chunks(events, meta, prompt_tokens, body, _text_choice, echo))
+        texts, reasons, used = await _collect(request, events, len(echo))
+        choices = [_text_choice(i, echo[i] + t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
+        return {**meta.head(), "choices": choices, "usage": protocol.usage(prompt_tokens, used)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        service = _ready(state, request)
+        body = protocol.parse(ChatRequest, await request.body())
+        _check_model(state, body.model)
+        prompt = _render_chat(state, body)
+        fields = _job_fields(body, None)
+        if body.max_completion_tokens is not None:  # the newer name wins
+            fields["max_tokens"] = body.max_completion_tokens
+        job = service.job([prompt], **fields, logprobs=None)
+        meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
+        events = service.run(service.submit(job))
+        if body.stream:
+            first = [{"role": "assistant", "content": ""}] * job.n
+            return _sse(_chunks(events, meta, len(prompt), body, _delta_choice, first))
+        texts, reasons, used = await _collect(request, events, job.n)
+        choices = [
+            _message_choice(i, {"role": "assistant", "content": t}, r)
+            for i, (t, r) in enumerate(zip(texts, reasons))
+        ]
+        return {**meta.head(), "choices": choices, "usage": protocol.usage(len(prompt), used)}
+
+    return app
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def _ready(state: ServerState, request: Request) -> Service:
+    """The service, once the key is right and the server serves (else 401 or 503)."""
+    if state.api_key is not None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), state.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                "with the server's --api-key",
+                None,
+                "invalid_api_key",
+            )
+    if state.status != "ready":
+        why = {"loading": "the server is still loading the model", "failed": "loading failed"}
+        message = why.get(state.status, "the server is shutting down")
+        raise APIError(503, message, None, state.status, {"Retry-After": "5"})
+    return state.service
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name != state.model_name:
+        raise APIError(
+            404,
+            f"the model {name!r} is not served here: this server serves {state.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """A completion's prompt field -> token id lists."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: send text or token ids", "prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], list):
+        return [list(p) for p in prompt]
+    if state.text is None:
+        raise APIError(
+            400,
+            "this checkpoint has no tokenizer.json, so text cannot be encoded: send the "
+            "prompt as token ids",
+            "prompt",
+        )
+    return [state.text.encode(p) for p in prompt]
+
+
+def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
+    from qwen3_spmd.run.text import TextError
+
+    if state.text is None:
+        raise APIError(
+            400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
+        )
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    for m in messages:  # content parts: the text ones, joined (the template takes text)
+        if isinstance(m.get("content"), list):
+            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+    try:
+        rendered = state.text.render(
+            messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
+        )
+    except TextError as e:
+        raise APIError(400, str(e), "messages") from None
+    return state.text.encode(rendered)
+
+
+def _job_fields(body, default_max_tokens: int | None) -> dict:
+    return dict(
+        n=body.n,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stops=body.stops,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        stop_token_ids=body.stop_token_ids,
+        default_max_tokens=default_max_tokens,
+    )
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Meta:
+    id: str
+    object: str  # text_completion or chat.completion
+    model: str
+    created: int = dataclasses.field(default_factory=protocol.now)
+
+    def head(self, chunk: bool = False) -> dict:
+        kind = self.object + (".chunk" if chunk and self.object.startswith("chat") else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+async def _collect(request: Request, events: AsyncIterator[Event], n: int):
+    """Every choice's whole text, finish reason, and the tokens generated; cancels
+    them if the client goes away meanwhile (FastAPI would not notice it)."""
+    texts, reasons, used = [""] * n, [None] * n, [0]
+
+    async def read():
+        async with contextlib.aclosing(events):
+            async for e in events:
+                texts[e.index] += e.text
+                if e.finish_reason:
+                    reasons[e.index] = e.finish_reason
+                    used[0] += e.completion_tokens
+
+    task = asyncio.create_task(read())
+    while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError(400, "the client disconnected", None, "client_disconnected")
+    task.result()
+    if "error" in reasons:
+        raise SHUTDOWN
+    return texts, reasons, used[0]
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def lines():
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
+async def _chunks(
+    events: AsyncIterator[Event],
+    meta: _Meta,
+    prompt_tokens: int,
+    body,
+    choice: Callable[[int, object, str | None], dict],
+    first: list,
+):
+    """A stream's chunks: each choice's `first` piece (the echoed prompt, the chat
+    role), its deltas and finish reason, then the usage (include_usage) or, when the
+    server ended the request, an error."""
+    chat = meta.object.startswith("chat")
+    for i, piece in enumerate(first):
+        if piece:
+            yield {**meta.head(chat), "choices": [choice(i, piece, None)]}
+    used, failed = 0, False
+    async with contextlib.aclosing(events):
+        async for e in events:
+            failed |= e.finish_reason == "error"
+            reason = None if e.finish_reason == "error" else e.finish_reason
+            if e.text or reason:
+                piece = e.text if not chat else ({"content": e.text} if e.text else {})
+                yield {**meta.head(chat), "choices": [choice(e.index, piece, reason)]}
+            used += e.completion_tokens if e.finish_reason else 0
+    if failed:
+        yield SHUTDOWN.body()
+    elif body.include_usage:
+        yield {**meta.head(chat), "choices": [], "usage": protocol.usage(prompt_tokens, used)}
+
+
+def _text_choice(index: int, text: str, reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def _delta_choice(index: int, delta: dict, reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+
+def _message_choice(index: int, message: dict, reason: str | None) -> dict:
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}

@@ -1,0 +1,273 @@
+"""`qwen3-spmd serve`: flags, start-up and shutdown of the HTTP server.
+
+Start-up binds the port first (a taken port fails at once), answers `/health` with
+503 while a background thread loads the weights, builds the scheduler and compiles
+the first programs with one warm-up request, then serves. With several processes
+process 0 serves HTTP and every other process runs the same rounds from its
+decisions (`Scheduler.follow`). SIGTERM or Ctrl-C: new requests get 503, the running
+ones have --shutdown-timeout seconds to finish, the rest end with an error event, and
+the server exits 0 (a second signal exits at once).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+from pathlib import Path
+
+DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
+
+
+# Long because it is the flag list, one add_argument per flag in --help's order.
+def register(subparsers) -> None:
+    from qwen3_spmd.run import compile_cache, distributed
+
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument(
+        "--model",
+        help="Hugging Face checkpoint folder, orbax folder, or a preset name (random "
+        "weights); default: tiny",
+    )
+    p.add_argument("--mesh", help="SxC (default: 1x1, or 2x2 emulated CPU devices without --model)")
+    p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        help=f"prompt + new tokens per request at most (default: the model's positions, "
+        f"at most {DEFAULT_MAX_SEQ_LEN})",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=8, help="decode rows: requests running at once (default 8)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for a row at most; more get 503 (default 256)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled per round; longer prompts go in chunks (default 4096)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0: any)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model name clients send (default: the folder's or the preset's name)",
+    )
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
+    p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
+    p.add_argument(
+        "--cp", default="ring", choices=("ring", "ulysses", "auto"), help="prefill split along seq"
+    )
+    compile_cache.add_argument(p)
+    distributed.add_flags(p)
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from qwen3_spmd.run import compile_cache, distributed
+    from qwen3_spmd.run.cli import platform_is_cpu, use_cpu_devices
+    from qwen3_spmd.run.generate import _local_cpu_devices
+    from qwen3_spmd.sharding.mesh import parse_mesh
+
+    status = distributed.supervise(args)  # a multi-process run: re-run as a child
+    if status is not None:
+        return status
+    _check_flags(args)
+    on_cpu = platform_is_cpu()
+    mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
+    stage, seq = parse_mesh(mesh_text)
+    distributed.check_flags(args)
+    procs = distributed.start(args)
+    try:
+        if on_cpu:
+            use_cpu_devices(_local_cpu_devices(args, mesh_text, stage * seq, procs.count))
+        compile_cache.use(args.compile_cache)
+        return _serve(args, procs, mesh_text, stage, seq)
+    finally:
+        distributed.finish(procs)
+
+
+def _check_flags(args) -> None:
+    from qwen3_spmd.run.cli import CLIError
+
+    for flag, value, least in (
+        ("--max-batch", args.max_batch, 1),
+        ("--max-queue", args.max_queue, 1),
+        ("--prefill-tokens", args.prefill_tokens, 1),
+        ("--port", args.port, 0),
+    ):
+        if value < least:
+            raise CLIError(f"{flag} {value} must be at least {least}")
+    if args.port > 65535:
+        raise CLIError(f"--port {args.port} must be at most 65535")
+    if not args.shutdown_timeout >= 0:
+        raise CLIError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
+    if args.max_seq_len is not None and args.max_seq_len < 2:
+        raise CLIError(f"--max-seq-len {args.max_seq_len} must be at least 2")
+
+
+def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.run.serve.app import ServerState
+    from qwen3_spmd.run.text import Text
+
+    spec = open_model(args.model)
+    text = Text.find(spec.folder)
+    name = args.served_model_name or (spec.folder.name if spec.folder else (args.model or "tiny"))
+    max_seq_len = args.max_seq_len or min(spec.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = -(-max_seq_len // seq) * seq
+    if not procs.leader:
+        scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
+        scheduler.follow()
+        return 0
+    sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
+    state = ServerState(name, args.api_key, text=text)
+
+    def load():
+        try:
+            scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
+            state.service = _service(scheduler, spec, text, name, max_seq_len)
+            state.status = "ready"
+            host, port = sock.getsockname()[:2]
+            _say(
+                f"serving {name} on http://{host}:{port}/v1 (mesh {mesh_text}, {max_seq_len} "
+                f"tokens per request, {scheduler.B} rows)"
+            )
+        except Exception as e:  # the server ends, saying why
+            state.status = "failed"
+            _say(f"error: {e}")
+            server.should_exit = True
+
+    from qwen3_spmd.run.serve.http import Server
+
+    server = Server(state, args.shutdown_timeout)
+    loader = threading.Thread(target=load, name="load", daemon=True)
+    loader.start()
+    server.run(sockets=[sock])
+    if state.service is not None:
+        state.service.scheduler.close()  # followers stop too
+    return 2 if state.status == "failed" else 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    from qwen3_spmd.run.cli import CLIError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise CLIError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: int):
+    """Weights on the mesh, the scheduler, and its first programs compiled."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen3_spmd.pipeline.decisions import SharedDecisions
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.handles import Params
+    from qwen3_spmd.pipeline.scheduler import Scheduler
+    from qwen3_spmd.run.cli import CLIError
+    from qwen3_spmd.run.generate import _mesh_devices
+    from qwen3_spmd.sharding.mesh import make_mesh
+
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if dtype not in ("float32", "bfloat16"):
+        raise CLIError(f"--dtype {dtype} is not supported: use float32 or bfloat16")
+    mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
+    if procs.leader:
+        _say(f"loading {spec.label} onto mesh {mesh_text} ({dtype})")
+    engine = Engine(
+        spec.cfg,
+        spec.source,
+        mesh,
+        jnp.dtype(dtype),
+        max_seq_len,
+        1,
+        args.groups,
+        args.chunk,
+        on_compile=_compiling if procs.leader else None,
+        cp=args.cp,
+    )
+    decisions = SharedDecisions(args.peer_timeout) if procs.many else None
+    scheduler = Scheduler(
+        engine,
+        args.max_batch,
+        prefill_tokens=args.prefill_tokens,
+        max_queue=args.max_queue,
+        decisions=decisions,
+    )
+    if procs.leader:  # compiles the first prefill and decode programs (followers follow)
+        warm = scheduler.submit([0], Params(max_new_tokens=2))
+        scheduler.run()
+        list(warm)
+        scheduler.start()
+    return scheduler
+
+
+def _compiling(name):
+    import contextlib
+
+    _say(f"compiling {name}")
+    return contextlib.nullcontext()
+
+
+def _service(scheduler, spec, text, name: str, max_seq_len: int):
+    from qwen3_spmd.run.serve.service import Service, Settings
+
+    def decode(ids):
+        if text is None:
+            return "".join(f"<|id:{i}|>" for i in ids)
+        return text.decode(ids, skip_special=True)
+
+    settings = Settings(
+        model_name=name,
+        max_seq_len=max_seq_len,
+        vocab=spec.cfg.V,
+        eos_ids=spec.eos_ids(),
+        defaults=_default_sampling(spec.folder),
+    )
+    return Service(scheduler, decode, settings)
+
+
+def _default_sampling(folder: Path | None):
+    """A request's sampling when it names none: generation_config.json's (as vLLM), else
+    the OpenAI API's (temperature 1)."""
+    import json
+
+    from qwen3_spmd.pipeline.sampling import Sampling
+
+    gen = folder / "generation_config.json" if folder else None
+    config = json.loads(gen.read_text()) if gen and gen.is_file() else {}
+    if config and not config.get("do_sample", False):
+        return Sampling()
+    return Sampling(
+        float(config.get("temperature", 1.0)),
+        int(config.get("top_k", 0) or 0),
+        float(config.get("top_p", 1.0)),
+    )

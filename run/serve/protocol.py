@@ -1,0 +1,147 @@
+"""The OpenAI API's shapes: request bodies (pydantic, unknown fields ignored), the
+error body, and the response and stream-chunk objects.
+
+Only what the server reads is modelled; a field of the wrong type is a 400 that names
+it (`APIError.from_validation`), a field the server does not know is ignored, as the
+OpenAI API and vLLM do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_LOGPROBS = 5  # top log-probabilities per token, at most (the API's legacy limit)
+MAX_N = 16  # choices per request, at most
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI's error body, extra headers."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        503: "service_unavailable_error",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    @classmethod
+    def from_validation(cls, e: ValidationError) -> APIError:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        return cls(400, f"{param or 'the body'}: {first['msg']}", param, "invalid_value")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """The fields both endpoints share. None: the server's default."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off (vLLM's -1 accepted)
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None  # top log-probabilities per token (0..5)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool calls and the like reach the template
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """A request body -> the model, or a 400 naming what is wrong."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise APIError.from_validation(e) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+FinishReason = Literal["stop", "length"]

@@ -1,0 +1,295 @@
+"""From an API request to scheduler requests and back: choices as events.
+
+A request with P prompts and `n` asks for P * n choices (index p * n + j), each its own
+scheduler request with its own seed (seed + j, so `n` seeded choices differ and each
+is reproducible). `Service.run` submits them all (or none: a full queue refuses the
+request whole) and yields `Event`s as their tokens come: text deltas in whole
+characters with stop strings applied, then each choice's finish reason. It cancels
+every choice it started when its caller goes away (a disconnect), and `abort()` ends
+the ones still running at shutdown with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import secrets
+from collections.abc import AsyncIterator
+
+from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
+from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.run.serve.detok import Detokenizer, StopText
+from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
+
+SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the server was started with."""
+
+    model_name: str
+    max_seq_len: int
+    vocab: int  # the model's vocabulary: prompt ids must be below it
+    eos_ids: tuple[int, ...]
+    defaults: Sampling  # a request's sampling when it names none (generation_config.json)
+    retry_after_s: int = 1
+
+
+@dataclasses.dataclass
+class Job:
+    """One API request, checked: its prompts and what each of its choices asks."""
+
+    prompts: list[list[int]]
+    n: int
+    max_tokens: list[int]  # per prompt
+    sampling: Sampling
+    seed: int
+    stops: list[str]
+    stop_ids: tuple[int, ...]  # the scheduler's end ids: EOS (unless ignored) + stop_token_ids
+    min_tokens: int = 0
+    logprobs: int | None = None  # top log-probabilities per token; None: none
+
+
+@dataclasses.dataclass
+class Event:
+    """A choice's news: text to append, and its finish reason when it ends ("stop",
+    "length"; "error" when the server ended it)."""
+
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0  # at the end: tokens the choice generated
+
+
+class Choice:
+    """One generated sequence: a scheduler request and its text so far."""
+
+    def __init__(self, index: int, handle: Handle, job: Job, decode):
+        self.index, self.handle, self.job = index, handle, job
+        self.detok = Detokenizer(decode)
+        self.stop = StopText(job.stops)
+        self.count = 0  # tokens taken (the one that ended the choice included)
+
+    def feed(self, token: int) -> tuple[str, str | None]:
+        """(text to show, finish reason or None) after one more token."""
+        self.count += 1
+        if token in self.job.stop_ids:
+            return self._end("stop")
+        armed = self.count >= self.job.min_tokens
+        text = self.stop.add(self.detok.add(token), armed)
+        if self.stop.stopped:
+            return text, "stop"
+        return text, None
+
+    def end(self, reason: str) -> tuple[str, str]:
+        """The last text when the request ended without a stop: its budget, or the server."""
+        return self._end(reason)
+
+    def _end(self, reason: str) -> tuple[str, str]:
+        text = self.stop.add(self.detok.flush())
+        if self.stop.stopped:
+            return text, "stop"
+        return text + self.stop.flush(), reason
+
+
+class Service:
+    """Runs API requests on a Scheduler (started: its background thread runs rounds)."""
+
+    def __init__(self, scheduler: Scheduler, decode, settings: Settings):
+        self.scheduler, self.decode, self.settings = scheduler, decode, settings
+        self.draining = False
+        # Choices ended, by finish reason ("cancelled": their client went away).
+        self.finished: collections.Counter[str] = collections.Counter()
+        self._aborted: set[Handle] = set()
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def job(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stops: list[str],
+        ignore_eos: bool,
+        min_tokens: int,
+        stop_token_ids: list[int] | None,
+        logprobs: int | None,
+        default_max_tokens: int | None,
+    ) -> Job:
+        """A request's fields, checked (APIError 400 naming the field)."""
+        s = self.settings
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"n {n} must be between 1 and {MAX_N}", "n", "invalid_value")
+        for p in prompts:
+            if not p:
+                raise APIError(400, "a prompt is empty: send at least one token", "prompt")
+            bad = next((t for t in p if not 0 <= t < s.vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400,
+                    f"prompt token id {bad} is outside the vocabulary [0, {s.vocab})",
+                    "prompt",
+                    "invalid_value",
+                )
+        budgets = [
+            max_tokens if max_tokens is not None else default_max_tokens or s.max_seq_len - len(p)
+            for p in prompts
+        ]
+        for p, budget in zip(prompts, budgets):
+            if budget < 1:
+                raise APIError(
+                    400, f"max_tokens {budget} must be at least 1", "max_tokens", "invalid_value"
+                )
+            if len(p) + budget > s.max_seq_len:
+                raise APIError(
+                    400,
+                    f"the prompt's {len(p)} tokens plus max_tokens {budget} exceed the "
+                    f"server's --max-seq-len {s.max_seq_len}: shorten the prompt or lower "
+                    "max_tokens",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
+        d = s.defaults
+        try:
+            sampling = Sampling(
+                d.temperature if temperature is None else temperature,
+                d.top_k if top_k is None else max(top_k, 0),
+                d.top_p if top_p is None else top_p,
+            )
+        except SamplingError as e:  # its message names the command-line flag
+            flag = str(e).split()[0]
+            param = flag.removeprefix("--").replace("-", "_")
+            raise APIError(400, str(e).replace(flag, param, 1), param, "invalid_value") from None
+        if min_tokens or logprobs is not None:
+            field = "min_tokens" if min_tokens else "logprobs"
+            raise APIError(400, f"{field} is not supported yet: leave it out", field)
+        if min_tokens < 0:
+            raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                400, f"logprobs {logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
+            )
+        extra = tuple(stop_token_ids or ())
+        for t in extra:
+            if not 0 <= t < s.vocab:
+                raise APIError(
+                    400, f"stop token id {t} is outside the vocabulary", "stop_token_ids"
+                )
+        if any(not isinstance(x, str) or not x for x in stops):
+            raise APIError(400, "stop strings must be non-empty", "stop")
+        stop_ids = tuple(dict.fromkeys((() if ignore_eos else s.eos_ids) + extra))
+        return Job(
+            prompts,
+            n,
+            budgets,
+            sampling,
+            secrets.randbelow(SEEDS) if seed is None else seed % SEEDS,
+            stops,
+            stop_ids,
+            min_tokens,
+            logprobs,
+        )
+
+    # ---- running -----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> list[Choice]:
+        """Every choice of `job` queued, or none (APIError 503 when the queue is full)."""
+        if self.draining:
+            raise self.unavailable("the server is shutting down")
+        choices = []
+        try:
+            for p, prompt in enumerate(job.prompts):
+                for j in range(job.n):
+                    params = Params(
+                        max_new_tokens=job.max_tokens[p],
+                        sampling=job.sampling,
+                        seed=(job.seed + j) % SEEDS,
+                        eos_ids=job.stop_ids,
+                    )
+                    handle = self.scheduler.submit(prompt, params)
+                    choices.append(Choice(p * job.n + j, handle, job, self.decode))
+        except QueueFull as e:
+            self.cancel(choices)
+            raise self.unavailable(str(e), "queue_full") from None
+        except RequestError as e:
+            self.cancel(choices)
+            raise APIError(400, str(e)) from None
+        return choices
+
+    def unavailable(self, message: str, code: str = "unavailable") -> APIError:
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        return APIError(503, message, None, code, retry)
+
+    def cancel(self, choices: list[Choice]) -> None:
+        for c in choices:
+            try:
+                self.scheduler.cancel(c.handle)
+            except RequestError:
+                pass  # it finished meanwhile
+
+    async def run(self, choices: list[Choice]) -> AsyncIterator[Event]:
+        """Events of every choice as they come; the choices still running are
+        cancelled when the caller stops reading (a disconnect)."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._follow(c, queue)) for c in choices]
+        left = len(choices)
+        try:
+            while left:
+                event = await queue.get()
+                if event.finish_reason is not None:
+                    left -= 1
+                    self.finished[event.finish_reason] += 1
+                yield event
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.finished["cancelled"] += left
+            self.cancel([c for c in choices if not c.handle.done])
+
+    async def _follow(self, choice: Choice, queue: asyncio.Queue) -> None:
+        reason = None
+        async for token in choice.handle.stream():
+            text, reason = choice.feed(token)
+            if text or reason:
+                queue.put_nowait(Event(choice.index, text, reason, choice.count))
+            if reason:
+                self.cancel([choice])  # a stop string: the scheduler may not know yet
+                return
+        if choice.handle in self._aborted or choice.handle.finish_reason == "error":
+            ended = "error"
+        else:
+            ended = "stop" if choice.handle.finish_reason == "stop" else "length"
+        text, reason = choice.end(ended)
+        queue.put_nowait(Event(choice.index, text, reason, choice.count))
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuses new requests and waits up to `timeout_s` for the running ones;
+        returns how many were still running (then ended: `abort`)."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.scheduler.idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return self.abort()
+
+    def abort(self) -> int:
+        """Ends every running request (its stream gets an error event)."""
+        handles = list(self.scheduler.handles())
+        self._aborted.update(handles)
+        for h in handles:
+            try:
+                self.scheduler.cancel(h)
+            except RequestError:
+                pass
+        return len(handles)

@@ -1,0 +1,411 @@
+"""`qwen3-spmd serve` end to end: a server subprocess on 127.0.0.1 (a free port), an
+emulated 2x2 mesh, the tiny fixture (a real tokenizer and Qwen3's chat template),
+driven by the official `openai` client and by raw HTTP for the SSE bytes. Every
+request has a timeout; the module's last test stops the server with SIGTERM."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from qwen3_spmd.run.text import Text
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny"
+KEY = "test-key"
+MAX_QUEUE = 4
+TIMEOUT = 120  # seconds, per request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "2x2", "--cpu-devices", "4", "--port", str(port), "--api-key", KEY]
+    argv += ["--max-batch", "4", "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1"]
+    argv += ["--chunk", "4"]  # a long request takes seconds: time to disconnect, to SIGTERM
+    log = (
+        open(ROOT / ".pytest_cache" / "serve.log", "w")
+        if (ROOT / ".pytest_cache").is_dir()
+        else None
+    )
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log or subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    loading_seen = False
+    while True:
+        assert proc.poll() is None, "the server exited while starting"
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            loading_seen = True
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up in 300 s"
+        time.sleep(0.5)
+    yield {"url": url, "proc": proc, "loading_seen": loading_seen}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(
+        base_url=server["url"] + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0
+    )
+
+
+@pytest.fixture(scope="module")
+def text():
+    return Text(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = np.load(FIXTURE / "reference.npz")
+    return [
+        (ref[f"prompt_{i}"].tolist(), ref[f"greedy_tokens_{i}"].tolist())
+        for i in range(int(ref["num_prompts"]))
+    ]
+
+
+def _post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server["url"] + path, json=body, headers=headers, timeout=TIMEOUT, **kw)
+
+
+def _sse(server, path, body):
+    """(the chunks as dicts, the raw bytes) of a streamed request."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", server["url"] + path, json=body, headers=headers, timeout=TIMEOUT
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", raw[-200:]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    return [json.loads(e[len("data: ") :]) for e in events[:-2]], raw
+
+
+def _joined(chunks, n=1, field=lambda c: c["text"]):
+    texts, reasons = [""] * n, [None] * n
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            texts[c["index"]] += field(c)
+            reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    return texts, reasons
+
+
+def _greedy(prompt, max_tokens, **extra):
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+# ---- serving ---------------------------------------------------------------------------
+
+
+def test_health_and_models(server, client):
+    r = httpx.get(server["url"] + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_taken_port_is_a_one_line_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+        out = subprocess.run(
+            argv + ["--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): choose "
+        "another --port or --host"
+    ]
+
+
+def test_concurrent_greedy_completions_equal_transformers(server, client, text, reference):
+    """The fixture's greedy tokens (transformers, 8 each, no EOS): sent at once, each
+    completion is their text."""
+    with concurrent.futures.ThreadPoolExecutor(len(reference)) as pool:
+        futures = [
+            pool.submit(
+                client.completions.create,
+                model="tiny",
+                prompt=prompt,
+                max_tokens=len(tokens),
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            for prompt, tokens in reference
+        ]
+        results = [f.result() for f in futures]
+    for (prompt, tokens), out in zip(reference, results):
+        assert out.choices[0].text == text.decode(tokens, skip_special=True)
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.prompt_tokens == len(prompt)
+        assert out.usage.completion_tokens == len(tokens)
+
+
+def test_greedy_equals_generate_with_a_stop_token(server, client, text, reference):
+    """A stop token id ends a request as EOS does: the server stops where
+    Engine.generate (1x1 mesh, the id among its EOS ids) stops, and leaves it out of
+    the text."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.sampling import Sampling
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.sharding.mesh import make_mesh
+
+    spec = open_model(str(FIXTURE))
+    engine = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.devices()[:1]), jnp.float32, 128)
+    stop_id = reference[0][1][3]  # greedy emits it at step 3 of prompt 0
+    prompts = [reference[0][0], [11, 13], [277, 4, 195, 110, 216, 14, 270]]
+    ref = engine.generate(prompts, 30, Sampling(), 0, spec.eos_ids() + (stop_id,))
+    assert ref.completions[0].finish_reason == "stop"
+
+    def ask(p):
+        return client.completions.create(
+            model="tiny",
+            prompt=p,
+            max_tokens=30,
+            temperature=0,
+            extra_body={"stop_token_ids": [stop_id]},
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(ask, prompts))
+    for c, out in zip(ref.completions, outs):
+        ended = c.finish_reason == "stop"
+        assert out.choices[0].finish_reason == ("stop" if ended else "length")
+        shown = c.token_ids[:-1] if ended else c.token_ids
+        assert out.choices[0].text == text.decode(shown, skip_special=True)
+        assert out.usage.completion_tokens == len(c.token_ids)
+
+
+def test_streamed_equals_whole_with_usage(server, reference):
+    prompt, tokens = reference[4]
+    body = _greedy(prompt, 24, ignore_eos=True, n=2)
+    whole = _post(server, "/v1/completions", body).json()
+    chunks, raw = _sse(
+        server,
+        "/v1/completions",
+        {**body, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert whole["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 48,
+        "total_tokens": len(prompt) + 48,
+    }
+    texts, reasons = _joined(chunks[:-1], 2)
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert reasons == ["length", "length"]
+    assert all(c["object"] == "text_completion" and c["model"] == "tiny" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_echo_prepends_the_prompt(server, text):
+    out = _post(server, "/v1/completions", _greedy("The quick", 3, echo=True)).json()
+    assert out["choices"][0]["text"].startswith("The quick")
+
+
+def test_chat_prompt_tokens_are_the_template(server, client, text):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where does the river flow?"},
+    ]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    rendered = text.render(messages, True, enable_thinking=False)
+    assert rendered.endswith("<think>\n\n</think>\n\n")
+    assert out.usage.prompt_tokens == len(text.encode(rendered))
+    assert out.choices[0].message.role == "assistant"
+    assert out.object == "chat.completion"
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == out.choices[0].message.content
+
+
+def test_seeded_sampling_same_alone_and_under_load(server, client):
+    ask = dict(
+        model="tiny", prompt=[5, 17, 42, 99], max_tokens=12, temperature=0.9, top_p=0.9, seed=1234
+    )
+    alone = client.completions.create(**ask).choices[0].text
+    others = [dict(ask, prompt=[i, i + 1], seed=i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.completions.create, **o) for o in others]
+        loaded = pool.submit(client.completions.create, **ask).result().choices[0].text
+        [f.result() for f in futures]
+    assert loaded == alone
+
+
+def test_n_choices(server, client):
+    sampled = client.completions.create(
+        model="tiny", prompt=[3, 4, 5], max_tokens=10, temperature=1.0, n=3, seed=9
+    )
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert len({c.text for c in sampled.choices}) > 1  # seeds 9, 10, 11 differ
+    again = client.completions.create(
+        model="tiny", prompt=[3, 4, 5], max_tokens=10, temperature=1.0, n=3, seed=9
+    )
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
+    greedy = client.completions.create(
+        model="tiny", prompt=[3, 4, 5], max_tokens=6, temperature=0, n=2
+    )
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_stop_string_split_across_tokens(server, text, reference):
+    prompt, tokens = reference[4]
+    pieces = [text.decode([t], skip_special=True) for t in tokens]
+    i = next(
+        i
+        for i in range(len(tokens) - 1)
+        if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1]
+    )
+    stop = (
+        pieces[i][-1] + pieces[i + 1][0]
+    )  # the last character of one token, the first of the next
+    full = text.decode(tokens, skip_special=True)
+    body = _greedy(prompt, len(tokens), ignore_eos=True, stop=[stop, "never-seen"])
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    assert whole["text"] == full[: full.find(stop)]
+    assert whole["finish_reason"] == "stop"
+    chunks, _ = _sse(server, "/v1/completions", {**body, "stream": True})
+    assert _joined(chunks) == ([whole["text"]], ["stop"])
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": [1], "max_tokens": 0}, "max_tokens"),
+        ({"prompt": [1], "max_tokens": -3}, "max_tokens"),
+        ({"prompt": [1, 331]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [1] * 500, "max_tokens": 13}, "max_tokens"),  # 513 > --max-seq-len 512
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1], "temperature": -1}, "temperature"),
+        ({"prompt": [1], "n": 0}, "n"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
+def test_invalid_requests_are_400(server, body, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_malformed_json_unknown_model_and_key(server):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(
+        server["url"] + "/v1/completions", content=b"{nope", headers=headers, timeout=TIMEOUT
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = _post(server, "/v1/completions", {"prompt": [1], "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    for key in (None, "wrong"):
+        r = _post(server, "/v1/completions", {"prompt": [1]}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = _post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1, "unknown_field": 1})
+    assert r.status_code == 200  # unknown fields are ignored
+
+
+def test_full_queue_is_503(server):
+    """16 choices cannot all find a row (4) or a queue place (4): refused whole."""
+    r = _post(server, "/v1/completions", _greedy([1, 2], 2, n=16))
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "queue_full"
+    _wait_idle(server)
+
+
+def _wait_idle(server, limit_s=60):
+    deadline = time.monotonic() + limit_s
+    while True:
+        h = httpx.get(server["url"] + "/health", timeout=10).json()
+        if h["running"] == 0 and h["waiting"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"rows still busy: {h}"
+        time.sleep(0.2)
+
+
+def test_disconnect_frees_the_row(server):
+    """A client that goes away mid-stream cancels its request (counted in /health's
+    finished.cancelled) well before its 480 tokens could have been generated, and its
+    row is free again."""
+    before = _wait_idle(server)["finished"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = _greedy([9, 8, 7], 480, ignore_eos=True, stream=True)
+    with httpx.stream(
+        "POST", server["url"] + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT
+    ) as r:
+        next(r.iter_lines())  # the request runs
+    after = _wait_idle(server, 30)
+    assert after["finished"].get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert after["finished"].get("length", 0) == before.get("length", 0)
+
+
+def test_sigterm_ends_running_requests_and_exits_0(server):
+    """Last in the module: a long stream ends with an error event after
+    --shutdown-timeout 1 s; new requests are refused meanwhile; exit status 0."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = _greedy([9, 8, 7], 480, ignore_eos=True, stream=True)
+    proc = server["proc"]
+    with httpx.stream(
+        "POST", server["url"] + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT
+    ) as r:
+        lines = r.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = _post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1})
+        rest = [line for line in lines if line]
+    assert refused.status_code == 503
+    assert rest[-1] == "data: [DONE]"
+    assert "error" in json.loads(rest[-2][len("data: ") :])
+    assert proc.wait(timeout=60) == 0
