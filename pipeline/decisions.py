@@ -46,10 +46,7 @@ class Decision:
                 id,
                 tuple(prompt),
                 Params(
-                    p["max_new_tokens"],
-                    Sampling(**p["sampling"]),
-                    p["seed"],
-                    tuple(p["eos_ids"]),
+                    **{**p, "sampling": Sampling(**p["sampling"]), "eos_ids": tuple(p["eos_ids"])}
                 ),
             )
             for id, prompt, p in d["submits"]

@@ -27,7 +27,13 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.sampling import RowSampling, sample_rows
+from qwen3_spmd.pipeline.sampling import (
+    TOP_LOGPROBS,
+    RowSampling,
+    TokenLogprobs,
+    sample_rows,
+    token_logprobs,
+)
 from qwen3_spmd.pipeline.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
@@ -68,6 +74,9 @@ class DecodeInputs(NamedTuple):
 class DecodeOutputs(NamedTuple):
     tokens: jax.Array  # [B, steps] int32, P(): each row's new tokens
     logits: jax.Array  # [steps, V] float32, P(): row 0's logits at each step ([0, V] without)
+    # Each new token's TokenLogprobs, fields [B, steps] and [B, steps, TOP_LOGPROBS]
+    # (steps 0 without `logprobs`).
+    logprobs: TokenLogprobs
 
 
 class DecodeCarry(NamedTuple):
@@ -91,6 +100,7 @@ def build_decode(
     steps: int,
     sampled: bool,
     with_logits: bool = True,
+    logprobs: bool = False,
 ):
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
@@ -99,7 +109,8 @@ def build_decode(
     writes (positions ahead of a query are masked anyway); the program writes k and v
     only, so `cache` is donated and updated in place. sampled=False promises every row
     is greedy (no sort of the vocabulary). with_logits=False leaves row 0's per-step
-    logits out, sparing a [steps, V] buffer per chunk.
+    logits out, sparing a [steps, V] buffer per chunk. logprobs=True also reports each
+    new token's log-probability and the top TOP_LOGPROBS (`sampling.token_logprobs`).
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles (period = groups): no cond is needed around its layers.
@@ -164,21 +175,23 @@ def build_decode(
             def head(x):
                 logits = model.logits(x)[:, 0]  # [Bg, V]
                 params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
-                return logits, sample_rows(logits, params, j + 1, sampled)
+                tok = sample_rows(logits, params, j + 1, sampled)
+                return logits, tok, token_logprobs(logits, tok) if logprobs else None
 
             shapes = (
                 jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),
                 jax.ShapeDtypeStruct((Bg,), jnp.int32),
+                _logprob_shapes(Bg) if logprobs else None,
             )
-            on_last, (logits, tok) = on_last_stage(active, head, shapes, x)
-            out = carry.out
-            out = out._replace(
-                tokens=jnp.where(
-                    on_last,
-                    jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (row0, i)),
-                    out.tokens,
-                )
-            )
+            on_last, (logits, tok, lp) = on_last_stage(active, head, shapes, x)
+
+            def at_step(buf, new):  # row0's group of rows, chunk step i
+                put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
+                return jnp.where(on_last, put, buf)
+
+            out = carry.out._replace(tokens=at_step(carry.out.tokens, tok))
+            if logprobs:
+                out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, lp))
             if with_logits:
                 out = out._replace(
                     logits=jnp.where(
@@ -188,9 +201,14 @@ def build_decode(
             h_next, tok_next = shift((x, tok), cyclic=True)
             return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
 
+        lp_steps = steps if logprobs else 0
         out = DecodeOutputs(
             vary(jnp.zeros((B, steps), jnp.int32)),
             vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)),
+            jax.tree.map(
+                lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)),
+                _logprob_shapes(B),
+            ),
         )
         carry = DecodeCarry(
             vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
@@ -208,10 +226,18 @@ def build_decode(
         local,
         mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs()),
-        out_specs=(DecodeOutputs(P(), P()), CACHE_SPECS),
+        out_specs=(DecodeOutputs(P(), P(), TokenLogprobs(P(), P(), P())), CACHE_SPECS),
     )
 
     def decode(weights: Weights, cache: KVCache, inputs: DecodeInputs):
         return mapped(weights, cache, inputs)
 
     return decode
+
+
+def _logprob_shapes(B: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        jax.ShapeDtypeStruct((B,), jnp.float32),
+        jax.ShapeDtypeStruct((B, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, TOP_LOGPROBS), jnp.int32),
+    )

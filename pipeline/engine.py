@@ -28,7 +28,13 @@ from qwen3_spmd.pipeline.layout import Batch, lay_out, list_decode_slots
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
 from qwen3_spmd.pipeline.programs import OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, sample_rows
+from qwen3_spmd.pipeline.sampling import (
+    RowSampling,
+    Sampling,
+    TokenLogprobs,
+    sample_rows,
+    token_logprobs,
+)
 from qwen3_spmd.pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
 from qwen3_spmd.sharding.place import WeightSource, place_state
@@ -142,6 +148,7 @@ class Engine:
         # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
         self._helpers: dict[tuple, Callable] = {}
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
+        self._logprobs = jax.jit(token_logprobs)
 
     # ---- checks and sizes ----------------------------------------------------------
 
@@ -290,12 +297,17 @@ class Engine:
         )
 
     @staticmethod
-    def decode_name(groups: int, steps: int, sampled: bool, with_logits: bool) -> tuple:
+    def decode_name(
+        groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
+    ) -> tuple:
         """The decode program's name: every static choice that shapes it."""
-        return ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
+        name = ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
+        return name + (("logprobs",) if logprobs else ())
 
-    def _decode_fn(self, groups: int, steps: int, sampled: bool, with_logits: bool):
-        key = (groups, steps, sampled, with_logits)
+    def _decode_fn(
+        self, groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
+    ):
+        key = (groups, steps, sampled, with_logits, logprobs)
         if key not in self._decode:
             self._decode[key] = jax.jit(
                 build_decode(
@@ -307,6 +319,7 @@ class Engine:
                     steps,
                     sampled,
                     with_logits,
+                    logprobs,
                 ),
                 donate_argnames="cache",
             )
@@ -435,6 +448,12 @@ class Engine:
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return first, logits, cache
 
+    def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
+        """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
+        the top ones: TokenLogprobs of numpy arrays."""
+        out = self._logprobs(logits, jnp.asarray(tokens, jnp.int32))
+        return TokenLogprobs(*(np.asarray(x) for x in out))
+
     def _decode_chunk(
         self,
         batch: Batch,
@@ -485,16 +504,18 @@ class Engine:
         sampled: bool,
         with_logits: bool,
         clock: Clock,
+        logprobs: bool = False,
     ):
         """One decode chunk (the program of `self.chunk` steps, `inputs.run_steps` of
         them run) on `cache`, donated, with its slot positions replaced by the host's
         slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
-        `layout.list_decode_slots`). inputs: host arrays. Returns (DecodeOutputs on
+        `layout.list_decode_slots`). inputs: host arrays. logprobs: also each new
+        token's log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on
         device, the cache)."""
         cache = self.with_slot_pos(cache, slot_pos)
         inputs = self._place_inputs(inputs, DecodeInputs.specs())
-        name = self.decode_name(groups, self.chunk, sampled, with_logits)
-        fn = self._decode_fn(groups, self.chunk, sampled, with_logits)
+        name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs)
+        fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         out, cache = self._run(name, fn, clock, cache, inputs)

@@ -12,6 +12,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import NamedTuple
 
 from qwen3_spmd.pipeline.sampling import Sampling
 
@@ -21,12 +22,24 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 @dataclasses.dataclass(frozen=True)
 class Params:
     """max_new_tokens counts every generated token (the first comes from the prefill);
-    an EOS id ends the request and is kept as its last token."""
+    an EOS id ends the request and is kept as its last token. min_tokens: no EOS id
+    before that many tokens (they are banned from sampling until then). logprobs: each
+    token's log-probability and the top ones come with it (Handle.logprobs)."""
 
     max_new_tokens: int = 16
     sampling: Sampling = Sampling()
     seed: int = 0
     eos_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logprobs: bool = False
+
+
+class Logprob(NamedTuple):
+    """A generated token's log-probability under the model (the raw logits) and the
+    sampling.TOP_LOGPROBS most likely (id, log-probability), in decreasing order."""
+
+    chosen: float
+    top: list[tuple[int, float]]
 
 
 class Handle:
@@ -40,6 +53,7 @@ class Handle:
     def __init__(self, id: int, prompt: tuple[int, ...], params: Params, drive: Callable[[], bool]):
         self.id, self.prompt, self.params = id, prompt, params
         self.tokens: list[int] = []
+        self.logprobs: list[Logprob] = []  # one per token, when params.logprobs
         self.finish_reason: str | None = None
         self.token_times_s: list[float] = []  # when each token reached the host
         self._submitted = time.perf_counter()
@@ -65,10 +79,14 @@ class Handle:
     def time_to_first_token_s(self) -> float | None:
         return self.token_times_s[0] if self.token_times_s else None
 
-    def _deliver(self, tokens: list[int], finish_reason: str | None) -> None:
-        """The scheduler's side: new tokens and, at the end, the finish reason."""
+    def _deliver(
+        self, tokens: list[int], finish_reason: str | None, logprobs: list[Logprob] | None = None
+    ) -> None:
+        """The scheduler's side: new tokens (and their Logprobs) and, at the end, the
+        finish reason."""
         now = time.perf_counter() - self._submitted
         with self._changed:
+            self.logprobs += logprobs or []
             self.tokens += tokens
             self.token_times_s += [now] * len(tokens)
             self.finish_reason = finish_reason

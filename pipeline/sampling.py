@@ -55,6 +55,17 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
 
 
+MAX_BANNED = 8  # ids a row may ban until a step (min_tokens: its EOS and stop ids)
+TOP_LOGPROBS = 5  # top log-probabilities reported per token, when asked
+
+
+class Ban(NamedTuple):
+    """Ids a row may not produce before step `until` (a request's min_tokens)."""
+
+    until: int = 0
+    ids: tuple[int, ...] = ()
+
+
 class RowSampling(NamedTuple):
     """Each row's sampling parameters and key, [B] arrays (replicated, P()): one compiled
     program serves a batch that mixes greedy rows and rows with their own settings."""
@@ -64,6 +75,8 @@ class RowSampling(NamedTuple):
     top_p: jax.Array  # [B] float32: 1 = off
     seed: jax.Array  # [B] int32: the request's seed
     request: jax.Array  # [B] int32: folded into the key after the seed
+    ban_until: jax.Array  # [B] int32: steps before this one cannot produce ban_ids
+    ban_ids: jax.Array  # [B, MAX_BANNED] int32, -1 padded
 
     @classmethod
     def of(cls, sampling: Sampling, seed: int, request) -> RowSampling:
@@ -72,14 +85,26 @@ class RowSampling(NamedTuple):
         return cls.stack([(sampling, seed, int(r)) for r in request])
 
     @classmethod
-    def stack(cls, rows: list[tuple[Sampling, int, int]]) -> RowSampling:
-        """Host arrays from (sampling, seed, request) for each row."""
+    def stack(cls, rows: list[tuple]) -> RowSampling:
+        """Host arrays from (sampling, seed, request[, Ban]) for each row."""
+        bans = [Ban(*r[3]) if len(r) > 3 else Ban() for r in rows]
+        for ban in bans:
+            if len(ban.ids) > MAX_BANNED and ban.until > 0:
+                raise SamplingError(
+                    f"min_tokens holds back at most {MAX_BANNED} end ids, and this request "
+                    f"has {len(ban.ids)}: pass fewer stop token ids"
+                )
+        ids = np.full((len(rows), MAX_BANNED), -1, np.int32)
+        for b, ban in enumerate(bans):
+            ids[b, : len(ban.ids)] = ban.ids[:MAX_BANNED]
         return cls(
-            np.array([s.temperature for s, _, _ in rows], np.float32),
-            np.array([s.top_k for s, _, _ in rows], np.int32),
-            np.array([s.top_p for s, _, _ in rows], np.float32),
-            np.array([seed for _, seed, _ in rows], np.int32),
-            np.array([r for _, _, r in rows], np.int32),
+            np.array([r[0].temperature for r in rows], np.float32),
+            np.array([r[0].top_k for r in rows], np.int32),
+            np.array([r[0].top_p for r in rows], np.float32),
+            np.array([r[1] for r in rows], np.int32),
+            np.array([r[2] for r in rows], np.int32),
+            np.array([ban.until for ban in bans], np.int32),
+            ids,
         )
 
 
@@ -101,6 +126,8 @@ def sample(
         jnp.full((B,), cfg.top_p, jnp.float32),
         jnp.broadcast_to(jnp.asarray(seed, jnp.int32), (B,)),
         request,
+        jnp.zeros((B,), jnp.int32),
+        jnp.full((B, MAX_BANNED), -1, jnp.int32),
     )
     return sample_rows(logits, rows, step, sampled=cfg.temperature > 0)
 
@@ -117,6 +144,7 @@ def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True
     Returns:
       tokens [B] int32.
     """
+    logits = ban(logits, rows, step)
     argmax = greedy(logits)
     if not sampled:
         return argmax
@@ -142,3 +170,28 @@ def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True
 
     drawn = jax.vmap(one)(rows.seed, rows.request, step, x).astype(jnp.int32)
     return jnp.where(hot, drawn, argmax)
+
+
+def ban(logits: jax.Array, rows: RowSampling, step) -> jax.Array:
+    """logits [B, V] with each row's banned ids at -inf while step < its ban_until."""
+    B, V = logits.shape
+    on = jnp.broadcast_to(step, (B,)) < rows.ban_until
+    ids = jnp.where(on[:, None] & (rows.ban_ids >= 0), rows.ban_ids, V)  # V: dropped
+    return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of the model's distribution (the raw logits, before
+    temperature and filters, as vLLM reports them by default)."""
+
+    chosen: jax.Array  # [B] float32: of the token produced
+    top: jax.Array  # [B, TOP_LOGPROBS] float32: the largest, in decreasing order
+    top_ids: jax.Array  # [B, TOP_LOGPROBS] int32: their ids
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logits [B, V], tokens [B] -> TokenLogprobs of [B] / [B, TOP_LOGPROBS] arrays."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+    top, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+    return TokenLogprobs(chosen, top, top_ids.astype(jnp.int32))

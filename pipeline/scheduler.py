@@ -48,10 +48,10 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.decisions import Decision, SharedDecisions
 from qwen3_spmd.pipeline.decode import DecodeInputs
 from qwen3_spmd.pipeline.engine import Clock, Engine
-from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.ring import slots_per_device
 
 
@@ -68,6 +68,7 @@ class Update:
     id: int
     tokens: list[int]
     finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None  # one per token, when the request asks
 
 
 @dataclasses.dataclass
@@ -182,6 +183,9 @@ class Scheduler:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens)
+        RowSampling.stack([_row_sampling(params)])  # min_tokens' end ids fit its ban
+        if params.min_tokens < 0:
+            raise RequestError(f"min_tokens {params.min_tokens} must be >= 0")
         with self._lock:
             if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(
@@ -311,7 +315,7 @@ class Scheduler:
                 if u.finish_reason:
                     del self._handles[u.id]
         for u, handle in zip(updates, handles):
-            handle._deliver(u.tokens, u.finish_reason)
+            handle._deliver(u.tokens, u.finish_reason, u.logprobs)
         return updates
 
     def _take_in(self) -> bool:
@@ -416,10 +420,10 @@ class Scheduler:
         if cache is not None:  # the chunk's context: the earlier chunks' slots
             cache = eng.with_slot_pos(cache, np.broadcast_to(ch.slot_pos, batch.slot_pos.shape))
         p = ch.handle.params
-        params = RowSampling.stack([(p.sampling, p.seed, 0)] * batch.B)
+        params = RowSampling.stack([_row_sampling(p)] * batch.B)
         sampled = p.sampling.temperature > 0
         strategy = eng.cp_plan(batch.B, batch.P_pad)[0] if ch.offset == 0 else "ring"
-        first, _, ch.cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
+        first, logits, ch.cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
         ch.done, ch.offset = end, batch.prompt_slots
         if end < len(prompt):
             return []
@@ -427,14 +431,26 @@ class Scheduler:
         rows = np.full(batch.B, self.B, np.int32)
         rows[0] = ch.row
         self._cache = eng.insert(self._cache, ch.cache, rows)
-        return [self._start_row(ch.row, ch.handle, int(first[0]), ch.offset, ch.slot_pos)]
+        lp = (eng.logprobs(logits, first), 0) if p.logprobs else None
+        return [self._start_row(ch.row, ch.handle, int(first[0]), ch.offset, ch.slot_pos, lp)]
 
-    def _start_row(self, b: int, handle: Handle, token: int, prompt_slots: int, slot_pos):
-        """Request `handle`, prefilled, decodes in row b from its first token on."""
+    def _start_row(
+        self,
+        b: int,
+        handle: Handle,
+        token: int,
+        prompt_slots: int,
+        slot_pos,
+        logprobs: tuple[TokenLogprobs, int] | None = None,
+    ):
+        """Request `handle`, prefilled, decodes in row b from its first token on
+        (`logprobs`: the prefill's, and the request's row in them)."""
         self._rows[b] = _Row(handle, [token], prompt_slots)
         self._slot_pos[b] = slot_pos
         self._lengths[b] = handle.prompt_tokens
         update = Update(handle.id, [token], self._finished(self._rows[b]))
+        if logprobs is not None:
+            update.logprobs = [_logprob(logprobs[0], logprobs[1])]
         if update.finish_reason:
             self._free(b)
         return update
@@ -468,17 +484,25 @@ class Scheduler:
             bucketed=self._fits(chosen, bucketed=True),
         )
         params = RowSampling.stack(
-            [(h.params.sampling, h.params.seed, 0) for h in chosen]
+            [_row_sampling(h.params) for h in chosen]
             + [(Sampling(), 0, 0)] * (batch.B - len(chosen))
         )
         sampled = any(h.params.sampling.temperature > 0 for h in chosen)
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, _, new = eng.prefill(batch, strategy, params, sampled, self.clock)
+        first, logits, new = eng.prefill(batch, strategy, params, sampled, self.clock)
         rows = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
         rows[: len(chosen)] = free[: len(chosen)]
         self._cache = eng.insert(self._cache, new, rows)
+        lp = eng.logprobs(logits, first) if any(h.params.logprobs for h in chosen) else None
         return [
-            self._start_row(free[r], h, int(first[r]), batch.prompt_slots, batch.slot_pos[r])
+            self._start_row(
+                free[r],
+                h,
+                int(first[r]),
+                batch.prompt_slots,
+                batch.slot_pos[r],
+                (lp, r) if h.params.logprobs else None,
+            )
             for r, h in enumerate(chosen)
         ]
 
@@ -516,7 +540,7 @@ class Scheduler:
             limit[b] = row.params.max_new_tokens - 1
             prompt_slots[b] = row.prompt_slots
             tokens[b] = row.generated[-1]
-            per_row[b] = (row.params.sampling, row.params.seed, 0)
+            per_row[b] = _row_sampling(row.params)
         chunk = self.short_chunk if self._waiting else eng.chunk
         take = int(min(chunk, eng.chunk, max(limit[b] - step[b] for b in live)))
         list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
@@ -530,10 +554,12 @@ class Scheduler:
             run_steps=np.int32(take),
         )
         sampled = any(self._rows[b].params.sampling.temperature > 0 for b in live)
+        logprobs = any(self._rows[b].params.logprobs for b in live)
         out, self._cache = eng.decode(
-            self._cache, self._slot_pos, inputs, self.groups, sampled, False, self.clock
+            self._cache, self._slot_pos, inputs, self.groups, sampled, False, self.clock, logprobs
         )
         new_tokens = np.asarray(out.tokens)
+        lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if logprobs else None
         updates = []
         for b in live:
             row = self._rows[b]
@@ -544,6 +570,9 @@ class Scheduler:
                 if self._finished(row):
                     break
             updates.append(Update(row.handle.id, got, self._finished(row)))
+            if row.params.logprobs:
+                at_step = TokenLogprobs(*(x[b] for x in lp))
+                updates[-1].logprobs = [_logprob(at_step, k) for k in range(len(got))]
             if updates[-1].finish_reason:
                 self._free(b)
         return updates
@@ -562,3 +591,16 @@ class Scheduler:
         self._rows[b] = None
         self._slot_pos[b] = -1
         self._lengths[b] = 0
+
+
+def _row_sampling(p: Params) -> tuple:
+    """A request's row of RowSampling.stack: its settings, seed, and its end ids
+    banned before step min_tokens."""
+    ban = (p.min_tokens, p.eos_ids) if p.min_tokens > 0 else (0, ())
+    return (p.sampling, p.seed, 0, ban)
+
+
+def _logprob(lp: TokenLogprobs, r: int) -> Logprob:
+    """Row r of TokenLogprobs (numpy) as the handle keeps it."""
+    top = [(int(i), float(v)) for i, v in zip(lp.top_ids[r], lp.top[r])]
+    return Logprob(float(lp.chosen[r]), top)

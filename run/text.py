@@ -6,6 +6,7 @@ error that says to pass ids.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -61,6 +62,17 @@ class Text:
             out.append(self.tokenizer.decode(run, skip_special_tokens=skip_special))
         return "".join(out)
 
+    def token_bytes(self, id: int) -> bytes:
+        """The bytes token `id` stands for (byte-level BPE: a token may hold part of a
+        character); an id past the tokenizer's vocabulary gives b"<|id:N|>"."""
+        if not 0 <= id < self.vocab:
+            return f"<|id:{id}|>".encode()
+        piece = self.tokenizer.id_to_token(id) or ""
+        table = _bytes_of_symbols()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode()  # an added token outside the byte alphabet: its own text
+
     def chat(self, user: str, enable_thinking: bool = True) -> str:
         """One user turn rendered with the checkpoint's chat template, ready for the reply."""
         messages = [{"role": "user", "content": user}]
@@ -98,3 +110,16 @@ class Text:
             )
         except TemplateError as e:
             raise TextError(f"the chat template of this checkpoint failed ({e})") from None
+
+
+@functools.cache
+def _bytes_of_symbols() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which Qwen's tokenizers use): each byte is
+    a printable character, itself for most printable ASCII and Latin-1, 256 + n for
+    the rest."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in kept}
+    moved = [b for b in range(256) if b not in kept]
+    table.update({chr(256 + n): b for n, b in enumerate(moved)})
+    return table

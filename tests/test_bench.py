@@ -339,3 +339,68 @@ def test_serve_closed_loops_beside_static_batches(capsys):
     idle = out["targets"]["serve_loaded_idle_fraction_2x1"]
     assert idle["value"] is not None and idle["met"] in (True, False)
     assert out["targets"]["serve_c8_vs_c1_1x1"]["value"] is None  # rows 2: no c = 8
+
+
+TINY_FOLDER = str(__import__("pathlib").Path(__file__).parent / "fixtures" / "tiny")
+
+
+def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:
+    assert [r["concurrency"] for r in endpoint["concurrency"]] == concurrencies
+    for r in endpoint["concurrency"]:
+        assert r["failed"] == 0 and r["requests"] == max(r["concurrency"], 2)  # --smoke: 1 each
+        assert r["output_tokens"] >= r["requests"] and r["output_tokens_per_s"] > 0
+        for key in ("ttft_s", "latency_s", "itl_s"):
+            p = r[key]
+            assert 0 <= p["p50"] <= p["p90"] <= p["p99"] < math.inf
+        assert r["ttft_s"]["p50"] <= r["latency_s"]["p50"]
+
+
+@pytest.mark.slow
+def test_serve_over_http_starts_and_loads_our_server(capsys):
+    """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP."""
+    out = run_json(
+        capsys,
+        "--scenario",
+        "serve",
+        "--url",
+        "local",
+        "--model",
+        TINY_FOLDER,
+        "--serve-concurrency",
+        "1,2",
+    )
+    (ours,) = out["http"]["endpoints"]
+    assert ours["name"] == "qwen3-spmd" and ours["model"] == "tiny"
+    check_http_rows(ours, [1, 2])
+    assert out["http"]["targets"] == {}  # no peer, no ratio
+
+
+@pytest.mark.slow
+def test_serve_over_http_beside_transformers_serve(capsys):
+    # transformers serve needs torch, transformers and accelerate: not dependencies (nor
+    # in CI), so this runs only where they are installed.
+    for module in ("torch", "transformers", "accelerate"):
+        pytest.importorskip(module)
+    out = run_json(
+        capsys,
+        "--scenario",
+        "serve",
+        "--url",
+        "local",
+        "--model",
+        TINY_FOLDER,
+        "--serve-concurrency",
+        "8",
+        "--peer",
+        "transformers",
+    )
+    ours, peer = out["http"]["endpoints"]
+    assert peer["name"] == "transformers"
+    check_http_rows(ours, [8])
+    check_http_rows(peer, [8])
+    assert out["http"]["targets"]["serve_http_c8_vs_transformers"]["value"] > 0
+
+
+def test_url_goes_with_the_serve_scenario_only(capsys):
+    assert main(["bench", "--url", "local", "--scenario", "decode"]) == 2
+    assert "only --scenario serve" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import bucket, lay_out
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -346,3 +346,39 @@ def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alon
     assert handle.tokens == alone(prompt, Params(6))
     names = [n for n in engine.programs.compiled if n.startswith("decode")]
     assert names and all(n.endswith("; 2]") for n in names), names
+
+
+def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
+    """logprobs: each token's log-probability under generate's own logits (request 0's
+    at each step) and the top 5, first token (prefill) and decode steps alike.
+    min_tokens: an end id greedy would emit at step 2 is banned until step 3, so the
+    token there is the runner-up, and the request goes on to its budget or a later end."""
+    prompt, n = _prompts(cfg, 1)[0], 8
+    engine = _engine(cfg, 2, 2)
+    gen = engine.generate([prompt], n, Sampling(), 0, (), with_logits=True)
+    tokens = gen.completions[0].token_ids
+    logp = jax.nn.log_softmax(np.asarray(gen.first_logits, np.float64), axis=-1)
+    sched = Scheduler(engine, max_batch=2)
+    got = sched.submit(prompt, Params(n, logprobs=True))
+    sched.run()
+    assert got.tokens == tokens and len(got.logprobs) == n
+    for k, (t, lp) in enumerate(zip(tokens, got.logprobs)):
+        np.testing.assert_allclose(lp.chosen, logp[k, t], atol=1e-5)
+        ids = [i for i, _ in lp.top]
+        assert ids[0] == t and ids == np.argsort(-logp[k])[:5].tolist()
+        np.testing.assert_allclose([v for _, v in lp.top], np.sort(logp[k])[::-1][:5], atol=1e-5)
+
+    end = tokens[2]
+    assert end not in tokens[:2]
+    banned = sched.submit(prompt, Params(n, eos_ids=(end,), min_tokens=3))
+    sched.run()
+    assert banned.tokens[:2] == tokens[:2]
+    runner_up = np.argsort(-np.asarray(gen.first_logits[2]))[1]
+    assert banned.tokens[2] == runner_up != end
+    assert end not in banned.tokens[:-1]
+    if banned.finish_reason == "stop":
+        assert banned.tokens[-1] == end and len(banned.tokens) > 3
+    else:
+        assert len(banned.tokens) == n
+    with pytest.raises(SamplingError, match="at most 8 end ids"):
+        sched.submit(prompt, Params(n, eos_ids=tuple(range(9)), min_tokens=1))

@@ -317,6 +317,65 @@ def test_stop_string_split_across_tokens(server, text, reference):
     assert _joined(chunks) == ([whole["text"]], ["stop"])
 
 
+def test_logprobs_equal_transformers(server, client, reference):
+    """logprobs of the fixture's greedy tokens equal log_softmax of transformers' step
+    logits; the top entries come in decreasing order, the first being the token."""
+    ref = np.load(FIXTURE / "reference.npz")
+    prompt, tokens = reference[1]
+    want = ref["step_logits_1"].astype(np.float64)
+    want = (
+        want
+        - np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - want.max(-1, keepdims=True)
+    )
+    out = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=len(tokens),
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(tokens) == len(lp.top_logprobs) == len(lp.text_offset)
+    np.testing.assert_allclose(lp.token_logprobs, want[np.arange(len(tokens)), tokens], atol=1e-4)
+    for k, top in enumerate(lp.top_logprobs):
+        assert len(top) == 3
+        assert max(top.values()) == pytest.approx(lp.token_logprobs[k], abs=1e-6)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.bytes == list(entry.token.encode()) or entry.token.startswith("bytes:\\x")
+
+
+def test_min_tokens_holds_back_the_end(server, reference):
+    prompt, tokens = reference[0]
+    end = tokens[2]
+    assert end not in tokens[:2]
+    body = _greedy(prompt, 8, ignore_eos=True, stop_token_ids=[end])
+    plain = _post(server, "/v1/completions", body).json()
+    assert (
+        plain["usage"]["completion_tokens"] == 3 and plain["choices"][0]["finish_reason"] == "stop"
+    )
+    held = _post(server, "/v1/completions", {**body, "min_tokens": 5}).json()
+    assert held["usage"]["completion_tokens"] >= 5
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 
@@ -332,6 +391,9 @@ def test_stop_string_split_across_tokens(server, text, reference):
         ({"prompt": [1], "temperature": -1}, "temperature"),
         ({"prompt": [1], "n": 0}, "n"),
         ({"max_tokens": 3}, "prompt"),
+        ({"prompt": [1], "logprobs": 6}, "logprobs"),
+        ({"prompt": [1], "min_tokens": -1}, "min_tokens"),
+        ({"prompt": [1], "min_tokens": 1, "stop_token_ids": list(range(9))}, "stop_token_ids"),
     ],
 )
 def test_invalid_requests_are_400(server, body, param):

@@ -127,6 +127,19 @@ def register(subparsers) -> None:
         type=int,
         help="serve: requests per unit of concurrency in each closed loop (default 2)",
     )
+    p.add_argument(
+        "--url",
+        metavar="URL|local",
+        help="serve: load this OpenAI-compatible endpoint over HTTP instead of the "
+        "scheduler in-process ('local': start `qwen3-spmd serve` on --model and the first "
+        "--mesh for the run); with --peer transformers, `transformers serve` too",
+    )
+    p.add_argument("--api-key", help="with --url: the endpoint's API key")
+    p.add_argument(
+        "--serve-concurrency",
+        metavar="1,8",
+        help="with --url: requests in flight, each level a load of its own (default 1,8)",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights (presets) and prompt ids")
     p.add_argument(
         "--layers",
@@ -428,6 +441,8 @@ def _dtype(args, meshes):
 # Reads as the benchmark's run in order (plan, rooflines, each mesh, peer, report); each
 # step is a function above or in jobs/peer/report.
 def main(args) -> int:
+    if args.url:
+        return _http_main(args)
     settings = _settings(args)
     meshes = _meshes(args)
     scenarios = _scenarios(args, meshes)
@@ -501,3 +516,81 @@ def main(args) -> int:
     else:
         print_table(report)
     return 0
+
+
+# ---- bench --scenario serve --url: the HTTP load ------------------------------------------
+
+
+def _http_main(args) -> int:
+    """Loads an endpoint (ours, started or given, and transformers serve with --peer)
+    with the same synthetic requests at each concurrency; reports like vLLM's bench."""
+    from qwen3_spmd.run.bench import http_load
+    from qwen3_spmd.run.cli import CLIError
+    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.run.text import Text
+
+    if set(args.scenario) - {"serve"}:
+        raise CLIError("--url measures an HTTP endpoint: only --scenario serve goes with it")
+    settings = _settings(args)
+    concurrencies = _ints(args.serve_concurrency or "1,8", "--serve-concurrency")
+    spec = open_model(args.model, args.seed)
+    text = Text.find(spec.folder)
+    prompt_lens, output_lens = settings["serve_prompt_lens"], settings["serve_output_lens"]
+    per = settings["serve_requests_per_concurrency"]
+
+    def requests_for(c: int):
+        n = max(per * c, 2)
+        return http_load.synthetic_prompts(
+            text, spec.cfg.V, n, prompt_lens, output_lens, settings["seed"]
+        )
+
+    say = partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)
+    say(f"bench serve over HTTP: {spec.label}; concurrency {concurrencies}")
+    endpoints = []
+    if args.url == "local":
+        mesh = args.mesh[0] if args.mesh else "1x1"
+        # Text prompts re-encode to about as many tokens as drawn: leave them twice.
+        seq_len = min(2 * prompt_lens[1] + output_lens[1], spec.cfg.max_position_embeddings)
+        with http_load.ours(args.model, mesh, settings["serve_max_batch"], seq_len) as srv:
+            endpoints.append(_endpoint(srv.url, "qwen3-spmd", concurrencies, requests_for, say))
+    else:
+        endpoints.append(
+            _endpoint(args.url, "endpoint", concurrencies, requests_for, say, args.api_key)
+        )
+    if args.peer:
+        if spec.folder is None:
+            raise CLIError("--peer transformers with --url needs --model FOLDER (a checkpoint)")
+        with http_load.transformers_serve(str(spec.folder)) as srv:
+            endpoints.append(_endpoint(srv.url, "transformers", concurrencies, requests_for, say))
+    report = {
+        "machine": machine(0),
+        "model": spec.label,
+        "settings": {**settings, "serve_concurrency": concurrencies, "url": args.url},
+        "http": {"endpoints": endpoints, "targets": _http_targets(endpoints)},
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        from qwen3_spmd.run.bench.report import print_http
+
+        print_http(report)
+    return 0
+
+
+def _endpoint(url, name, concurrencies, requests_for, say, api_key=None) -> dict:
+    from qwen3_spmd.run.bench import http_load
+
+    model = http_load.served_model(url, api_key)
+    rows = http_load.measure(url, model, requests_for, concurrencies, api_key, say)
+    return {"name": name, "url": url, "model": model, "concurrency": rows}
+
+
+def _http_targets(endpoints) -> dict:
+    """The issue's target: output tokens/s at concurrency 8 >= 3x transformers serve's."""
+    by = {e["name"]: {r["concurrency"]: r for r in e["concurrency"]} for e in endpoints}
+    ours = by.get("qwen3-spmd") or by.get("endpoint") or {}
+    peer = by.get("transformers", {})
+    if 8 not in ours or 8 not in peer or not peer[8]["output_tokens_per_s"]:
+        return {}
+    ratio = ours[8]["output_tokens_per_s"] / peer[8]["output_tokens_per_s"]
+    return {"serve_http_c8_vs_transformers": {"value": ratio, "target": 3.0, "met": ratio >= 3.0}}

@@ -459,3 +459,38 @@ def plot(r: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def print_http(r: dict) -> None:
+    """bench --url: each endpoint's load, concurrency by concurrency, and the target."""
+
+    def ms(p: dict) -> str:
+        return "-" if p["p50"] is None else f"{1e3 * p['p50']:.0f}/{1e3 * p['p99']:.0f}"
+
+    s = r["settings"]
+    print(
+        f"\nserve over HTTP ({r['model']}; prompts {s['serve_prompt_lens'][0]}-"
+        f"{s['serve_prompt_lens'][1]}, outputs {s['serve_output_lens'][0]}-"
+        f"{s['serve_output_lens'][1]} tokens; latencies p50/p99)"
+    )
+    rows = [
+        [
+            e["name"],
+            j["concurrency"],
+            j["requests"],
+            f"{j['output_tokens_per_s']:.1f}",
+            f"{j['requests_per_s']:.2f}",
+            ms(j["ttft_s"]),
+            ms(j["tpot_s"]),
+            ms(j["itl_s"]),
+            j["failed"],
+        ]
+        for e in r["http"]["endpoints"]
+        for j in e["concurrency"]
+    ]
+    head = ["endpoint", "c", "requests", "tok/s", "req/s", "TTFT ms", "TPOT ms", "ITL ms"]
+    print(_table(head + ["failed"], rows))
+    for name, t in r["http"]["targets"].items():
+        print(
+            f"{name}: {t['value']:.2f} (target >= {t['target']}): {'met' if t['met'] else 'NOT met'}"
+        )

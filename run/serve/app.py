@@ -90,11 +90,18 @@ def make_app(state: ServerState) -> FastAPI:
         echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
         events = service.run(service.submit(job))
         prompt_tokens = sum(len(p) for p in prompts)
+
+        def choice(i, text, reason, tokens):
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = _completion_logprobs(state, tokens, job.logprobs, len(echo[i]))
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
         if body.stream:
-            return _sse(_chunks(events, meta, prompt_tokens, body, _text_choice, echo))
-        texts, reasons, used = await _collect(request, events, len(echo))
-        choices = [_text_choice(i, echo[i] + t, r) for i, (t, r) in enumerate(zip(texts, reasons))]
-        return {**meta.head(), "choices": choices, "usage": protocol.usage(prompt_tokens, used)}
+            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo))
+        out = await _collect(request, events, len(echo))
+        choices = [choice(i, echo[i] + t, r, ts) for i, (t, r, ts) in enumerate(zip(*out[:3]))]
+        return {**meta.head(), "choices": choices, "usage": protocol.usage(prompt_tokens, out[3])}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -105,18 +112,24 @@ def make_app(state: ServerState) -> FastAPI:
         fields = _job_fields(body, None)
         if body.max_completion_tokens is not None:  # the newer name wins
             fields["max_tokens"] = body.max_completion_tokens
-        job = service.job([prompt], **fields, logprobs=None)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        job = service.job([prompt], **fields, logprobs=top)
         meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
         events = service.run(service.submit(job))
+
+        def choice(i, piece, reason, tokens, key="delta"):
+            logprobs = _chat_logprobs(state, tokens, top) if top is not None else None
+            return {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
+
         if body.stream:
             first = [{"role": "assistant", "content": ""}] * job.n
-            return _sse(_chunks(events, meta, len(prompt), body, _delta_choice, first))
-        texts, reasons, used = await _collect(request, events, job.n)
+            return _sse(_chunks(events, meta, len(prompt), body, choice, first))
+        out = await _collect(request, events, job.n)
         choices = [
-            _message_choice(i, {"role": "assistant", "content": t}, r)
-            for i, (t, r) in enumerate(zip(texts, reasons))
+            choice(i, {"role": "assistant", "content": t}, r, ts, key="message")
+            for i, (t, r, ts) in enumerate(zip(*out[:3]))
         ]
-        return {**meta.head(), "choices": choices, "usage": protocol.usage(len(prompt), used)}
+        return {**meta.head(), "choices": choices, "usage": protocol.usage(len(prompt), out[3])}
 
     return app
 
@@ -227,14 +240,16 @@ class _Meta:
 
 
 async def _collect(request: Request, events: AsyncIterator[Event], n: int):
-    """Every choice's whole text, finish reason, and the tokens generated; cancels
-    them if the client goes away meanwhile (FastAPI would not notice it)."""
-    texts, reasons, used = [""] * n, [None] * n, [0]
+    """Every choice's whole text, finish reason and tokens (with logprobs), and the
+    tokens generated in all; cancels them if the client goes away meanwhile (FastAPI
+    would not notice it)."""
+    texts, reasons, tokens, used = [""] * n, [None] * n, [[] for _ in range(n)], [0]
 
     async def read():
         async with contextlib.aclosing(events):
             async for e in events:
                 texts[e.index] += e.text
+                tokens[e.index] += e.tokens
                 if e.finish_reason:
                     reasons[e.index] = e.finish_reason
                     used[0] += e.completion_tokens
@@ -249,7 +264,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     task.result()
     if "error" in reasons:
         raise SHUTDOWN
-    return texts, reasons, used[0]
+    return texts, reasons, tokens, used[0]
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -267,7 +282,7 @@ async def _chunks(
     meta: _Meta,
     prompt_tokens: int,
     body,
-    choice: Callable[[int, object, str | None], dict],
+    choice: Callable[[int, object, str | None, list], dict],
     first: list,
 ):
     """A stream's chunks: each choice's `first` piece (the echoed prompt, the chat
@@ -276,7 +291,7 @@ async def _chunks(
     chat = meta.object.startswith("chat")
     for i, piece in enumerate(first):
         if piece:
-            yield {**meta.head(chat), "choices": [choice(i, piece, None)]}
+            yield {**meta.head(chat), "choices": [choice(i, piece, None, [])]}
     used, failed = 0, False
     async with contextlib.aclosing(events):
         async for e in events:
@@ -284,7 +299,7 @@ async def _chunks(
             reason = None if e.finish_reason == "error" else e.finish_reason
             if e.text or reason:
                 piece = e.text if not chat else ({"content": e.text} if e.text else {})
-                yield {**meta.head(chat), "choices": [choice(e.index, piece, reason)]}
+                yield {**meta.head(chat), "choices": [choice(e.index, piece, reason, e.tokens)]}
             used += e.completion_tokens if e.finish_reason else 0
     if failed:
         yield SHUTDOWN.body()
@@ -292,13 +307,43 @@ async def _chunks(
         yield {**meta.head(chat), "choices": [], "usage": protocol.usage(prompt_tokens, used)}
 
 
-def _text_choice(index: int, text: str, reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+def _completion_logprobs(state: ServerState, tokens, k: int, offset: int) -> dict:
+    """The completions API's (legacy) logprobs object; offsets count the echo too."""
+    return {
+        "tokens": [_token(state, t.id)[0] for t in tokens],
+        "token_logprobs": [_finite(t.logprob.chosen) for t in tokens],
+        "top_logprobs": [
+            {_token(state, i)[0]: _finite(v) for i, v in t.logprob.top[:k]} for t in tokens
+        ],
+        "text_offset": [offset + t.offset for t in tokens],
+    }
 
 
-def _delta_choice(index: int, delta: dict, reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+def _chat_logprobs(state: ServerState, tokens, k: int) -> dict:
+    def entry(id: int, logprob: float) -> dict:
+        text, raw = _token(state, id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+
+    return {
+        "content": [
+            {
+                **entry(t.id, t.logprob.chosen),
+                "top_logprobs": [entry(*x) for x in t.logprob.top[:k]],
+            }
+            for t in tokens
+        ]
+    }
 
 
-def _message_choice(index: int, message: dict, reason: str | None) -> dict:
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+def _token(state: ServerState, id: int) -> tuple[str, bytes]:
+    """A token as text and as bytes. A token holding part of a character is
+    'bytes:\\xe6\\x97' (as the OpenAI API writes it): distinct tokens, distinct keys."""
+    raw = state.text.token_bytes(id) if state.text is not None else f"<|id:{id}|>".encode()
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf (vLLM's floor)

@@ -16,10 +16,11 @@ import collections
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
-from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
+from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
@@ -54,6 +55,14 @@ class Job:
     logprobs: int | None = None  # top log-probabilities per token; None: none
 
 
+class TokenInfo(NamedTuple):
+    """A generated token with its log-probabilities (requests that ask for them)."""
+
+    id: int
+    logprob: Logprob
+    offset: int  # characters of the choice's text before this token's
+
+
 @dataclasses.dataclass
 class Event:
     """A choice's news: text to append, and its finish reason when it ends ("stop",
@@ -63,6 +72,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end: tokens the choice generated
+    tokens: list[TokenInfo] = dataclasses.field(default_factory=list)  # with logprobs only
 
 
 class Choice:
@@ -73,14 +83,21 @@ class Choice:
         self.detok = Detokenizer(decode)
         self.stop = StopText(job.stops)
         self.count = 0  # tokens taken (the one that ended the choice included)
+        self.chars = 0  # characters decoded so far (held back ones included)
+        self.pending: list[TokenInfo] = []  # tokens not yet sent with an event
 
     def feed(self, token: int) -> tuple[str, str | None]:
         """(text to show, finish reason or None) after one more token."""
+        if self.job.logprobs is not None:
+            lp = self.handle.logprobs[self.count]
+            self.pending.append(TokenInfo(token, lp, self.chars))
         self.count += 1
         if token in self.job.stop_ids:
             return self._end("stop")
         armed = self.count >= self.job.min_tokens
-        text = self.stop.add(self.detok.add(token), armed)
+        piece = self.detok.add(token)
+        self.chars += len(piece)
+        text = self.stop.add(piece, armed)
         if self.stop.stopped:
             return text, "stop"
         return text, None
@@ -88,6 +105,10 @@ class Choice:
     def end(self, reason: str) -> tuple[str, str]:
         """The last text when the request ended without a stop: its budget, or the server."""
         return self._end(reason)
+
+    def event(self, text: str, reason: str | None) -> Event:
+        tokens, self.pending = self.pending, []
+        return Event(self.index, text, reason, self.count, tokens)
 
     def _end(self, reason: str) -> tuple[str, str]:
         text = self.stop.add(self.detok.flush())
@@ -169,9 +190,6 @@ class Service:
             flag = str(e).split()[0]
             param = flag.removeprefix("--").replace("-", "_")
             raise APIError(400, str(e).replace(flag, param, 1), param, "invalid_value") from None
-        if min_tokens or logprobs is not None:
-            field = "min_tokens" if min_tokens else "logprobs"
-            raise APIError(400, f"{field} is not supported yet: leave it out", field)
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -187,6 +205,13 @@ class Service:
         if any(not isinstance(x, str) or not x for x in stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
         stop_ids = tuple(dict.fromkeys((() if ignore_eos else s.eos_ids) + extra))
+        if min_tokens and len(stop_ids) > MAX_BANNED:
+            raise APIError(
+                400,
+                f"min_tokens holds back at most {MAX_BANNED} end ids (EOS and "
+                f"stop_token_ids), and this request has {len(stop_ids)}",
+                "stop_token_ids",
+            )
         return Job(
             prompts,
             n,
@@ -214,6 +239,8 @@ class Service:
                         sampling=job.sampling,
                         seed=(job.seed + j) % SEEDS,
                         eos_ids=job.stop_ids,
+                        min_tokens=job.min_tokens,
+                        logprobs=job.logprobs is not None,
                     )
                     handle = self.scheduler.submit(prompt, params)
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
@@ -260,7 +287,7 @@ class Service:
         async for token in choice.handle.stream():
             text, reason = choice.feed(token)
             if text or reason:
-                queue.put_nowait(Event(choice.index, text, reason, choice.count))
+                queue.put_nowait(choice.event(text, reason))
             if reason:
                 self.cancel([choice])  # a stop string: the scheduler may not know yet
                 return
@@ -269,7 +296,7 @@ class Service:
         else:
             ended = "stop" if choice.handle.finish_reason == "stop" else "length"
         text, reason = choice.end(ended)
-        queue.put_nowait(Event(choice.index, text, reason, choice.count))
+        queue.put_nowait(choice.event(text, reason))
 
     # ---- shutdown ----------------------------------------------------------------------
 
