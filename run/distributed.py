@@ -251,13 +251,24 @@ def supervise(args) -> int | None:
             interrupted.append(threading.Timer(2.0, child.kill))
             interrupted[0].start()
 
+    terminated: list[bool] = []
+
+    def on_terminate(*_):  # the child decides what SIGTERM means (serve drains)
+        terminated.append(True)
+        try:
+            child.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
     previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous_term = signal.signal(signal.SIGTERM, on_terminate)
     gave_up = False
     try:
         gave_up = _wait_for_join(child, log, args.peer_timeout + _JOIN_GRACE_S)
         rc = child.wait()
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     for reader in readers:
         reader.join(timeout=5)
     if args.debug and (rc != 0):
@@ -269,6 +280,9 @@ def supervise(args) -> int | None:
         return 130
     if rc >= 0:
         return rc
+    if terminated and rc == -signal.SIGTERM:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     status, line = explain(log, args, gave_up)
     print(f"error: {line}", file=sys.stderr)
     return status

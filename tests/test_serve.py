@@ -471,3 +471,55 @@ def test_sigterm_ends_running_requests_and_exits_0(server):
     assert rest[-1] == "data: [DONE]"
     assert "error" in json.loads(rest[-2][len("data: ") :])
     assert proc.wait(timeout=60) == 0
+
+
+def test_two_processes_serve_as_one(reference, text):
+    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP, process
+    1 follows its decisions; the completions equal transformers' tokens; SIGTERM to both
+    (as a job scheduler sends it) drains and both exit 0."""
+    port, coordinator = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
+    argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    procs = [
+        subprocess.Popen(
+            argv + ["--process-id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the two-process server did not come up"
+            time.sleep(0.5)
+
+        def ask(i):
+            prompt, tokens = reference[i]
+            body = _greedy(prompt, len(tokens), ignore_eos=True)
+            r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+            return r.json()["choices"][0]["text"], text.decode(tokens, skip_special=True)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for got, want in pool.map(ask, range(3)):
+                assert got == want
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr.read() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

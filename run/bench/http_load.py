@@ -213,22 +213,31 @@ def ours(model: str | None, mesh: str, max_batch: int, max_seq_len: int) -> Star
 
 def transformers_serve(folder: str) -> Started:
     """`transformers serve --continuous-batching` on `folder` (float32, CPU when our
-    run is on CPU)."""
-    import shutil
+    run is on CPU), run by this Python (its console script need not be on PATH)."""
+    import importlib.metadata
 
     from qwen3_spmd.run.cli import CLIError
 
-    exe = shutil.which("transformers")
-    if exe is None:
+    script = next(
+        (
+            e
+            for e in importlib.metadata.entry_points(group="console_scripts")
+            if e.name == "transformers"
+        ),
+        None,
+    )
+    if script is None:
         raise CLIError(
             "--peer transformers needs the `transformers` command: pip install "
             "torch transformers accelerate"
         )
-    if not Path(folder).is_dir():
-        raise CLIError("--peer transformers with --url needs --model FOLDER (a checkpoint)")
+    module, func = script.value.split(":")
+    launch = (
+        f"import sys; from {module} import {func} as m; sys.argv[0] = 'transformers'; sys.exit(m())"
+    )
     port = free_port()
-    argv = [exe, "serve", "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), str(Path(folder).resolve())]
+    argv = [sys.executable, "-c", launch, "serve", "--continuous-batching", "--dtype", "float32"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), str(Path(folder).resolve())]
     argv += ["--device", "cpu"] if _cpu() else []
     return Started(argv, port, "transformers serve")
 

@@ -131,6 +131,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     max_seq_len = -(-max_seq_len // seq) * seq
     if not procs.leader:
         scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
+        _follow_signals()
         scheduler.follow()
         return 0
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
@@ -160,6 +161,24 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     if state.service is not None:
         state.service.scheduler.close()  # followers stop too
     return 2 if state.status == "failed" else 0
+
+
+def _follow_signals() -> None:
+    """A follower stops when process 0 does (it drains, then tells the followers): a
+    SIGTERM or Ctrl-C here is noted, a second one ends this process at once."""
+    import os
+    import signal
+
+    seen = []
+
+    def note(sig, frame):
+        if seen:
+            os._exit(128 + sig)
+        seen.append(sig)
+        _say("signal noted: this process stops when process 0 does (again: now)")
+
+    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGINT, note)
 
 
 def _say(line: str) -> None:

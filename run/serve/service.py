@@ -166,6 +166,14 @@ class Service:
             for p in prompts
         ]
         for p, budget in zip(prompts, budgets):
+            if budget < 1 and max_tokens is None:
+                raise APIError(
+                    400,
+                    f"the prompt's {len(p)} tokens leave no room for an answer under the "
+                    f"server's --max-seq-len {s.max_seq_len}: shorten the prompt",
+                    "messages",
+                    "context_length_exceeded",
+                )
             if budget < 1:
                 raise APIError(
                     400, f"max_tokens {budget} must be at least 1", "max_tokens", "invalid_value"
@@ -283,6 +291,14 @@ class Service:
             self.cancel([c for c in choices if not c.handle.done])
 
     async def _follow(self, choice: Choice, queue: asyncio.Queue) -> None:
+        try:
+            await self._follow_tokens(choice, queue)
+        except Exception:  # the client gets an error event rather than a stream that hangs
+            self.cancel([choice])
+            queue.put_nowait(choice.event("", "error"))
+            raise
+
+    async def _follow_tokens(self, choice: Choice, queue: asyncio.Queue) -> None:
         reason = None
         async for token in choice.handle.stream():
             text, reason = choice.feed(token)
