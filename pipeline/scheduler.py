@@ -541,7 +541,9 @@ class Scheduler:
             prompt_slots[b] = row.prompt_slots
             tokens[b] = row.generated[-1]
             per_row[b] = _row_sampling(row.params)
-        chunk = self.short_chunk if self._waiting else eng.chunk
+        # Short chunks while a request waits or a row is free (one may arrive during
+        # the chunk, and waits for its end): a long chunk only when the batch is full.
+        chunk = self.short_chunk if self._waiting or len(live) < self.B else eng.chunk
         take = int(min(chunk, eng.chunk, max(limit[b] - step[b] for b in live)))
         list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
         inputs = DecodeInputs(

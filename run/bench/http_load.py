@@ -35,9 +35,11 @@ READY_S = 900  # a server has this long to load and compile
 
 
 def synthetic_prompts(text, vocab: int, n: int, prompt_lens, output_lens, seed: int):
-    """n (prompt, max_tokens): text of random tokenizer ids (token ids without a
-    tokenizer), lengths uniform in the inclusive ranges."""
+    """n (prompt, max_tokens), lengths uniform in the inclusive ranges: text that the
+    tokenizer encodes to that many tokens (random ids of whole-character tokens, decoded,
+    re-encoded and cut, as vLLM's random dataset), or token ids without a tokenizer."""
     rng = np.random.default_rng([seed, n, 7])
+    clean = _clean_ids(text) if text is not None else None
     out = []
     for _ in range(n):
         T = int(rng.integers(prompt_lens[0], prompt_lens[1] + 1))
@@ -45,9 +47,17 @@ def synthetic_prompts(text, vocab: int, n: int, prompt_lens, output_lens, seed: 
         if text is None:
             out.append((rng.integers(0, vocab, T).tolist(), new))
             continue
-        regular = text.tokenizer.get_vocab_size(with_added_tokens=False)
-        out.append((text.decode(rng.integers(0, regular, T).tolist()), new))
+        ids = text.encode(text.decode(rng.choice(clean, T).tolist()))[:T]
+        out.append((text.decode(ids), new))
     return out
+
+
+def _clean_ids(text) -> np.ndarray:
+    """Ids of the tokenizer's regular tokens that decode to whole characters alone (a
+    random sequence of byte pieces would decode to U+FFFD, which re-encodes longer)."""
+    regular = text.tokenizer.get_vocab_size(with_added_tokens=False)
+    ids = [i for i in range(regular) if "\ufffd" not in text.decode([i]) and text.decode([i])]
+    return np.asarray(ids)
 
 
 def _percentiles(xs) -> dict:
@@ -87,6 +97,7 @@ async def _one(client, url: str, body: dict, headers: dict) -> dict:
         "latency_s": latency,
         "tpot_s": (latency - stamps[0]) / (tokens - 1) if tokens > 1 else None,
         "output_tokens": tokens,
+        "prompt_tokens": usage["prompt_tokens"] if usage else None,
     }
 
 
@@ -118,6 +129,7 @@ async def _load(base: str, model: str, requests, concurrency: int, api_key) -> d
         wall = time.perf_counter() - t0
     ok = [d for d in done if "error" not in d]
     tokens = sum(d["output_tokens"] for d in ok)
+    prompt_tokens = [d["prompt_tokens"] for d in ok if d["prompt_tokens"] is not None]
     return {
         "concurrency": concurrency,
         "requests": len(ok),
@@ -125,6 +137,7 @@ async def _load(base: str, model: str, requests, concurrency: int, api_key) -> d
         "errors": sorted({d["error"] for d in done if "error" in d})[:3],
         "time_s": wall,
         "output_tokens": tokens,
+        "mean_prompt_tokens": float(np.mean(prompt_tokens)) if prompt_tokens else None,
         "output_tokens_per_s": tokens / wall,
         "requests_per_s": len(ok) / wall,
         "ttft_s": _percentiles([d["ttft_s"] for d in ok]),
