@@ -130,6 +130,9 @@ def _greedy(prompt, max_tokens, **extra):
 
 
 def test_health_and_models(server, client):
+    # The port is bound before loading: /health said 503 "loading" meanwhile (the
+    # fixture checked each answer), and said it at least once.
+    assert server["loading_seen"]
     r = httpx.get(server["url"] + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == ["tiny"]
