@@ -4,6 +4,7 @@ fractions and finiteness."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -341,7 +342,7 @@ def test_serve_closed_loops_beside_static_batches(capsys):
     assert out["targets"]["serve_c8_vs_c1_1x1"]["value"] is None  # rows 2: no c = 8
 
 
-TINY_FOLDER = str(__import__("pathlib").Path(__file__).parent / "fixtures" / "tiny")
+TINY_FOLDER = str(Path(__file__).parent / "fixtures" / "tiny")
 
 
 def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:
@@ -355,10 +356,9 @@ def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:
         assert r["ttft_s"]["p50"] <= r["latency_s"]["p50"]
 
 
-@pytest.mark.slow
-def test_serve_over_http_starts_and_loads_our_server(capsys):
-    """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP."""
-    out = run_json(
+def run_http(capsys, concurrency: str, *argv) -> dict:
+    """bench --scenario serve --url local on the tiny checkpoint, its JSON report."""
+    return run_json(
         capsys,
         "--scenario",
         "serve",
@@ -367,8 +367,15 @@ def test_serve_over_http_starts_and_loads_our_server(capsys):
         "--model",
         TINY_FOLDER,
         "--serve-concurrency",
-        "1,2",
+        concurrency,
+        *argv,
     )
+
+
+@pytest.mark.slow
+def test_serve_over_http_starts_and_loads_our_server(capsys):
+    """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP."""
+    out = run_http(capsys, "1,2")
     (ours,) = out["http"]["endpoints"]
     assert ours["name"] == "qwen3-spmd" and ours["model"] == "tiny"
     check_http_rows(ours, [1, 2])
@@ -381,19 +388,7 @@ def test_serve_over_http_beside_transformers_serve(capsys):
     # in CI), so this runs only where they are installed.
     for module in ("torch", "transformers", "accelerate"):
         pytest.importorskip(module)
-    out = run_json(
-        capsys,
-        "--scenario",
-        "serve",
-        "--url",
-        "local",
-        "--model",
-        TINY_FOLDER,
-        "--serve-concurrency",
-        "8",
-        "--peer",
-        "transformers",
-    )
+    out = run_http(capsys, "8", "--peer", "transformers")
     ours, peer = out["http"]["endpoints"]
     assert peer["name"] == "transformers"
     check_http_rows(ours, [8])

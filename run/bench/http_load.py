@@ -20,6 +20,7 @@ checkpoint folder and measures it with the same requests in the same run.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -52,6 +53,7 @@ def synthetic_prompts(text, vocab: int, n: int, prompt_lens, output_lens, seed: 
     return out
 
 
+@functools.cache  # one pass over the vocabulary per tokenizer, not per load
 def _clean_ids(text) -> np.ndarray:
     """Ids of the tokenizer's regular tokens that decode to whole characters alone (a
     random sequence of byte pieces would decode to U+FFFD, which re-encodes longer)."""

@@ -93,7 +93,7 @@ class Choice:
             self.pending.append(TokenInfo(token, lp, self.chars))
         self.count += 1
         if token in self.job.stop_ids:
-            return self._end("stop")
+            return self.end("stop")
         armed = self.count >= self.job.min_tokens
         piece = self.detok.add(token)
         self.chars += len(piece)
@@ -103,18 +103,17 @@ class Choice:
         return text, None
 
     def end(self, reason: str) -> tuple[str, str]:
-        """The last text when the request ended without a stop: its budget, or the server."""
-        return self._end(reason)
-
-    def event(self, text: str, reason: str | None) -> Event:
-        tokens, self.pending = self.pending, []
-        return Event(self.index, text, reason, self.count, tokens)
-
-    def _end(self, reason: str) -> tuple[str, str]:
+        """(the last text, the finish reason) when the choice ends: a stop token, its
+        budget, or the server; text held back for a stop string goes out, unless the
+        flush completes one."""
         text = self.stop.add(self.detok.flush())
         if self.stop.stopped:
             return text, "stop"
         return text + self.stop.flush(), reason
+
+    def event(self, text: str, reason: str | None) -> Event:
+        tokens, self.pending = self.pending, []
+        return Event(self.index, text, reason, self.count, tokens)
 
 
 class Service:
@@ -299,7 +298,6 @@ class Service:
             raise
 
     async def _follow_tokens(self, choice: Choice, queue: asyncio.Queue) -> None:
-        reason = None
         async for token in choice.handle.stream():
             text, reason = choice.feed(token)
             if text or reason:
