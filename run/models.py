@@ -19,17 +19,21 @@ class ModelSpec:
     label: str
     random: bool
 
+    def generation_config(self) -> dict:
+        """generation_config.json of the folder ({} without one)."""
+        gen = self.folder / "generation_config.json" if self.folder is not None else None
+        if gen is None or not gen.is_file():
+            return {}
+        try:
+            return json.loads(gen.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
+
     def eos_ids(self) -> tuple[int, ...]:
         """EOS ids: generation_config.json's, else config.json's."""
-        if self.folder is not None:
-            gen = self.folder / "generation_config.json"
-            if gen.is_file():
-                try:
-                    eos = json.loads(gen.read_text()).get("eos_token_id")
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{gen} is not valid JSON ({e}): fix or remove it") from None
-                if eos is not None:
-                    return tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = self.generation_config().get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (eos,)
         return self.cfg.eos_token_ids
 
 

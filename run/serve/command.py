@@ -14,7 +14,6 @@ from __future__ import annotations
 import socket
 import sys
 import threading
-from pathlib import Path
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 
@@ -269,20 +268,17 @@ def _service(scheduler, spec, text, name: str, max_seq_len: int):
         max_seq_len=max_seq_len,
         vocab=spec.cfg.V,
         eos_ids=spec.eos_ids(),
-        defaults=_default_sampling(spec.folder),
+        defaults=_default_sampling(spec),
     )
     return Service(scheduler, decode, settings)
 
 
-def _default_sampling(folder: Path | None):
+def _default_sampling(spec):
     """A request's sampling when it names none: generation_config.json's (as vLLM), else
     the OpenAI API's (temperature 1)."""
-    import json
-
     from qwen3_spmd.pipeline.sampling import Sampling
 
-    gen = folder / "generation_config.json" if folder else None
-    config = json.loads(gen.read_text()) if gen and gen.is_file() else {}
+    config = spec.generation_config()
     if config and not config.get("do_sample", False):
         return Sampling()
     return Sampling(
