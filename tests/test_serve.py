@@ -4,6 +4,7 @@ driven by the official `openai` client and by raw HTTP for the SSE bytes. Every
 request has a timeout; the module's last test stops the server with SIGTERM."""
 
 import concurrent.futures
+import http.client
 import json
 import os
 import signal
@@ -136,6 +137,20 @@ def test_health_and_models(server, client):
     r = httpx.get(server["url"] + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_idle_connection_outlives_the_clients_expiry(server):
+    """httpx (the openai client's transport) reuses a connection idle for up to 5 s:
+    the server keeps it open longer, so a reuse never meets a connection the server is
+    closing (uvicorn's own 5 s raced with it and failed a request)."""
+    address = httpx.URL(server["url"])
+    connection = http.client.HTTPConnection(address.host, address.port, timeout=TIMEOUT)
+    connection.request("GET", "/health")
+    assert connection.getresponse().read() and connection.sock is not None
+    time.sleep(6)
+    connection.request("GET", "/health")  # the same socket: no reconnect
+    assert connection.getresponse().status == 200
+    connection.close()
 
 
 def test_taken_port_is_a_one_line_error():

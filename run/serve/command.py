@@ -16,6 +16,10 @@ import sys
 import threading
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
+# A server that closes an idle connection while a client reuses it fails that request
+# ("server disconnected without a response"): the server must wait longer than clients
+# keep idle connections (httpx 5 s, aiohttp 15 s). uvicorn's own default is 5 s.
+KEEP_ALIVE_S = 30.0
 
 
 # Long because it is the flag list, one add_argument per flag in --help's order.
@@ -64,6 +68,13 @@ def register(subparsers) -> None:
         type=float,
         default=30.0,
         help="seconds running requests get to finish after SIGTERM (default 30)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=float,
+        default=KEEP_ALIVE_S,
+        help="seconds an idle client connection stays open; keep it above the clients' own "
+        f"idle expiry (default {KEEP_ALIVE_S:g})",
     )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
@@ -114,6 +125,8 @@ def _check_flags(args) -> None:
         raise CLIError(f"--port {args.port} must be at most 65535")
     if not args.shutdown_timeout >= 0:
         raise CLIError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
+    if not args.keep_alive > 0:
+        raise CLIError(f"--keep-alive {args.keep_alive} must be > 0 seconds")
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be at least 2")
 
@@ -153,7 +166,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
 
     from qwen3_spmd.run.serve.http import Server
 
-    server = Server(state, args.shutdown_timeout)
+    server = Server(state, args.shutdown_timeout, args.keep_alive)
     loader = threading.Thread(target=load, name="load", daemon=True)
     loader.start()
     server.run(sockets=[sock])

@@ -13,8 +13,10 @@ from qwen3_spmd.run.serve.app import ServerState, make_app
 
 
 class Server(uvicorn.Server):
-    def __init__(self, state: ServerState, shutdown_timeout: float):
-        config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off")
+    def __init__(self, state: ServerState, shutdown_timeout: float, keep_alive: float):
+        config = uvicorn.Config(
+            make_app(state), log_level="warning", lifespan="off", timeout_keep_alive=keep_alive
+        )
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self.stopped_by_signal = False
