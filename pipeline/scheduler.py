@@ -457,22 +457,36 @@ class Scheduler:
 
     def _admit_short(self, budget: int) -> list[Update]:
         """Prefills waiting short prompts into free rows together, within `budget`
-        tokens (one at least, when no chunk ran this round)."""
+        tokens (one at least, when no chunk ran this round). Together means of the
+        first's length bucket (padded to one length, a short prompt would cost a long
+        one's compute), as many as make a whole bucketed batch (padding rows compute
+        for nobody); the others wait for a later round in their order."""
         free = self._free_rows()
+        eng = self.engine
+        picked: list[int] = []  # indices into _waiting
         chosen: list[Handle] = []
         tokens = 0
-        while self._waiting and len(chosen) < len(free):
-            handle = self._waiting[0]
-            if self._long(handle):
-                break  # it starts chunking when the long prompt before it is done
+        for i, handle in enumerate(self._waiting):
+            if len(chosen) == len(free) or self._long(handle):
+                break  # a long prompt starts chunking when the one before it is done
+            if chosen and bucket(handle.prompt_tokens, 2 * eng.C) != bucket(
+                chosen[0].prompt_tokens, 2 * eng.C
+            ):
+                continue
             if tokens + handle.prompt_tokens > budget and (chosen or budget < self.prefill_tokens):
                 break
             if not self._fits(chosen + [handle]):
                 break  # padded with longer prompts it would not fit: next round
-            chosen.append(self._waiting.popleft())
+            picked.append(i)
+            chosen.append(handle)
             tokens += handle.prompt_tokens
+        whole = [k for k in range(1, len(chosen) + 1) if bucket(k, eng.M) == k]
+        if whole:
+            del picked[whole[-1] :], chosen[whole[-1] :]
         if not chosen:
             return []
+        taken = set(picked)
+        self._waiting = collections.deque(h for i, h in enumerate(self._waiting) if i not in taken)
         eng = self.engine
         # Bucketed shapes (few prefill compiles) where the padding leaves room.
         batch = lay_out(

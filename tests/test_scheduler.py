@@ -52,9 +52,9 @@ def alone(cfg):
     return tokens
 
 
-def _prompts(cfg, n, seed=0):
+def _prompts(cfg, n, seed=0, lengths=(5, 9, 3, 14, 7, 1, 11)):
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, cfg.V, L).tolist() for L in [5, 9, 3, 14, 7, 1, 11][:n]]
+    return [rng.integers(0, cfg.V, L).tolist() for L in lengths[:n]]
 
 
 BUDGETS = [6, 3, 9, 5, 1, 8, 4]
@@ -125,15 +125,15 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(cfg, alone, mesh):
 
 def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
     """Greedy and seeded sampled requests with different settings decode together in
-    one compiled program; each request's tokens are those it samples alone."""
+    one compiled program; each request's tokens are those it samples alone. (Prompts
+    of one length bucket, four: admitted in one round, so one decode batch shape.)"""
     settings = [
-        Params(6, Sampling(), 0),
-        Params(6, Sampling(temperature=0.8), 3),
         Params(6, Sampling(temperature=1.2, top_k=5), 3),
+        Params(6, Sampling(), 0),
         Params(6, Sampling(temperature=0.9, top_p=0.7), 11),
         Params(6, Sampling(temperature=0.7, top_k=9, top_p=0.9), 5),
     ]
-    prompts = _prompts(cfg, 5, seed=1)
+    prompts = _prompts(cfg, 4, seed=1, lengths=(5, 8, 6, 7))
     engine = _engine(cfg, 2, 2)
     sched = Scheduler(engine, max_batch=6)
     handles = [sched.submit(p, q) for p, q in zip(prompts, settings)]
@@ -149,7 +149,7 @@ def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
 
 
 def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
-    prompts = _prompts(cfg, 3, seed=2)
+    prompts = _prompts(cfg, 3, seed=2, lengths=(5, 7, 6))  # one length bucket
     sched = Scheduler(_engine(cfg, 1, 1), max_batch=2)
     handles = [sched.submit(p, Params(12)) for p in prompts]
     sched.step()
@@ -165,6 +165,24 @@ def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
         assert h.tokens == alone(prompt, Params(12))
     with pytest.raises(RequestError, match="nothing to cancel"):
         sched.cancel(handles[1])  # finished
+
+
+def test_admission_takes_one_length_bucket_in_whole_batches(cfg, alone):
+    """A round prefills the first waiting prompt with those of its length bucket, as
+    many as fill a bucketed batch; the rest wait, in their order, for later rounds."""
+    prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 16, 4, 4
+    sched = Scheduler(_engine(cfg, 1, 1), max_batch=4)
+    handles = [sched.submit(p, Params(4)) for p in prompts]
+    started = []
+    while sched.waiting:
+        sched.step()
+        started.append([i for i, h in enumerate(handles) if h.tokens])
+    # the third same-bucket prompt would pad the batch to 4 rows: it waits, and the
+    # 12-token prompt, first in line then, goes alone
+    assert started == [[0, 2], [0, 1, 2], [0, 1, 2, 3]]
+    sched.run()
+    for h, prompt in zip(handles, prompts):
+        assert h.tokens == alone(prompt, Params(4))
 
 
 def test_background_loop_streams_to_async_and_blocking_readers(cfg, alone):
