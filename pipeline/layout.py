@@ -46,6 +46,14 @@ def bucket(n: int, unit: int) -> int:
     return unit * (1 << (units - 1).bit_length())
 
 
+def whole_batch(n: int, unit: int) -> int:
+    """The most of n requests that fill a `bucket`ed batch without padding rows (a
+    multiple of `unit` times a power of two); n itself when fewer than `unit`."""
+    if n < unit:
+        return n
+    return unit << ((n // unit).bit_length() - 1)
+
+
 def lay_out(
     prompts: list[list[int]],
     microbatches: int,

@@ -49,7 +49,7 @@ from qwen3_spmd.pipeline.decisions import Decision, SharedDecisions
 from qwen3_spmd.pipeline.decode import DecodeInputs
 from qwen3_spmd.pipeline.engine import Clock, Engine
 from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
-from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots
+from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots, whole_batch
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.ring import slots_per_device
@@ -456,68 +456,68 @@ class Scheduler:
         return update
 
     def _admit_short(self, budget: int) -> list[Update]:
-        """Prefills waiting short prompts into free rows together, within `budget`
-        tokens (one at least, when no chunk ran this round). Together means of the
-        first's length bucket (padded to one length, a short prompt would cost a long
-        one's compute), as many as make a whole bucketed batch (padding rows compute
-        for nobody); the others wait for a later round in their order."""
+        """Prefills waiting short prompts, in their order, into the free rows, within
+        `budget` tokens (one at least, when no chunk ran this round). Prompts of one
+        length bucket go together (padded to one length, a short prompt would cost a
+        long one's compute), in whole bucketed batches (padding rows compute for
+        nobody): 7 prompts of a bucket are batches of 4, 2 and 1."""
         free = self._free_rows()
         eng = self.engine
-        picked: list[int] = []  # indices into _waiting
-        chosen: list[Handle] = []
-        tokens = 0
-        for i, handle in enumerate(self._waiting):
-            if len(chosen) == len(free) or self._long(handle):
+        by_bucket: dict[int, list[Handle]] = {}  # in the order of each bucket's first
+        n = tokens = 0
+        for handle in self._waiting:
+            if n == len(free) or self._long(handle):
                 break  # a long prompt starts chunking when the one before it is done
-            if chosen and bucket(handle.prompt_tokens, 2 * eng.C) != bucket(
-                chosen[0].prompt_tokens, 2 * eng.C
-            ):
-                continue
-            if tokens + handle.prompt_tokens > budget and (chosen or budget < self.prefill_tokens):
+            if tokens + handle.prompt_tokens > budget and (n or budget < self.prefill_tokens):
                 break
-            if not self._fits(chosen + [handle]):
+            together = by_bucket.setdefault(bucket(handle.prompt_tokens, 2 * eng.C), [])
+            if not self._fits(together + [handle]):
                 break  # padded with longer prompts it would not fit: next round
-            picked.append(i)
-            chosen.append(handle)
-            tokens += handle.prompt_tokens
-        whole = [k for k in range(1, len(chosen) + 1) if bucket(k, eng.M) == k]
-        if whole:
-            del picked[whole[-1] :], chosen[whole[-1] :]
-        if not chosen:
-            return []
-        taken = set(picked)
-        self._waiting = collections.deque(h for i, h in enumerate(self._waiting) if i not in taken)
+            together.append(handle)
+            n, tokens = n + 1, tokens + handle.prompt_tokens
+        for _ in range(n):
+            self._waiting.popleft()
+        updates, rows = [], iter(free)
+        for together in by_bucket.values():
+            while together:
+                k = whole_batch(len(together), eng.M)
+                updates += self._prefill(together[:k], [next(rows) for _ in range(k)])
+                together = together[k:]
+        return updates
+
+    def _prefill(self, handles: list[Handle], rows: list[int]) -> list[Update]:
+        """Prefills short prompts together into the free `rows`; their first tokens."""
         eng = self.engine
         # Bucketed shapes (few prefill compiles) where the padding leaves room.
         batch = lay_out(
-            [list(h.prompt) for h in chosen],
+            [list(h.prompt) for h in handles],
             eng.M,
             1,
             eng.C,
             eng.slots_per_device,
-            bucketed=self._fits(chosen, bucketed=True),
+            bucketed=self._fits(handles, bucketed=True),
         )
         params = RowSampling.stack(
-            [_row_sampling(h.params) for h in chosen]
-            + [(Sampling(), 0, 0)] * (batch.B - len(chosen))
+            [_row_sampling(h.params) for h in handles]
+            + [(Sampling(), 0, 0)] * (batch.B - len(handles))
         )
-        sampled = any(h.params.sampling.temperature > 0 for h in chosen)
+        sampled = any(h.params.sampling.temperature > 0 for h in handles)
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
         first, logits, new = eng.prefill(batch, strategy, params, sampled, self.clock)
-        rows = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
-        rows[: len(chosen)] = free[: len(chosen)]
-        self._cache = eng.insert(self._cache, new, rows)
-        lp = eng.logprobs(logits, first) if any(h.params.logprobs for h in chosen) else None
+        into = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
+        into[: len(rows)] = rows
+        self._cache = eng.insert(self._cache, new, into)
+        lp = eng.logprobs(logits, first) if any(h.params.logprobs for h in handles) else None
         return [
             self._start_row(
-                free[r],
+                b,
                 h,
                 int(first[r]),
                 batch.prompt_slots,
                 batch.slot_pos[r],
                 (lp, r) if h.params.logprobs else None,
             )
-            for r, h in enumerate(chosen)
+            for r, (b, h) in enumerate(zip(rows, handles))
         ]
 
     def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:

@@ -125,15 +125,15 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(cfg, alone, mesh):
 
 def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
     """Greedy and seeded sampled requests with different settings decode together in
-    one compiled program; each request's tokens are those it samples alone. (Prompts
-    of one length bucket, four: admitted in one round, so one decode batch shape.)"""
+    one compiled program; each request's tokens are those it samples alone."""
     settings = [
-        Params(6, Sampling(temperature=1.2, top_k=5), 3),
         Params(6, Sampling(), 0),
+        Params(6, Sampling(temperature=0.8), 3),
+        Params(6, Sampling(temperature=1.2, top_k=5), 3),
         Params(6, Sampling(temperature=0.9, top_p=0.7), 11),
         Params(6, Sampling(temperature=0.7, top_k=9, top_p=0.9), 5),
     ]
-    prompts = _prompts(cfg, 4, seed=1, lengths=(5, 8, 6, 7))
+    prompts = _prompts(cfg, 5, seed=1)
     engine = _engine(cfg, 2, 2)
     sched = Scheduler(engine, max_batch=6)
     handles = [sched.submit(p, q) for p, q in zip(prompts, settings)]
@@ -149,7 +149,7 @@ def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
 
 
 def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
-    prompts = _prompts(cfg, 3, seed=2, lengths=(5, 7, 6))  # one length bucket
+    prompts = _prompts(cfg, 3, seed=2)
     sched = Scheduler(_engine(cfg, 1, 1), max_batch=2)
     handles = [sched.submit(p, Params(12)) for p in prompts]
     sched.step()
@@ -167,19 +167,24 @@ def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
         sched.cancel(handles[1])  # finished
 
 
-def test_admission_takes_one_length_bucket_in_whole_batches(cfg, alone):
-    """A round prefills the first waiting prompt with those of its length bucket, as
-    many as fill a bucketed batch; the rest wait, in their order, for later rounds."""
+def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone):
+    """A round admits every waiting prompt a free row takes, prefilled with those of
+    its length bucket only, in batches a bucketed shape fills without padding rows."""
     prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 16, 4, 4
-    sched = Scheduler(_engine(cfg, 1, 1), max_batch=4)
+    engine = _engine(cfg, 1, 1)
+    sched = Scheduler(engine, max_batch=4)
+    prefill, shapes = engine.prefill, []
+
+    def recording(batch, *args, **kw):
+        shapes.append((batch.requests, batch.B, batch.P_pad))
+        return prefill(batch, *args, **kw)
+
+    engine.prefill = recording
     handles = [sched.submit(p, Params(4)) for p in prompts]
-    started = []
-    while sched.waiting:
-        sched.step()
-        started.append([i for i, h in enumerate(handles) if h.tokens])
-    # the third same-bucket prompt would pad the batch to 4 rows: it waits, and the
-    # 12-token prompt, first in line then, goes alone
-    assert started == [[0, 2], [0, 1, 2], [0, 1, 2, 3]]
+    sched.step()
+    assert all(h.tokens for h in handles) and sched.waiting == 0
+    # prompts 0, 2, 3 of bucket 4: three rows would pad to four, so two then one
+    assert shapes == [(2, 2, 4), (1, 1, 4), (1, 1, 16)]
     sched.run()
     for h, prompt in zip(handles, prompts):
         assert h.tokens == alone(prompt, Params(4))
