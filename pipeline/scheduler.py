@@ -6,9 +6,10 @@ is a request slot: its cache row and slot positions, its current token, step and
 budget, and its sampling parameters, all per-row inputs of the one decode program. Each
 `step()` is one round:
 
-    admit   waiting requests into free rows: prefill them together with the pipelined,
-            microbatched prefill (at most `prefill_tokens` prompt tokens a round) and
-            insert their K/V rows into the cache in place (donated, no copy of it). A
+    admit   waiting requests into free rows: prefill them with the pipelined,
+            microbatched prefill (at most `prefill_tokens` prompt tokens a round; each
+            length bucket in batches of its own) and insert their K/V rows into the
+            cache in place (donated, no copy of it). A
             prompt longer than a chunk (`prefill_tokens`, a multiple of 2C) holds a
             row and is prefilled one chunk a round, each chunk attending to the earlier
             ones in its cache (`ring.context_attention`), so it never stalls the rows
