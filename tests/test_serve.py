@@ -541,3 +541,50 @@ def test_two_processes_serve_as_one(reference, text):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_losing_the_follower_ends_the_server_with_one_line():
+    """A follower that dies ends process 0 (the HTTP server) within --peer-timeout with
+    one line naming the lost process and a non-zero status, rather than a server that
+    accepts requests no round can run."""
+    port, coordinator, peer_timeout = _free_port(), _free_port(), 5
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
+    argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    argv += ["--peer-timeout", str(peer_timeout)]
+    procs = [
+        subprocess.Popen(
+            argv + ["--process-id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the two-process server did not come up"
+            time.sleep(0.5)
+        procs[1].kill()
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=peer_timeout + 60)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: lost process 1") and f"127.0.0.1:{coordinator}" in last, err
+    assert elapsed < peer_timeout + 20  # the heartbeat timeout, plus a loaded machine's slack
