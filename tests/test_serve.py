@@ -491,15 +491,13 @@ def test_sigterm_ends_running_requests_and_exits_0(server):
     assert proc.wait(timeout=60) == 0
 
 
-def test_two_processes_serve_as_one(reference, text):
-    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP, process
-    1 follows its decisions; the completions equal transformers' tokens; SIGTERM to both
-    (as a job scheduler sends it) drains and both exit 0."""
-    port, coordinator = _free_port(), _free_port()
+def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subprocess.Popen]:
+    """A 1x2 server over two processes (one CPU device each) on `port`, once /health
+    says 200; the caller ends them."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
-    argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
+    argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", *extra]
     procs = [
         subprocess.Popen(
             argv + ["--process-id", str(i)],
@@ -511,18 +509,38 @@ def test_two_processes_serve_as_one(reference, text):
         )
         for i in range(2)
     ]
+    deadline = time.monotonic() + 300
+    while True:
+        if any(p.poll() is not None for p in procs):
+            errs = [p.communicate()[1] for p in procs if p.poll() is not None]
+            _stop(procs)
+            raise AssertionError(f"a server process exited while starting: {errs}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return procs
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            _stop(procs)
+            raise AssertionError("the two-process server did not come up in 300 s")
+        time.sleep(0.5)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def test_two_processes_serve_as_one(reference, text):
+    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP, process
+    1 follows its decisions; the completions equal transformers' tokens; SIGTERM to both
+    (as a job scheduler sends it) drains and both exit 0."""
+    port = _free_port()
+    procs = _two_process_server(port, _free_port())
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the two-process server did not come up"
-            time.sleep(0.5)
 
         def ask(i):
             prompt, tokens = reference[i]
@@ -537,53 +555,22 @@ def test_two_processes_serve_as_one(reference, text):
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr.read() for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _stop(procs)
 
 
 def test_losing_the_follower_ends_the_server_with_one_line():
     """A follower that dies ends process 0 (the HTTP server) within --peer-timeout with
     one line naming the lost process and a non-zero status, rather than a server that
     accepts requests no round can run."""
-    port, coordinator, peer_timeout = _free_port(), _free_port(), 5
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
-    argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
-    argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2"]
-    argv += ["--peer-timeout", str(peer_timeout)]
-    procs = [
-        subprocess.Popen(
-            argv + ["--process-id", str(i)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    coordinator, peer_timeout = _free_port(), 5
+    procs = _two_process_server(_free_port(), coordinator, "--peer-timeout", str(peer_timeout))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert all(p.poll() is None for p in procs), [p.stderr.read() for p in procs]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the two-process server did not come up"
-            time.sleep(0.5)
         procs[1].kill()
         killed = time.monotonic()
         _, err = procs[0].communicate(timeout=peer_timeout + 60)
         elapsed = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+        _stop(procs)
     assert procs[0].returncode == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: lost process 1") and f"127.0.0.1:{coordinator}" in last, err
