@@ -94,7 +94,8 @@ class Engine:
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
         collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
-        cp_cost.nominal for the platform; bench measures them).
+        cp_cost.nominal for the platform; bench measures them). On CPU the throughput
+        is the host's, shared by the mesh's emulated devices.
     """
 
     def __init__(
@@ -131,9 +132,12 @@ class Engine:
         except ValueError as e:
             raise RequestError(str(e)) from None
         self.cp = cp
-        link, flops = cp_cost.nominal(mesh.devices.flat[0].platform)
+        platform = mesh.devices.flat[0].platform
+        link, flops = cp_cost.nominal(platform)
         self.link_bytes_per_s = link_bytes_per_s or link
-        self.flops_per_s = flops_per_s or flops
+        # CPU devices are emulated on one host: working at once, they share its rate.
+        shared = mesh.devices.size if platform == "cpu" else 1
+        self.flops_per_s = (flops_per_s or flops) / shared
         self.slots_per_device = math.ceil(max_seq_len / self.C)
         graphdef, abstract = abstract_model(cfg, self.dtype)
         self.graphdef = graphdef

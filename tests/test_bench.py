@@ -295,7 +295,7 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         "ulysses",
     )
     assert [m["mesh"] for m in out["meshes"]] == ["1x1", "1x2", "1x2 ulysses"]
-    link = out["roofline"]["link_bytes_per_s"]
+    (link,) = out["roofline"]["links"]
     assert link["devices"] == 2
     assert link["ppermute"]["median"] > 0 and link["all_to_all"]["median"] > 0
     one, ring, uly = (m["prefill"][0] for m in out["meshes"])
@@ -314,6 +314,28 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp", "ulysses"]) == 2
     )
     assert "--mesh 1x3: ulysses: 4 query heads cannot be shared" in capsys.readouterr().err
+
+
+def test_each_mesh_predicts_with_the_link_of_its_own_seq_size():
+    """Emulated devices share the cores, so the link is measured per seq size, and a
+    mesh's cost model takes the probe of its own C (none on one device)."""
+    from qwen3_spmd.run.bench.jobs import measured_rates
+
+    def probe(C, ppermute, all_to_all):
+        return {
+            "devices": C,
+            "ppermute": {"median": ppermute},
+            "all_to_all": {"median": all_to_all},
+        }
+
+    roof = {
+        "matmul_flops_per_s": {"median": 1e11},
+        "links": [probe(2, 4e9, 7e8), probe(4, 2e9, 5e8)],
+    }
+    assert measured_rates(roof, 4)["link_bytes_per_s"] == {"ppermute": 2e9, "all_to_all": 5e8}
+    assert measured_rates(roof, 2)["link_bytes_per_s"] == {"ppermute": 4e9, "all_to_all": 7e8}
+    assert measured_rates(roof, 1) == {"link_bytes_per_s": None, "flops_per_s": 1e11}
+    assert measured_rates(None, 2) == {}
 
 
 def test_serve_closed_loops_beside_static_batches(capsys):

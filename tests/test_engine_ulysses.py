@@ -195,6 +195,15 @@ def test_auto_runs_what_the_model_picks(runs, links, strategy):
     assert [t[:2] for t in _tokens(runs.run("tiny", 1, 1, cp="ring")[1])] == _tokens(gen)
 
 
+def test_emulated_cpu_devices_share_the_hosts_matmul_rate():
+    """The cost model's compute term: the C emulated devices of a 1xC CPU mesh work at
+    once on one host's cores, so each gets 1/C of its measured (or nominal) rate."""
+    cfg, source, _, _ = _model("tiny")
+    for C in (1, 2):
+        engine = Engine(cfg, source, make_mesh(1, C, jax.devices()[:C]), flops_per_s=1e11)
+        assert engine.flops_per_s == 1e11 / C
+
+
 def test_impossible_head_split_fails_before_compiling():
     cfg, source, _, _ = _model("tiny")
     with pytest.raises(

@@ -46,7 +46,7 @@ class MeshEngines:
                 self.s["groups"],
                 self.s["chunk"],
                 cp=self.cp,
-                **measured_rates(self.roof),
+                **measured_rates(self.roof, self.mesh.shape["seq"]),
             )
             self.state = e.weights.state
             self.engines[max_seq_len] = e
@@ -203,12 +203,12 @@ def memory_of(engine: Engine, cache: KVCache) -> dict:
     }
 
 
-def measured_rates(roof) -> dict:
-    """The link bandwidth and matmul throughput bench measured, as Engine takes them
-    (for the cost model); {} where they were not measured."""
+def measured_rates(roof, seq: int) -> dict:
+    """The link bandwidth among `seq` devices and the matmul throughput bench measured,
+    as Engine takes them (for the cost model); {} where they were not measured."""
     if not roof:
         return {}
-    link = roof.get("link_bytes_per_s")
+    link = next((x for x in roof.get("links", []) if x["devices"] == seq), None)
     return {
         "link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
         if link

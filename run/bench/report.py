@@ -162,8 +162,7 @@ def _header(r: dict) -> None:
     )
     if "roofline" in r:
         ro = r["roofline"]
-        if "link_bytes_per_s" in ro:
-            link = ro["link_bytes_per_s"]
+        for link in ro.get("links", []):
             print(
                 f"link over {link['devices']} devices (received per device): ppermute "
                 f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
