@@ -53,6 +53,7 @@ from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots, whole_batch
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
+from qwen3_spmd.pipeline.schedule import decode_ticks
 from qwen3_spmd.ring import slots_per_device
 
 
@@ -138,8 +139,11 @@ class Scheduler:
         self.max_queue = max_queue
         self.clock = Clock()
         self.rounds = 0
-        self.decode_rounds = 0
-        self.busy_rows = 0  # rows holding a request, summed over the decode rounds
+        # Decode accounting: row-steps the rounds ran (all rows x steps), those that
+        # gave a request a token, and pipeline ticks (a stage works on one group a tick).
+        self.row_steps = 0
+        self.busy_row_steps = 0
+        self.decode_ticks = 0
         self._ids = itertools.count()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._rows: list[_Row | None] = [None] * self.B
@@ -165,6 +169,21 @@ class Scheduler:
         self.follower = decisions is not None and not decisions.leader
         self.closed = False  # a follower saw process 0 close
         self.failure: Exception | None = None  # what ended the background loop
+
+    def decode_counts(self) -> tuple[int, int, int]:
+        """(row-steps run, row-steps that gave a request a token, pipeline ticks)."""
+        return self.row_steps, self.busy_row_steps, self.decode_ticks
+
+    def decode_use(self, since: tuple[int, int, int] = (0, 0, 0)) -> dict:
+        """How well the decode rounds since `since` (decode_counts() then) used the
+        mesh: row_occupancy, the share of row-steps that gave a request a token, and
+        stage_idle_fraction, the share of the stages' work that gave none (pipeline
+        bubbles, empty rows, steps past a row's end)."""
+        rows, busy, ticks = (a - b for a, b in zip(self.decode_counts(), since))
+        return {
+            "row_occupancy": busy / rows if rows else 0.0,
+            "stage_idle_fraction": 1 - self.groups * busy / (self.B * ticks) if ticks else 0.0,
+        }
 
     @property
     def kv_bytes_per_device(self) -> int:
@@ -538,8 +557,6 @@ class Scheduler:
         """One decode chunk over every row; hands out the new tokens, retires rows."""
         eng = self.engine
         live = [b for b, r in enumerate(self._rows) if r is not None]
-        self.decode_rounds += 1
-        self.busy_rows += len(live)
         # Requests take the lowest free rows, and the chunk runs over the rows up to the
         # highest busy one (rounded up to the groups times a power of two: few programs),
         # so a light load does not pay for every row's products.
@@ -558,8 +575,10 @@ class Scheduler:
             per_row[b] = _row_sampling(row.params)
         # Short chunks while a request waits or a row is free (one may arrive during
         # the chunk, and waits for its end): a long chunk only when the batch is full.
+        # A chunk ends where the first row reaches its budget: past it the row would
+        # sit empty to the chunk's end, while a waiting (or next) request could use it.
         chunk = self.short_chunk if self._waiting or len(live) < self.B else eng.chunk
-        take = int(min(chunk, eng.chunk, max(limit[b] - step[b] for b in live)))
+        take = int(min(chunk, eng.chunk, *(limit[b] - step[b] for b in live)))
         list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
         inputs = DecodeInputs(
             tokens=tokens,
@@ -576,6 +595,8 @@ class Scheduler:
             self._cache, self._slot_pos, inputs, self.groups, sampled, False, self.clock, logprobs
         )
         new_tokens = np.asarray(out.tokens)
+        self.row_steps += self.B * take
+        self.decode_ticks += decode_ticks(self.groups, eng.stages, take)
         lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if logprobs else None
         updates = []
         for b in live:
@@ -586,6 +607,7 @@ class Scheduler:
                 row.generated.append(int(t))
                 if self._finished(row):
                     break
+            self.busy_row_steps += len(got)
             updates.append(Update(row.handle.id, got, self._finished(row)))
             if row.params.logprobs:
                 at_step = TokenLogprobs(*(x[b] for x in lp))

@@ -354,8 +354,8 @@ def test_serve_closed_loops_beside_static_batches(capsys):
             for key in ("output_tokens_per_s", "requests_per_s", "time_s"):
                 assert 0 < j[key] < math.inf
             assert 0 < j["time_to_first_token_s"]["p50"] <= j["time_to_first_token_s"]["p90"]
-            assert in_unit(j["mean_row_occupancy"])
-            assert 0 <= j["steady_idle_fraction"] <= j["steady_idle_fraction_with_empty_rows"] < 1
+            assert in_unit(j["row_occupancy"])
+            assert 0 <= j["steady_idle_fraction"] <= j["stage_idle_fraction"] < 1
             assert j["static"]["output_tokens"] == j["output_tokens"]
             assert j["speedup_vs_static"] > 0
         assert serve["static_equal_batch"]["batch"] == 2

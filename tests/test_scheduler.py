@@ -371,6 +371,30 @@ def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alon
     assert names and all(n.endswith("; 2]") for n in names), names
 
 
+def test_a_chunk_ends_where_the_first_row_reaches_its_budget(cfg, alone):
+    """Two full rows with budgets 3 and 12 and a request waiting: the round's chunk
+    stops when the first row is done (no step past it), and the waiting request takes
+    that row the next round. The accounting sees every row-step used."""
+    prompts = _prompts(cfg, 3, seed=7)
+    sched = Scheduler(_engine(cfg, 1, 1), max_batch=2, short_chunk=4)
+    budgets = [3, 12, 5]
+    handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
+    sched.step()  # admits two; a 4-step chunk would run 2 steps past the first's end
+    assert handles[0].finish_reason == "length" and len(handles[1].tokens) == 3
+    assert sched.decode_counts() == (2 * 2, 2 * 2, 2)  # rows x steps, busy, ticks
+    sched.step()
+    assert handles[2].tokens and sched.waiting == 0
+    sched.run()
+    for h, prompt, n in zip(handles, prompts, budgets):
+        assert h.tokens == alone(prompt, Params(n))
+    rows, busy, ticks = sched.decode_counts()
+    assert busy == sum(n - 1 for n in budgets)  # each request's first token is the prefill's
+    assert sched.decode_use() == {
+        "row_occupancy": busy / rows,
+        "stage_idle_fraction": 1 - busy / (2 * ticks),
+    }
+
+
 def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
     """logprobs: each token's log-probability under generate's own logits (request 0's
     at each step) and the top 5, first token (prefill) and decode steps alike.

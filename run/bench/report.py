@@ -110,7 +110,7 @@ def _serve_targets(report: dict) -> dict:
     idle = None
     if two:
         loaded = [
-            j["steady_idle_fraction_with_empty_rows"]
+            j["stage_idle_fraction"]
             for j in two["concurrency"]
             if j["concurrency"] >= 2 * two["max_batch"] // two["groups"]
         ]
@@ -306,8 +306,8 @@ def _serve(r: dict) -> None:
                     if j["time_per_output_token_s"]["p50"] is None
                     else f"{1e3 * j['time_per_output_token_s']['p50']:.0f}/"
                     f"{1e3 * j['time_per_output_token_s']['p90']:.0f}",
-                    f"{j['mean_row_occupancy']:.2f}",
-                    f"{j['steady_idle_fraction']:.2f}",
+                    f"{j['row_occupancy']:.2f}",
+                    f"{j['stage_idle_fraction']:.2f}",
                 ]
             )
     if not rows:
@@ -319,7 +319,7 @@ def _serve(r: dict) -> None:
         f"the same requests through generate in batches of min(c, rows))"
     )
     head = ["mesh", "c", "tok/s", "static tok/s", "x static", "req/s", "TTFT s p50/p90"]
-    head += ["TPOT ms p50/p90", "rows busy", "idle"]
+    head += ["TPOT ms p50/p90", "rows busy", "stages idle"]
     print(_table(head, rows))
 
 

@@ -40,7 +40,7 @@ def _percentiles(xs) -> dict:
 def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
     """Every request through `sched` with `concurrency` in flight (greedy)."""
     pending, live, finished = list(requests), [], []
-    before = (sched.clock.compile_s, sched.decode_rounds, sched.busy_rows)
+    compile_before, counts = sched.clock.compile_s, sched.decode_counts()
     t0 = time.perf_counter()
     while pending or live:
         while pending and len(live) < concurrency:
@@ -49,8 +49,7 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         sched.step()
         finished += [h for h in live if h.done]
         live = [h for h in live if not h.done]
-    compile_s = sched.clock.compile_s - before[0]
-    rounds, busy = sched.decode_rounds - before[1], sched.busy_rows - before[2]
+    compile_s = sched.clock.compile_s - compile_before
     wall = time.perf_counter() - t0 - compile_s
     tokens = sum(h.completion_tokens for h in finished)
     per_token = [
@@ -67,7 +66,7 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         "requests_per_s": len(finished) / wall,
         "time_to_first_token_s": _percentiles([h.time_to_first_token_s for h in finished]),
         "time_per_output_token_s": _percentiles(per_token),
-        "mean_row_occupancy": busy / (rounds * sched.B) if rounds else 0.0,
+        **sched.decode_use(since=counts),
     }
 
 
@@ -120,9 +119,8 @@ def serve_job(engines, settings: dict, say) -> dict:
             **loop,
             "static": static,
             "speedup_vs_static": loop["output_tokens_per_s"] / static["output_tokens_per_s"],
-            # bubbles of the decode schedule, and the same with empty rows counted idle
+            # the decode schedule's bubbles in a long chunk with every row busy
             "steady_idle_fraction": steady,
-            "steady_idle_fraction_with_empty_rows": 1 - (1 - steady) * loop["mean_row_occupancy"],
         }
         rows.append(row)
         say(
@@ -131,7 +129,7 @@ def serve_job(engines, settings: dict, say) -> dict:
             f"{loop['requests_per_s']:.2f} req/s, TTFT p50 "
             f"{loop['time_to_first_token_s']['p50']:.2f} s, TPOT p50 "
             f"{1e3 * (loop['time_per_output_token_s']['p50'] or 0):.0f} ms, rows busy "
-            f"{loop['mean_row_occupancy']:.2f}"
+            f"{loop['row_occupancy']:.2f}, stages idle {loop['stage_idle_fraction']:.2f}"
         )
     kv = 2 * int(np.prod(engine.cache_shape(sched_rows))) * engine.dtype.itemsize
     return {
