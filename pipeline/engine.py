@@ -435,7 +435,7 @@ class Engine:
         """Runs the prefill of `batch` into a new cache and samples each row's first token
         with its `params` (host arrays [B]; sampled=False: every row is greedy).
         A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
-        must list the earlier chunks' slots; its prefill attends to them too (ring only).
+        must list the earlier chunks' slots; its prefill attends to them too.
         Returns (first tokens [B] numpy, logits [B, V], the cache)."""
         with_context = batch.offset > 0
         if cache is None:

@@ -100,13 +100,11 @@ def build_prefill(
     "ulysses" (ring.ulysses; C must divide N). Either writes each device's own tokens'
     K/V to its cache slots, so the cache is the same. with_context: the tokens are a
     later chunk of their prompts, written from local slot `inputs.offset` on, and
-    attend also to the cached slots below it (`ring.context_attention`, merged with the
-    ring's result by LSE); ring only.
+    attend also to the cached slots below it (`ring.context_attention`, merged by LSE
+    with the chunk's own attention, ring or Ulysses).
     """
     if cp not in CP_STRATEGIES:
         raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
-    if with_context and cp != "ring":
-        raise ValueError("a chunk attending to cached context runs with cp='ring'")
     M = microbatches
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles: no cond is needed around its layers.
@@ -157,8 +155,11 @@ def build_prefill(
 
             def attention(q, k, v, kv, layer=None):
                 if with_context:
-                    o, lse = ring_attention(
-                        q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale
+                    args = (q, k, v, ring_pos, ring_pos)
+                    o, lse = (
+                        ulysses_attention(*args, axis_name="seq", scale=scale, with_lse=True)
+                        if cp == "ulysses"
+                        else ring_attention(*args, axis_name="seq", scale=scale)
                     )
                     return context(layer, q, o, lse, kv)
                 if fused:

@@ -442,7 +442,7 @@ class Scheduler:
         p = ch.handle.params
         params = RowSampling.stack([_row_sampling(p)] * batch.B)
         sampled = p.sampling.temperature > 0
-        strategy = eng.cp_plan(batch.B, batch.P_pad)[0] if ch.offset == 0 else "ring"
+        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
         first, logits, ch.cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
         ch.done, ch.offset = end, batch.prompt_slots
         if end < len(prompt):

@@ -123,6 +123,21 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(cfg, alone, mesh):
         assert h.tokens == alone(prompt, p), h.id
 
 
+def test_long_prompt_chunks_run_ulysses_when_asked(cfg, alone):
+    """cp="ulysses" on 1x2: every chunk of a long prompt, the later ones attending to
+    the cached earlier ones too, splits its attention by heads (the programs say so),
+    and the tokens are the prompt's alone."""
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, cfg.V, 21).tolist()
+    engine = _engine(cfg, 1, 2, cp="ulysses")
+    sched = Scheduler(engine, max_batch=2, prefill_tokens=8)
+    handle = sched.submit(prompt, Params(5))
+    sched.run()
+    assert handle.tokens == alone(prompt, Params(5))
+    prefills = sorted({n.split(" [")[0] for n in engine.programs.compiled if "prefill" in n})
+    assert prefills == ["prefill ulysses", "prefill ulysses context"], prefills
+
+
 def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
     """Greedy and seeded sampled requests with different settings decode together in
     one compiled program; each request's tokens are those it samples alone."""
