@@ -342,7 +342,7 @@ def test_serve_closed_loops_beside_static_batches(capsys):
     """bench --scenario serve on 2x1: a closed loop per concurrency (1, G, rows, 2 x rows)
     through the scheduler next to static batches of the same requests, each with
     throughputs, latencies and row occupancy, and the targets that need them."""
-    out = run_json(capsys, "--scenario", "serve", "--mesh", "2x1")
+    out = run_json(capsys, "--scenario", "serve", "--mesh", "2x1", "--serve-requests", "2")
     for m in out["meshes"]:
         serve = m["serve"]
         G = m["stage"]
@@ -350,12 +350,14 @@ def test_serve_closed_loops_beside_static_batches(capsys):
         assert [j["concurrency"] for j in serve["concurrency"]] == sorted({1, G, 2, 4})
         assert serve["kv_bytes_per_device"] > 0
         for j in serve["concurrency"]:
-            assert j["requests"] == max(j["concurrency"], 2) and j["output_tokens"] >= j["requests"]
+            assert j["requests"] == 2 * j["concurrency"] and j["output_tokens"] >= j["requests"]
             for key in ("output_tokens_per_s", "requests_per_s", "time_s"):
                 assert 0 < j[key] < math.inf
             assert 0 < j["time_to_first_token_s"]["p50"] <= j["time_to_first_token_s"]["p90"]
             assert in_unit(j["row_occupancy"])
             assert 0 <= j["steady_idle_fraction"] <= j["stage_idle_fraction"] < 1
+            drain = j["before_drain"]  # the last of 2c requests goes in after a round
+            assert in_unit(drain["row_occupancy"]) and 0 <= drain["stage_idle_fraction"] < 1
             assert j["static"]["output_tokens"] == j["output_tokens"]
             assert j["speedup_vs_static"] > 0
         assert serve["static_equal_batch"]["batch"] == 2

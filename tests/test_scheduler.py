@@ -410,6 +410,24 @@ def test_a_chunk_ends_where_the_first_row_reaches_its_budget(cfg, alone):
     }
 
 
+@pytest.mark.parametrize("first_budget,take", [(2, 1), (3, 4)])
+def test_on_two_stages_a_chunk_ends_early_only_when_the_empty_row_costs_more(
+    cfg, first_budget, take
+):
+    """2x1, 4 rows in 2 groups, a request waiting (4-step chunks): ending the chunk at
+    the first row's budget costs a pipeline fill and drain (2 stage-ticks), running on
+    costs that row's empty steps (1 stage-tick each). 3 empty steps: it ends; 2: it
+    runs on."""
+    engine = _engine(cfg, 2, 1)
+    sched = Scheduler(engine, max_batch=4, short_chunk=4)
+    budgets = [first_budget, 12, 12, 12, 3]
+    for p, n in zip(_prompts(cfg, 5, seed=9), budgets):
+        sched.submit(p, Params(n))
+    sched.step()  # admits four; the fifth waits
+    used = (first_budget - 1) + 3 * take
+    assert sched.decode_counts() == (4 * take, used, (take - 1) * 2 + 3)
+
+
 def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
     """logprobs: each token's log-probability under generate's own logits (request 0's
     at each step) and the top 5, first token (prefill) and decode steps alike.

@@ -110,9 +110,9 @@ def _serve_targets(report: dict) -> dict:
     idle = None
     if two:
         loaded = [
-            j["stage_idle_fraction"]
+            j["before_drain"]["stage_idle_fraction"]
             for j in two["concurrency"]
-            if j["concurrency"] >= 2 * two["max_batch"] // two["groups"]
+            if j["concurrency"] >= 2 * two["max_batch"] // two["groups"] and j["before_drain"]
         ]
         idle = max(loaded) if loaded else None
     return {
@@ -308,6 +308,9 @@ def _serve(r: dict) -> None:
                     f"{1e3 * j['time_per_output_token_s']['p90']:.0f}",
                     f"{j['row_occupancy']:.2f}",
                     f"{j['stage_idle_fraction']:.2f}",
+                    "-"
+                    if j["before_drain"] is None
+                    else f"{j['before_drain']['stage_idle_fraction']:.2f}",
                 ]
             )
     if not rows:
@@ -319,7 +322,7 @@ def _serve(r: dict) -> None:
         f"the same requests through generate in batches of min(c, rows))"
     )
     head = ["mesh", "c", "tok/s", "static tok/s", "x static", "req/s", "TTFT s p50/p90"]
-    head += ["TPOT ms p50/p90", "rows busy", "stages idle"]
+    head += ["TPOT ms p50/p90", "rows busy", "stages idle", "before the drain"]
     print(_table(head, rows))
 
 

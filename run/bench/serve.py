@@ -38,14 +38,20 @@ def _percentiles(xs) -> dict:
 
 
 def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
-    """Every request through `sched` with `concurrency` in flight (greedy)."""
+    """Every request through `sched` with `concurrency` in flight (greedy). The decode
+    use (`Scheduler.decode_use`) is given over the whole loop, and over its steady part
+    before the drain: until the last request goes in, each one that finishes has a
+    successor (None when no decode round ran before it)."""
     pending, live, finished = list(requests), [], []
     compile_before, counts = sched.clock.compile_s, sched.decode_counts()
+    before_drain = None
     t0 = time.perf_counter()
     while pending or live:
         while pending and len(live) < concurrency:
             prompt, n = pending.pop(0)
             live.append(sched.submit(prompt, Params(n)))
+            if not pending and sched.decode_counts()[0] > counts[0]:
+                before_drain = sched.decode_use(since=counts)
         sched.step()
         finished += [h for h in live if h.done]
         live = [h for h in live if not h.done]
@@ -67,6 +73,7 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         "time_to_first_token_s": _percentiles([h.time_to_first_token_s for h in finished]),
         "time_per_output_token_s": _percentiles(per_token),
         **sched.decode_use(since=counts),
+        "before_drain": before_drain,
     }
 
 
