@@ -577,14 +577,14 @@ class Scheduler:
         # the chunk, and waits for its end): a long chunk only when the batch is full.
         chunk = self.short_chunk if self._waiting or len(live) < self.B else eng.chunk
         left = [int(limit[b] - step[b]) for b in live]
-        take = min(chunk, eng.chunk, max(left))
+        take, first = min(chunk, eng.chunk, max(left)), min(left)
         # Past the first row's budget that row sits empty to the chunk's end, while a
         # waiting (or the next) request could use it; ending the chunk there costs one
         # more pipeline fill and drain, S (S - 1) stage-ticks, against the empty row's
         # S G / B stage-ticks a step. End it there when that is the smaller loss (on
         # one stage, always).
-        if (take - min(left)) * self.groups > (eng.stages - 1) * self.B:
-            take = min(left)
+        if (take - first) * self.groups > (eng.stages - 1) * self.B:
+            take = first
         list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
         inputs = DecodeInputs(
             tokens=tokens,

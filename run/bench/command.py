@@ -371,9 +371,8 @@ def _measure_rooflines(dtype, settings: dict, meshes, say) -> dict:
         dtype, max(settings["repeats"], 3), max(settings["warmup"], 1), settings["smoke"]
     )
     seqs = sorted({C for _, C in meshes if C > 1})
-    if seqs:
-        roof["links"] = [link_bandwidth(jax.devices()[:C], settings["smoke"]) for C in seqs]
-    for link in roof.get("links", []):
+    roof["links"] = [link_bandwidth(jax.devices()[:C], settings["smoke"]) for C in seqs]
+    for link in roof["links"]:
         say(
             f"link over {link['devices']} devices, received per device: ppermute "
             f"{link['ppermute']['median'] / 1e9:.3f} GB/s, all-to-all "

@@ -208,7 +208,7 @@ def measured_rates(roof, seq: int) -> dict:
     as Engine takes them (for the cost model); {} where they were not measured."""
     if not roof:
         return {}
-    link = next((x for x in roof.get("links", []) if x["devices"] == seq), None)
+    link = next((x for x in roof["links"] if x["devices"] == seq), None)
     return {
         "link_bytes_per_s": {k: link[k]["median"] for k in ("ppermute", "all_to_all")}
         if link

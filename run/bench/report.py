@@ -162,7 +162,7 @@ def _header(r: dict) -> None:
     )
     if "roofline" in r:
         ro = r["roofline"]
-        for link in ro.get("links", []):
+        for link in ro["links"]:
             print(
                 f"link over {link['devices']} devices (received per device): ppermute "
                 f"{_s(link['ppermute'], 1e-9)} GB/s, all-to-all "
