@@ -16,7 +16,7 @@ Five formulations of the experts compute the same sum:
 - `experts_gathered`: for few rows (decode), the chosen experts' weights gathered per
   row and one batched product, so a step reads about A/E of the expert bytes;
 - `experts_looped`: the same reads as a loop over the (row, choice) pairs, each a
-  slice of the stacked weights and three matrix-vector products;
+  slice of the stacked weights and three matrix-vector products (`_expert_times`);
 - `experts_grouped`: for many rows (prefill), the (row, choice) pairs sorted by expert,
   each expert's run of rows one matmul (`jax.lax.ragged_dot`);
 - `experts_blocked`: the same sort, each expert's run padded to blocks of rows, and a
@@ -42,6 +42,12 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # measured here: no GPU).
 DECODE = {"cpu": "looped"}
 PREFILL = {"cpu": "blocked"}
+# The longest expert row (in elements) `experts_looped` reads with the fused one-row
+# product. Float32 on this machine, one [N, K] slice of a stack (README, MoE section):
+# 21-42 GB/s fused against 7-13 plain for K <= 2048; 15 against 6.5 at K = 3072; 0.5-1.3
+# against 2-11 at K = 4096 (split along K it stays that slow), so wider rows take the
+# plain product.
+FUSED_MAX_K = 2048
 # Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
 DENSE_CHUNK = 256
 
@@ -110,6 +116,15 @@ def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     )
 
 
+def _expert_times(w_eno, e, v) -> jax.Array:
+    """w_eno [E, N, K] experts stacked [out, in], e a scalar expert, v [K] -> w[e] @ v
+    [N]. With K <= FUSED_MAX_K it is written v @ w[e]^T, which XLA's CPU backend fuses
+    with the slice into one loop on both cores that reads the expert in place; the
+    plain form copies the slice out of the stack first, then reads it on one thread."""
+    w = jax.lax.dynamic_index_in_dim(w_eno, e, keepdims=False)
+    return v @ w.T if w.shape[1] <= FUSED_MAX_K else w @ v
+
+
 def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
     """A loop over the R * A (row, choice) pairs: the pair's expert sliced out of the
     stacked weights, three matrix-vector products, the weighted outputs summed per row
@@ -119,8 +134,8 @@ def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
     def pair(p):  # no carry: under shard_map its type would have to track x's axes
         r, e, w = p
         xr = x[r]
-        h = _swiglu(gate_efd[e] @ xr, up_efd[e] @ xr)
-        return w.astype(jnp.float32) * (down_edf[e] @ h).astype(jnp.float32)
+        h = _swiglu(_expert_times(gate_efd, e, xr), _expert_times(up_efd, e, xr))
+        return w.astype(jnp.float32) * _expert_times(down_edf, e, h).astype(jnp.float32)
 
     rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), A)
     ys = jax.lax.map(pair, (rows, ids.reshape(-1), weights.reshape(-1)))  # [R * A, D]

@@ -113,6 +113,24 @@ def test_formulations_agree_with_the_dense_one(rows):
         np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4, err_msg=how)
 
 
+@pytest.mark.parametrize("fused_max_k", [0, 12, 2048])
+def test_looped_products_fused_or_plain_agree(fused_max_k, monkeypatch):
+    """Every product plain, gate and up (rows of D = 13) plain with down (rows of F = 11)
+    fused, every product fused: the same sums as the dense formulation."""
+    E, A, D, F = 5, 2, 13, 11
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (3, D))
+    weights, ids, _ = moe.route(x, jax.random.normal(keys[1], (E, D)), A, False)
+    w = [jax.random.normal(k, s) for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])]
+    monkeypatch.setattr(moe, "FUSED_MAX_K", fused_max_k)
+    np.testing.assert_allclose(
+        moe.experts_looped(x, weights, ids, *w),
+        moe.experts_dense(x, weights, ids, *w),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 def test_dense_formulation_chunks_rows():
     E, A, D, F = 5, 2, 8, 6
     keys = jax.random.split(jax.random.key(0), 5)
