@@ -46,13 +46,24 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
 # ---- rooflines ------------------------------------------------------------------------
 
 
+def _stacked_matvec(stack, v):
+    """stack [n, N, K], v [K] -> [n, N]: v @ stack[i]^T for each i, in a loop."""
+
+    def one(i):
+        return v @ jax.lax.dynamic_index_in_dim(stack, i, keepdims=False).T
+
+    return jax.lax.map(one, jnp.arange(stack.shape[0]))
+
+
 def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
     """Memory bandwidth and matmul throughput, both on the first device.
 
-    Bandwidth is the fastest of three jitted kernels that read a large float32 array
-    once: a sum, a matrix-vector product, and sums of one part per CPU core (XLA CPU
-    runs a reduction on one thread, its matvecs on all of them, and independent
-    reductions side by side; any one alone can understate what the memory gives).
+    Bandwidth is the fastest of four jitted kernels that read a large float32 array
+    once: a sum, a matrix-vector product, sums of one part per CPU core, and a loop of
+    v @ w^T over the [2048]-row matrices of a stack (XLA CPU runs a reduction on one
+    thread, its matvecs on all of them, independent reductions side by side, and the
+    last as one fused loop that reads each matrix in place, as MoE decode reads its
+    experts; any one alone can understate what the memory gives).
     Throughput is a jitted square matmul in `dtype`. An accelerator gets a larger array
     and matmul (2 GiB, 8192^2) than a CPU (256 MiB, 2048^2): each must take
     milliseconds there, so launch and dispatch stay out of it."""
@@ -76,6 +87,7 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
             (parts,),
             sum(p.nbytes for p in parts),
         ),
+        "stacked_matvec": (jax.jit(_stacked_matvec), (a.reshape(8, -1, 2048), v[:2048]), a.nbytes),
     }
     per_kernel = {}
     for name, (fn, args, read) in kernels.items():
