@@ -85,31 +85,43 @@ def hf_model(spec, source, dtype_name: str):
         **moe,
     )
     model = kind(hf_cfg).to(tdtype)
-    weights = {}
+    # Each tensor is copied into the model's own as it is made (not collected first and
+    # loaded): a peer of several GB then needs no second copy of itself.
+    own, filled = model.state_dict(), set()
+
+    def put(name: str, x, rows=slice(None)):
+        if name not in own:
+            raise AssertionError(f"weights for transformers: unexpected {name}")
+        own[name][rows].copy_(torch.from_numpy(np.ascontiguousarray(x)))
+        filled.add(name)
+
     for e in name_table(cfg):
         if e.path[:2] == ("layers", "moe") and e.path[2] != "router_ed":
             continue  # transformers holds the experts fused: below
         full = source.full(e.path, np.float32)
         for i in range(cfg.L) if e.stacked else [None]:
             for name, x in e.hf_tensors(full if i is None else full[i], cfg, i).items():
-                weights[name] = torch.from_numpy(np.ascontiguousarray(x))
-    if moe:  # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D], down_proj [E, D, F]
-        gate, up, down = (
-            source.full(("layers", "moe", n), np.float32)
-            for n in ("gate_efd", "up_efd", "down_edf")
-        )
-        for i in (i for i in range(cfg.L) if cfg.is_sparse(i)):
-            prefix = f"model.layers.{i}.mlp.experts."
-            weights[prefix + "gate_up_proj"] = torch.from_numpy(
-                np.concatenate([gate[i], up[i]], axis=1)
-            )
-            weights[prefix + "down_proj"] = torch.from_numpy(np.ascontiguousarray(down[i]))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise AssertionError(
-            f"weights for transformers: missing {missing}, unexpected {unexpected}"
-        )
+                put(name, x)
+    sparse = [i for i in range(cfg.L) if cfg.is_sparse(i)]
+    F = cfg.moe_intermediate_size
+    # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D] (gate, then up), down_proj
+    # [E, D, F]; one stacked source tensor at a time.
+    for n, name, rows in (
+        ("gate_efd", "gate_up_proj", (slice(None), slice(0, F))),
+        ("up_efd", "gate_up_proj", (slice(None), slice(F, 2 * F))),
+        ("down_edf", "down_proj", slice(None)),
+    ):
+        full = source.full(("layers", "moe", n), np.float32) if sparse else None
+        for i in sparse:
+            put(f"model.layers.{i}.mlp.experts.{name}", full[i], rows)
+        del full
+    missing = [
+        k
+        for k in own
+        if k not in filled and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
+    if missing:
+        raise AssertionError(f"weights for transformers: missing {missing}")
     model.tie_weights()
     return model.to(tdtype).eval()
 
