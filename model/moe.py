@@ -43,10 +43,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 DECODE = {"cpu": "looped"}
 PREFILL = {"cpu": "blocked"}
 # The longest expert row (in elements) `experts_looped` reads with the fused one-row
-# product. Float32 on this machine, one [N, K] slice of a stack (README, MoE section):
-# 21-42 GB/s fused against 7-13 plain for K <= 2048; 15 against 6.5 at K = 3072; 0.5-1.3
-# against 2-11 at K = 4096 (split along K it stays that slow), so wider rows take the
-# plain product.
+# product. Float32 on this machine, one [N, K] slice of a stack read again and again
+# (partly from L3, so above DRAM's rate; README, MoE section): 21-42 GB/s fused against
+# 7-13 plain for K <= 2048; 15 against 6.5 at K = 3072; 0.5-1.3 against 2-11 at K =
+# 4096 (split along K it stays that slow), so wider rows take the plain product.
 FUSED_MAX_K = 2048
 # Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
 DENSE_CHUNK = 256

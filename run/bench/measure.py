@@ -60,7 +60,7 @@ def rooflines(dtype, repeats: int, warmup: int, smoke: bool) -> dict:
 
     Bandwidth is the fastest of four jitted kernels that read a large float32 array
     once: a sum, a matrix-vector product, sums of one part per CPU core, and a loop of
-    v @ w^T over the [2048]-row matrices of a stack (XLA CPU runs a reduction on one
+    v @ w^T over the matrices (rows of 2048) of a stack (XLA CPU runs a reduction on one
     thread, its matvecs on all of them, independent reductions side by side, and the
     last as one fused loop that reads each matrix in place, as MoE decode reads its
     experts; any one alone can understate what the memory gives).
