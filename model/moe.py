@@ -42,6 +42,12 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # measured here: no GPU).
 DECODE = {"cpu": "looped"}
 PREFILL = {"cpu": "blocked"}
+# (row, expert) pairs per expert up to which the decode formulation runs: it reads
+# rows x A experts, a prefill one each chosen expert about once. On CPU `looped`, which
+# reads experts in place, is faster than `blocked` up to about 6E pairs (README, MoE
+# section: 30B-A3B's widths, 734 against 899 ms at 96 rows, 978 against 976 at 128);
+# elsewhere (unmeasured) up to E.
+DECODE_PAIRS_PER_EXPERT = {"cpu": 6}
 # The longest expert row (in elements) `experts_looped` reads with the fused one-row
 # product. Float32 on this machine, one [N, K] slice of a stack read again and again
 # (partly from L3, so above DRAM's rate; README, MoE section): 21-42 GB/s fused against
@@ -217,10 +223,10 @@ FORMULATIONS = {
 
 
 def formulation(rows: int, experts: int, top: int) -> str:
-    """Which formulation runs `rows` rows: a decode formulation reads rows * A experts,
-    a prefill one all E once, so decode's wins while rows * A <= E."""
+    """Which formulation runs `rows` rows: decode's while rows * A is at most
+    DECODE_PAIRS_PER_EXPERT x E, else prefill's."""
     backend = jax.default_backend()
-    if rows * top <= experts:
+    if rows * top <= DECODE_PAIRS_PER_EXPERT.get(backend, 1) * experts:
         return DECODE.get(backend, "gathered")
     return PREFILL.get(backend, "grouped")
 

@@ -144,10 +144,12 @@ def test_dense_formulation_chunks_rows():
 
 
 def test_formulation_by_rows():
-    decode = moe.DECODE.get(jax.default_backend(), "gathered")
+    backend = jax.default_backend()
+    decode = moe.DECODE.get(backend, "gathered")
     assert decode in ("gathered", "looped")
-    assert moe.formulation(1, 128, 8) == moe.formulation(16, 128, 8) == decode
-    assert moe.formulation(17, 128, 8) == moe.PREFILL.get(jax.default_backend(), "grouped")
+    most = 16 * moe.DECODE_PAIRS_PER_EXPERT.get(backend, 1)  # rows x 8 = pairs x 128 experts
+    assert moe.formulation(1, 128, 8) == moe.formulation(most, 128, 8) == decode
+    assert moe.formulation(most + 1, 128, 8) == moe.PREFILL.get(backend, "grouped")
 
 
 # ---- one device against transformers -----------------------------------------------------------
