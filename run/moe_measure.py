@@ -39,9 +39,16 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
         weights, ids, _ = moe.route(x, router, A, True)
         distinct = len(np.unique(np.asarray(ids)))
         for how, f in moe.FORMULATIONS.items():
-            if how == "gathered" and R * A > 4 * E or how == "grouped" and R > 64:
-                continue  # far past its use (gathers R * A experts' weights; all E)
-            if how == "looped" and R * A > 16 * E:
+            # far past their use: gathered copies R * A experts' weights, grouped runs
+            # all E experts, looped reads R * A experts
+            if (
+                how == "gathered"
+                and R * A > 4 * E
+                or how == "grouped"
+                and R > 64
+                or how == "looped"
+                and R * A > 16 * E
+            ):
                 continue
             fn = jax.jit(f)
             fn(x, weights, ids, gate, up, down).block_until_ready()
