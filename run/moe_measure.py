@@ -42,12 +42,9 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
             # far past their use: gathered copies R * A experts' weights, grouped runs
             # all E experts, looped reads R * A experts
             if (
-                how == "gathered"
-                and R * A > 4 * E
-                or how == "grouped"
-                and R > 64
-                or how == "looped"
-                and R * A > 16 * E
+                (how == "gathered" and R * A > 4 * E)
+                or (how == "grouped" and R > 64)
+                or (how == "looped" and R * A > 16 * E)
             ):
                 continue
             fn = jax.jit(f)
