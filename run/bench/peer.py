@@ -102,19 +102,19 @@ def hf_model(spec, source, dtype_name: str):
         for i in range(cfg.L) if e.stacked else [None]:
             for name, x in e.hf_tensors(full if i is None else full[i], cfg, i).items():
                 put(name, x)
-    sparse = [i for i in range(cfg.L) if cfg.is_sparse(i)]
-    F = cfg.moe_intermediate_size
-    # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D] (gate, then up), down_proj
-    # [E, D, F]; one stacked source tensor at a time.
-    for n, name, rows in (
-        ("gate_efd", "gate_up_proj", (slice(None), slice(0, F))),
-        ("up_efd", "gate_up_proj", (slice(None), slice(F, 2 * F))),
-        ("down_edf", "down_proj", slice(None)),
-    ):
-        full = source.full(("layers", "moe", n), np.float32) if sparse else None
-        for i in sparse:
-            put(f"model.layers.{i}.mlp.experts.{name}", full[i], rows)
-        del full
+    if moe:  # transformers 5.x's Qwen3MoeExperts: gate_up_proj [E, 2F, D] (gate, then up),
+        # down_proj [E, D, F]; one stacked source tensor at a time
+        F = cfg.moe_intermediate_size
+        sparse = [i for i in range(cfg.L) if cfg.is_sparse(i)]
+        for n, name, rows in (
+            ("gate_efd", "gate_up_proj", (slice(None), slice(0, F))),
+            ("up_efd", "gate_up_proj", (slice(None), slice(F, 2 * F))),
+            ("down_edf", "down_proj", slice(None)),
+        ):
+            full = source.full(("layers", "moe", n), np.float32)
+            for i in sparse:
+                put(f"model.layers.{i}.mlp.experts.{name}", full[i], rows)
+            del full
     missing = [
         k
         for k in own
