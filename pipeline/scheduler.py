@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 
 import numpy as np
@@ -144,6 +145,9 @@ class Scheduler:
         self.row_steps = 0
         self.busy_row_steps = 0
         self.decode_ticks = 0
+        # Rows freed before their budget (an end id, a cancel): how often a busy row
+        # ends unforeseen, which sets the chunk length while requests wait.
+        self.early_ends = 0
         self._ids = itertools.count()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._rows: list[_Row | None] = [None] * self.B
@@ -390,6 +394,7 @@ class Scheduler:
             if row is not None and row.handle in self._cancelled:
                 out.append(Update(row.handle.id, [], "cancelled"))
                 self._free(b)
+                self.early_ends += 1
         if self._chunked is not None and self._chunked.handle in self._cancelled:
             out.append(Update(self._chunked.handle.id, [], "cancelled"))
             self._chunked = None
@@ -573,9 +578,19 @@ class Scheduler:
             prompt_slots[b] = row.prompt_slots
             tokens[b] = row.generated[-1]
             per_row[b] = _row_sampling(row.params)
-        # Short chunks while a request waits or a row is free (one may arrive during
-        # the chunk, and waits for its end): a long chunk only when the batch is full.
-        chunk = self.short_chunk if self._waiting or len(live) < self.B else eng.chunk
+        if len(live) < self.B:  # one may arrive during the chunk, and waits for its end
+            chunk = self.short_chunk
+        elif self._waiting:
+            chunk = chunk_while_waiting(
+                stages=eng.stages,
+                groups=self.groups,
+                early_ends=self.early_ends,
+                row_steps=self.busy_row_steps,
+                short=self.short_chunk,
+                long=eng.chunk,
+            )
+        else:
+            chunk = eng.chunk
         left = [int(limit[b] - step[b]) for b in live]
         take, first = min(chunk, eng.chunk, max(left)), min(left)
         # Past the first row's budget that row sits empty to the chunk's end, while a
@@ -620,6 +635,7 @@ class Scheduler:
                 updates[-1].logprobs = [_logprob(at_step, k) for k in range(len(got))]
             if updates[-1].finish_reason:
                 self._free(b)
+                self.early_ends += updates[-1].finish_reason == "stop"
         return updates
 
     @staticmethod
@@ -636,6 +652,27 @@ class Scheduler:
         self._rows[b] = None
         self._slot_pos[b] = -1
         self._lengths[b] = 0
+
+
+def chunk_while_waiting(
+    stages: int, groups: int, early_ends: int, row_steps: int, short: int, long: int
+) -> int:
+    """Decode steps of a chunk over full rows while requests wait for one.
+
+    A row frees before its budget only at an unforeseen end (an end id, a cancel), then
+    sits empty to the chunk's end, and the request waiting for it with it. At q such
+    ends per busy row-step (`early_ends` / `row_steps` so far), a chunk of n steps
+    leaves about B q n^2 / 2 row-steps empty, S G / B stage-ticks each, against one
+    pipeline fill and drain a chunk, S (S - 1) stage-ticks: per row-step run, the sum is
+    least at n = sqrt(2 (S - 1) / (G q)). On one stage a fill costs nothing, so chunks
+    stay `short` (a freed row is refilled soonest); with no early end seen yet they are
+    `long`. Between the two otherwise."""
+    if stages == 1:
+        return short
+    if early_ends == 0:
+        return long
+    n = math.sqrt(2 * (stages - 1) * row_steps / (groups * early_ends))
+    return max(short, min(long, round(n)))
 
 
 def _row_sampling(p: Params) -> tuple:

@@ -17,7 +17,7 @@ from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import bucket, lay_out
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
-from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler, chunk_while_waiting
 from qwen3_spmd.sharding.mesh import make_mesh
 
 MAX_SEQ = 64
@@ -426,6 +426,42 @@ def test_on_two_stages_a_chunk_ends_early_only_when_the_empty_row_costs_more(
     sched.step()  # admits four; the fifth waits
     used = (first_budget - 1) + 3 * take
     assert sched.decode_counts() == (4 * take, used, (take - 1) * 2 + 3)
+
+
+def test_chunks_while_requests_wait_shorten_with_the_early_ends_seen():
+    """Full rows, requests waiting: one stage keeps short chunks; on several, chunks
+    are long until a row has ended before its budget, then sqrt(2 (S - 1) / (G q)) at
+    q early ends per busy row-step, within [short, long]."""
+    kw = dict(groups=2, short=4, long=16)
+    assert chunk_while_waiting(stages=1, early_ends=0, row_steps=100, **kw) == 4
+    assert chunk_while_waiting(stages=2, early_ends=0, row_steps=100, **kw) == 16
+    assert chunk_while_waiting(stages=2, early_ends=1, row_steps=40, **kw) == 6  # sqrt 40
+    assert chunk_while_waiting(stages=4, early_ends=1, row_steps=40, **kw) == 11  # sqrt 120
+    assert chunk_while_waiting(stages=2, early_ends=1, row_steps=10_000, **kw) == 16
+    assert chunk_while_waiting(stages=2, early_ends=10, row_steps=40, **kw) == 4
+    lengths = [
+        chunk_while_waiting(stages=2, early_ends=e, row_steps=400, **kw) for e in (1, 2, 4, 8)
+    ]
+    assert lengths == sorted(lengths, reverse=True) and len(set(lengths)) == 4
+
+
+def test_a_cancel_shortens_the_chunks_while_requests_wait(cfg, alone):
+    """2x1, 4 rows, requests waiting: the first chunk runs the engine's whole chunk (no
+    row has ended early: a short one would only add a pipeline fill and drain); after
+    two cancels in 16 busy row-steps, round(sqrt(2 * 16 / (2 * 2))) = 3 steps."""
+    sched = Scheduler(_engine(cfg, 2, 1), max_batch=4, short_chunk=2)
+    prompts = _prompts(cfg, 7, seed=11)
+    handles = [sched.submit(p, Params(12)) for p in prompts]
+    sched.step()  # admits four; three wait
+    assert sched.decode_counts()[:2] == (4 * 4, 4 * 4)
+    sched.cancel(handles[0])
+    sched.cancel(handles[1])
+    sched.step()  # two of the waiting take the cancelled rows; one still waits
+    assert sched.early_ends == 2 and sched.waiting == 1
+    assert sched.decode_counts()[0] == 4 * 4 + 4 * 3
+    sched.run()
+    for h, prompt in zip(handles[2:], prompts[2:]):
+        assert h.tokens == alone(prompt, Params(12))
 
 
 def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
