@@ -24,7 +24,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
-from qwen3_spmd.pipeline.layout import Batch, lay_out, list_decode_slots
+from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out, list_decode_slots
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
 from qwen3_spmd.pipeline.programs import OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
@@ -198,21 +198,42 @@ class Engine:
         """cache (donated, updated in place) with k and v row r of `new` written into row
         rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
         slots; the caller keeps the slot positions."""
-        key = ("insert", new.k.shape[1])
+
+        def put(cache: KVCache, new: KVCache, rows):
+            k = cache.k.at[:, rows].set(new.k, mode="drop")
+            v = cache.v.at[:, rows].set(new.v, mode="drop")
+            return KVCache(k, v, cache.pos)
+
+        update = self._in_place(("insert", new.k.shape[1]), put)
+        return update(cache, new, jnp.asarray(rows, jnp.int32))
+
+    def move_rows(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
+        """cache (donated, updated in place) with the k and v of row src[i] copied into
+        row dst[i], for src, dst [n] (padded to a power of two: few programs). The
+        caller moves the slot positions."""
+        n = bucket(len(src), 1)
+        src = np.pad(np.asarray(src, np.int32), (0, n - len(src)))
+        past = cache.k.shape[1]  # padding moves to past the rows: dropped
+        dst = np.pad(np.asarray(dst, np.int32), (0, n - len(dst)), constant_values=past)
+
+        def move(cache: KVCache, src, dst):
+            k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
+            v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
+            return KVCache(k, v, cache.pos)
+
+        return self._in_place(("move", n), move)(cache, jnp.asarray(src), jnp.asarray(dst))
+
+    def _in_place(self, key: tuple, update):
+        """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so
+        XLA writes the rows it changes into the cache's own buffers."""
         if key not in self._helpers:
             spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
-
-            def put(cache: KVCache, new: KVCache, rows):
-                k = cache.k.at[:, rows].set(new.k, mode="drop")
-                v = cache.v.at[:, rows].set(new.v, mode="drop")
-                return KVCache(k, v, cache.pos)
-
             self._helpers[key] = jax.jit(
-                put,
+                update,
                 donate_argnums=0,
                 out_shardings=KVCache(spec, spec, NamedSharding(self.mesh, SPECS.slots_bs)),
             )
-        return self._helpers[key](cache, new, jnp.asarray(rows, jnp.int32))
+        return self._helpers[key]
 
     def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
         """cache with its slot positions replaced by the host's slot_pos [B, C, S_loc]."""

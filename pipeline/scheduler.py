@@ -561,7 +561,7 @@ class Scheduler:
     def _decode(self) -> list[Update]:
         """One decode chunk over every row; hands out the new tokens, retires rows."""
         eng = self.engine
-        live = [b for b, r in enumerate(self._rows) if r is not None]
+        live = self._compact([b for b, r in enumerate(self._rows) if r is not None])
         # Requests take the lowest free rows, and the chunk runs over the rows up to the
         # highest busy one (rounded up to the groups times a power of two: few programs),
         # so a light load does not pay for every row's products.
@@ -637,6 +637,24 @@ class Scheduler:
                 self._free(b)
                 self.early_ends += updates[-1].finish_reason == "stop"
         return updates
+
+    def _compact(self, live: list[int]) -> list[int]:
+        """Moves the requests in rows past the fewest a chunk could run over
+        (`bucket`ed) into free rows below, so that a light load after a burst decodes
+        few rows: one request left in the last row would keep every row's products
+        running to its end. One in-place copy of the moved rows' K/V. Returns the busy
+        rows."""
+        fewest = bucket(len(live), self.groups)
+        above = [b for b in live if b >= fewest]
+        below = [b for b in self._free_rows() if b < fewest][: len(above)]
+        if not above or len(below) < len(above):
+            return live
+        self._cache = self.engine.move_rows(self._cache, np.array(above), np.array(below))
+        for a, b in zip(above, below):
+            self._rows[b], self._lengths[b] = self._rows[a], self._lengths[a]
+            self._slot_pos[b] = self._slot_pos[a]
+            self._free(a)
+        return sorted([b for b in live if b < fewest] + below)
 
     @staticmethod
     def _finished(row: _Row) -> str | None:

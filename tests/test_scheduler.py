@@ -386,6 +386,34 @@ def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alon
     assert names and all(n.endswith("; 2]") for n in names), names
 
 
+def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_rows(cfg, alone):
+    """4 rows on 1x1: once the requests in rows 0 and 2 have ended, the one in row 3
+    moves to row 0 (its K/V copied in place, the cache not copied whole), so the chunks
+    run over 2 rows, then 1, not 4, with the same tokens."""
+    engine = _engine(cfg, 1, 1)
+    sched = Scheduler(engine, max_batch=4)
+    prompts = _prompts(cfg, 4, seed=12)
+    budgets = [2, 3, 2, 9]
+    handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
+    sched.step()  # admits all four; the chunk ends where rows 0 and 2 are done
+    assert handles[0].done and handles[2].done and not handles[3].done
+    sched.step()
+    assert sched._rows[0].handle is handles[3] and sched._rows[3] is None
+    sched.run()
+    for h, prompt, n in zip(handles, prompts, budgets):
+        assert h.tokens == alone(prompt, Params(n))
+    rows = sorted(
+        int(n.rsplit(" ", 1)[1][:-1]) for n in engine.programs.compiled if n.startswith("decode")
+    )
+    assert rows == [1, 2, 4], rows
+    move = engine._helpers[("move", 1)].lower(
+        sched._cache, np.zeros(1, np.int32), np.zeros(1, np.int32)
+    )
+    memory = move.compile().memory_analysis()
+    assert memory.alias_size_in_bytes >= sched.kv_bytes_per_device
+    assert memory.temp_size_in_bytes < 2 * sched.kv_bytes_per_device / 4  # a row, not 4
+
+
 def test_a_chunk_ends_where_the_first_row_reaches_its_budget(cfg, alone):
     """Two full rows with budgets 3 and 12 and a request waiting: the round's chunk
     stops when the first row is done (no step past it), and the waiting request takes
