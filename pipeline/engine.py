@@ -72,6 +72,20 @@ class _Decoding:
     ticks: int = 0
 
 
+def _put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
+    """Engine.insert's update: row r of `new` into row rows[r] (past the rows: dropped)."""
+    k = cache.k.at[:, rows].set(new.k, mode="drop")
+    v = cache.v.at[:, rows].set(new.v, mode="drop")
+    return KVCache(k, v, cache.pos)
+
+
+def _move_rows(cache: KVCache, src, dst) -> KVCache:
+    """Engine.move_rows' update: row src[i] into row dst[i] (past the rows: dropped)."""
+    k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
+    v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
+    return KVCache(k, v, cache.pos)
+
+
 class Engine:
     """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
 
@@ -198,13 +212,7 @@ class Engine:
         """cache (donated, updated in place) with k and v row r of `new` written into row
         rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
         slots; the caller keeps the slot positions."""
-
-        def put(cache: KVCache, new: KVCache, rows):
-            k = cache.k.at[:, rows].set(new.k, mode="drop")
-            v = cache.v.at[:, rows].set(new.v, mode="drop")
-            return KVCache(k, v, cache.pos)
-
-        update = self._in_place(("insert", new.k.shape[1]), put)
+        update = self._in_place(("insert", new.k.shape[1]), _put_rows)
         return update(cache, new, jnp.asarray(rows, jnp.int32))
 
     def move_rows(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
@@ -215,13 +223,7 @@ class Engine:
         src = np.pad(np.asarray(src, np.int32), (0, n - len(src)))
         past = cache.k.shape[1]  # padding moves to past the rows: dropped
         dst = np.pad(np.asarray(dst, np.int32), (0, n - len(dst)), constant_values=past)
-
-        def move(cache: KVCache, src, dst):
-            k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
-            v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
-            return KVCache(k, v, cache.pos)
-
-        return self._in_place(("move", n), move)(cache, jnp.asarray(src), jnp.asarray(dst))
+        return self._in_place(("move", n), _move_rows)(cache, jnp.asarray(src), jnp.asarray(dst))
 
     def _in_place(self, key: tuple, update):
         """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so

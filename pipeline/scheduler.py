@@ -646,8 +646,10 @@ class Scheduler:
         rows."""
         fewest = bucket(len(live), self.groups)
         above = [b for b in live if b >= fewest]
+        if not above:  # the common case: nothing to move, no free rows to list
+            return live
         below = [b for b in self._free_rows() if b < fewest][: len(above)]
-        if not above or len(below) < len(above):
+        if len(below) < len(above):
             return live
         self._cache = self.engine.move_rows(self._cache, np.array(above), np.array(below))
         for a, b in zip(above, below):
