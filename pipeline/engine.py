@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -165,6 +166,7 @@ class Engine:
         self._decode: dict[tuple, Callable] = {}
         # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
         self._helpers: dict[tuple, Callable] = {}
+        self._making = threading.Lock()  # guards the dicts of jitted functions above
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
         self._logprobs = jax.jit(token_logprobs)
 
@@ -200,20 +202,28 @@ class Engine:
         return self._zeroed_cache(B, self._placed(empty, SPECS.slots_bs))
 
     def _zeroed_cache(self, B: int, pos: jax.Array) -> KVCache:
+        zeros = self._zeros(B)
+        return KVCache(zeros(), zeros(), pos)
+
+    def _zeros(self, B: int):
+        """The jitted maker of a zeroed k (or v) of B rows, sharded as the cache."""
         shape = self.cache_shape(B)
-        if shape not in self._helpers:
-            self._helpers[shape] = jax.jit(
-                lambda: jnp.zeros(shape, self.dtype),
-                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
-            )
-        return KVCache(self._helpers[shape](), self._helpers[shape](), pos)
+        with self._making:  # precompile's threads make them too
+            if shape not in self._helpers:
+                self._helpers[shape] = jax.jit(
+                    lambda: jnp.zeros(shape, self.dtype),
+                    out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
+                )
+        return self._helpers[shape]
 
     def insert(self, cache: KVCache, new: KVCache, rows: np.ndarray) -> KVCache:
         """cache (donated, updated in place) with k and v row r of `new` written into row
         rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
         slots; the caller keeps the slot positions."""
-        update = self._in_place(("insert", new.k.shape[1]), _put_rows)
-        return update(cache, new, jnp.asarray(rows, jnp.int32))
+        return self._insert_fn(new.k.shape[1])(cache, new, np.asarray(rows, np.int32))
+
+    def _insert_fn(self, B: int):
+        return self._in_place(("insert", B), _put_rows)
 
     def move_rows(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
         """cache (donated, updated in place) with the k and v of row src[i] copied into
@@ -223,18 +233,22 @@ class Engine:
         src = np.pad(np.asarray(src, np.int32), (0, n - len(src)))
         past = cache.k.shape[1]  # padding moves to past the rows: dropped
         dst = np.pad(np.asarray(dst, np.int32), (0, n - len(dst)), constant_values=past)
-        return self._in_place(("move", n), _move_rows)(cache, jnp.asarray(src), jnp.asarray(dst))
+        return self._move_fn(n)(cache, src, dst)
+
+    def _move_fn(self, n: int):
+        return self._in_place(("move", n), _move_rows)
 
     def _in_place(self, key: tuple, update):
         """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so
         XLA writes the rows it changes into the cache's own buffers."""
-        if key not in self._helpers:
-            spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
-            self._helpers[key] = jax.jit(
-                update,
-                donate_argnums=0,
-                out_shardings=KVCache(spec, spec, NamedSharding(self.mesh, SPECS.slots_bs)),
-            )
+        with self._making:  # precompile's threads make them too
+            if key not in self._helpers:
+                spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
+                self._helpers[key] = jax.jit(
+                    update,
+                    donate_argnums=0,
+                    out_shardings=KVCache(spec, spec, NamedSharding(self.mesh, SPECS.slots_bs)),
+                )
         return self._helpers[key]
 
     def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
@@ -290,21 +304,22 @@ class Engine:
 
     def _prefill_fn(self, strategy: str, with_context: bool = False):
         key = (strategy, with_context)
-        if key not in self._prefill:
-            self._prefill[key] = jax.jit(
-                build_prefill(
-                    self.cfg,
-                    self.graphdef,
-                    self.state_specs,
-                    self.mesh,
-                    self.M,
-                    self.dtype,
-                    self.poison,
-                    strategy,
-                    with_context,
-                ),
-                donate_argnames="cache",
-            )
+        with self._making:  # precompile's threads make them too
+            if key not in self._prefill:
+                self._prefill[key] = jax.jit(
+                    build_prefill(
+                        self.cfg,
+                        self.graphdef,
+                        self.state_specs,
+                        self.mesh,
+                        self.M,
+                        self.dtype,
+                        self.poison,
+                        strategy,
+                        with_context,
+                    ),
+                    donate_argnames="cache",
+                )
         return self._prefill[key]
 
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
@@ -324,6 +339,12 @@ class Engine:
         )
 
     @staticmethod
+    def prefill_name(strategy: str, with_context: bool) -> tuple:
+        """The prefill program's name: its cp strategy, and whether it continues a cache."""
+        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
+        return name + (("context",) if with_context else ())
+
+    @staticmethod
     def decode_name(
         groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
     ) -> tuple:
@@ -335,21 +356,22 @@ class Engine:
         self, groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
     ):
         key = (groups, steps, sampled, with_logits, logprobs)
-        if key not in self._decode:
-            self._decode[key] = jax.jit(
-                build_decode(
-                    self.cfg,
-                    self.graphdef,
-                    self.state_specs,
-                    self.mesh,
-                    groups,
-                    steps,
-                    sampled,
-                    with_logits,
-                    logprobs,
-                ),
-                donate_argnames="cache",
-            )
+        with self._making:  # precompile's threads make them too
+            if key not in self._decode:
+                self._decode[key] = jax.jit(
+                    build_decode(
+                        self.cfg,
+                        self.graphdef,
+                        self.state_specs,
+                        self.mesh,
+                        groups,
+                        steps,
+                        sampled,
+                        with_logits,
+                        logprobs,
+                    ),
+                    donate_argnames="cache",
+                )
         return self._decode[key]
 
     def _decode_inputs(
@@ -464,13 +486,13 @@ class Engine:
         if cache is None:
             cache = self.new_cache(batch)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
-        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
-        name += ("context",) if with_context else ()
         fn = self._prefill_fn(strategy, with_context)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache = self._run(name, fn, clock, cache, inputs)
-        first = self._sample(logits, params, jnp.int32(0), sampled=sampled)
+        logits, cache = self._run(
+            self.prefill_name(strategy, with_context), fn, clock, cache, inputs
+        )
+        first = self._sample(logits, params, np.int32(0), sampled=sampled)
         first = np.asarray(first)
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return first, logits, cache
@@ -588,6 +610,65 @@ class Engine:
         }
         first_logits = np.concatenate(step_logits)[: len(completions[0].token_ids)]
         return Generation(completions, first_logits, timing, layout, cache)
+
+    # ---- compiling ahead: what a server compiles at start -----------------------------
+
+    def compile_prefill(self, B: int, P_pad: int, cache_rows: int, with_context: bool) -> None:
+        """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
+        P_pad runs (with_context: later chunks of prompts, continuing a cache): a new
+        cache's zeros, the prefill program, the first tokens' sampling (greedy and
+        sampled) and log-probabilities, and `insert` of its rows into a cache of
+        `cache_rows` rows. Nothing runs."""
+        laid = lay_out([[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device)
+        strategy = self.cp_plan(B, P_pad)[0]
+        program, _ = self.programs.get(
+            self.prefill_name(strategy, with_context),
+            self._prefill_fn(strategy, with_context),
+            self.weights,
+            self._abstract_cache(B),
+            self._abstract(laid.prefill, PrefillInputs.specs()),
+        )
+        logits, new = (
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
+            for out in program.out_info
+        )
+        params = RowSampling.of(Sampling(), 0, laid.request)
+        tokens = jax.ShapeDtypeStruct((B,), jnp.int32)
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        for sampled in (False, True):
+            self._sample.lower(logits, params, step, sampled=sampled).compile()
+        self._logprobs.lower(logits, tokens).compile()
+        if not with_context:
+            self._zeros(B).lower().compile()
+        self._insert_fn(B).lower(self._abstract_cache(cache_rows), new, tokens).compile()
+
+    def compile_decode(
+        self, rows: int, cache_rows: int, groups: int, sampled: bool, logprobs: bool
+    ) -> None:
+        """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
+        logits) over `rows` rows of a cache of `cache_rows` rows. Nothing runs."""
+        n = np.zeros(rows, np.int32)
+        inputs = DecodeInputs(
+            tokens=n,
+            positions=n,
+            step=n,
+            limit=n,
+            prompt_slots=n,
+            sampling=RowSampling.of(Sampling(), 0, n),
+            run_steps=np.int32(0),
+        )
+        self.programs.get(
+            self.decode_name(groups, self.chunk, sampled, False, logprobs),
+            self._decode_fn(groups, self.chunk, sampled, False, logprobs),
+            self.weights,
+            self._abstract_cache(cache_rows),
+            self._abstract(inputs, DecodeInputs.specs()),
+        )
+
+    def compile_move(self, n: int, cache_rows: int) -> None:
+        """Compiles, unless compiled, `move_rows` of n (a power of two) rows."""
+        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
+        self._move_fn(n).lower(self._abstract_cache(cache_rows), rows, rows).compile()
 
     # ---- reporting -------------------------------------------------------------------
 

@@ -63,19 +63,24 @@ def lay_out(
     bucketed: bool = False,
     start: int = 0,
     offset: int = 0,
+    P_pad: int | None = None,
 ) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
     bucketed: B and P_pad rounded up further, to that multiple (and 2C) times a power of
     two (`bucket`). start, offset: the prompts are chunks that begin at position
     `start`, after earlier chunks that hold each device's first `offset` local slots
-    (chunked prefill); slot_pos lists this chunk's slots only."""
+    (chunked prefill); slot_pos lists this chunk's slots only. P_pad: the padded length
+    (a multiple of 2C, at least the longest prompt's), instead of the one chosen here."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
     rows = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
     lengths = np.array([len(p) for p in rows], np.int32)
     longest = int(lengths.max())
-    P_pad = bucket(longest, 2 * C) if bucketed else padded_length(longest, C)
+    if P_pad is None:
+        P_pad = bucket(longest, 2 * C) if bucketed else padded_length(longest, C)
+    elif P_pad < longest or P_pad % (2 * C):
+        raise ValueError(f"P_pad {P_pad} must be a multiple of {2 * C} and at least {longest}")
     tokens = np.zeros((B, P_pad), np.int32)
     positions = np.full((B, P_pad), -1, np.int32)
     for b, p in enumerate(rows):

@@ -39,6 +39,7 @@ closes.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -55,7 +56,7 @@ from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots, whole
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
-from qwen3_spmd.ring import slots_per_device
+from qwen3_spmd.ring import padded_length, slots_per_device
 
 
 class QueueFull(RequestError):
@@ -194,6 +195,56 @@ class Scheduler:
         """Bytes of the K and V cache each device holds (allocated once, all rows)."""
         k = self._cache.k
         return 2 * k.nbytes // (self.engine.stages * self.engine.C)
+
+    def precompile(self, workers: int = 2) -> int:
+        """Compiles every program a round can run, so that no request waits for a
+        compile while the running ones stall (what a server does at start-up): the
+        prefill of each batch `_admit_short` can form (a `whole_batch` of prompts of one
+        length bucket within prefill_tokens), each chunk of a long prompt, the decode
+        chunk over each row count it runs, greedy or sampled, with log-probabilities or
+        without, and the row moves. Only a prompt whose bucket would leave its new
+        tokens no room in the row, padded to its own length instead, still compiles a
+        shape when met. Returns the number of shapes compiled (each with its helpers)."""
+        eng, two_c = self.engine, 2 * self.engine.C
+        room = eng.C * eng.slots_per_device  # the longest padded prompt a row holds
+        short = min(eng.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
+        lengths = {P for P in (bucket(n, two_c) for n in range(1, short + 1)) if P <= room}
+        batches = {bucket(whole_batch(n, eng.M), eng.M) for n in range(1, self.B + 1)}
+
+        def fewest(P: int) -> int:  # the fewest tokens of a prompt padded to bucket P
+            return P // 2 + 1 if P > two_c else 1
+
+        prefills = {
+            (B, P, False)
+            for P in lengths
+            for B in batches
+            if B <= eng.M or B * fewest(P) <= self.prefill_tokens
+        }
+        if eng.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks of B = M
+            prefills.add((eng.M, self.chunk_tokens, False))
+            prefills |= {
+                (eng.M, min(bucket(n, two_c), self.chunk_tokens), True)
+                for n in range(1, self.chunk_tokens + 1)
+            }
+        tasks = [(eng.compile_prefill, B, P, self.B, ctx) for B, P, ctx in sorted(prefills)]
+        rows = {min(self.B, bucket(n, self.groups)) for n in range(1, self.B + 1)}
+        tasks += [
+            (eng.compile_decode, n, self.B, self.groups, sampled, logprobs)
+            for n in sorted(rows)
+            for sampled, logprobs in itertools.product((False, True), repeat=2)
+        ]
+        # `_compact` moves the live rows at or past bucket(n, G) of n: at most that many
+        moves = {
+            bucket(m, 1)
+            for n in range(1, self.B + 1)
+            for m in range(1, min(n, self.B - bucket(n, self.groups)) + 1)
+        }
+        tasks += [(eng.compile_move, n, self.B) for n in sorted(moves)]
+        # XLA compiles outside the GIL: several at once use the host's cores.
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for done in [pool.submit(*task) for task in tasks]:
+                done.result()
+        return len(tasks)
 
     # ---- the caller's side -----------------------------------------------------------
 
@@ -435,6 +486,7 @@ class Scheduler:
             eng.slots_per_device,
             start=ch.done,
             offset=ch.offset,
+            P_pad=self._chunk_pad(end - ch.done, ch.offset, ch.handle.params.max_new_tokens),
         )
         if ch.slot_pos is None:
             ch.slot_pos = batch.slot_pos[0].copy()
@@ -458,6 +510,16 @@ class Scheduler:
         self._cache = eng.insert(self._cache, ch.cache, rows)
         lp = (eng.logprobs(logits, first), 0) if p.logprobs else None
         return [self._start_row(ch.row, ch.handle, int(first[0]), ch.offset, ch.slot_pos, lp)]
+
+    def _chunk_pad(self, tokens: int, offset: int, new_tokens: int) -> int:
+        """The padded length of a chunk of `tokens` prompt tokens after `offset` local
+        slots: a whole chunk's, or the last chunk's `bucket` (one of few compiled
+        shapes) where the row has room for it and the new tokens, else its own."""
+        C = self.engine.C
+        padded = min(bucket(tokens, 2 * C), self.chunk_tokens)
+        if offset + slots_per_device(padded, new_tokens, C) <= self.engine.slots_per_device:
+            return padded
+        return padded_length(tokens, C)
 
     def _start_row(
         self,

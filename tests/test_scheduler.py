@@ -526,3 +526,42 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
         assert len(banned.tokens) == n
     with pytest.raises(SamplingError, match="at most 8 end ids"):
         sched.submit(prompt, Params(n, eos_ids=tuple(range(9)), min_tokens=1))
+
+
+def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone):
+    """`precompile` compiles what every round can run: then a load with a batch of four
+    prompts, batches of one, a long prompt in two chunks (the last one padded to its
+    bucket), greedy and sampled rows, log-probabilities and a row moving down compiles
+    nothing (XLA's compile events are counted while it runs), and the greedy tokens
+    are those of each request alone."""
+    sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=16)
+    assert sched.precompile() == 19  # 9 prefill, 8 decode and 2 move shapes
+    moves, chunks = [], []
+    move_rows, prefill = sched.engine.move_rows, sched.engine.prefill
+    sched.engine.move_rows = lambda cache, src, dst: moves.append(src) or move_rows(cache, src, dst)
+    sched.engine.prefill = lambda b, *a: chunks.append((b.B, b.P_pad, b.offset)) or prefill(b, *a)
+    compiles = []
+
+    def heard(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    prompts = _prompts(cfg, 7, lengths=(2, 2, 2, 2, 25, 6, 7))
+    sampled = Sampling(0.8, 5, 0.9)
+    params = [Params(2), Params(2), Params(3, logprobs=True), Params(12, sampled, seed=4)]
+    params += [Params(3), Params(3, sampled, seed=1, logprobs=True), Params(2)]
+    jax.monitoring.register_event_duration_secs_listener(heard)
+    try:
+        handles = [sched.submit(p, q) for p, q in zip(prompts, params)]
+        sched.run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(heard)
+    assert compiles == []
+    # the four short prompts together; the long one in chunks of 16 and 9 tokens, the
+    # last padded to its bucket, 16 (to its own length it would be 12); then two together
+    assert chunks == [(4, 4, 0), (1, 16, 0), (1, 16, 8), (2, 8, 0)]
+    assert moves
+    for h, p, q in zip(handles, prompts, params):
+        assert len(h.tokens) == q.max_new_tokens
+        if q.sampling == Sampling():
+            assert h.tokens == alone(p, q)

@@ -1,8 +1,9 @@
 """`qwen3-spmd serve`: flags, start-up and shutdown of the HTTP server.
 
 Start-up binds the port first (a taken port fails at once), answers `/health` with
-503 while a background thread loads the weights, builds the scheduler and compiles
-the first programs with one warm-up request, then serves. With several processes
+503 while a background thread loads the weights, builds the scheduler, compiles every
+program its rounds can run (`--precompile all`; `lazy`: the first ones, met by the
+warm-up request) and runs one warm-up request, then serves. With several processes
 process 0 serves HTTP and every other process runs the same rounds from its
 decisions (`Scheduler.follow`). SIGTERM or Ctrl-C: new requests get 503, the running
 ones have --shutdown-timeout seconds to finish, the rest end with an error event, and
@@ -14,6 +15,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 # A server that closes an idle connection while a client reuses it fails that request
@@ -78,6 +80,14 @@ def register(subparsers) -> None:
     )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
+    p.add_argument(
+        "--precompile",
+        default="all",
+        choices=("all", "lazy"),
+        help="all: compile at start every program the server can run, so no request waits "
+        "for a compile; lazy: compile each when first needed (a faster start, but a request "
+        "of a new shape stalls the running ones while it compiles). Default all",
+    )
     p.add_argument(
         "--cp", default="ring", choices=("ring", "ulysses", "auto"), help="prefill split along seq"
     )
@@ -253,7 +263,14 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
         max_queue=args.max_queue,
         decisions=decisions,
     )
-    if procs.leader:  # compiles the first prefill and decode programs (followers follow)
+    if args.precompile == "all":  # every process compiles its own programs
+        t0 = time.perf_counter()
+        if procs.leader:
+            _say("compiling every program the server can run (--precompile lazy skips this)")
+        shapes = scheduler.precompile()
+        if procs.leader:
+            _say(f"compiled {shapes} program shapes in {time.perf_counter() - t0:.0f} s")
+    if procs.leader:  # one request end to end (lazy: it compiles the first programs)
         warm = scheduler.submit([0], Params(max_new_tokens=2))
         scheduler.run()
         list(warm)
