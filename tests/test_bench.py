@@ -361,6 +361,11 @@ def test_serve_closed_loops_beside_static_batches(capsys):
             assert j["static"]["output_tokens"] == j["output_tokens"]
             assert j["speedup_vs_static"] > 0
         assert serve["static_equal_batch"]["batch"] == 2
+        paired = serve["paired"]
+        assert paired["concurrency"] == 2
+        for ratio in (paired["vs_c1"], paired["vs_static_equal_batch"]):
+            assert len(ratio["each"]) == 2 and 0 < min(ratio["each"])  # --smoke: 2 repeats
+            assert min(ratio["each"]) <= ratio["median"] <= max(ratio["each"])
     idle = out["targets"]["serve_loaded_idle_fraction_2x1"]
     assert idle["value"] is not None and idle["met"] in (True, False)
     assert out["targets"]["serve_c8_vs_c1_1x1"]["value"] is None  # rows 2: no c = 8

@@ -112,8 +112,7 @@ def serve_job(engines, settings: dict, say) -> dict:
     steady = stats(decode_grid(G, S, engine.chunk), skip_edges=S - 1)["idle_fraction"]
     rows = []
     for c in concurrencies:
-        n = max(s["serve_requests_per_concurrency"] * c, 2)
-        reqs = serve_requests(cfg, n, s["serve_prompt_lens"], s["serve_output_lens"], s["seed"])
+        reqs = _loop_requests(cfg, s, c)
         # A closed loop of one thread is deterministic: a first pass meets (and compiles)
         # every shape the timed one will; the same for the static batches.
         for _ in range(max(s["warmup"], 1)):
@@ -145,15 +144,54 @@ def serve_job(engines, settings: dict, say) -> dict:
         "kv_bytes_per_device": kv // (S * C),
         "concurrency": rows,
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
+        "paired": _paired(engine, s, B_max, sched_rows),
     }
 
 
-def _static_equal_batch(engine, s: dict, batch: int) -> dict:
-    """The targets' reference: one static batch of equal requests, the ranges' middles."""
+def _loop_requests(cfg, s: dict, c: int):
+    """The closed loop's requests at concurrency c (the same in every pass)."""
+    n = max(s["serve_requests_per_concurrency"] * c, 2)
+    return serve_requests(cfg, n, s["serve_prompt_lens"], s["serve_output_lens"], s["seed"])
+
+
+def _equal_requests(cfg, s: dict, batch: int):
+    """`batch` requests of equal lengths, the ranges' middles."""
     prompt_len = sum(s["serve_prompt_lens"]) // 2
     output_tokens = sum(s["serve_output_lens"]) // 2
     lengths = (prompt_len, prompt_len), (output_tokens, output_tokens)
-    equal = serve_requests(engine.cfg, batch, *lengths, s["seed"])
+    return serve_requests(cfg, batch, *lengths, s["seed"])
+
+
+def _static_equal_batch(engine, s: dict, batch: int) -> dict:
+    """The targets' reference: one static batch of equal requests."""
+    equal = _equal_requests(engine.cfg, s, batch)
     static_batches(engine, equal, batch)  # compiles
     measured = static_batches(engine, equal, batch)
-    return {"batch": batch, "prompt_len": prompt_len, "output_tokens": output_tokens, **measured}
+    return {
+        "batch": batch,
+        "prompt_len": len(equal[0][0]),
+        "output_tokens": equal[0][1],
+        **measured,
+    }
+
+
+def _paired(engine, s: dict, B_max: int, rows: int) -> dict:
+    """The targets' ratios from measurements taken back to back: the host's speed drifts
+    by tens of percent over minutes, so a ratio of two runs minutes apart says as much
+    about the drift. `min(repeats, 3)` times in turn: the closed loop at concurrency
+    `rows`, the one at concurrency 1 and the static batch of `rows` equal requests
+    (`equal`); each ratio of a turn, and their median."""
+    full, one = _loop_requests(engine.cfg, s, rows), _loop_requests(engine.cfg, s, 1)
+    equal = _equal_requests(engine.cfg, s, rows)
+    vs_c1, vs_equal = [], []
+    for _ in range(min(s["repeats"], 3)):
+        loaded = closed_loop(Scheduler(engine, B_max), full, rows)["output_tokens_per_s"]
+        alone = closed_loop(Scheduler(engine, B_max), one, 1)["output_tokens_per_s"]
+        batch = static_batches(engine, equal, rows)["output_tokens_per_s"]
+        vs_c1.append(loaded / alone)
+        vs_equal.append(loaded / batch)
+    return {
+        "concurrency": rows,
+        "vs_c1": {"median": float(np.median(vs_c1)), "each": vs_c1},
+        "vs_static_equal_batch": {"median": float(np.median(vs_equal)), "each": vs_equal},
+    }
