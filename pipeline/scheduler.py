@@ -204,7 +204,8 @@ class Scheduler:
         chunk over each row count it runs, greedy or sampled, with log-probabilities or
         without, and the row moves. Only a prompt whose bucket would leave its new
         tokens no room in the row, padded to its own length instead, still compiles a
-        shape when met. Returns the number of shapes compiled (each with its helpers)."""
+        shape when met. `workers` compiles run at once. Returns the number of shapes
+        compiled (each with its helpers)."""
         eng, two_c = self.engine, 2 * self.engine.C
         room = eng.C * eng.slots_per_device  # the longest padded prompt a row holds
         short = min(eng.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most

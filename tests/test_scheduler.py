@@ -529,8 +529,8 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
 
 
 def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone):
-    """`precompile` compiles what every round can run: then a load with a batch of four
-    prompts, batches of one, a long prompt in two chunks (the last one padded to its
+    """`precompile` compiles what every round can run: then a load with batches of four
+    prompts and of two, a long prompt in two chunks (the last one padded to its
     bucket), greedy and sampled rows, log-probabilities and a row moving down compiles
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""

@@ -179,8 +179,8 @@ def _paired(engine, s: dict, B_max: int, rows: int) -> dict:
     """The targets' ratios from measurements taken back to back: the host's speed drifts
     by tens of percent over minutes, so a ratio of two runs minutes apart says as much
     about the drift. `min(repeats, 3)` times in turn: the closed loop at concurrency
-    `rows`, the one at concurrency 1 and the static batch of `rows` equal requests
-    (`equal`); each ratio of a turn, and their median."""
+    `rows`, the one at concurrency 1 and the static batch of `rows` equal requests (all
+    compiled by the passes before); each ratio of a turn, and their median."""
     full, one = _loop_requests(engine.cfg, s, rows), _loop_requests(engine.cfg, s, 1)
     equal = _equal_requests(engine.cfg, s, rows)
     vs_c1, vs_equal = [], []
