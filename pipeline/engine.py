@@ -208,13 +208,14 @@ class Engine:
     def _zeros(self, B: int):
         """The jitted maker of a zeroed k (or v) of B rows, sharded as the cache."""
         shape = self.cache_shape(B)
-        with self._making:  # precompile's threads make them too
-            if shape not in self._helpers:
-                self._helpers[shape] = jax.jit(
-                    lambda: jnp.zeros(shape, self.dtype),
-                    out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
-                )
-        return self._helpers[shape]
+        return self._jitted(
+            self._helpers,
+            shape,
+            lambda: jax.jit(
+                lambda: jnp.zeros(shape, self.dtype),
+                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
+            ),
+        )
 
     def insert(self, cache: KVCache, new: KVCache, rows: np.ndarray) -> KVCache:
         """cache (donated, updated in place) with k and v row r of `new` written into row
@@ -241,15 +242,22 @@ class Engine:
     def _in_place(self, key: tuple, update):
         """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so
         XLA writes the rows it changes into the cache's own buffers."""
-        with self._making:  # precompile's threads make them too
-            if key not in self._helpers:
-                spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
-                self._helpers[key] = jax.jit(
-                    update,
-                    donate_argnums=0,
-                    out_shardings=KVCache(spec, spec, NamedSharding(self.mesh, SPECS.slots_bs)),
-                )
-        return self._helpers[key]
+
+        def make():
+            spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
+            pos = NamedSharding(self.mesh, SPECS.slots_bs)
+            return jax.jit(update, donate_argnums=0, out_shardings=KVCache(spec, spec, pos))
+
+        return self._jitted(self._helpers, key, make)
+
+    def _jitted(self, table: dict, key, make: Callable):
+        """table[key], made by make() the first time: once, though precompile's threads
+        ask at once (a second jitted function would compile again)."""
+        if key not in table:
+            with self._making:
+                if key not in table:
+                    table[key] = make()
+        return table[key]
 
     def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
         """cache with its slot positions replaced by the host's slot_pos [B, C, S_loc]."""
@@ -304,23 +312,24 @@ class Engine:
 
     def _prefill_fn(self, strategy: str, with_context: bool = False):
         key = (strategy, with_context)
-        with self._making:  # precompile's threads make them too
-            if key not in self._prefill:
-                self._prefill[key] = jax.jit(
-                    build_prefill(
-                        self.cfg,
-                        self.graphdef,
-                        self.state_specs,
-                        self.mesh,
-                        self.M,
-                        self.dtype,
-                        self.poison,
-                        strategy,
-                        with_context,
-                    ),
-                    donate_argnames="cache",
-                )
-        return self._prefill[key]
+        return self._jitted(
+            self._prefill,
+            key,
+            lambda: jax.jit(
+                build_prefill(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    self.M,
+                    self.dtype,
+                    self.poison,
+                    strategy,
+                    with_context,
+                ),
+                donate_argnames="cache",
+            ),
+        )
 
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
@@ -356,23 +365,24 @@ class Engine:
         self, groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
     ):
         key = (groups, steps, sampled, with_logits, logprobs)
-        with self._making:  # precompile's threads make them too
-            if key not in self._decode:
-                self._decode[key] = jax.jit(
-                    build_decode(
-                        self.cfg,
-                        self.graphdef,
-                        self.state_specs,
-                        self.mesh,
-                        groups,
-                        steps,
-                        sampled,
-                        with_logits,
-                        logprobs,
-                    ),
-                    donate_argnames="cache",
-                )
-        return self._decode[key]
+        return self._jitted(
+            self._decode,
+            key,
+            lambda: jax.jit(
+                build_decode(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    groups,
+                    steps,
+                    sampled,
+                    with_logits,
+                    logprobs,
+                ),
+                donate_argnames="cache",
+            ),
+        )
 
     def _decode_inputs(
         self,
