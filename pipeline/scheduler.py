@@ -52,7 +52,13 @@ from qwen3_spmd.pipeline.decisions import Decision, SharedDecisions
 from qwen3_spmd.pipeline.decode import DecodeInputs
 from qwen3_spmd.pipeline.engine import Clock, Engine
 from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
-from qwen3_spmd.pipeline.layout import bucket, lay_out, list_decode_slots, whole_batch
+from qwen3_spmd.pipeline.layout import (
+    bucket,
+    lay_out,
+    length_bucket,
+    list_decode_slots,
+    whole_batch,
+)
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -209,22 +215,21 @@ class Scheduler:
         eng, two_c = self.engine, 2 * self.engine.C
         room = eng.C * eng.slots_per_device  # the longest padded prompt a row holds
         short = min(eng.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
-        lengths = {P for P in (bucket(n, two_c) for n in range(1, short + 1)) if P <= room}
+        fewest = {}  # each length bucket a short prompt can take: its fewest tokens
+        for n in range(short, 0, -1):
+            fewest[length_bucket(n, two_c)] = n
+        lengths = {P for P in fewest if P <= room}
         batches = {bucket(whole_batch(n, eng.M), eng.M) for n in range(1, self.B + 1)}
-
-        def fewest(P: int) -> int:  # the fewest tokens of a prompt padded to bucket P
-            return P // 2 + 1 if P > two_c else 1
-
         prefills = {
             (B, P, False)
             for P in lengths
             for B in batches
-            if B <= eng.M or B * fewest(P) <= self.prefill_tokens
+            if B <= eng.M or B * fewest[P] <= self.prefill_tokens
         }
         if eng.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks of B = M
             prefills.add((eng.M, self.chunk_tokens, False))
             prefills |= {
-                (eng.M, min(bucket(n, two_c), self.chunk_tokens), True)
+                (eng.M, min(length_bucket(n, two_c), self.chunk_tokens), True)
                 for n in range(1, self.chunk_tokens + 1)
             }
         tasks = [(eng.compile_prefill, B, P, self.B, ctx) for B, P, ctx in sorted(prefills)]
@@ -514,10 +519,10 @@ class Scheduler:
 
     def _chunk_pad(self, tokens: int, offset: int, new_tokens: int) -> int:
         """The padded length of a chunk of `tokens` prompt tokens after `offset` local
-        slots: a whole chunk's, or the last chunk's `bucket` (one of few compiled
+        slots: a whole chunk's, or the last chunk's `length_bucket` (one of few compiled
         shapes) where the row has room for it and the new tokens, else its own."""
         C = self.engine.C
-        padded = min(bucket(tokens, 2 * C), self.chunk_tokens)
+        padded = min(length_bucket(tokens, 2 * C), self.chunk_tokens)
         if offset + slots_per_device(padded, new_tokens, C) <= self.engine.slots_per_device:
             return padded
         return padded_length(tokens, C)
@@ -558,7 +563,7 @@ class Scheduler:
                 break  # a long prompt starts chunking when the one before it is done
             if tokens + handle.prompt_tokens > budget and (n or budget < self.prefill_tokens):
                 break
-            together = by_bucket.setdefault(bucket(handle.prompt_tokens, 2 * eng.C), [])
+            together = by_bucket.setdefault(length_bucket(handle.prompt_tokens, 2 * eng.C), [])
             if not self._fits(together + [handle]):
                 break  # padded with longer prompts it would not fit: next round
             together.append(handle)
@@ -610,12 +615,12 @@ class Scheduler:
 
     def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:
         """Whether each request's prompt, padded as long as the longest of them (and
-        to its `layout.bucket` if bucketed), leaves its new tokens room in a row's cache
+        to its `layout.length_bucket` if bucketed), leaves its new tokens room in a row's cache
         slots."""
         eng = self.engine
         longest = max(h.prompt_tokens for h in handles)
         if bucketed:
-            longest = bucket(longest, 2 * eng.C)
+            longest = length_bucket(longest, 2 * eng.C)
         return all(
             slots_per_device(longest, h.params.max_new_tokens, eng.C) <= eng.slots_per_device
             for h in handles

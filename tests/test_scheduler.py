@@ -14,7 +14,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.decisions import Decision
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
-from qwen3_spmd.pipeline.layout import bucket, lay_out
+from qwen3_spmd.pipeline.layout import bucket, lay_out, length_bucket
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler, chunk_while_waiting
@@ -185,7 +185,7 @@ def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
 def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone):
     """A round admits every waiting prompt a free row takes, prefilled with those of
     its length bucket only, in batches a bucketed shape fills without padding rows."""
-    prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 16, 4, 4
+    prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 12, 4, 4
     engine = _engine(cfg, 1, 1)
     sched = Scheduler(engine, max_batch=4)
     prefill, shapes = engine.prefill, []
@@ -199,7 +199,7 @@ def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone):
     sched.step()
     assert all(h.tokens for h in handles) and sched.waiting == 0
     # prompts 0, 2, 3 of bucket 4: three rows would pad to four, so two then one
-    assert shapes == [(2, 2, 4), (1, 1, 4), (1, 1, 16)]
+    assert shapes == [(2, 2, 4), (1, 1, 4), (1, 1, 12)]
     sched.run()
     for h, prompt in zip(handles, prompts):
         assert h.tokens == alone(prompt, Params(4))
@@ -267,11 +267,15 @@ def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
     assert running.tokens == alone(prompt, Params(5))
 
 
-def test_buckets_are_the_unit_times_a_power_of_two():
+def test_buckets_are_the_unit_times_a_power_of_two_or_three_quarters_of_one_for_lengths():
     assert [bucket(n, 4) for n in (1, 4, 5, 8, 9, 16, 17)] == [4, 4, 8, 8, 16, 16, 32]
     assert [bucket(n, 3) for n in (1, 3, 4, 7, 10)] == [3, 3, 6, 12, 12]
-    laid = lay_out([[1] * 5, [2] * 9, [3]], 1, 1, 2, 64, bucketed=True)
-    assert (laid.B, laid.P_pad) == (4, 16) and laid.requests == 3
+    got = [length_bucket(n, 4) for n in (1, 4, 5, 8, 9, 12, 13, 16, 17, 24, 25, 33, 49, 97)]
+    assert got == [4, 4, 8, 8, 12, 12, 16, 16, 24, 24, 32, 48, 64, 128]
+    for n in range(1, 2000):  # a prompt's padding is less than a third of its bucket
+        assert n <= length_bucket(n, 2) < 3 * max(n, 2) // 2 + 2
+    laid = lay_out([[1] * 5, [2] * 17, [3]], 1, 1, 2, 64, bucketed=True)
+    assert (laid.B, laid.P_pad) == (4, 24) and laid.requests == 3
 
 
 _PROCESS = r"""
@@ -535,7 +539,7 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone):
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""
     sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=16)
-    assert sched.precompile() == 19  # 9 prefill, 8 decode and 2 move shapes
+    assert sched.precompile() == 21  # 11 prefill, 8 decode and 2 move shapes
     moves, chunks = [], []
     move_rows, prefill = sched.engine.move_rows, sched.engine.prefill
     sched.engine.move_rows = lambda cache, src, dst: moves.append(src) or move_rows(cache, src, dst)
@@ -557,9 +561,9 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone):
     finally:
         jax.monitoring.unregister_event_duration_listener(heard)
     assert compiles == []
-    # the four short prompts together; the long one in chunks of 16 and 9 tokens, the
-    # last padded to its bucket, 16 (to its own length it would be 12); then two together
-    assert chunks == [(4, 4, 0), (1, 16, 0), (1, 16, 8), (2, 8, 0)]
+    # the four short prompts together; the long one in chunks of 16 and 9 tokens (the
+    # last padded to its bucket, 12); then two together
+    assert chunks == [(4, 4, 0), (1, 16, 0), (1, 12, 8), (2, 8, 0)]
     assert moves
     for h, p, q in zip(handles, prompts, params):
         assert len(h.tokens) == q.max_new_tokens
