@@ -360,7 +360,9 @@ def test_serve_closed_loops_beside_static_batches(capsys):
             assert in_unit(drain["row_occupancy"]) and 0 <= drain["stage_idle_fraction"] < 1
             assert j["static"]["output_tokens"] == j["output_tokens"]
             assert j["speedup_vs_static"] > 0
-        assert serve["static_equal_batch"]["batch"] == 2
+        equal = serve["static_equal_batch"]
+        assert equal["batch"] == 2
+        assert equal["output_tokens"] == 2 * equal["new_tokens_per_request"]
         paired = serve["paired"]
         assert paired["concurrency"] == 2
         for ratio in (paired["vs_c1"], paired["vs_static_equal_batch"]):

@@ -170,8 +170,8 @@ def _static_equal_batch(engine, s: dict, batch: int) -> dict:
     return {
         "batch": batch,
         "prompt_len": len(equal[0][0]),
-        "output_tokens": equal[0][1],
-        **measured,
+        "new_tokens_per_request": equal[0][1],
+        **measured,  # output_tokens: the batch's
     }
 
 
