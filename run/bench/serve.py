@@ -178,16 +178,23 @@ def _static_equal_batch(engine, s: dict, batch: int) -> dict:
 def _paired(engine, s: dict, B_max: int, rows: int) -> dict:
     """The targets' ratios from measurements taken back to back: the host's speed drifts
     by tens of percent over minutes, so a ratio of two runs minutes apart says as much
-    about the drift. `min(repeats, 3)` times in turn: the closed loop at concurrency
-    `rows`, the one at concurrency 1 and the static batch of `rows` equal requests (all
-    compiled by the passes before); each ratio of a turn, and their median."""
+    about the drift. `min(repeats, 5)` times in turn: the static batch of `rows` equal
+    requests, the closed loop at concurrency `rows`, the equal batch again and the loop
+    at concurrency 1 (all compiled by the passes before); the loop is set against the
+    equal batch's runs on either side of it pooled (a batch of seconds beside a loop of
+    tens of them: one run of it samples a moment of the host's speed). Each ratio of a
+    turn, and their median."""
     full, one = _loop_requests(engine.cfg, s, rows), _loop_requests(engine.cfg, s, 1)
     equal = _equal_requests(engine.cfg, s, rows)
     vs_c1, vs_equal = [], []
-    for _ in range(min(s["repeats"], 3)):
+    for _ in range(min(s["repeats"], 5)):
+        before = static_batches(engine, equal, rows)
         loaded = closed_loop(Scheduler(engine, B_max), full, rows)["output_tokens_per_s"]
+        after = static_batches(engine, equal, rows)
         alone = closed_loop(Scheduler(engine, B_max), one, 1)["output_tokens_per_s"]
-        batch = static_batches(engine, equal, rows)["output_tokens_per_s"]
+        batch = (before["output_tokens"] + after["output_tokens"]) / (
+            before["time_s"] + after["time_s"]
+        )
         vs_c1.append(loaded / alone)
         vs_equal.append(loaded / batch)
     return {
