@@ -615,8 +615,8 @@ class Scheduler:
 
     def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:
         """Whether each request's prompt, padded as long as the longest of them (and
-        to its `layout.length_bucket` if bucketed), leaves its new tokens room in a row's cache
-        slots."""
+        to its `layout.length_bucket` if bucketed), leaves its new tokens room in a
+        row's cache slots."""
         eng = self.engine
         longest = max(h.prompt_tokens for h in handles)
         if bucketed:
