@@ -78,8 +78,9 @@ def lay_out(
     bucketed: B rounded up further, to that multiple times a power of two (`bucket`),
     and P_pad to a `length_bucket` of 2C. start, offset: the prompts are chunks that
     begin at position `start`, after earlier chunks that hold each device's first
-    `offset` local slots (chunked prefill); slot_pos lists this chunk's slots only. P_pad: the padded length
-    (a multiple of 2C, at least the longest prompt's), instead of the one chosen here."""
+    `offset` local slots (chunked prefill); slot_pos lists this chunk's slots only.
+    P_pad: the padded length (a multiple of 2C, at least the longest prompt's), instead
+    of the one chosen here."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
