@@ -25,10 +25,14 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
-from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out, list_decode_slots
+from qwen3_spmd.pipeline.executor import Executor
+from qwen3_spmd.pipeline.handles import Params, Request
+from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out
+from qwen3_spmd.pipeline.planner import Accounting, Admission, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
-from qwen3_spmd.pipeline.programs import OnCompile, Programs
+from qwen3_spmd.pipeline.programs import Clock, OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
+from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import (
     RowSampling,
     Sampling,
@@ -36,8 +40,10 @@ from qwen3_spmd.pipeline.sampling import (
     sample_rows,
     token_logprobs,
 )
-from qwen3_spmd.pipeline.schedule import decode_grid, decode_ticks, prefill_grid, stats
+from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
+from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
+from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
@@ -50,27 +56,6 @@ class Generation:
     timing: dict  # compile_s, prefill_s, decode_s and tokens per second of this call
     layout: dict  # batch and prompt padding, microbatches, groups, chunks run
     cache: KVCache  # the cache as the last decode left it (slots of steps never run: -1)
-
-
-@dataclasses.dataclass
-class Clock:
-    """Seconds spent waiting for compiles and running programs (one generate call, or a
-    scheduler's life)."""
-
-    compile_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
-@dataclasses.dataclass
-class _Decoding:
-    """The host's view of a batch being decoded."""
-
-    generated: list[list[int]]  # [B] the tokens of each row so far
-    done: np.ndarray  # [B] bool: the row produced an EOS id
-    steps_run: int = 0
-    chunks: int = 0
-    ticks: int = 0
 
 
 def _put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
@@ -384,39 +369,21 @@ class Engine:
             ),
         )
 
-    def _decode_inputs(
-        self,
-        batch: Batch,
-        tokens: np.ndarray,
-        first_step: int,
-        run_steps: int,
-        limit: int,
-        sampling: Sampling,
-        seed: int,
-    ) -> DecodeInputs:
-        """Every row of `batch` at step `first_step` of the same request settings."""
-        rows = np.ones(batch.B, np.int32)
-        return DecodeInputs(
-            tokens=tokens.astype(np.int32),
-            positions=batch.lengths + first_step,
-            step=rows * first_step,
-            limit=rows * limit,
-            prompt_slots=rows * batch.prompt_slots,
-            sampling=RowSampling.of(sampling, seed, batch.request),
-            run_steps=np.int32(run_steps),
-        )
+    def _abstract_decode_inputs(self, rows: int) -> DecodeInputs:
+        """A decode chunk's inputs over `rows` rows as shapes on the mesh (for lowering
+        ahead)."""
+        inputs = RowBook(rows, 1, self.C, self.slots_per_device).decode_inputs(rows, 0)
+        return self._abstract(inputs, DecodeInputs.specs())
 
-    def _compile_decode_ahead(self, batch: Batch, sampling: Sampling, with_logits: bool) -> None:
-        """Starts compiling the first decode chunk's program while the prefill compiles
-        and runs."""
-        inputs = self._decode_inputs(batch, batch.request, 0, 1, 1, sampling, 0)
-        sampled = sampling.temperature > 0
+    def _compile_decode_ahead(self, B: int, groups: int, sampled: bool, with_logits: bool):
+        """Starts compiling a decode chunk's program over B rows while the prefill
+        compiles and runs."""
         self.programs.ahead(
-            self.decode_name(batch.groups, self.chunk, sampled, with_logits),
-            self._decode_fn(batch.groups, self.chunk, sampled, with_logits),
+            self.decode_name(groups, self.chunk, sampled, with_logits),
+            self._decode_fn(groups, self.chunk, sampled, with_logits),
             self.weights,
-            self._abstract_cache(batch.B),
-            self._abstract(inputs, DecodeInputs.specs()),
+            self._abstract_cache(B),
+            self._abstract_decode_inputs(B),
         )
 
     def _place_inputs(self, inputs, specs):
@@ -430,7 +397,7 @@ class Engine:
         clock.compile_s += waited
         return program(self.weights, cache, inputs)
 
-    # ---- generate: lay out, prefill, decode chunk by chunk, complete ------------------
+    # ---- generate: a static batch through the rounds' executor ----------------------
 
     def generate(
         self,
@@ -442,7 +409,11 @@ class Engine:
         on_tokens: Callable[[list[list[int]]], None] | None = None,
         with_logits: bool = True,
     ) -> Generation:
-        """Generates up to max_new_tokens tokens for each prompt.
+        """Generates up to max_new_tokens tokens for each prompt: one prefill of the whole
+        batch, then decode chunks until every request has ended, run by the same
+        executor and row book as continuous batching (`pipeline.executor`), so the
+        decode inputs and the stop rule have one home. Request i samples with key
+        (seed, i, step).
 
         with_logits=False skips collecting request 0's logits at every decode step
         (Generation.first_logits then holds the prefill step only).
@@ -451,32 +422,66 @@ class Engine:
         every request's tokens so far (for streaming).
         """
         self.check(prompts, max_new_tokens)
-        batch = self.lay_out(prompts)
-        clock = Clock()
-        if max_new_tokens > 1:
-            self._compile_decode_ahead(batch, sampling, with_logits)
-        strategy, predictions = self.cp_plan(batch.B, batch.P_pad)
-        params = RowSampling.of(sampling, seed, batch.request)
+        n, groups = len(prompts), self.groups_for(len(prompts))
+        unit = math.lcm(self.M, groups)
+        shape = PrefillShape(-(-n // unit) * unit, padded_length(max(map(len, prompts)), self.C))
+        params = Params(max_new_tokens, sampling, seed, tuple(eos_ids))
+        requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
+        # Rows past the prompts are copies of request 0 (its key too), dropped at the end.
+        requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
+        book = RowBook(shape.B, groups, self.C, self.slots_per_device)
+        clock, accounting = Clock(), Accounting()
+        executor = Executor(self, book, accounting, clock, cache=None)
         sampled = sampling.temperature > 0
-        first, logits, cache = self.prefill(batch, strategy, params, sampled, clock)
-        state = _Decoding([[int(t)] for t in first], np.isin(first, eos_ids))
-        step_logits = [np.asarray(logits[:1])]
-        if on_tokens:
-            on_tokens(state.generated[: batch.requests])
-        limit = max_new_tokens - 1  # decode steps: token 0 came from the prefill
-        while state.steps_run < limit and not state.done[: batch.requests].all():
-            new_logits, cache = self._decode_chunk(
-                batch, state, cache, limit, sampling, seed, eos_ids, with_logits, clock
-            )
-            if with_logits:
-                step_logits.append(new_logits)
+        if max_new_tokens > 1:
+            self._compile_decode_ahead(shape.B, groups, sampled, with_logits)
+        tokens: list[list[int]] = [[] for _ in requests]
+        finish = ["length"] * shape.B
+
+        def take(updates):
+            for u in updates:
+                tokens[u.id] += u.tokens
+                finish[u.id] = u.finish_reason or finish[u.id]
             if on_tokens:
-                on_tokens(state.generated[: batch.requests])
-        out = self._complete(
-            prompts, batch, state, step_logits, max_new_tokens, eos_ids, clock, cache
-        )
-        out.layout.update(cp_strategy=strategy, cp=predictions)
-        return out
+                on_tokens(tokens[:n])
+
+        admission = Admission(tuple(requests), tuple(range(shape.B)), shape)
+        take(executor.admit(Round(admissions=(admission,))))
+        step_logits = [np.asarray(executor.logits[:1])]
+        steps_run = chunks = 0
+        decode = DecodeShape(shape.B, sampled, logprobs=False)
+        while book.live():
+            steps = min(self.chunk, max(book.rows[b].steps_left for b in book.live()))
+            take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
+            if with_logits:
+                step_logits.append(np.asarray(executor.logits)[:steps])
+            steps_run, chunks = steps_run + steps, chunks + 1
+        completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
+        n_prompt = sum(map(len, prompts))
+        n_new = sum(len(c.token_ids) - 1 for c in completions)
+        timing = {
+            "compile_s": clock.compile_s,
+            "prefill_s": clock.prefill_s,
+            "decode_s": clock.decode_s,
+            "prefill_tokens_per_s": n_prompt / clock.prefill_s if clock.prefill_s > 0 else 0.0,
+            "decode_tokens_per_s": n_new / clock.decode_s if clock.decode_s > 0 else 0.0,
+        }
+        strategy, predictions = self.cp_plan(shape.B, shape.P_pad)
+        layout = {
+            "batch": shape.B,
+            "requests": n,
+            "padded_prompt": shape.P_pad,
+            "microbatches": self.M,
+            "groups": groups,
+            "decode_steps": steps_run,
+            "chunks": chunks,
+            "chunk": self.chunk,
+            "decode_ticks": accounting.decode_ticks,
+            "cp_strategy": strategy,
+            "cp": predictions,
+        }
+        first_logits = np.concatenate(step_logits)[: len(tokens[0])]
+        return Generation(completions, first_logits, timing, layout, executor.cache)
 
     def prefill(
         self,
@@ -513,47 +518,6 @@ class Engine:
         out = self._logprobs(logits, jnp.asarray(tokens, jnp.int32))
         return TokenLogprobs(*(np.asarray(x) for x in out))
 
-    def _decode_chunk(
-        self,
-        batch: Batch,
-        state: _Decoding,
-        cache: KVCache,
-        limit: int,
-        sampling: Sampling,
-        seed: int,
-        eos_ids,
-        with_logits: bool,
-        clock: Clock,
-    ):
-        """One decode chunk of up to `self.chunk` steps; appends each row's new tokens
-        (up to its first EOS id) to `state`. Returns (row 0's logits [take, V], cache)."""
-        j0 = state.steps_run
-        take = min(self.chunk, limit - j0)
-        # List the slots this chunk writes; positions ahead of a query are masked.
-        rows = np.ones(batch.B, np.int32)
-        list_decode_slots(
-            batch.slot_pos, rows * j0, take, rows * limit, batch.lengths, rows * batch.prompt_slots
-        )
-        tokens = np.array([g[-1] for g in state.generated], np.int32)
-        inputs = self._decode_inputs(batch, tokens, j0, take, limit, sampling, seed)
-        sampled = sampling.temperature > 0
-        out, cache = self.decode(
-            cache, batch.slot_pos, inputs, batch.groups, sampled, with_logits, clock
-        )
-        new_tokens = np.asarray(out.tokens)
-        state.ticks += decode_ticks(batch.groups, self.stages, take)
-        for b in range(batch.B):
-            if state.done[b]:
-                continue
-            for t in new_tokens[b, :take]:
-                state.generated[b].append(int(t))
-                if t in eos_ids:
-                    state.done[b] = True
-                    break
-        state.steps_run += take
-        state.chunks += 1
-        return (np.asarray(out.logits)[:take] if with_logits else None), cache
-
     def decode(
         self,
         cache: KVCache,
@@ -581,45 +545,6 @@ class Engine:
         out.tokens.block_until_ready()
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return out, cache
-
-    def _complete(
-        self,
-        prompts,
-        batch: Batch,
-        state: _Decoding,
-        step_logits,
-        max_new_tokens,
-        eos_ids,
-        clock: Clock,
-        cache: KVCache,
-    ) -> Generation:
-        completions = []
-        for b in range(batch.requests):
-            toks = state.generated[b][:max_new_tokens]
-            stop = bool(toks) and toks[-1] in eos_ids
-            completions.append(Completion(list(prompts[b]), toks, "stop" if stop else "length"))
-        n_prompt = int(batch.lengths[: batch.requests].sum())
-        n_new = sum(len(c.token_ids) - 1 for c in completions)
-        timing = {
-            "compile_s": clock.compile_s,
-            "prefill_s": clock.prefill_s,
-            "decode_s": clock.decode_s,
-            "prefill_tokens_per_s": n_prompt / clock.prefill_s if clock.prefill_s > 0 else 0.0,
-            "decode_tokens_per_s": n_new / clock.decode_s if clock.decode_s > 0 else 0.0,
-        }
-        layout = {
-            "batch": batch.B,
-            "requests": batch.requests,
-            "padded_prompt": batch.P_pad,
-            "microbatches": self.M,
-            "groups": batch.groups,
-            "decode_steps": state.steps_run,
-            "chunks": state.chunks,
-            "chunk": self.chunk,
-            "decode_ticks": state.ticks,
-        }
-        first_logits = np.concatenate(step_logits)[: len(completions[0].token_ids)]
-        return Generation(completions, first_logits, timing, layout, cache)
 
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
@@ -657,22 +582,12 @@ class Engine:
     ) -> None:
         """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
         logits) over `rows` rows of a cache of `cache_rows` rows. Nothing runs."""
-        n = np.zeros(rows, np.int32)
-        inputs = DecodeInputs(
-            tokens=n,
-            positions=n,
-            step=n,
-            limit=n,
-            prompt_slots=n,
-            sampling=RowSampling.of(Sampling(), 0, n),
-            run_steps=np.int32(0),
-        )
         self.programs.get(
             self.decode_name(groups, self.chunk, sampled, False, logprobs),
             self._decode_fn(groups, self.chunk, sampled, False, logprobs),
             self.weights,
             self._abstract_cache(cache_rows),
-            self._abstract(inputs, DecodeInputs.specs()),
+            self._abstract_decode_inputs(rows),
         )
 
     def compile_move(self, n: int, cache_rows: int) -> None:

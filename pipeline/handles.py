@@ -33,6 +33,27 @@ class Params:
     min_tokens: int = 0
     logprobs: bool = False
 
+    def finish_reason(self, tokens: list[int]) -> str | None:
+        """Why a request that has generated `tokens` ends: "stop" (the last is an EOS
+        id), "length" (its budget), or None (it goes on). The one home of that rule."""
+        if tokens and tokens[-1] in self.eos_ids:
+            return "stop"
+        if len(tokens) >= self.max_new_tokens:
+            return "length"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a scheduler runs for one submit: its id, prompt ids and parameters.
+    sample_index is folded into its sampling key after the seed: 0 for a request on
+    its own (key (seed, 0, step)), the row's index in a static batch of `generate`."""
+
+    id: int
+    prompt: tuple[int, ...]
+    params: Params
+    sample_index: int = 0
+
 
 class Logprob(NamedTuple):
     """A generated token's log-probability under the model (the raw logits) and the

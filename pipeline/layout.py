@@ -73,17 +73,23 @@ def lay_out(
     start: int = 0,
     offset: int = 0,
     P_pad: int | None = None,
+    rows: int | None = None,
 ) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
     bucketed: B rounded up further, to that multiple times a power of two (`bucket`),
     and P_pad to a `length_bucket` of 2C. start, offset: the prompts are chunks that
     begin at position `start`, after earlier chunks that hold each device's first
     `offset` local slots (chunked prefill); slot_pos lists this chunk's slots only.
-    P_pad: the padded length (a multiple of 2C, at least the longest prompt's), instead
-    of the one chosen here."""
+    P_pad, rows: the padded length (a multiple of 2C, at least the longest prompt's) and
+    the batch's rows (a multiple of that unit, at least the prompts), instead of the
+    ones chosen here (`pipeline.shapes` decides them for a scheduler)."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
+    if rows is not None:
+        if rows < n_req or rows % unit:
+            raise ValueError(f"rows {rows} must be a multiple of {unit} and at least {n_req}")
+        B = rows
     rows = [list(p) for p in prompts] + [list(prompts[0])] * (B - n_req)
     lengths = np.array([len(p) for p in rows], np.int32)
     longest = int(lengths.max())

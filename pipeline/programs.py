@@ -10,6 +10,7 @@ the same key collects it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,16 @@ import jax.numpy as jnp
 # on_compile(name) -> a context manager entered while that program compiles (a progress
 # bar's spinner, say); called only when the caller has to wait for a compile.
 OnCompile = Callable[[str], AbstractContextManager]
+
+
+@dataclasses.dataclass
+class Clock:
+    """Seconds spent waiting for compiles and running programs (one generate call, or a
+    scheduler's life)."""
+
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class Programs:

@@ -1,23 +1,20 @@
 """Continuous batching: requests join and leave the decode rows while the mesh runs.
 
 A `Scheduler` owns `max_batch` decode rows (a multiple of the decode groups G, cut into
-G round-robin groups as in `Engine.generate`) and one KV cache of that many rows. A row
-is a request slot: its cache row and slot positions, its current token, step and
-budget, and its sampling parameters, all per-row inputs of the one decode program. Each
-`step()` is one round:
+G round-robin groups as in `Engine.generate`) and runs rounds over them. Each round has
+three parts with one job each (vLLM v1's schedule / execute / update):
 
-    admit   waiting requests into free rows: prefill them with the pipelined,
-            microbatched prefill (at most `prefill_tokens` prompt tokens a round; each
-            length bucket in batches of its own) and insert their K/V rows into the
-            cache in place (donated, no copy of it). A
-            prompt longer than a chunk (`prefill_tokens`, a multiple of 2C) holds a
-            row and is prefilled one chunk a round, each chunk attending to the earlier
-            ones in its cache (`ring.context_attention`), so it never stalls the rows
-            that decode meanwhile;
-    decode  one chunk over all rows, each at its own step (short while requests wait
-            for a row, so finished rows free up soon; long when none wait);
-    retire  finished rows (an EOS id, the token budget, or `cancel`), handing each
-            request its new tokens on the way.
+    plan     `pipeline.planner.Planner.plan`: from the row book, the waiting requests
+             and the cancellations to a `Round` (what to cancel, chunk, admit, move and
+             decode, with every program's padded shape from `pipeline.shapes`);
+    execute  `pipeline.executor.Executor`: the round's programs on the engine (the
+             prefills and their in-place K/V inserts, the decode chunk);
+    update   the row book's methods (`pipeline.rowbook`), the only writers of rows,
+             slots and positions, retire what ended.
+
+This module is the front: it takes requests and cancellations from callers' threads,
+drives the rounds, and hands each request its tokens through its `Handle`. First tokens
+go out before the round's decode chunk runs, so time to first token is the prefill's.
 
 A round that raises ends the background loop: every request still open finishes with
 "error", and later submits are refused with the error's message.
@@ -30,81 +27,35 @@ Rounds run when a caller asks: `step()`, `run()`, or a blocking read of a handle
 `start()` a background thread runs them whenever a request is in (what a server needs,
 and what a handle's async stream needs); the state is guarded by one lock.
 
-Several processes (`decisions=SharedDecisions()`): process 0 takes the requests and
-publishes what it took in before each round (`pipeline.decisions`); every other process
-calls `follow()`, which runs the same rounds on the same decisions until process 0
-closes.
+Several processes (`decisions=SharedDecisions()`): process 0 takes the requests, plans
+each round and publishes the `Round` itself (`pipeline.decisions`); every other process
+calls `follow()`, which executes process 0's rounds until it closes. Followers never
+plan.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
-import math
 import threading
 
-import numpy as np
-
-from qwen3_spmd.model.cache import KVCache
-from qwen3_spmd.pipeline.decisions import Decision, SharedDecisions
-from qwen3_spmd.pipeline.decode import DecodeInputs
-from qwen3_spmd.pipeline.engine import Clock, Engine
-from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
-from qwen3_spmd.pipeline.layout import (
-    bucket,
-    lay_out,
-    length_bucket,
-    list_decode_slots,
-    whole_batch,
-)
+from qwen3_spmd.pipeline.decisions import SharedDecisions
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.executor import Executor
+from qwen3_spmd.pipeline.handles import Handle, Params, Request
+from qwen3_spmd.pipeline.planner import Accounting, Planner, Round
+from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
-from qwen3_spmd.pipeline.schedule import decode_ticks
-from qwen3_spmd.ring import padded_length, slots_per_device
+from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
+from qwen3_spmd.pipeline.sampling import RowSampling
+from qwen3_spmd.pipeline.shapes import ShapeRules
+
+__all__ = ["QueueFull", "Scheduler", "Update"]
 
 
 class QueueFull(RequestError):
     """The waiting queue holds --max-queue requests: try again later."""
-
-
-@dataclasses.dataclass
-class Update:
-    """What one round gave a request: its new tokens, and why it ended (None: it goes
-    on). finish_reason is "stop" (an EOS id, kept as the last token), "length" or
-    "cancelled"."""
-
-    id: int
-    tokens: list[int]
-    finish_reason: str | None = None
-    logprobs: list[Logprob] | None = None  # one per token, when the request asks
-
-
-@dataclasses.dataclass
-class _Chunked:
-    """A long prompt being prefilled a chunk a round into a cache of its own (M rows, a
-    copy of the request in each), holding decode row `row` for when it is done."""
-
-    handle: Handle
-    row: int
-    done: int = 0  # prompt tokens prefilled so far
-    offset: int = 0  # local cache slots its chunks hold so far (on every device)
-    slot_pos: np.ndarray | None = None  # [C, S_loc] positions its chunks' slots hold
-    cache: KVCache | None = None
-
-
-@dataclasses.dataclass
-class _Row:
-    """A request in a decode row (host side)."""
-
-    handle: Handle
-    generated: list[int]  # every token so far (token 0 came from the prefill)
-    prompt_slots: int  # local cache slots its prompt took (P_pad / C of its admission)
-
-    @property
-    def params(self) -> Params:
-        return self.handle.params
 
 
 class Scheduler:
@@ -121,7 +72,7 @@ class Scheduler:
       short_chunk: decode steps a round runs while requests wait for a row.
       max_queue: requests waiting for a row at most (beyond the rows free as of the
         last round); `submit` refuses more (QueueFull).
-      decisions: with several processes, how they share each round's decisions
+      decisions: with several processes, how they share each round
         (`pipeline.decisions.SharedDecisions`); None in a single process.
     """
 
@@ -139,30 +90,34 @@ class Scheduler:
         self.engine = engine
         self.groups = engine.groups_for(engine.stages)
         self.B = -(-max_batch // self.groups) * self.groups
-        self.prefill_tokens = prefill_tokens
         two_c = 2 * engine.C
-        self.chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
-        self._chunked: _Chunked | None = None
-        self.short_chunk = short_chunk or max(1, engine.chunk // 4)
-        self.max_queue = max_queue
+        self.rules = ShapeRules(
+            rows=self.B,
+            groups=self.groups,
+            microbatches=engine.M,
+            C=engine.C,
+            slots=engine.slots_per_device,
+            max_seq_len=engine.max_seq_len,
+            prefill_tokens=prefill_tokens,
+            chunk_tokens=max(two_c, prefill_tokens // two_c * two_c),
+        )
+        self.planner = Planner(
+            self.rules,
+            stages=engine.stages,
+            short_chunk=short_chunk or max(1, engine.chunk // 4),
+            long_chunk=engine.chunk,
+        )
+        self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
+        self.accounting = Accounting()
         self.clock = Clock()
+        self.executor = Executor(
+            engine, self.book, self.accounting, self.clock, cache=engine.empty_cache(self.B)
+        )
+        self.max_queue = max_queue
         self.rounds = 0
-        # Decode accounting: row-steps the rounds ran (all rows x steps), those that
-        # gave a request a token, and pipeline ticks (a stage works on one group a tick).
-        self.row_steps = 0
-        self.busy_row_steps = 0
-        self.decode_ticks = 0
-        # Rows freed before their budget (an end id, a cancel): how often a busy row
-        # ends unforeseen, which sets the chunk length while requests wait.
-        self.early_ends = 0
         self._ids = itertools.count()
-        self._waiting: collections.deque[Handle] = collections.deque()
-        self._rows: list[_Row | None] = [None] * self.B
-        C, S_loc = engine.C, engine.slots_per_device
-        self._slot_pos = np.full((self.B, C, S_loc), -1, np.int32)
-        self._lengths = np.zeros(self.B, np.int32)
-        self._cache: KVCache = engine.empty_cache(self.B)
-        self._cancelled: set[Handle] = set()  # taken in by a round
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._gone: set[int] = set()  # waiting requests the round being run cancels
         # Callers' threads and the rounds meet under _lock, held only for moments:
         # submits and cancels land in inboxes that the next round takes in. _round runs
         # one round at a time (on the background thread, or a caller's).
@@ -181,9 +136,22 @@ class Scheduler:
         self.closed = False  # a follower saw process 0 close
         self.failure: Exception | None = None  # what ended the background loop
 
+    @property
+    def prefill_tokens(self) -> int:
+        return self.rules.prefill_tokens
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.rules.chunk_tokens
+
+    @property
+    def early_ends(self) -> int:
+        return self.accounting.early_ends
+
     def decode_counts(self) -> tuple[int, int, int]:
         """(row-steps run, row-steps that gave a request a token, pipeline ticks)."""
-        return self.row_steps, self.busy_row_steps, self.decode_ticks
+        a = self.accounting
+        return a.row_steps, a.busy_row_steps, a.decode_ticks
 
     def decode_use(self, since: tuple[int, int, int] = (0, 0, 0)) -> dict:
         """How well the decode rounds since `since` (decode_counts() then) used the
@@ -199,53 +167,25 @@ class Scheduler:
     @property
     def kv_bytes_per_device(self) -> int:
         """Bytes of the K and V cache each device holds (allocated once, all rows)."""
-        k = self._cache.k
+        k = self.executor.cache.k
         return 2 * k.nbytes // (self.engine.stages * self.engine.C)
 
     def precompile(self, workers: int = 2) -> int:
-        """Compiles every program a round can run, so that no request waits for a
-        compile while the running ones stall (what a server does at start-up): the
-        prefill of each batch `_admit_short` can form (a `whole_batch` of prompts of one
-        length bucket within prefill_tokens), each chunk of a long prompt, the decode
-        chunk over each row count it runs, greedy or sampled, with log-probabilities or
-        without, and the row moves. Only a prompt whose bucket would leave its new
-        tokens no room in the row, padded to its own length instead, still compiles a
-        shape when met. `workers` compiles run at once. Returns the number of shapes
-        compiled (each with its helpers)."""
-        eng, two_c = self.engine, 2 * self.engine.C
-        room = eng.C * eng.slots_per_device  # the longest padded prompt a row holds
-        short = min(eng.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
-        fewest = {}  # each length bucket a short prompt can take: its fewest tokens
-        for n in range(short, 0, -1):
-            fewest[length_bucket(n, two_c)] = n
-        lengths = {P for P in fewest if P <= room}
-        batches = {bucket(whole_batch(n, eng.M), eng.M) for n in range(1, self.B + 1)}
-        prefills = {
-            (B, P, False)
-            for P in lengths
-            for B in batches
-            if B <= eng.M or B * fewest[P] <= self.prefill_tokens
-        }
-        if eng.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks of B = M
-            prefills.add((eng.M, self.chunk_tokens, False))
-            prefills |= {
-                (eng.M, min(length_bucket(n, two_c), self.chunk_tokens), True)
-                for n in range(1, self.chunk_tokens + 1)
-            }
-        tasks = [(eng.compile_prefill, B, P, self.B, ctx) for B, P, ctx in sorted(prefills)]
-        rows = {min(self.B, bucket(n, self.groups)) for n in range(1, self.B + 1)}
-        tasks += [
-            (eng.compile_decode, n, self.B, self.groups, sampled, logprobs)
-            for n in sorted(rows)
-            for sampled, logprobs in itertools.product((False, True), repeat=2)
+        """Compiles every program a round can run (`ShapeRules.programs`: each prefill
+        batch and chunk, the decode chunk over each row count, greedy or sampled, with
+        log-probabilities or without, and the row moves), so that no request waits for
+        a compile while the running ones stall (what a server does at start-up).
+        `workers` compiles run at once. Returns the number of shapes compiled (each with
+        its helpers)."""
+        eng, programs = self.engine, self.rules.programs()
+        tasks = [
+            (eng.compile_prefill, p.B, p.P_pad, self.B, p.with_context) for p in programs.prefills
         ]
-        # `_compact` moves the live rows at or past bucket(n, G) of n: at most that many
-        moves = {
-            bucket(m, 1)
-            for n in range(1, self.B + 1)
-            for m in range(1, min(n, self.B - bucket(n, self.groups)) + 1)
-        }
-        tasks += [(eng.compile_move, n, self.B) for n in sorted(moves)]
+        tasks += [
+            (eng.compile_decode, d.rows, self.B, self.groups, d.sampled, d.logprobs)
+            for d in programs.decodes
+        ]
+        tasks += [(eng.compile_move, n, self.B) for n in programs.moves]
         # XLA compiles outside the GIL: several at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for done in [pool.submit(*task) for task in tasks]:
@@ -264,7 +204,7 @@ class Scheduler:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens)
-        RowSampling.stack([_row_sampling(params)])  # min_tokens' end ids fit its ban
+        RowSampling.stack([row_sampling(Request(0, prompt, params))])  # the ban's end ids fit
         if params.min_tokens < 0:
             raise RequestError(f"min_tokens {params.min_tokens} must be >= 0")
         with self._lock:
@@ -289,7 +229,7 @@ class Scheduler:
                     f"request {handle.id} is not running here (finished, or from another "
                     f"scheduler): nothing to cancel"
                 )
-            if handle in self._cancels or handle in self._cancelled:
+            if handle in self._cancels:
                 raise RequestError(f"request {handle.id} is cancelled already")
             self._cancels.add(handle)
             self._wake.notify_all()
@@ -297,7 +237,7 @@ class Scheduler:
     @property
     def prefilling(self) -> int:
         """Long prompts between their first and last chunk (0 or 1)."""
-        return int(self._chunked is not None)
+        return int(self.book.chunking is not None)
 
     def handles(self) -> list[Handle]:
         """Every request not yet finished (waiting or running)."""
@@ -312,7 +252,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return sum(r is not None for r in self._rows)
+        return len(self.book.live())
 
     @property
     def waiting(self) -> int:
@@ -340,7 +280,7 @@ class Scheduler:
             loop.join()
         if self.decisions is not None and not self.follower and not self.closed:
             with self._round:
-                self.decisions.publish(self.rounds, Decision([], [], close=True))
+                self.decisions.publish(self.rounds, Round(close=True))
                 self.closed = True
 
     def follow(self) -> None:
@@ -373,404 +313,59 @@ class Scheduler:
         return True
 
     def step(self) -> list[Update]:
-        """One round: admit, decode one chunk, retire. Returns every request's news (also
-        delivered to its handle)."""
+        """One round: plan (process 0) or receive the plan (a follower), then execute
+        it. Returns every request's news (also delivered to its handle)."""
         with self._round:
-            if not self._take_in():
+            round = self._next_round()
+            if round is None:
                 return []
             # First tokens go out before the decode chunk runs: time to first token is
             # the prefill's, not the prefill's and a chunk's.
-            updates = self._deliver(self._drop_cancelled() + self._admit())
-            if self.running:
-                updates += self._deliver(self._decode())
+            waiting = [Update(id, [], "cancelled") for id in round.cancels if id in self._gone]
+            updates = self._deliver(waiting + self.executor.admit(round))
+            updates += self._deliver(self.executor.decode(round))
             self.rounds += 1
             return updates
 
-    def _deliver(self, updates: list[Update]) -> list[Update]:
-        free = len(self._free_rows())
-        with self._lock:
-            self._queued = len(self._waiting) + len(self._inbox)
-            self._free_count = free
-            handles = [self._handles[u.id] for u in updates]
-            for u in updates:
-                if u.finish_reason:
-                    del self._handles[u.id]
-        for u, handle in zip(updates, handles):
-            handle._deliver(u.tokens, u.finish_reason, u.logprobs)
-        return updates
-
-    def _take_in(self) -> bool:
-        """The round's new requests and cancellations: from the inboxes (process 0,
-        which publishes them when it leads others), or from process 0's decision (a
-        follower). False: process 0 has closed."""
+    def _next_round(self) -> Round | None:
+        """The round to run: process 0's plan (published when it leads others), or, on a
+        follower, the plan process 0 published. None: process 0 has closed."""
+        self._gone = set()
         if self.follower:
-            decision = self.decisions.receive(self.rounds)
-            if decision.close:
+            round = self.decisions.receive(self.rounds)
+            if round.close:
                 self.closed = True
-                return False
-            with self._lock:
-                for id, prompt, params in decision.submits:
-                    handle = Handle(id, prompt, params, lambda: True)
-                    self._handles[id] = handle
-                    self._waiting.append(handle)
-                # a request process 0 cancelled may have finished since: nothing to do
-                self._cancelled |= {
-                    self._handles[i] for i in decision.cancels if i in self._handles
-                }
-            return True
+                return None
+            return round
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
+        self._waiting.extend(Request(h.id, h.prompt, h.params) for h in new)
+        round = self.planner.plan(
+            self.book, self._waiting, {h.id for h in cancels}, self.accounting
+        )
         if self.decisions is not None:
-            submits = [(h.id, h.prompt, h.params) for h in new]
-            cancelled = sorted(h.id for h in cancels)
-            self.decisions.publish(self.rounds, Decision(submits, cancelled))
-        self._waiting.extend(new)
-        self._cancelled |= cancels
-        return True
+            self.decisions.publish(self.rounds, round)
+        taken = round.taken()
+        self._gone = {r.id for r in self._waiting if r.id in set(round.cancels)}
+        self._waiting = collections.deque(r for r in self._waiting if r.id not in taken)
+        return round
+
+    def _deliver(self, updates: list[Update]) -> list[Update]:
+        free = len(self.book.free_rows())
+        with self._lock:
+            self._queued = len(self._waiting) + len(self._inbox)
+            self._free_count = free
+            handles = [self._handles.get(u.id) for u in updates]
+            for u in updates:
+                if u.finish_reason:
+                    self._handles.pop(u.id, None)
+        for u, handle in zip(updates, handles):
+            if handle is not None:  # a follower's rounds have no handles
+                handle._deliver(u.tokens, u.finish_reason, u.logprobs)
+        return updates
 
     def run(self) -> None:
         """Rounds until no request is left (without a background thread)."""
         while not self.idle:
             self.step()
-
-    # ---- a round -----------------------------------------------------------------------
-
-    def _drop_cancelled(self) -> list[Update]:
-        out = []
-        if not self._cancelled:
-            return out
-        kept = collections.deque()
-        for handle in self._waiting:
-            if handle in self._cancelled:
-                out.append(Update(handle.id, [], "cancelled"))
-            else:
-                kept.append(handle)
-        self._waiting = kept
-        for b, row in enumerate(self._rows):
-            if row is not None and row.handle in self._cancelled:
-                out.append(Update(row.handle.id, [], "cancelled"))
-                self._free(b)
-                self.early_ends += 1
-        if self._chunked is not None and self._chunked.handle in self._cancelled:
-            out.append(Update(self._chunked.handle.id, [], "cancelled"))
-            self._chunked = None
-        self._cancelled.clear()
-        return out
-
-    def _free_rows(self) -> list[int]:
-        held = self._chunked.row if self._chunked is not None else None
-        return [b for b, r in enumerate(self._rows) if r is None and b != held]
-
-    def _long(self, handle: Handle) -> bool:
-        return handle.prompt_tokens > self.chunk_tokens
-
-    def _admit(self) -> list[Update]:
-        """Prefills waiting requests into free rows: the next chunk of a long prompt,
-        then short prompts in the budget left. Returns the first tokens of those done."""
-        updates = []
-        budget = self.prefill_tokens
-        if self._chunked is None and self._waiting and self._long(self._waiting[0]):
-            free = self._free_rows()
-            if free:
-                self._chunked = _Chunked(self._waiting.popleft(), free[0])
-        if self._chunked is not None:
-            budget -= self.chunk_tokens
-            updates += self._prefill_chunk()
-        return updates + self._admit_short(max(budget, 0))
-
-    def _prefill_chunk(self) -> list[Update]:
-        """The next chunk of the long prompt; after its last, the request decodes."""
-        eng, ch = self.engine, self._chunked
-        prompt = ch.handle.prompt
-        end = min(ch.done + self.chunk_tokens, len(prompt))
-        batch = lay_out(
-            [list(prompt[ch.done : end])],
-            eng.M,
-            1,
-            eng.C,
-            eng.slots_per_device,
-            start=ch.done,
-            offset=ch.offset,
-            P_pad=self._chunk_pad(end - ch.done, ch.offset, ch.handle.params.max_new_tokens),
-        )
-        if ch.slot_pos is None:
-            ch.slot_pos = batch.slot_pos[0].copy()
-        else:
-            mine = slice(ch.offset, batch.prompt_slots)
-            ch.slot_pos[:, mine] = batch.slot_pos[0][:, mine]
-        cache = ch.cache
-        if cache is not None:  # the chunk's context: the earlier chunks' slots
-            cache = eng.with_slot_pos(cache, np.broadcast_to(ch.slot_pos, batch.slot_pos.shape))
-        p = ch.handle.params
-        params = RowSampling.stack([_row_sampling(p)] * batch.B)
-        sampled = p.sampling.temperature > 0
-        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, logits, ch.cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
-        ch.done, ch.offset = end, batch.prompt_slots
-        if end < len(prompt):
-            return []
-        self._chunked = None
-        rows = np.full(batch.B, self.B, np.int32)
-        rows[0] = ch.row
-        self._cache = eng.insert(self._cache, ch.cache, rows)
-        lp = (eng.logprobs(logits, first), 0) if p.logprobs else None
-        return [self._start_row(ch.row, ch.handle, int(first[0]), ch.offset, ch.slot_pos, lp)]
-
-    def _chunk_pad(self, tokens: int, offset: int, new_tokens: int) -> int:
-        """The padded length of a chunk of `tokens` prompt tokens after `offset` local
-        slots: a whole chunk's, or the last chunk's `length_bucket` (one of few compiled
-        shapes) where the row has room for it and the new tokens, else its own."""
-        C = self.engine.C
-        padded = min(length_bucket(tokens, 2 * C), self.chunk_tokens)
-        if offset + slots_per_device(padded, new_tokens, C) <= self.engine.slots_per_device:
-            return padded
-        return padded_length(tokens, C)
-
-    def _start_row(
-        self,
-        b: int,
-        handle: Handle,
-        token: int,
-        prompt_slots: int,
-        slot_pos,
-        logprobs: tuple[TokenLogprobs, int] | None = None,
-    ):
-        """Request `handle`, prefilled, decodes in row b from its first token on
-        (`logprobs`: the prefill's, and the request's row in them)."""
-        self._rows[b] = _Row(handle, [token], prompt_slots)
-        self._slot_pos[b] = slot_pos
-        self._lengths[b] = handle.prompt_tokens
-        update = Update(handle.id, [token], self._finished(self._rows[b]))
-        if logprobs is not None:
-            update.logprobs = [_logprob(logprobs[0], logprobs[1])]
-        if update.finish_reason:
-            self._free(b)
-        return update
-
-    def _admit_short(self, budget: int) -> list[Update]:
-        """Prefills waiting short prompts, in their order, into the free rows, within
-        `budget` tokens (one at least, when no chunk ran this round). Prompts of one
-        length bucket go together (padded to one length, a short prompt would cost a
-        long one's compute), in whole bucketed batches (padding rows compute for
-        nobody): 7 prompts of a bucket are batches of 4, 2 and 1."""
-        free = self._free_rows()
-        eng = self.engine
-        by_bucket: dict[int, list[Handle]] = {}  # in the order of each bucket's first
-        n = tokens = 0
-        for handle in self._waiting:
-            if n == len(free) or self._long(handle):
-                break  # a long prompt starts chunking when the one before it is done
-            if tokens + handle.prompt_tokens > budget and (n or budget < self.prefill_tokens):
-                break
-            together = by_bucket.setdefault(length_bucket(handle.prompt_tokens, 2 * eng.C), [])
-            if not self._fits(together + [handle]):
-                break  # padded with longer prompts it would not fit: next round
-            together.append(handle)
-            n, tokens = n + 1, tokens + handle.prompt_tokens
-        for _ in range(n):
-            self._waiting.popleft()
-        updates, rows = [], iter(free)
-        for together in by_bucket.values():
-            while together:
-                k = whole_batch(len(together), eng.M)
-                updates += self._prefill(together[:k], [next(rows) for _ in range(k)])
-                together = together[k:]
-        return updates
-
-    def _prefill(self, handles: list[Handle], rows: list[int]) -> list[Update]:
-        """Prefills short prompts together into the free `rows`; their first tokens."""
-        eng = self.engine
-        # Bucketed shapes (few prefill compiles) where the padding leaves room.
-        batch = lay_out(
-            [list(h.prompt) for h in handles],
-            eng.M,
-            1,
-            eng.C,
-            eng.slots_per_device,
-            bucketed=self._fits(handles, bucketed=True),
-        )
-        params = RowSampling.stack(
-            [_row_sampling(h.params) for h in handles]
-            + [(Sampling(), 0, 0)] * (batch.B - len(handles))
-        )
-        sampled = any(h.params.sampling.temperature > 0 for h in handles)
-        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, logits, new = eng.prefill(batch, strategy, params, sampled, self.clock)
-        into = np.full(batch.B, self.B, np.int32)  # padding rows: past the end, dropped
-        into[: len(rows)] = rows
-        self._cache = eng.insert(self._cache, new, into)
-        lp = eng.logprobs(logits, first) if any(h.params.logprobs for h in handles) else None
-        return [
-            self._start_row(
-                b,
-                h,
-                int(first[r]),
-                batch.prompt_slots,
-                batch.slot_pos[r],
-                (lp, r) if h.params.logprobs else None,
-            )
-            for r, (b, h) in enumerate(zip(rows, handles))
-        ]
-
-    def _fits(self, handles: list[Handle], bucketed: bool = False) -> bool:
-        """Whether each request's prompt, padded as long as the longest of them (and
-        to its `layout.length_bucket` if bucketed), leaves its new tokens room in a
-        row's cache slots."""
-        eng = self.engine
-        longest = max(h.prompt_tokens for h in handles)
-        if bucketed:
-            longest = length_bucket(longest, 2 * eng.C)
-        return all(
-            slots_per_device(longest, h.params.max_new_tokens, eng.C) <= eng.slots_per_device
-            for h in handles
-        )
-
-    def _decode(self) -> list[Update]:
-        """One decode chunk over every row; hands out the new tokens, retires rows."""
-        eng = self.engine
-        live = self._compact([b for b, r in enumerate(self._rows) if r is not None])
-        # Requests take the lowest free rows, and the chunk runs over the rows up to the
-        # highest busy one (rounded up to the groups times a power of two: few programs),
-        # so a light load does not pay for every row's products.
-        n = min(self.B, bucket(live[-1] + 1, self.groups))
-        step = np.zeros(n, np.int32)
-        limit = np.zeros(n, np.int32)  # an empty row: no step writes
-        prompt_slots = np.zeros(n, np.int32)
-        tokens = np.zeros(n, np.int32)
-        per_row = [(Sampling(), 0, 0)] * n
-        for b in live:
-            row = self._rows[b]
-            step[b] = len(row.generated) - 1  # decode step j feeds token j
-            limit[b] = row.params.max_new_tokens - 1
-            prompt_slots[b] = row.prompt_slots
-            tokens[b] = row.generated[-1]
-            per_row[b] = _row_sampling(row.params)
-        if len(live) < self.B:  # one may arrive during the chunk, and waits for its end
-            chunk = self.short_chunk
-        elif self._waiting:
-            chunk = chunk_while_waiting(
-                stages=eng.stages,
-                groups=self.groups,
-                early_ends=self.early_ends,
-                row_steps=self.busy_row_steps,
-                short=self.short_chunk,
-                long=eng.chunk,
-            )
-        else:
-            chunk = eng.chunk
-        left = [int(limit[b] - step[b]) for b in live]
-        take, first = min(chunk, eng.chunk, max(left)), min(left)
-        # Past the first row's budget that row sits empty to the chunk's end, while a
-        # waiting (or the next) request could use it; ending the chunk there costs one
-        # more pipeline fill and drain, S (S - 1) stage-ticks, against the empty row's
-        # S G / B stage-ticks a step. End it there when that is the smaller loss (on
-        # one stage, always).
-        if (take - first) * self.groups > (eng.stages - 1) * self.B:
-            take = first
-        list_decode_slots(self._slot_pos, step, take, limit, self._lengths[:n], prompt_slots)
-        inputs = DecodeInputs(
-            tokens=tokens,
-            positions=self._lengths[:n] + step,
-            step=step,
-            limit=limit,
-            prompt_slots=prompt_slots,
-            sampling=RowSampling.stack(per_row),
-            run_steps=np.int32(take),
-        )
-        sampled = any(self._rows[b].params.sampling.temperature > 0 for b in live)
-        logprobs = any(self._rows[b].params.logprobs for b in live)
-        out, self._cache = eng.decode(
-            self._cache, self._slot_pos, inputs, self.groups, sampled, False, self.clock, logprobs
-        )
-        new_tokens = np.asarray(out.tokens)
-        self.row_steps += self.B * take
-        self.decode_ticks += decode_ticks(self.groups, eng.stages, take)
-        lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if logprobs else None
-        updates = []
-        for b in live:
-            row = self._rows[b]
-            got = []
-            for t in new_tokens[b, : min(take, limit[b] - step[b])]:
-                got.append(int(t))
-                row.generated.append(int(t))
-                if self._finished(row):
-                    break
-            self.busy_row_steps += len(got)
-            updates.append(Update(row.handle.id, got, self._finished(row)))
-            if row.params.logprobs:
-                at_step = TokenLogprobs(*(x[b] for x in lp))
-                updates[-1].logprobs = [_logprob(at_step, k) for k in range(len(got))]
-            if updates[-1].finish_reason:
-                self._free(b)
-                self.early_ends += updates[-1].finish_reason == "stop"
-        return updates
-
-    def _compact(self, live: list[int]) -> list[int]:
-        """Moves the requests in rows past the fewest a chunk could run over
-        (`bucket`ed) into free rows below, so that a light load after a burst decodes
-        few rows: one request left in the last row would keep every row's products
-        running to its end. One in-place copy of the moved rows' K/V. Returns the busy
-        rows."""
-        fewest = bucket(len(live), self.groups)
-        above = [b for b in live if b >= fewest]
-        if not above:  # the common case: nothing to move, no free rows to list
-            return live
-        below = [b for b in self._free_rows() if b < fewest][: len(above)]
-        if len(below) < len(above):
-            return live
-        self._cache = self.engine.move_rows(self._cache, np.array(above), np.array(below))
-        for a, b in zip(above, below):
-            self._rows[b], self._lengths[b] = self._rows[a], self._lengths[a]
-            self._slot_pos[b] = self._slot_pos[a]
-            self._free(a)
-        return sorted([b for b in live if b < fewest] + below)
-
-    @staticmethod
-    def _finished(row: _Row) -> str | None:
-        if row.generated[-1] in row.params.eos_ids:
-            return "stop"
-        if len(row.generated) >= row.params.max_new_tokens:
-            return "length"
-        return None
-
-    def _free(self, b: int) -> None:
-        """Row b holds no request: it writes nothing from now on, and the slot positions
-        of its last request are cleared, so a later request in the row sees none."""
-        self._rows[b] = None
-        self._slot_pos[b] = -1
-        self._lengths[b] = 0
-
-
-def chunk_while_waiting(
-    stages: int, groups: int, early_ends: int, row_steps: int, short: int, long: int
-) -> int:
-    """Decode steps of a chunk over full rows while requests wait for one.
-
-    A row frees before its budget only at an unforeseen end (an end id, a cancel), then
-    sits empty to the chunk's end, and the request waiting for it with it. At q such
-    ends per busy row-step (`early_ends` / `row_steps` so far), a chunk of n steps
-    leaves about B q n^2 / 2 row-steps empty, S G / B stage-ticks each, against one
-    pipeline fill and drain a chunk, S (S - 1) stage-ticks: per row-step run, the sum is
-    least at n = sqrt(2 (S - 1) / (G q)). On one stage a fill costs nothing, so chunks
-    stay `short` (a freed row is refilled soonest); with no early end seen yet they are
-    `long`. Between the two otherwise."""
-    if stages == 1:
-        return short
-    if early_ends == 0:
-        return long
-    n = math.sqrt(2 * (stages - 1) * row_steps / (groups * early_ends))
-    return max(short, min(long, round(n)))
-
-
-def _row_sampling(p: Params) -> tuple:
-    """A request's row of RowSampling.stack: its settings, seed, and its end ids
-    banned before step min_tokens."""
-    ban = (p.min_tokens, p.eos_ids) if p.min_tokens > 0 else (0, ())
-    return (p.sampling, p.seed, 0, ban)
-
-
-def _logprob(lp: TokenLogprobs, r: int) -> Logprob:
-    """Row r of TokenLogprobs (numpy) as the handle keeps it."""
-    top = [(int(i), float(v)) for i, v in zip(lp.top_ids[r], lp.top[r])]
-    return Logprob(float(lp.chosen[r]), top)

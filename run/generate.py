@@ -11,6 +11,8 @@ import dataclasses
 import json
 import sys
 
+from qwen3_spmd.pipeline.handles import Params
+
 DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59]]
 
 
@@ -573,7 +575,7 @@ class _DoneStreamer:
 
     def __init__(self, text, progress, prompts, max_new_tokens: int, eos):
         self.text, self.progress, self.prompts = text, progress, prompts
-        self.max_new, self.eos = max_new_tokens, set(eos)
+        self.params = Params(max_new_tokens, eos_ids=tuple(eos))
         self.printed: set[int] = set()
         self.last: list[list[int]] = []
 
@@ -594,17 +596,14 @@ class _DoneStreamer:
     def __call__(self, tokens: list[list[int]]) -> None:
         self.last = tokens
         for n, ids in enumerate(tokens):
-            if n in self.printed:
-                continue
-            if ids and ids[-1] in self.eos:
-                self._show(n, ids, "stop")
-            elif len(ids) >= self.max_new:
-                self._show(n, ids[: self.max_new], "length")
+            reason = self.params.finish_reason(ids)
+            if reason and n not in self.printed:
+                self._show(n, ids, reason)
 
     def finish(self) -> None:
         for n, ids in enumerate(self.last):
             if n not in self.printed:
-                self._show(n, ids[: self.max_new], "length")
+                self._show(n, ids, "length")
 
 
 def _from_cache(c: dict) -> str:

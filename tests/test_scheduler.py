@@ -11,13 +11,14 @@ from reference import TINY
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.decisions import Decision
 from qwen3_spmd.pipeline.engine import Engine
-from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import bucket, lay_out, length_bucket
+from qwen3_spmd.pipeline.planner import Admission, Chunk, DecodeChunk, Round, chunk_while_waiting
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
-from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler, chunk_while_waiting
+from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.sharding.mesh import make_mesh
 
 MAX_SEQ = 64
@@ -29,9 +30,32 @@ def cfg():
     return Qwen3Config.from_hf(TINY)
 
 
+_ENGINES = {}
+
+
 def _engine(cfg, S, C, **kw):
-    mesh = make_mesh(S, C, jax.devices()[: S * C])
-    return Engine(cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=MAX_SEQ, chunk=4, **kw)
+    """One engine per mesh and settings for the module: its programs compile once for
+    every test that runs the same shapes (a test that patches it restores it)."""
+    key = (S, C, *sorted(kw.items()))
+    if key not in _ENGINES:
+        mesh = make_mesh(S, C, jax.devices()[: S * C])
+        _ENGINES[key] = Engine(
+            cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=MAX_SEQ, chunk=4, **kw
+        )
+    return _ENGINES[key]
+
+
+def _record_decodes(monkeypatch, engine) -> list[tuple[int, bool, bool]]:
+    """(rows, sampled, logprobs) of every decode chunk `engine` runs from now on in this
+    test: the shapes a shared engine's compiled programs no longer tell apart."""
+    seen, decode = [], engine.decode
+
+    def recording(cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs=False):
+        seen.append((len(inputs.step), sampled, logprobs))
+        return decode(cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs)
+
+    monkeypatch.setattr(engine, "decode", recording)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +162,7 @@ def test_long_prompt_chunks_run_ulysses_when_asked(cfg, alone):
     assert prefills == ["prefill ulysses", "prefill ulysses context"], prefills
 
 
-def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
+def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone, monkeypatch):
     """Greedy and seeded sampled requests with different settings decode together in
     one compiled program; each request's tokens are those it samples alone."""
     settings = [
@@ -151,12 +175,12 @@ def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone):
     prompts = _prompts(cfg, 5, seed=1)
     engine = _engine(cfg, 2, 2)
     sched = Scheduler(engine, max_batch=6)
+    decodes = _record_decodes(monkeypatch, engine)
     handles = [sched.submit(p, q) for p, q in zip(prompts, settings)]
     sched.run()
     for h, prompt, p in zip(handles, prompts, settings):
         assert h.tokens == alone(prompt, p), p
-    names = [n for n in engine.programs.compiled if n.startswith("decode")]
-    assert len(names) == 1 and "sampled" in names[0], names
+    assert len(set(decodes)) == 1 and decodes[0][1], decodes  # one shape, sampled
     # the blocking iterator runs the rounds itself: the same request alone in the
     # scheduler streams the same tokens as under load
     lone = Scheduler(engine, max_batch=6)
@@ -182,7 +206,7 @@ def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
         sched.cancel(handles[1])  # finished
 
 
-def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone):
+def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone, monkeypatch):
     """A round admits every waiting prompt a free row takes, prefilled with those of
     its length bucket only, in batches a bucketed shape fills without padding rows."""
     prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 12, 4, 4
@@ -194,7 +218,7 @@ def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone):
         shapes.append((batch.requests, batch.B, batch.P_pad))
         return prefill(batch, *args, **kw)
 
-    engine.prefill = recording
+    monkeypatch.setattr(engine, "prefill", recording)
     handles = [sched.submit(p, Params(4)) for p in prompts]
     sched.step()
     assert all(h.tokens for h in handles) and sched.waiting == 0
@@ -235,13 +259,13 @@ def test_admitted_rows_are_inserted_into_the_cache_in_place(cfg):
     the whole cache), and the old buffers are gone."""
     engine = _engine(cfg, 2, 2)
     sched = Scheduler(engine, max_batch=4)
-    before = sched._cache
+    before = sched.executor.cache
     sched.submit([1, 2, 3], Params(2))
     sched.step()
     assert before.k.is_deleted() and before.v.is_deleted()
     new = engine.new_cache(engine.lay_out([[1, 2, 3]]))
     insert = engine._helpers[("insert", new.k.shape[1])]
-    memory = insert.lower(sched._cache, new, np.zeros(new.k.shape[1], np.int32)).compile()
+    memory = insert.lower(sched.executor.cache, new, np.zeros(new.k.shape[1], np.int32)).compile()
     assert memory.memory_analysis().alias_size_in_bytes >= sched.kv_bytes_per_device
 
 
@@ -288,7 +312,6 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.decisions import SharedDecisions
-from qwen3_spmd.pipeline.decisions import Decision
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -367,51 +390,61 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
     assert got[-1][1] == "cancelled"
 
 
-def test_a_round_decision_survives_its_json():
-    d = Decision(
-        [(7, (1, 2, 3), Params(5, Sampling(0.7, 3, 0.9), 11, (2, 9))), (8, (4,), Params())],
-        [3, 5],
+def test_a_round_survives_its_json():
+    """What process 0 sends its followers: every part of a round, requests and shapes
+    included, comes back equal."""
+    sampled = Params(5, Sampling(0.7, 3, 0.9), 11, (2, 9), min_tokens=2, logprobs=True)
+    first = Request(7, (1, 2, 3), sampled)
+    plan = Round(
+        cancels=(3, 5),
+        chunk=Chunk(row=1, start=0, end=8, shape=PrefillShape(1, 8), request=first),
+        admissions=(Admission((Request(8, (4,), Params()),), (0,), PrefillShape(1, 2)),),
+        moves=((3, 2),),
+        decode=DecodeChunk(DecodeShape(4, sampled=True, logprobs=False), steps=3),
     )
-    back = Decision.from_json(d.to_json())
-    assert back == d and not back.close
-    assert Decision.from_json(Decision([], [], close=True).to_json()).close
+    back = Round.from_json(plan.to_json())
+    assert back == plan and not back.close
+    later = Round(chunk=Chunk(row=1, start=8, end=12, shape=PrefillShape(1, 4, True)))
+    assert Round.from_json(later.to_json()) == later
+    assert Round.from_json(Round(close=True).to_json()).close
 
 
-def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alone):
+def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alone, monkeypatch):
     """One request among 8 rows in 2 groups takes row 0: the chunks run over the first
     group's worth of rows (2), not all 8, and give the same tokens."""
     engine = _engine(cfg, 2, 1)
     sched = Scheduler(engine, max_batch=8)
+    decodes = _record_decodes(monkeypatch, engine)
     prompt = _prompts(cfg, 1, seed=6)[0]
     handle = sched.submit(prompt, Params(6))
     sched.run()
     assert handle.tokens == alone(prompt, Params(6))
-    names = [n for n in engine.programs.compiled if n.startswith("decode")]
-    assert names and all(n.endswith("; 2]") for n in names), names
+    assert decodes and all(rows == 2 for rows, _, _ in decodes), decodes
 
 
-def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_rows(cfg, alone):
+def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_rows(
+    cfg, alone, monkeypatch
+):
     """4 rows on 1x1: once the requests in rows 0 and 2 have ended, the one in row 3
     moves to row 0 (its K/V copied in place, the cache not copied whole), so the chunks
     run over 2 rows, then 1, not 4, with the same tokens."""
     engine = _engine(cfg, 1, 1)
     sched = Scheduler(engine, max_batch=4)
+    decodes = _record_decodes(monkeypatch, engine)
     prompts = _prompts(cfg, 4, seed=12)
     budgets = [2, 3, 2, 9]
     handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
     sched.step()  # admits all four; the chunk ends where rows 0 and 2 are done
     assert handles[0].done and handles[2].done and not handles[3].done
     sched.step()
-    assert sched._rows[0].handle is handles[3] and sched._rows[3] is None
+    assert sched.book.rows[0].request.id == handles[3].id and sched.book.rows[3] is None
     sched.run()
     for h, prompt, n in zip(handles, prompts, budgets):
         assert h.tokens == alone(prompt, Params(n))
-    rows = sorted(
-        int(n.rsplit(" ", 1)[1][:-1]) for n in engine.programs.compiled if n.startswith("decode")
-    )
-    assert rows == [1, 2, 4], rows
+    rows = [n for n, _, _ in decodes]
+    assert rows == sorted(rows, reverse=True) and sorted(set(rows)) == [1, 2, 4], rows
     move = engine._helpers[("move", 1)].lower(
-        sched._cache, np.zeros(1, np.int32), np.zeros(1, np.int32)
+        sched.executor.cache, np.zeros(1, np.int32), np.zeros(1, np.int32)
     )
     memory = move.compile().memory_analysis()
     assert memory.alias_size_in_bytes >= sched.kv_bytes_per_device
@@ -532,18 +565,25 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
         sched.submit(prompt, Params(n, eos_ids=tuple(range(9)), min_tokens=1))
 
 
-def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone):
+def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monkeypatch):
     """`precompile` compiles what every round can run: then a load with batches of four
     prompts and of two, a long prompt in two chunks (the last one padded to its
     bucket), greedy and sampled rows, log-probabilities and a row moving down compiles
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""
     sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=16)
-    assert sched.precompile() == 21  # 11 prefill, 8 decode and 2 move shapes
+    declared = sched.rules.programs()
+    assert sched.precompile() == len(declared)
     moves, chunks = [], []
     move_rows, prefill = sched.engine.move_rows, sched.engine.prefill
-    sched.engine.move_rows = lambda cache, src, dst: moves.append(src) or move_rows(cache, src, dst)
-    sched.engine.prefill = lambda b, *a: chunks.append((b.B, b.P_pad, b.offset)) or prefill(b, *a)
+    monkeypatch.setattr(
+        sched.engine, "move_rows", lambda c, src, dst: moves.append(src) or move_rows(c, src, dst)
+    )
+    monkeypatch.setattr(
+        sched.engine,
+        "prefill",
+        lambda b, *a: chunks.append((b.B, b.P_pad, b.offset)) or prefill(b, *a),
+    )
     compiles = []
 
     def heard(event, seconds, **_):

@@ -1,0 +1,200 @@
+"""The executor: runs a planned `Round`'s programs and writes what came out.
+
+It owns the device state of continuous batching (the KV cache of every row, and the
+cache a long prompt's chunks fill before they join it), runs each part of a `Round` on
+the `Engine` (prefills, in-place K/V inserts and row moves, the decode chunk), and
+writes the results into the row book through its methods. It decides nothing: every
+process of a job executes the same `Round` alike, and gets the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline.handles import Logprob
+from qwen3_spmd.pipeline.layout import lay_out
+from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
+from qwen3_spmd.pipeline.programs import Clock
+from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
+from qwen3_spmd.pipeline.schedule import decode_ticks
+
+if TYPE_CHECKING:  # the engine runs generate through an executor
+    from qwen3_spmd.pipeline.engine import Engine
+
+
+class Executor:
+    """Runs rounds on `engine` for the rows of `book`, timing its programs on `clock`
+    and counting decode work in `accounting`.
+
+    cache: the KV cache of the book's rows (a server allocates it at start); None: the
+    first admission makes it (an admission that fills every row, as a static batch's,
+    becomes it without a copy).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        book: RowBook,
+        accounting: Accounting,
+        clock: Clock,
+        cache: KVCache | None,
+    ):
+        self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
+        self.cache = cache
+        self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
+        # The last program's logits on device: a prefill's [B, V], or a decode chunk's
+        # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
+        self.logits = None
+
+    def admit(self, round: Round) -> list[Update]:
+        """The round's cancellations, long-prompt chunk and admissions: the first tokens
+        of the requests prefilled (and the ends of those cancelled in rows)."""
+        updates = []
+        for id in round.cancels:
+            in_row = self.book.row_of(id) is not None
+            if self.book.cancel(id):
+                updates.append(Update(id, [], "cancelled"))
+                self.accounting.early_ends += in_row  # a row freed before its budget
+                if not in_row:  # the long prompt being chunked
+                    self._chunk_cache = None
+        if round.chunk is not None:
+            updates += self._chunk(round.chunk)
+        for admission in round.admissions:
+            updates += self._prefill(admission)
+        return updates
+
+    def decode(self, round: Round) -> list[Update]:
+        """The round's row moves and decode chunk: every busy row's new tokens."""
+        if round.moves:
+            src, dst = (np.array(rows) for rows in zip(*round.moves))
+            self.cache = self.engine.move_rows(self.cache, src, dst)
+            for a, b in round.moves:
+                self.book.move(a, b)
+        if round.decode is None:
+            return []
+        return self._decode(round.decode)
+
+    # ---- the parts of a round ------------------------------------------------------
+
+    def _chunk(self, chunk: Chunk) -> list[Update]:
+        """The next chunk of the long prompt; after its last, the request decodes."""
+        eng, book = self.engine, self.book
+        held = book.hold(chunk.request, chunk.row) if chunk.request else book.chunking
+        request = held.request
+        batch = lay_out(
+            [list(request.prompt[chunk.start : chunk.end])],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            start=chunk.start,
+            offset=held.offset,
+            P_pad=chunk.shape.P_pad,
+            rows=chunk.shape.B,
+        )
+        book.chunk_prefilled(batch, chunk.end)
+        cache = self._chunk_cache
+        if cache is not None:  # the chunk's context: the earlier chunks' slots
+            cache = eng.with_slot_pos(cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape))
+        params = RowSampling.stack([row_sampling(request)] * batch.B)
+        sampled = request.params.sampling.temperature > 0
+        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
+        first, logits, cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
+        if chunk.end < len(request.prompt):
+            self._chunk_cache = cache
+            return []
+        self._chunk_cache = None
+        held = book.chunked_in()
+        rows = np.full(batch.B, book.B, np.int32)  # the copies past the first: dropped
+        rows[0] = held.row
+        self._insert(cache, rows)
+        update = book.start(held.row, request, int(first[0]), held.offset, held.slot_pos)
+        if request.params.logprobs:
+            update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
+        return [update]
+
+    def _prefill(self, admission: Admission) -> list[Update]:
+        """Short prompts prefilled together into their rows; their first tokens."""
+        eng, book, requests = self.engine, self.book, admission.requests
+        batch = lay_out(
+            [list(r.prompt) for r in requests],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            P_pad=admission.shape.P_pad,
+            rows=admission.shape.B,
+        )
+        params = RowSampling.stack(
+            [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
+        )
+        sampled = any(r.params.sampling.temperature > 0 for r in requests)
+        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
+        first, self.logits, new = eng.prefill(batch, strategy, params, sampled, self.clock)
+        into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
+        into[: len(requests)] = admission.rows
+        self._insert(new, into)
+        logits = self.logits
+        lp = eng.logprobs(logits, first) if any(r.params.logprobs for r in requests) else None
+        updates = []
+        for i, (b, r) in enumerate(zip(admission.rows, requests)):
+            update = book.start(b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i])
+            if r.params.logprobs:
+                update.logprobs = [_logprob(lp, i)]
+            updates.append(update)
+        return updates
+
+    def _decode(self, chunk: DecodeChunk) -> list[Update]:
+        """One decode chunk over the first rows; hands out the new tokens, retires the
+        rows that end."""
+        eng, book, acc = self.engine, self.book, self.accounting
+        n, take = chunk.shape.rows, chunk.steps
+        inputs = book.decode_inputs(n, take)
+        out, self.cache = eng.decode(
+            self.cache,
+            book.slot_pos,
+            inputs,
+            groups=book.groups,
+            sampled=chunk.shape.sampled,
+            with_logits=chunk.with_logits,
+            clock=self.clock,
+            logprobs=chunk.shape.logprobs,
+        )
+        self.logits = out.logits
+        tokens = np.asarray(out.tokens)
+        lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if chunk.shape.logprobs else None
+        acc.row_steps += book.B * take
+        acc.decode_ticks += decode_ticks(book.groups, eng.stages, take)
+        updates = []
+        for b in book.live():
+            if b >= n:
+                continue
+            request = book.rows[b].request
+            update = book.extend(b, tokens[b, :take])
+            acc.busy_row_steps += len(update.tokens)
+            acc.early_ends += update.finish_reason == "stop"
+            if request.params.logprobs:
+                at_step = TokenLogprobs(*(x[b] for x in lp))
+                update.logprobs = [_logprob(at_step, k) for k in range(len(update.tokens))]
+            updates.append(update)
+        return updates
+
+    def _insert(self, new: KVCache, rows: np.ndarray) -> None:
+        """Row r of a prefill's cache `new` into the book's row rows[r] (past the rows:
+        left out), in place."""
+        if self.cache is None and rows.tolist() == list(range(self.book.B)):
+            self.cache = new  # it holds every row already
+            return
+        if self.cache is None:
+            self.cache = self.engine.empty_cache(self.book.B)
+        self.cache = self.engine.insert(self.cache, new, rows)
+
+
+def _logprob(lp: TokenLogprobs, r: int) -> Logprob:
+    """Row r of TokenLogprobs (numpy) as the handle keeps it."""
+    top = [(int(i), float(v)) for i, v in zip(lp.top_ids[r], lp.top[r])]
+    return Logprob(float(lp.chosen[r]), top)

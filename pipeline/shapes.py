@@ -1,0 +1,157 @@
+"""The program shapes a scheduler's rounds run, declared once.
+
+A server meets requests of every length and count; each new shape of a program is a
+compile that stalls every running request. `ShapeRules` is the one place that says how
+the planner pads what it plans (prompt batches, prompt lengths, long-prompt chunks,
+decode rows, row moves) to few shapes, and `ShapeRules.programs()` lists every shape
+those rules can give, by running the same rules over every input they can meet: what
+`Scheduler.precompile` compiles and what its test expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from qwen3_spmd.pipeline.layout import bucket, length_bucket, whole_batch
+from qwen3_spmd.ring import padded_length, slots_per_device
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PrefillShape:
+    """A prefill program: B prompts (rows, padding included) padded to P_pad tokens;
+    with_context: later chunks of a long prompt, attending to its cached earlier ones."""
+
+    B: int
+    P_pad: int
+    with_context: bool = False
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DecodeShape:
+    """A decode chunk over the first `rows` rows, greedy or sampled, with or without
+    log-probabilities."""
+
+    rows: int
+    sampled: bool
+    logprobs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """Every shape a scheduler's rounds can run (each compiled with its helpers)."""
+
+    prefills: tuple[PrefillShape, ...]
+    decodes: tuple[DecodeShape, ...]
+    moves: tuple[int, ...]  # rows a move copies (padded)
+
+    def __len__(self) -> int:
+        return len(self.prefills) + len(self.decodes) + len(self.moves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeRules:
+    """How a scheduler of `rows` decode rows in `groups` groups pads what it runs.
+
+    microbatches: M, a prefill batch's row unit. C: seq devices. slots: S_loc, cache
+    slots per device and row. max_seq_len: a request's prompt + new tokens at most.
+    prefill_tokens: prompt tokens a round prefills at most. chunk_tokens: a long
+    prompt's chunk (a multiple of 2C)."""
+
+    rows: int
+    groups: int
+    microbatches: int
+    C: int
+    slots: int
+    max_seq_len: int
+    prefill_tokens: int
+    chunk_tokens: int
+
+    # ---- the padding the planner applies ------------------------------------------
+
+    def prompt_length(self, tokens: int) -> int:
+        """A short prompt's bucketed padded length (`layout.length_bucket` of 2C)."""
+        return length_bucket(tokens, 2 * self.C)
+
+    def prefill_batch(self, n: int) -> int:
+        """Prompts of one length bucket prefilled together from n waiting: the most
+        that fill a bucketed batch without padding rows."""
+        return whole_batch(n, self.microbatches)
+
+    def prefill(self, n: int, longest: int, new_tokens: list[int]) -> PrefillShape:
+        """The shape of a prefill of n prompts of at most `longest` tokens whose
+        requests want `new_tokens`: bucketed rows and length where every request's new
+        tokens still fit the row (a few compiled shapes), else its own."""
+        if self.fits(self.prompt_length(longest), new_tokens):
+            return PrefillShape(bucket(n, self.microbatches), self.prompt_length(longest))
+        return PrefillShape(
+            math.ceil(n / self.microbatches) * self.microbatches, padded_length(longest, self.C)
+        )
+
+    def fits(self, P_pad: int, new_tokens: list[int]) -> bool:
+        """Whether prompts padded to P_pad leave each request's new tokens room in a
+        row's cache slots."""
+        return all(slots_per_device(P_pad, n, self.C) <= self.slots for n in new_tokens)
+
+    def chunk(self, tokens: int, offset: int, new_tokens: int) -> PrefillShape:
+        """A long prompt's chunk of `tokens` after `offset` local slots of earlier
+        chunks: a whole chunk, or the last chunk's length bucket (one of few compiled
+        shapes) where the row has room for it and the new tokens, else its own."""
+        padded = min(self.prompt_length(tokens), self.chunk_tokens)
+        if offset + slots_per_device(padded, new_tokens, self.C) > self.slots:
+            padded = padded_length(tokens, self.C)
+        return PrefillShape(self.microbatches, padded, with_context=offset > 0)
+
+    def decode_rows(self, highest: int) -> int:
+        """Rows a decode chunk runs over when row `highest` is the highest busy one: up
+        to it, rounded up to the groups times a power of two (few programs), so a light
+        load does not pay for every row's products."""
+        return min(self.rows, bucket(highest + 1, self.groups))
+
+    def compact_below(self, live: int) -> int:
+        """With `live` busy rows, the rows a chunk could run over at fewest: requests
+        above move down into free rows below it."""
+        return bucket(live, self.groups)
+
+    @staticmethod
+    def moved(n: int) -> int:
+        """Rows a move of n rows copies (a power of two: few programs)."""
+        return bucket(n, 1)
+
+    # ---- every shape those rules give --------------------------------------------
+
+    def programs(self) -> Programs:
+        """Every program shape the rules above can give a round. Only a prompt whose
+        bucket would leave its new tokens no room in the row (padded to its own length
+        instead) still compiles a shape when met."""
+        short = min(self.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
+        fewest = {}  # each length bucket a short prompt can take: its fewest tokens
+        for n in range(short, 0, -1):
+            fewest[self.prompt_length(n)] = n
+        room = self.C * self.slots  # the longest padded prompt a row holds
+        M = self.microbatches
+        batches = {bucket(self.prefill_batch(n), M) for n in range(1, self.rows + 1)}
+        prefills = {
+            PrefillShape(B, P)
+            for P in fewest
+            if P <= room
+            for B in batches
+            if B <= M or B * fewest[P] <= self.prefill_tokens
+        }
+        if self.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks
+            prefills.add(PrefillShape(M, self.chunk_tokens))
+            last = {min(self.prompt_length(n), self.chunk_tokens) for n in range(1, short + 1)}
+            prefills |= {PrefillShape(M, P, with_context=True) for P in last}
+        rows = {self.decode_rows(b) for b in range(self.rows)}
+        decodes = {
+            DecodeShape(n, sampled, logprobs)
+            for n in rows
+            for sampled in (False, True)
+            for logprobs in (False, True)
+        }
+        moves = {
+            self.moved(m)
+            for live in range(1, self.rows + 1)
+            for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
+        }
+        return Programs(tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)))

@@ -1,0 +1,237 @@
+"""pipeline.planner, shapes and rowbook with no XLA: the scheduler's policy driven over a
+fake engine whose programs return made-up tokens at once (as vLLM's scheduler tests feed
+fake runner outputs). What a round plans, which shapes it pads to, and what the row book
+holds after it are checked here; that the programs give each request its own tokens is
+tests/test_scheduler.py's."""
+
+import types
+
+import numpy as np
+import pytest
+
+from qwen3_spmd.pipeline.handles import Params, Request
+from qwen3_spmd.pipeline.layout import length_bucket
+from qwen3_spmd.pipeline.planner import Planner
+from qwen3_spmd.pipeline.rowbook import RowBook
+from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
+from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, ShapeRules
+
+V = 97  # the fake model's vocabulary
+
+
+def tokens_of(prompt, n: int) -> list[int]:
+    """The fake model's n tokens after `prompt`: its last id plus 0, 1, 2, ... mod V."""
+    return [(prompt[-1] + k) % V for k in range(n)]
+
+
+def _no_logprobs(*shape) -> TokenLogprobs:
+    top = (*shape, TOP_LOGPROBS)
+    return TokenLogprobs(np.zeros(shape), np.zeros(top), np.zeros(top, np.int32))
+
+
+class FakeEngine:
+    """An Engine's face to the scheduler, without a model or a device: the tokens are
+    `tokens_of` the prompt, whatever the row, batch or chunking; every program it is
+    asked to run is recorded by shape."""
+
+    def __init__(self, stages=1, C=1, M=1, max_seq_len=64, chunk=4):
+        self.stages, self.C, self.M, self.chunk = stages, C, M, chunk
+        self.max_seq_len = max_seq_len
+        self.slots_per_device = -(-max_seq_len // C)
+        self.prefills: list[PrefillShape] = []
+        self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
+        self.moves: list[int] = []
+
+    def groups_for(self, n):
+        return min(self.stages, n)
+
+    def check(self, prompts, max_new_tokens):
+        assert len(prompts[0]) + max_new_tokens <= self.max_seq_len
+
+    def empty_cache(self, B):
+        return None
+
+    def cp_plan(self, B, P_pad):
+        return "ring", {}
+
+    def with_slot_pos(self, cache, slot_pos):
+        return cache
+
+    def insert(self, cache, new, rows):
+        return cache
+
+    def move_rows(self, cache, src, dst):
+        self.moves.append(len(src))
+        return cache
+
+    def prefill(self, batch, strategy, params, sampled, clock, cache=None):
+        """The first token of each row: its prompt's last id."""
+        self.prefills.append(PrefillShape(batch.B, batch.P_pad, batch.offset > 0))
+        inputs = batch.prefill
+        first = [
+            inputs.tokens[b][list(inputs.positions[b]).index(inputs.last_pos[b])]
+            for b in range(batch.B)
+        ]
+        return np.array(first) % V, None, cache
+
+    def logprobs(self, logits, tokens):
+        return _no_logprobs(len(tokens))
+
+    def decode(self, cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs):
+        """Each row's next `chunk` tokens: one more than the last, each step."""
+        n = len(inputs.step)
+        self.decodes.append((DecodeShape(n, sampled, logprobs), int(inputs.run_steps)))
+        tokens = (inputs.tokens[:, None] + 1 + np.arange(self.chunk)[None]) % V
+        out = types.SimpleNamespace(
+            tokens=tokens, logits=None, logprobs=_no_logprobs(n, self.chunk)
+        )
+        return out, cache
+
+
+def _expected(prompt, p: Params) -> tuple[list[int], str]:
+    want = tokens_of(prompt, p.max_new_tokens)
+    for k, t in enumerate(want):
+        if t in p.eos_ids:
+            return want[: k + 1], "stop"
+    return want, "length"
+
+
+CONFIGS = [  # (stages, C, M, max_batch, prefill_tokens)
+    (1, 1, 1, 3, 16),
+    (2, 1, 1, 4, 12),
+    (2, 2, 2, 4, 16),
+    (1, 2, 1, 8, 8),
+]
+
+
+@pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
+def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget):
+    """A random load (staggered arrivals, short and long prompts, end ids, cancels,
+    sampled rows and log-probabilities) over a fake engine: every prefill, decode and
+    move the rounds run has a shape `ShapeRules.programs()` lists (what precompile
+    compiles), each request gets its tokens, and every row is free at the end."""
+    rng = np.random.default_rng(stages * 100 + C * 10 + rows)
+    engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
+    sched = Scheduler(engine, max_batch=rows, prefill_tokens=budget, short_chunk=2)
+    handles, asked, cancelled = [], [], set()
+    for wave in range(8):
+        for _ in range(rng.integers(0, 4)):
+            n = int(rng.integers(1, 12))
+            prompt = rng.integers(0, V, int(rng.integers(1, 64 - n - 8))).tolist()
+            eos = (int(rng.integers(0, V)),) if rng.random() < 0.3 else ()
+            sampling = Sampling(temperature=0.7) if rng.random() < 0.3 else Sampling()
+            p = Params(n, sampling, eos_ids=eos, logprobs=bool(rng.random() < 0.2))
+            handles.append(sched.submit(prompt, p))
+            asked.append((prompt, p))
+        running = [i for i, h in enumerate(handles) if not h.done]
+        if wave in (2, 5) and running:
+            sched.cancel(handles[running[-1]])
+            cancelled.add(running[-1])
+        sched.step()
+    sched.run()
+    declared = sched.rules.programs()
+    assert set(engine.prefills) <= set(declared.prefills)
+    assert {shape for shape, _ in engine.decodes} <= set(declared.decodes)
+    assert {1 << (n - 1).bit_length() for n in engine.moves} <= set(declared.moves)
+    for i, (h, (prompt, p)) in enumerate(zip(handles, asked)):
+        if i in cancelled and h.finish_reason == "cancelled":
+            assert h.tokens == tokens_of(prompt, len(h.tokens))
+            continue
+        assert (h.tokens, h.finish_reason) == _expected(prompt, p), i
+    assert sched.book.live() == [] and sched.book.chunking is None
+    assert len(sched.book.free_rows()) == sched.B
+
+
+def test_a_prompt_whose_bucket_leaves_no_room_is_padded_to_its_own_length():
+    rules = ShapeRules(4, 1, 1, C=1, slots=32, max_seq_len=32, prefill_tokens=32, chunk_tokens=32)
+    assert rules.prefill(1, 17, [8]) == PrefillShape(1, 24)  # bucket 24 + 7 steps fits 32
+    assert rules.prefill(1, 17, [12]) == PrefillShape(1, 18)  # 24 + 11 would not
+    assert rules.prefill(3, 5, [2, 2, 2]) == PrefillShape(4, 6)
+
+
+def _book_with(rows, groups, live: dict[int, tuple[Request, int]]) -> RowBook:
+    book = RowBook(rows, groups, C=1, slots=64)
+    for b, (request, generated) in live.items():
+        book.start(b, request, request.prompt[-1], len(request.prompt), np.full((1, 64), -1))
+        book.rows[b].generated += [0] * (generated - 1)
+    return book
+
+
+def test_admission_takes_each_length_bucket_in_whole_batches_into_the_lowest_rows():
+    """Prompts of 3, 12, 4 and 3 tokens (buckets 4, 12, 4, 4): the three of bucket 4
+    make a batch of two and one of one (three rows would pad to four), then the 12."""
+    rules = ShapeRules(4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
+    waiting = [Request(i, tuple(range(1, n + 1)), Params(4)) for i, n in enumerate((3, 12, 4, 3))]
+    book = _book_with(4, 1, {})
+    plan = planner.plan(book, waiting)
+    got = [
+        ([r.id for r in a.requests], a.rows, (a.shape.B, a.shape.P_pad)) for a in plan.admissions
+    ]
+    assert got == [([0, 2], (0, 1), (2, 4)), ([3], (2,), (1, 4)), ([1], (3,), (1, 12))]
+    # every row busy, none waiting: the long chunk, cut to the 3 steps their budgets want
+    assert plan.decode.shape.rows == 4 and plan.decode.steps == 3
+    assert plan.taken() == {0, 1, 2, 3}
+    assert planner.plan(book, waiting) == plan and book.live() == []  # it only reads
+
+
+def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():
+    """Rows 1 and 3 busy of 4 (1 group): the request in row 3 moves to row 0, and the
+    chunk runs over rows 0-1 only."""
+    rules = ShapeRules(4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
+    book = _book_with(
+        4, 1, {1: (Request(0, (5,), Params(9)), 3), 3: (Request(1, (6,), Params(3)), 1)}
+    )
+    plan = planner.plan(book, [])
+    assert plan.moves == ((3, 0),)
+    assert plan.decode.shape == DecodeShape(2, sampled=False, logprobs=False)
+    assert plan.decode.steps == 2  # short: rows are free
+
+
+def test_on_two_stages_the_chunk_ends_at_a_rows_budget_only_when_running_on_costs_more():
+    """Full rows on 2 stages with a request waiting: a chunk of 4 past a row with 1
+    step left would leave it empty 3 steps (3 > S - 1 = 1 x 4 rows / 2 groups): it ends
+    after 1; with 3 steps left, 1 empty step costs less than a fill: it runs on."""
+    rules = ShapeRules(4, 2, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    planner = Planner(rules, stages=2, short_chunk=4, long_chunk=4)
+    waiting = [Request(9, (1, 2), Params(3))]
+    for left, take in [(1, 1), (3, 4)]:
+        live = {b: (Request(b, (b + 1,), Params(12)), 1) for b in range(4)}
+        live[0] = (Request(0, (1,), Params(left + 1)), 1)
+        plan = planner.plan(_book_with(4, 2, live), waiting)
+        assert plan.admissions == () and plan.decode.steps == take
+
+
+def test_cancels_are_found_wherever_the_request_is():
+    """A cancelled request waiting, in a row, or chunking: the round names each, frees
+    the row (the long prompt's held row too) and admits into it."""
+    rules = ShapeRules(2, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=8, chunk_tokens=8)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
+    book = _book_with(2, 1, {0: (Request(0, (5,), Params(9)), 2)})
+    book.hold(Request(1, tuple(range(20)), Params(4)), 1)
+    waiting = [Request(2, (1, 2, 3), Params(4)), Request(3, (4, 5), Params(4))]
+    plan = planner.plan(book, waiting, cancels={0, 1, 2})
+    assert plan.cancels == (2, 0, 1) and plan.chunk is None
+    (admitted,) = plan.admissions
+    assert [r.id for r in admitted.requests] == [3] and admitted.rows == (0,)
+
+
+def test_a_long_prompt_is_planned_a_chunk_a_round_the_last_padded_to_its_bucket():
+    engine = FakeEngine(stages=1, C=1, M=1, max_seq_len=64, chunk=4)
+    sched = Scheduler(engine, max_batch=2, prefill_tokens=8)
+    prompt = list(range(1, 31))
+    h = sched.submit(prompt, Params(5))
+    plans = []
+    while not h.tokens:
+        sched.step()
+        plans.append(engine.prefills[-1])
+    assert [(p.P_pad, p.with_context) for p in plans] == [
+        (8, False),
+        (8, True),
+        (8, True),
+        (length_bucket(6, 2), True),
+    ]
+    sched.run()
+    assert h.tokens == tokens_of(prompt, 5)
