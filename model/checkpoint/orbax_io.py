@@ -339,7 +339,7 @@ def _release_host_memory() -> None:
     Tensorstore's reader threads allocate orbax's read buffers from per-thread malloc
     arenas, which glibc does not return to the system by itself once they are freed;
     left alone they add about half the parameter bytes to the peak RSS of a load
-    (README, "Orbax checkpoints", has the measured loads).
+    (docs/benchmarks.md, "Loading weights", has the measured loads).
     """
     import ctypes
 
