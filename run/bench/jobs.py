@@ -21,6 +21,7 @@ from qwen3_spmd.run.bench.measure import (
     run_once,
     spread,
 )
+from qwen3_spmd.run.flags import CLIError
 
 
 class MeshEngines:
@@ -131,8 +132,6 @@ def decode_cache_len(s: dict, C: int) -> int:
     if asked is None:
         return need
     if asked < need:
-        from qwen3_spmd.run.cli import CLIError
-
         raise CLIError(
             f"--decode-cache-len {asked} is below the {need} slots a decode job of "
             f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}"

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from qwen3_spmd.run.serve import protocol
 from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
 from qwen3_spmd.run.serve.service import Event, Service
+from qwen3_spmd.run.text import TextError
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks its client
 SHUTDOWN = APIError(
@@ -189,8 +190,6 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
 
 
 def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
-    from qwen3_spmd.run.text import TextError
-
     if state.text is None:
         raise APIError(
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
