@@ -24,6 +24,7 @@ bandwidth is one figure for both, or one per collective ({"ppermute": .., "all_t
 from __future__ import annotations
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.ring import head_split
 
 CP_CHOICES = ("ring", "ulysses", "auto")
@@ -40,12 +41,17 @@ NOMINAL = {
 
 
 def check_cp(cfg: Qwen3Config, seq: int, cp: str) -> None:
-    """A ValueError in words unless `cp` can split this model's attention over C = seq
-    devices (Ulysses needs C to divide the N query heads)."""
+    """A RequestError in words (param `cp`) unless `cp` can split this model's attention
+    over C = seq devices (Ulysses needs C to divide the N query heads)."""
     if cp not in CP_CHOICES:
-        raise ValueError(f"--cp {cp!r} is not one of {', '.join(CP_CHOICES)}")
-    if cp == "ulysses":
-        head_split(cfg.N, cfg.K, seq)
+        raise RequestError(f"$cp {cp!r} is not one of {', '.join(CP_CHOICES)}", "cp")
+    if cp == "ulysses" and "ulysses" not in feasible(cfg, seq):
+        fits = ", ".join(str(d) for d in range(1, cfg.N + 1) if cfg.N % d == 0)
+        raise RequestError(
+            f"ulysses: {cfg.N} query heads cannot be shared equally by {seq} seq devices; "
+            f"use $cp ring, or a seq size that divides {cfg.N} ({fits})",
+            "cp",
+        )
 
 
 def feasible(cfg: Qwen3Config, seq: int) -> tuple[str, ...]:

@@ -132,20 +132,17 @@ class Engine:
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.stages)
-        for flag, value, least in (
-            ("--microbatches", microbatches, 1),
-            ("--groups", groups, 1),
-            ("--max-seq-len", max_seq_len, 1),
-            ("--chunk", chunk, 1),
+        for name, value, least in (
+            ("microbatches", microbatches, 1),
+            ("groups", groups, 1),
+            ("max_seq_len", max_seq_len, 1),
+            ("chunk", chunk, 1),
         ):
             if value is not None and value < least:
-                raise RequestError(f"{flag} {value} must be at least {least}")
+                raise RequestError(f"${name} {value} must be at least {least}", name)
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
-        try:
-            cp_cost.check_cp(cfg, self.C, cp)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        cp_cost.check_cp(cfg, self.C, cp)
         self.cp = cp
         platform = mesh.devices.flat[0].platform
         link, flops = cp_cost.nominal(platform)

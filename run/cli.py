@@ -13,9 +13,10 @@ import os
 import sys
 import traceback
 
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.run import convert, generate, ring_demo
 from qwen3_spmd.run.bench import command as bench
-from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.run.flags import FLAGS, CLIError
 from qwen3_spmd.run.flags import size_cpu_threads as size_cpu_threads  # tests/conftest.py's
 from qwen3_spmd.run.serve import command as serve
 
@@ -50,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
+    # Imported once an error is met: the checkpoint loader's module loads Flax, which
+    # `--help` and the argument errors need not wait for.
     from qwen3_spmd.model.checkpoint.hf import LoadError
     from qwen3_spmd.model.config import ConfigError
-    from qwen3_spmd.pipeline.requests import RequestError
-    from qwen3_spmd.pipeline.sampling import SamplingError
     from qwen3_spmd.run.text import TextError
     from qwen3_spmd.sharding.mesh import MeshError
     from qwen3_spmd.sharding.plan import PlanError
@@ -62,8 +63,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         CLIError,
         ConfigError,
         LoadError,
-        RequestError,
-        SamplingError,
+        RequestError,  # SamplingError too
         TextError,
         MeshError,
         PlanError,
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     except _known_errors() as e:
         if args.debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        message = e.spelled(FLAGS) if isinstance(e, RequestError) else e
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -14,6 +14,21 @@ class CLIError(ValueError):
     """Bad command-line input: the message names the problem and the fix."""
 
 
+# The library names a parameter as its Python API does (pipeline.requests.RequestError
+# carries the names apart from the text); the command line says them as its flags.
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "max_seq_len": "--max-seq-len",
+    "microbatches": "--microbatches",
+    "groups": "--groups",
+    "chunk": "--chunk",
+    "cp": "--cp",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+}
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'1,2, 3' -> [1, 2, 3] (a trailing comma is allowed; '' is []). Anything else
     between the commas, '1 2' included, is an error naming the flag."""

@@ -250,10 +250,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    try:
-        cp_cost.check_cp(spec.cfg, seq, args.cp)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    cp_cost.check_cp(spec.cfg, seq, args.cp)
     if procs.leader and max_seq_len % seq:
         print(
             f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "

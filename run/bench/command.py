@@ -29,6 +29,7 @@ import sys
 from functools import partial
 
 from qwen3_spmd.run.flags import (
+    FLAGS,
     CLIError,
     add_dtype,
     check_output_file,
@@ -276,14 +277,15 @@ def _meshes(args) -> list[tuple[int, int]]:
 def _cps(args, cfg, meshes) -> list[str]:
     """The --cp strategies (default ring), each checked against every mesh first."""
     from qwen3_spmd.pipeline import cp_cost
+    from qwen3_spmd.pipeline.requests import RequestError
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
     for cp in cps:
         for S, C in meshes:
             try:
                 cp_cost.check_cp(cfg, C, cp)
-            except ValueError as e:
-                raise CLIError(f"--mesh {S}x{C}: {e}") from None
+            except RequestError as e:
+                raise CLIError(f"--mesh {S}x{C}: {e.spelled(FLAGS)}") from None
     return cps
 
 

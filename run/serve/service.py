@@ -26,6 +26,9 @@ from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
 
 SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
+# The library's parameter names (RequestError.params) as the API's fields; the rest
+# (temperature, top_k, top_p, min_tokens) are the same in both.
+FIELDS = {"max_new_tokens": "max_tokens", "prompts": "prompt", "eos_ids": "stop_token_ids"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,12 @@ class Job:
     stop_ids: tuple[int, ...]  # the scheduler's end ids: EOS (unless ignored) + stop_token_ids
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities per token; None: none
+
+
+def _invalid(e: RequestError) -> APIError:
+    """A 400 for the library's refusal, naming its parameter as the API's field."""
+    code = "invalid_value" if e.param else None
+    return APIError(400, e.spelled(FIELDS), FIELDS.get(e.param, e.param), code)
 
 
 class TokenInfo(NamedTuple):
@@ -193,10 +202,8 @@ class Service:
                 d.top_k if top_k is None else max(top_k, 0),
                 d.top_p if top_p is None else top_p,
             )
-        except SamplingError as e:  # its message names the command-line flag
-            flag = str(e).split()[0]
-            param = flag.removeprefix("--").replace("-", "_")
-            raise APIError(400, str(e).replace(flag, param, 1), param, "invalid_value") from None
+        except SamplingError as e:
+            raise _invalid(e) from None
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -256,7 +263,7 @@ class Service:
             raise self.unavailable(str(e), "queue_full") from None
         except RequestError as e:
             self.cancel(choices)
-            raise APIError(400, str(e)) from None
+            raise _invalid(e) from None
         return choices
 
     def unavailable(self, message: str, code: str = "unavailable") -> APIError:
