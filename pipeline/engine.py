@@ -331,17 +331,19 @@ class Engine:
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
         pipeline.cp_cost.predict's figures for each strategy that can run)."""
+        prefill = cp_cost.Prefill(
+            cfg=self.cfg,
+            seq=self.C,
+            stages=self.stages,
+            microbatches=self.M,
+            batch=batch,
+            padded_len=padded_len,
+            itemsize=self.dtype.itemsize,
+        )
         return cp_cost.choose(
             self.cp,
-            self.cfg,
-            self.C,
-            self.stages,
-            self.M,
-            batch,
-            padded_len,
-            self.dtype.itemsize,
-            self.link_bytes_per_s,
-            self.flops_per_s,
+            prefill,
+            cp_cost.Rates(link_bytes_per_s=self.link_bytes_per_s, flops_per_s=self.flops_per_s),
         )
 
     @staticmethod

@@ -221,7 +221,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     from qwen3_spmd.sharding.mesh import make_mesh
 
     dtype = dtype_name(args.dtype)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     spec = open_model(args.model, args.seed)
     text = Text.find(spec.folder)
     prompts = _prompts(args, text)
@@ -258,16 +258,16 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
             file=sys.stderr,
         )
     return _Job(
-        spec,
-        text,
-        prompts,
-        demo,
-        dtype,
-        sampling,
-        max_seq_len,
-        spec.eos_ids(),
-        mesh,
-        len(jax.devices()) - len(devices),
+        spec=spec,
+        text=text,
+        prompts=prompts,
+        demo=demo,
+        dtype_name=dtype,
+        sampling=sampling,
+        max_seq_len=max_seq_len,
+        eos=spec.eos_ids(),
+        mesh=mesh,
+        unused_devices=len(jax.devices()) - len(devices),
     )
 
 
@@ -291,11 +291,11 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
             job.spec.cfg,
             source,
             job.mesh,
-            dtype,
-            job.max_seq_len,
-            args.microbatches,
-            args.groups,
-            args.chunk,
+            dtype=dtype,
+            max_seq_len=job.max_seq_len,
+            microbatches=args.microbatches,
+            groups=args.groups,
+            chunk=args.chunk,
             on_compile=progress.compiling,
             cp=args.cp,
         )
@@ -388,13 +388,14 @@ def _check_single_device(args, job: _Job, out) -> dict:
         job.spec.cfg,
         job.spec.source,
         make_mesh(1, 1, jax.local_devices()[:1]),
-        jnp.dtype(job.dtype_name),
-        job.max_seq_len,
-        1,
-        1,
-        args.chunk,
+        dtype=jnp.dtype(job.dtype_name),
+        max_seq_len=job.max_seq_len,
+        groups=1,
+        chunk=args.chunk,
     )
-    ref = single.generate(job.prompts, args.max_new_tokens, job.sampling, args.seed, job.eos)
+    ref = single.generate(
+        job.prompts, args.max_new_tokens, sampling=job.sampling, seed=args.seed, eos_ids=job.eos
+    )
     return {
         "matches_single_device": all(
             a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)
@@ -448,9 +449,9 @@ def _generate(engine, args, prompts, sampling, eos, stream):
         return engine.generate(
             prompts,
             args.max_new_tokens,
-            sampling,
-            args.seed,
-            eos,
+            sampling=sampling,
+            seed=args.seed,
+            eos_ids=eos,
             on_tokens=stream,
             with_logits=with_logits,
         )

@@ -246,11 +246,10 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
         spec.cfg,
         spec.source,
         mesh,
-        jnp.dtype(dtype),
-        max_seq_len,
-        1,
-        args.groups,
-        args.chunk,
+        dtype=jnp.dtype(dtype),
+        max_seq_len=max_seq_len,
+        groups=args.groups,
+        chunk=args.chunk,
         on_compile=_compiling if procs.leader else None,
         cp=args.cp,
     )
@@ -309,7 +308,7 @@ def _default_sampling(spec):
     if config and not config.get("do_sample", False):
         return Sampling()
     return Sampling(
-        float(config.get("temperature", 1.0)),
-        int(config.get("top_k", 0) or 0),
-        float(config.get("top_p", 1.0)),
+        temperature=float(config.get("temperature", 1.0)),
+        top_k=int(config.get("top_k", 0) or 0),
+        top_p=float(config.get("top_p", 1.0)),
     )
