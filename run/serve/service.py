@@ -43,6 +43,25 @@ class Settings:
     retry_after_s: int = 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What an API request asks of each of its choices, as sent (None: the server's
+    default); `Service.job` checks it."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    default_max_tokens: int | None = None  # the endpoint's, when max_tokens is None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top log-probabilities per token; None: none
+
+
 @dataclasses.dataclass
 class Job:
     """One API request, checked: its prompts and what each of its choices asks."""
@@ -137,25 +156,9 @@ class Service:
 
     # ---- checks ------------------------------------------------------------------------
 
-    def job(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        max_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stops: list[str],
-        ignore_eos: bool,
-        min_tokens: int,
-        stop_token_ids: list[int] | None,
-        logprobs: int | None,
-        default_max_tokens: int | None,
-    ) -> Job:
-        """A request's fields, checked (APIError 400 naming the field)."""
-        s = self.settings
+    def job(self, prompts: list[list[int]], ask: Ask) -> Job:
+        """A request's prompts and what it asks, checked (APIError 400 naming the field)."""
+        s, n, max_tokens, min_tokens = self.settings, ask.n, ask.max_tokens, ask.min_tokens
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n {n} must be between 1 and {MAX_N}", "n", "invalid_value")
         for p in prompts:
@@ -170,7 +173,9 @@ class Service:
                     "invalid_value",
                 )
         budgets = [
-            max_tokens if max_tokens is not None else default_max_tokens or s.max_seq_len - len(p)
+            max_tokens
+            if max_tokens is not None
+            else ask.default_max_tokens or s.max_seq_len - len(p)
             for p in prompts
         ]
         for p, budget in zip(prompts, budgets):
@@ -198,27 +203,27 @@ class Service:
         d = s.defaults
         try:
             sampling = Sampling(
-                d.temperature if temperature is None else temperature,
-                d.top_k if top_k is None else max(top_k, 0),
-                d.top_p if top_p is None else top_p,
+                temperature=d.temperature if ask.temperature is None else ask.temperature,
+                top_k=d.top_k if ask.top_k is None else max(ask.top_k, 0),
+                top_p=d.top_p if ask.top_p is None else ask.top_p,
             )
         except SamplingError as e:
             raise _invalid(e) from None
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
             raise APIError(
-                400, f"logprobs {logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
+                400, f"logprobs {ask.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
             )
-        extra = tuple(stop_token_ids or ())
+        extra = tuple(ask.stop_token_ids)
         for t in extra:
             if not 0 <= t < s.vocab:
                 raise APIError(
                     400, f"stop token id {t} is outside the vocabulary", "stop_token_ids"
                 )
-        if any(not isinstance(x, str) or not x for x in stops):
+        if any(not isinstance(x, str) or not x for x in ask.stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
-        stop_ids = tuple(dict.fromkeys((() if ignore_eos else s.eos_ids) + extra))
+        stop_ids = tuple(dict.fromkeys((() if ask.ignore_eos else s.eos_ids) + extra))
         if min_tokens and len(stop_ids) > MAX_BANNED:
             raise APIError(
                 400,
@@ -227,15 +232,15 @@ class Service:
                 "stop_token_ids",
             )
         return Job(
-            prompts,
-            n,
-            budgets,
-            sampling,
-            secrets.randbelow(SEEDS) if seed is None else seed % SEEDS,
-            stops,
-            stop_ids,
-            min_tokens,
-            logprobs,
+            prompts=prompts,
+            n=n,
+            max_tokens=budgets,
+            sampling=sampling,
+            seed=secrets.randbelow(SEEDS) if ask.seed is None else ask.seed % SEEDS,
+            stops=list(ask.stops),
+            stop_ids=stop_ids,
+            min_tokens=min_tokens,
+            logprobs=ask.logprobs,
         )
 
     # ---- running -----------------------------------------------------------------------
