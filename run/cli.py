@@ -16,7 +16,7 @@ import traceback
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.run import convert, generate, ring_demo
 from qwen3_spmd.run.bench import command as bench
-from qwen3_spmd.run.flags import FLAGS, CLIError
+from qwen3_spmd.run.flags import CLIError, in_flags
 from qwen3_spmd.run.flags import size_cpu_threads as size_cpu_threads  # tests/conftest.py's
 from qwen3_spmd.run.serve import command as serve
 
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except _known_errors() as e:
         if args.debug:
             traceback.print_exc()
-        message = e.spelled(FLAGS) if isinstance(e, RequestError) else e
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {in_flags(e)}", file=sys.stderr)
         return 2
 
 

@@ -29,6 +29,13 @@ FLAGS = {
 }
 
 
+def in_flags(e: BaseException) -> str:
+    """An error's message for the command line: the parameters a RequestError names
+    (its `spelled`, read without importing the pipeline here) said as FLAGS."""
+    spelled = getattr(e, "spelled", None)
+    return spelled(FLAGS) if callable(spelled) else str(e)
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'1,2, 3' -> [1, 2, 3] (a trailing comma is allowed; '' is []). Anything else
     between the commas, '1 2' included, is an error naming the flag."""

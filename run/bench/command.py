@@ -29,11 +29,11 @@ import sys
 from functools import partial
 
 from qwen3_spmd.run.flags import (
-    FLAGS,
     CLIError,
     add_dtype,
     check_output_file,
     dtype_name,
+    in_flags,
     int_list,
     platform_is_cpu,
     use_cpu_devices,
@@ -285,7 +285,7 @@ def _cps(args, cfg, meshes) -> list[str]:
             try:
                 cp_cost.check_cp(cfg, C, cp)
             except RequestError as e:
-                raise CLIError(f"--mesh {S}x{C}: {e.spelled(FLAGS)}") from None
+                raise CLIError(f"--mesh {S}x{C}: {in_flags(e)}") from None
     return cps
 
 

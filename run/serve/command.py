@@ -25,6 +25,7 @@ from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
     dtype_name,
+    in_flags,
     local_cpu_devices,
     mesh_devices,
     platform_is_cpu,
@@ -180,7 +181,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
             )
         except Exception as e:  # the server ends, saying why
             state.status = "failed"
-            _say(f"error: {e}")
+            _say(f"error: {in_flags(e)}")
             server.should_exit = True
 
     from qwen3_spmd.run.serve.http import Server
