@@ -34,26 +34,23 @@ from qwen3_spmd.model.config import Qwen3Config
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# Formulation per platform (docs/benchmarks.md, Qwen3-MoE:
-# `python -m qwen3_spmd.run.moe_measure`). On XLA's CPU backend a gather of whole experts
-# and a batched product over them run far below the memory bandwidth, and ragged_dot has
-# no grouped kernel (it runs slower than computing every expert), so CPU loops over the
+# Formulation per platform. On XLA's CPU backend a gather of whole experts and a
+# batched product over them run far below the memory bandwidth, and ragged_dot has no
+# grouped kernel (it runs slower than computing every expert), so CPU loops over the
 # chosen experts for decode and over blocks of sorted rows for a prefill; other
-# platforms take the batched forms (not measured here: no GPU).
+# platforms take the batched forms, unmeasured. The measurements: docs/benchmarks.md,
+# Qwen3-MoE (`python -m qwen3_spmd.run.moe_measure`).
 DECODE = {"cpu": "looped"}
 PREFILL = {"cpu": "blocked"}
-# (row, expert) pairs per expert up to which the decode formulation runs: it reads rows
-# x A experts, a prefill one each chosen expert about once. On CPU `looped`, which reads
-# experts in place, is faster than `blocked` up to about 6E pairs (docs/benchmarks.md,
-# Qwen3-MoE: 30B-A3B's widths, 734 against 899 ms at 96 rows, 978 against 976 at 128);
-# elsewhere (unmeasured) up to E.
+# (row, expert) pairs per expert up to which the decode formulation runs: it reads
+# rows x A experts, a prefill one each chosen expert about once. On CPU `looped`, which
+# reads experts in place, stays ahead of `blocked` up to about 6E pairs, where the two
+# cross (docs/benchmarks.md, Qwen3-MoE); elsewhere, unmeasured, up to E.
 DECODE_PAIRS_PER_EXPERT = {"cpu": 6}
 # The longest expert row (in elements) `experts_looped` reads with the fused one-row
-# product. Float32 on this machine, one [N, K] slice of a stack read again and again
-# (partly from L3, so above DRAM's rate; docs/benchmarks.md, Qwen3-MoE): 21-42 GB/s
-# fused against 7-13 plain for K <= 2048; 15 against 6.5 at K = 3072; 0.5-1.3 against
-# 2-11 at K = 4096 (split along K it stays that slow), so wider rows take the plain
-# product.
+# product: up to it the fused product reads a slice of the stack in place, several
+# times faster than the plain one; on wider rows it falls far below it (docs/benchmarks.md,
+# Qwen3-MoE: the rates by row length), so those take the plain product.
 FUSED_MAX_K = 2048
 # Rows per chunk of the dense formulation (bounds its [rows, E * F] intermediate).
 DENSE_CHUNK = 256

@@ -23,7 +23,10 @@ bandwidth is one figure for both, or one per collective ({"ppermute": .., "all_t
 
 from __future__ import annotations
 
+import dataclasses
+
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.ring import head_split
 
 CP_CHOICES = ("ring", "ulysses", "auto")
@@ -40,12 +43,17 @@ NOMINAL = {
 
 
 def check_cp(cfg: Qwen3Config, seq: int, cp: str) -> None:
-    """A ValueError in words unless `cp` can split this model's attention over C = seq
-    devices (Ulysses needs C to divide the N query heads)."""
+    """A RequestError in words (param `cp`) unless `cp` can split this model's attention
+    over C = seq devices (Ulysses needs C to divide the N query heads)."""
     if cp not in CP_CHOICES:
-        raise ValueError(f"--cp {cp!r} is not one of {', '.join(CP_CHOICES)}")
-    if cp == "ulysses":
-        head_split(cfg.N, cfg.K, seq)
+        raise RequestError(f"$cp {cp!r} is not one of {', '.join(CP_CHOICES)}", "cp")
+    if cp == "ulysses" and "ulysses" not in feasible(cfg, seq):
+        fits = ", ".join(str(d) for d in range(1, cfg.N + 1) if cfg.N % d == 0)
+        raise RequestError(
+            f"ulysses: {cfg.N} query heads cannot be shared equally by {seq} seq devices; "
+            f"use $cp ring, or a seq size that divides {cfg.N} ({fits})",
+            "cp",
+        )
 
 
 def feasible(cfg: Qwen3Config, seq: int) -> tuple[str, ...]:
@@ -92,28 +100,42 @@ def link_rate(link_bytes_per_s, strategy: str) -> float:
     return link_bytes_per_s
 
 
-def predict(
-    strategy: str,
-    cfg: Qwen3Config,
-    seq: int,
-    stages: int,
-    microbatches: int,
-    batch: int,
-    padded_len: int,
-    itemsize: int,
-    link_bytes_per_s,
-    flops_per_s: float,
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """One prefill as the model sees it: `batch` prompts padded to `padded_len` tokens,
+    run in `microbatches` over `stages` stages and C = `seq` devices, `itemsize` bytes
+    per activation value."""
+
+    cfg: Qwen3Config
+    seq: int
+    stages: int
+    microbatches: int
+    batch: int
+    padded_len: int
+    itemsize: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What the machine is assumed to do: link bandwidth in bytes/s (one figure, or one
+    per collective: `link_rate`) and matmul throughput in FLOP/s."""
+
+    link_bytes_per_s: float | dict
+    flops_per_s: float
+
+
+def predict(strategy: str, prefill: Prefill, rates: Rates) -> dict:
     """The model's figures for one prefill: bytes per device (per layer and over the
     program, bubbles included: attention's collectives run on every tick) and seconds.
 
     Returns {"strategy", "bytes_per_layer", "bytes_per_device", "attention_s_per_layer",
     "predicted_s"}."""
-    C, T, Bm = seq, padded_len // seq, batch // microbatches
-    ticks, slots = microbatches + stages - 1, -(-cfg.L // stages)
-    per_layer = bytes_per_layer(strategy, cfg, C, Bm, padded_len, itemsize)
+    cfg, padded_len, flops_per_s = prefill.cfg, prefill.padded_len, rates.flops_per_s
+    C, T, Bm = prefill.seq, padded_len // prefill.seq, prefill.batch // prefill.microbatches
+    ticks, slots = prefill.microbatches + prefill.stages - 1, -(-cfg.L // prefill.stages)
+    per_layer = bytes_per_layer(strategy, cfg, C, Bm, padded_len, prefill.itemsize)
     pair_s = 4.0 * Bm * (T / 2) ** 2 * cfg.N * cfg.H / flops_per_s
-    comm_s = per_layer / link_rate(link_bytes_per_s, strategy)
+    comm_s = per_layer / link_rate(rates.link_bytes_per_s, strategy)
     if strategy == "ring":
         step_s = comm_s / max(C - 1, 1)  # one block's transfer, overlapped with 2 pairs
         attention_s = 3 * pair_s + (C - 1) * max(2 * pair_s, step_s)
@@ -131,37 +153,12 @@ def predict(
     }
 
 
-def choose(
-    cp: str,
-    cfg: Qwen3Config,
-    seq: int,
-    stages: int,
-    microbatches: int,
-    batch: int,
-    padded_len: int,
-    itemsize: int,
-    link_bytes_per_s,
-    flops_per_s: float,
-) -> tuple[str, dict]:
+def choose(cp: str, prefill: Prefill, rates: Rates) -> tuple[str, dict]:
     """(the strategy to run, {strategy: predict(...)} for each feasible one). `auto`
     takes the smaller predicted time (the ring on a tie, and always on one device)."""
-    preds = {
-        s: predict(
-            s,
-            cfg,
-            seq,
-            stages,
-            microbatches,
-            batch,
-            padded_len,
-            itemsize,
-            link_bytes_per_s,
-            flops_per_s,
-        )
-        for s in feasible(cfg, seq)
-    }
+    preds = {s: predict(s, prefill, rates) for s in feasible(prefill.cfg, prefill.seq)}
     if cp != "auto":
-        check_cp(cfg, seq, cp)
+        check_cp(prefill.cfg, prefill.seq, cp)
         return cp, preds
     best = min(preds, key=lambda s: (preds[s]["predicted_s"], s != "ring"))
     return best, preds

@@ -117,20 +117,17 @@ class Engine:
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.plan = StagePlan(cfg.L, self.stages)
-        for flag, value, least in (
-            ("--microbatches", microbatches, 1),
-            ("--groups", groups, 1),
-            ("--max-seq-len", max_seq_len, 1),
-            ("--chunk", chunk, 1),
+        for name, value, least in (
+            ("microbatches", microbatches, 1),
+            ("groups", groups, 1),
+            ("max_seq_len", max_seq_len, 1),
+            ("chunk", chunk, 1),
         ):
             if value is not None and value < least:
-                raise RequestError(f"{flag} {value} must be at least {least}")
+                raise RequestError(f"${name} {value} must be at least {least}", name)
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
-        try:
-            cp_cost.check_cp(cfg, self.C, cp)
-        except ValueError as e:
-            raise RequestError(str(e)) from None
+        cp_cost.check_cp(cfg, self.C, cp)
         self.cp = cp
         platform = mesh.devices.flat[0].platform
         link, flops = cp_cost.nominal(platform)
@@ -319,17 +316,19 @@ class Engine:
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
         pipeline.cp_cost.predict's figures for each strategy that can run)."""
+        prefill = cp_cost.Prefill(
+            cfg=self.cfg,
+            seq=self.C,
+            stages=self.stages,
+            microbatches=self.M,
+            batch=batch,
+            padded_len=padded_len,
+            itemsize=self.dtype.itemsize,
+        )
         return cp_cost.choose(
             self.cp,
-            self.cfg,
-            self.C,
-            self.stages,
-            self.M,
-            batch,
-            padded_len,
-            self.dtype.itemsize,
-            self.link_bytes_per_s,
-            self.flops_per_s,
+            prefill,
+            cp_cost.Rates(link_bytes_per_s=self.link_bytes_per_s, flops_per_s=self.flops_per_s),
         )
 
     @staticmethod

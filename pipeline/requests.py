@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import string
+from collections.abc import Mapping
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.ring import padded_length, slots_per_device
 
 
 class RequestError(ValueError):
-    """A request the engine cannot serve as asked: the message says what to change."""
+    """A request the engine cannot serve as asked: the message says what to change.
+
+    The message names the parameters it is about as the Python API does
+    (`max_seq_len`): `message` writes each as `$name`, and `params` lists them, the one
+    at fault first (`param`; None when no one parameter is). An interface that spells
+    them its own way (the command line's `--max-seq-len`, an HTTP field) passes its
+    names to `spelled` rather than reading the text.
+    """
+
+    def __init__(self, message: str, *params: str):
+        self.template, self.params = message, params
+        self.param = params[0] if params else None
+        super().__init__(self.spelled({}))
+
+    def spelled(self, names: Mapping[str, str]) -> str:
+        """The message with each parameter named as `names` has it (else as the API)."""
+        if not self.params:
+            return self.template
+        names = {p: names.get(p, p) for p in self.params}
+        return string.Template(self.template).safe_substitute(names)
 
 
 @dataclasses.dataclass
@@ -26,28 +47,32 @@ def check_request(
     """Every precondition of a request on C = seq devices, in words; needs no weights, so
     a caller can check before loading them."""
     if not prompts:
-        raise RequestError("no prompt given: pass --prompt TEXT or --prompt-ids 1,2,3")
+        raise RequestError("no prompt given: pass at least one", "prompts")
     if max_new_tokens < 1:
-        raise RequestError(f"--max-new-tokens {max_new_tokens} must be at least 1")
+        raise RequestError(f"$max_new_tokens {max_new_tokens} must be at least 1", "max_new_tokens")
     for n, p in enumerate(prompts):
         if len(p) == 0:
-            raise RequestError(f"prompt {n} is empty: give it at least one token")
+            raise RequestError(f"prompt {n} is empty: give it at least one token", "prompts")
         bad = [t for t in p if not 0 <= t < cfg.V]
         if bad:
             raise RequestError(
                 f"prompt {n} has token id {bad[0]} outside the vocabulary "
-                f"[0, {cfg.V}): use ids the model's tokenizer produces"
+                f"[0, {cfg.V}): use ids the model's tokenizer produces",
+                "prompts",
             )
         total = len(p) + max_new_tokens
         if total > cfg.max_position_embeddings:
             raise RequestError(
-                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one"
+                f"prompt {n} ({len(p)} tokens) + $max_new_tokens {max_new_tokens} = {total} "
+                f"exceeds the model's {cfg.max_position_embeddings} positions: shorten one",
+                "max_new_tokens",
             )
         if total > max_seq_len:
             raise RequestError(
-                f"prompt {n} ({len(p)} tokens) + --max-new-tokens {max_new_tokens} = {total} "
-                f"exceeds --max-seq-len {max_seq_len}: raise --max-seq-len to {total}"
+                f"prompt {n} ({len(p)} tokens) + $max_new_tokens {max_new_tokens} = {total} "
+                f"exceeds $max_seq_len {max_seq_len}: raise $max_seq_len to {total}",
+                "max_seq_len",
+                "max_new_tokens",
             )
     longest = max(len(p) for p in prompts)
     slots = math.ceil(max_seq_len / seq)
@@ -56,13 +81,14 @@ def check_request(
         raise RequestError(
             f"the longest prompt padded to {padded_length(longest, seq)} tokens (a multiple "
             f"of 2C = {2 * seq}) plus {max_new_tokens} new tokens needs {need} cache slots "
-            f"per seq device, but --max-seq-len {max_seq_len} gives {slots}: raise "
-            f"--max-seq-len to {need * seq}"
+            f"per seq device, but $max_seq_len {max_seq_len} gives {slots}: raise "
+            f"$max_seq_len to {need * seq}",
+            "max_seq_len",
         )
 
 
 def fitting_seq_len(prompt_len: int, new_tokens: int, seq: int) -> int:
-    """The smallest --max-seq-len check_request accepts for a prompt of prompt_len tokens
+    """The smallest max_seq_len check_request accepts for a prompt of prompt_len tokens
     and new_tokens more on C = seq devices: the cache slots they need, at least prompt +
     new tokens, as a multiple of C."""
     slots = seq * slots_per_device(prompt_len, new_tokens, seq)

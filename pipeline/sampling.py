@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen3_spmd.pipeline.requests import RequestError
 
-class SamplingError(ValueError):
-    pass
+
+class SamplingError(RequestError):
+    """Sampling parameters out of range (the message names them as `Sampling` does)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,13 @@ class Sampling:
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # NaN fails too
             raise SamplingError(
-                f"--temperature {self.temperature} must be a finite number >= 0 (0 = greedy)"
+                f"$temperature {self.temperature} must be a finite number >= 0 (0 = greedy)",
+                "temperature",
             )
         if self.top_k < 0:
-            raise SamplingError(f"--top-k {self.top_k} must be >= 0 (0 = off)")
+            raise SamplingError(f"$top_k {self.top_k} must be >= 0 (0 = off)", "top_k")
         if not 0 < self.top_p <= 1:
-            raise SamplingError(f"--top-p {self.top_p} must be in (0, 1] (1 = off)")
+            raise SamplingError(f"$top_p {self.top_p} must be in (0, 1] (1 = off)", "top_p")
 
 
 def greedy(logits: jax.Array) -> jax.Array:
@@ -91,8 +94,10 @@ class RowSampling(NamedTuple):
         for ban in bans:
             if len(ban.ids) > MAX_BANNED and ban.until > 0:
                 raise SamplingError(
-                    f"min_tokens holds back at most {MAX_BANNED} end ids, and this request "
-                    f"has {len(ban.ids)}: pass fewer stop token ids"
+                    f"$min_tokens holds back at most {MAX_BANNED} end ids, and this request "
+                    f"has {len(ban.ids)}: pass fewer $eos_ids",
+                    "min_tokens",
+                    "eos_ids",
                 )
         ids = np.full((len(rows), MAX_BANNED), -1, np.int32)
         for b, ban in enumerate(bans):

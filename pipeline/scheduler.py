@@ -55,7 +55,7 @@ __all__ = ["QueueFull", "Scheduler", "Update"]
 
 
 class QueueFull(RequestError):
-    """The waiting queue holds --max-queue requests: try again later."""
+    """The waiting queue holds max_queue requests: try again later."""
 
 
 class Scheduler:
@@ -86,7 +86,7 @@ class Scheduler:
         decisions: SharedDecisions | None = None,
     ):
         if max_batch < 1:
-            raise RequestError(f"--max-batch {max_batch} must be at least 1")
+            raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
         self.engine = engine
         self.groups = engine.groups_for(engine.stages)
         self.B = -(-max_batch // self.groups) * self.groups
@@ -206,12 +206,13 @@ class Scheduler:
         self.engine.check([list(prompt)], params.max_new_tokens)
         RowSampling.stack([row_sampling(Request(0, prompt, params))])  # the ban's end ids fit
         if params.min_tokens < 0:
-            raise RequestError(f"min_tokens {params.min_tokens} must be >= 0")
+            raise RequestError(f"$min_tokens {params.min_tokens} must be >= 0", "min_tokens")
         with self._lock:
             if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(
-                    f"{self._queued} requests are waiting (--max-queue {self.max_queue}): "
-                    f"retry later, or raise --max-queue"
+                    f"{self._queued} requests are waiting ($max_queue {self.max_queue}): "
+                    f"retry later, or raise $max_queue",
+                    "max_queue",
                 )
             handle = Handle(next(self._ids), prompt, params, self._drive)
             self._handles[handle.id] = handle

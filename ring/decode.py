@@ -31,13 +31,12 @@ from qwen3_spmd.ring.attention import (
 from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 # Cache slots per block when decode attention reads only the filled part of the cache
-# (on CPU). A cache has room for every token its requests may reach; a request early
-# in its generation has most of it empty, and reading all of it at every step cost up
-# to half of a decode step (CHANGELOG.md, 2026-11-30). Each block is copied out of the
-# layer-stacked cache before its two products, and small blocks measured much faster
-# (likely: the copy is still in the core's caches when the products read it): 0.6B at
-# batch 8 decoding after 512 tokens took 292-331 ms a step with 64-slot blocks, 666-676
-# with 128, 608-711 with 256; batch 1 the same or better (CHANGELOG.md, 2026-12-01).
+# (on CPU). A cache has room for every token its requests may reach, and a request
+# early in its generation has most of it empty: reading all of it at every step would
+# spend much of a decode step on empty slots. Each block is copied out of the
+# layer-stacked cache before its two products, and small blocks run much faster
+# (likely: the copy is still in the core's caches when the products read it; the
+# measurements by block size: CHANGELOG.md, 2026-12-01).
 DECODE_BLOCK = 64
 
 

@@ -96,7 +96,8 @@ def head_split(n_heads: int, kv_heads: int, c: int) -> HeadSplit:
         fits = [d for d in range(1, n_heads + 1) if n_heads % d == 0]
         raise ValueError(
             f"ulysses: {n_heads} query heads cannot be shared equally by {c} seq devices; "
-            f"use --cp ring, or a seq size that divides {n_heads} ({', '.join(map(str, fits))})"
+            f"use ring attention, or a seq size that divides {n_heads} "
+            f"({', '.join(map(str, fits))})"
         )
     g, n_loc = n_heads // kv_heads, n_heads // c
     per_kv = math.gcd(g, n_loc)  # local query heads per local KV head

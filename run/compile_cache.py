@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from qwen3_spmd.run.flags import CLIError, check_output_folder
+
 ENV = "QWEN3_SPMD_COMPILE_CACHE"
 HIT = "/jax/compilation_cache/cache_hits"
 
@@ -52,8 +54,6 @@ def use(setting: str | None) -> CompileCache:
     compiles. A folder given explicitly that cannot be made is an error; the default
     one is skipped with a note."""
     import jax
-
-    from qwen3_spmd.run.cli import CLIError, check_output_folder
 
     path = setting or os.environ.get(ENV) or default_dir()
     if path == "off":

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen3_spmd.run.flags import CLIError
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -70,7 +72,6 @@ def register(subparsers) -> None:
 def main(args) -> int:
     from qwen3_spmd.model.checkpoint import orbax_io
     from qwen3_spmd.run import conversion
-    from qwen3_spmd.run.cli import CLIError
     from qwen3_spmd.sharding.mesh import parse_mesh
 
     meshes = [parse_mesh(m) for m in args.measure.split(",")] if args.measure else []

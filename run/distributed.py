@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 
+from qwen3_spmd.run.flags import CLIError
+
 WORKER_ENV = "QWEN3_SPMD_WORKER"  # in the supervised child: "<real stdout fd>,<real stderr fd>"
 _JOINING = "qwen3-spmd joining\n"  # the child's reports to its parent (on the native stderr)
 _JOINED = "qwen3-spmd joined "
@@ -96,8 +98,6 @@ def requested(args) -> bool:
 
 def check_flags(args) -> None:
     """The flags alone, in words, before any process starts to wait for another."""
-    from qwen3_spmd.run.cli import CLIError
-
     if not 0 < args.peer_timeout < float("inf"):  # NaN fails too
         raise CLIError(f"--peer-timeout {args.peer_timeout:g} must be a positive number of seconds")
     if not requested(args):
@@ -339,7 +339,7 @@ def _drain(stream, log: list[str]) -> None:
 
 def _own_argv(args) -> list[str] | None:
     """sys.argv[1:] if it is what `args` was parsed from."""
-    from qwen3_spmd.run.cli import build_parser
+    from qwen3_spmd.run.cli import build_parser  # here: run.cli imports this module
 
     try:
         again = build_parser().parse_args(sys.argv[1:])

@@ -12,6 +12,19 @@ import json
 import sys
 
 from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.run import compile_cache, distributed
+from qwen3_spmd.run.flags import (
+    CLIError,
+    add_dtype,
+    check_output_file,
+    check_output_folder,
+    dtype_name,
+    int_list,
+    local_cpu_devices,
+    mesh_devices,
+    platform_is_cpu,
+    use_cpu_devices,
+)
 
 DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59]]
 
@@ -55,7 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    add_dtype(p)
     p.add_argument(
         "--max-seq-len",
         type=int,
@@ -101,16 +114,12 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="write a JAX profiler trace of the generate run into DIR (TensorBoard, Perfetto)",
     )
-    from qwen3_spmd.run import compile_cache, distributed
-
     compile_cache.add_argument(p)
     distributed.add_flags(p)
     p.set_defaults(func=main)
 
 
 def _prompts(args, text) -> list[list[int]]:
-    from qwen3_spmd.run.cli import CLIError, int_list
-
     prompts = [int_list(raw, "--prompt-ids") for raw in args.prompt_ids]
     for raw in args.prompt:
         if text is None:
@@ -127,12 +136,9 @@ def _prompts(args, text) -> list[list[int]]:
 
 
 def main(args) -> int:
-    from qwen3_spmd.run import compile_cache, distributed
-
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
     if status is not None:
         return status
-    from qwen3_spmd.run.cli import CLIError, platform_is_cpu, use_cpu_devices
     from qwen3_spmd.sharding.mesh import parse_mesh
 
     on_cpu = platform_is_cpu()
@@ -142,11 +148,13 @@ def main(args) -> int:
     stage, seq = parse_mesh(mesh_text)
     distributed.check_flags(args)
     if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits
-        _local_cpu_devices(args, mesh_text, stage * seq, args.num_processes)
+        local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, args.num_processes)
     procs = distributed.start(args)  # before anything touches a JAX backend
     try:
         if on_cpu:
-            use_cpu_devices(_local_cpu_devices(args, mesh_text, stage * seq, procs.count))
+            use_cpu_devices(
+                local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, procs.count)
+            )
         elif args.cpu_devices is not None:
             raise CLIError(
                 "--cpu-devices emulates CPU devices, but this run is on an "
@@ -155,30 +163,6 @@ def main(args) -> int:
         return _run(args, procs, mesh_text, stage, seq, compile_cache.use(args.compile_cache))
     finally:
         distributed.finish(procs)
-
-
-def _local_cpu_devices(args, mesh_text: str, total: int, n_proc: int) -> int:
-    """CPU devices this process emulates: each process holds total / n_proc of them."""
-    from qwen3_spmd.run.cli import CLIError
-
-    if args.cpu_devices is not None:
-        if args.cpu_devices < 1:
-            raise CLIError(f"--cpu-devices {args.cpu_devices} must be at least 1")
-        if args.cpu_devices * n_proc != total:
-            per = (
-                f"{n_proc} processes x --cpu-devices {args.cpu_devices} = "
-                f"{args.cpu_devices * n_proc}"
-                if n_proc > 1
-                else f"--cpu-devices is {args.cpu_devices}"
-            )
-            raise CLIError(f"--mesh {mesh_text} needs {total} devices but {per}: make them agree")
-        return args.cpu_devices
-    if total % n_proc:
-        raise CLIError(
-            f"--mesh {mesh_text} has {total} devices, which {n_proc} processes cannot "
-            f"share evenly: choose a mesh with a multiple of {n_proc} devices"
-        )
-    return total // n_proc
 
 
 @dataclasses.dataclass
@@ -233,15 +217,12 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
     from qwen3_spmd.pipeline.sampling import Sampling
-    from qwen3_spmd.run.cli import CLIError, check_output_file, check_output_folder
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.run.text import Text
     from qwen3_spmd.sharding.mesh import make_mesh
 
-    dtype_name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype {dtype_name} is not supported: use float32 or bfloat16")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    dtype = dtype_name(args.dtype)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     spec = open_model(args.model, args.seed)
     text = Text.find(spec.folder)
     prompts = _prompts(args, text)
@@ -256,7 +237,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
         check_output_file(args.logits_out, "--logits-out")
     if args.profile:
         check_output_folder(args.profile, "--profile")
-    devices = _mesh_devices(stage * seq, procs, mesh_text)
+    devices = mesh_devices(stage * seq, procs, mesh_text)
     mesh = make_mesh(stage, seq, devices)
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
@@ -270,10 +251,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    try:
-        cp_cost.check_cp(spec.cfg, seq, args.cp)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    cp_cost.check_cp(spec.cfg, seq, args.cp)
     if procs.leader and max_seq_len % seq:
         print(
             f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
@@ -281,16 +259,16 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
             file=sys.stderr,
         )
     return _Job(
-        spec,
-        text,
-        prompts,
-        demo,
-        dtype_name,
-        sampling,
-        max_seq_len,
-        spec.eos_ids(),
-        mesh,
-        len(jax.devices()) - len(devices),
+        spec=spec,
+        text=text,
+        prompts=prompts,
+        demo=demo,
+        dtype_name=dtype,
+        sampling=sampling,
+        max_seq_len=max_seq_len,
+        eos=spec.eos_ids(),
+        mesh=mesh,
+        unused_devices=len(jax.devices()) - len(devices),
     )
 
 
@@ -314,11 +292,11 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
             job.spec.cfg,
             source,
             job.mesh,
-            dtype,
-            job.max_seq_len,
-            args.microbatches,
-            args.groups,
-            args.chunk,
+            dtype=dtype,
+            max_seq_len=job.max_seq_len,
+            microbatches=args.microbatches,
+            groups=args.groups,
+            chunk=args.chunk,
             on_compile=progress.compiling,
             cp=args.cp,
         )
@@ -411,13 +389,14 @@ def _check_single_device(args, job: _Job, out) -> dict:
         job.spec.cfg,
         job.spec.source,
         make_mesh(1, 1, jax.local_devices()[:1]),
-        jnp.dtype(job.dtype_name),
-        job.max_seq_len,
-        1,
-        1,
-        args.chunk,
+        dtype=jnp.dtype(job.dtype_name),
+        max_seq_len=job.max_seq_len,
+        groups=1,
+        chunk=args.chunk,
     )
-    ref = single.generate(job.prompts, args.max_new_tokens, job.sampling, args.seed, job.eos)
+    ref = single.generate(
+        job.prompts, args.max_new_tokens, sampling=job.sampling, seed=args.seed, eos_ids=job.eos
+    )
     return {
         "matches_single_device": all(
             a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)
@@ -428,8 +407,6 @@ def _check_single_device(args, job: _Job, out) -> dict:
 
 def _write_logits(path: str, logits) -> None:
     import numpy as np
-
-    from qwen3_spmd.run.cli import CLIError
 
     try:
         with open(path, "wb") as f:  # the path given (np.save would add .npy)
@@ -473,34 +450,12 @@ def _generate(engine, args, prompts, sampling, eos, stream):
         return engine.generate(
             prompts,
             args.max_new_tokens,
-            sampling,
-            args.seed,
-            eos,
+            sampling=sampling,
+            seed=args.seed,
+            eos_ids=eos,
             on_tokens=stream,
             with_logits=with_logits,
         )
-
-
-def _mesh_devices(n: int, procs, mesh_text: str):
-    """The mesh's devices, process by process: process 0's devices come first, so they
-    form stage 0 (row-major: a stage is a row of C seq devices)."""
-    import jax
-
-    from qwen3_spmd.run.cli import CLIError
-
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if len(devices) < n:
-        raise CLIError(
-            f"--mesh {mesh_text} needs {n} devices, but {len(devices)} "
-            f"{'is' if len(devices) == 1 else 'are'} visible: choose a smaller "
-            f"--mesh, or (on CPU) --cpu-devices {n}"
-        )
-    if procs.many and len(devices) != n:
-        raise CLIError(
-            f"--mesh {mesh_text} needs {n} devices, but the {procs.count} processes "
-            f"hold {len(devices)}: a multi-process mesh must use every device"
-        )
-    return devices[:n] if len(devices) > n else devices
 
 
 def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:

@@ -98,6 +98,10 @@ def test_chat_prompt_uses_template(capsys):
         (["--prompt-ids", ""], "empty"),
         (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
         (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),
+        # the library names its parameters (top_p, chunk); the command line, its flags
+        (["--prompt-ids", "1,2", "--top-p", "1.5"], "error: --top-p 1.5 must be in (0, 1]"),
+        (["--prompt-ids", "1,2", "--chunk", "0"], "error: --chunk 0 must be at least 1"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "error: --max-new-tokens 0 must be"),
         (["--prompt-ids", "1,2", "--dtype", "float16"], "--dtype"),
         (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
         (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),

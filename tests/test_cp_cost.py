@@ -8,6 +8,7 @@ import pytest
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline import cp_cost
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.run.cli import main
 
 # Qwen3-0.6B's attention shape: N=16 query heads, K=8 KV heads, H=128, 28 layers.
@@ -78,8 +79,26 @@ def test_hybrid_figures_reduce_to_either_strategy():
     )
 
 
+def _prefill(seq, stages=1, microbatches=1, batch=1, padded_len=8192):
+    """A float32 prefill of Qwen3-0.6B's shape."""
+    return cp_cost.Prefill(
+        cfg=Q06,
+        seq=seq,
+        stages=stages,
+        microbatches=microbatches,
+        batch=batch,
+        padded_len=padded_len,
+        itemsize=4,
+    )
+
+
+def _rates(link, flops):
+    return cp_cost.Rates(link_bytes_per_s=link, flops_per_s=flops)
+
+
 def test_predict_counts_every_tick_and_layer():
-    p = cp_cost.predict("ulysses", Q06, 4, 2, 2, 4, 2048, 4, 1e10, 1e11)
+    prefill = _prefill(4, stages=2, microbatches=2, batch=4, padded_len=2048)
+    p = cp_cost.predict("ulysses", prefill, _rates(1e10, 1e11))
     # M + S - 1 = 3 ticks of 14 layers, each at the microbatch of 2 requests
     assert p["bytes_per_device"] == 3 * 14 * cp_cost.bytes_per_layer("ulysses", Q06, 4, 2, 2048, 4)
     assert p["predicted_s"] > 0 and p["attention_s_per_layer"] > 0
@@ -90,8 +109,8 @@ def test_a_link_figure_per_collective():
     links = {"ppermute": 1e10, "all_to_all": 1e8}
     assert cp_cost.link_rate(links, "ring") == 1e10
     assert cp_cost.link_rate(links, "ulysses") == 1e8 and cp_cost.link_rate(3.0, "ring") == 3.0
-    slow_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, links, 1e11)
-    fast_a2a = cp_cost.predict("ulysses", Q06, 4, 1, 1, 1, 2048, 4, 1e10, 1e11)
+    slow_a2a = cp_cost.predict("ulysses", _prefill(4, padded_len=2048), _rates(links, 1e11))
+    fast_a2a = cp_cost.predict("ulysses", _prefill(4, padded_len=2048), _rates(1e10, 1e11))
     per_layer = cp_cost.bytes_per_layer("ulysses", Q06, 4, 1, 2048, 4)
     assert slow_a2a["attention_s_per_layer"] - fast_a2a["attention_s_per_layer"] == pytest.approx(
         per_layer / 1e8 - per_layer / 1e10
@@ -99,17 +118,17 @@ def test_a_link_figure_per_collective():
 
 
 def test_auto_picks_the_smaller_prediction_and_only_what_fits():
-    slow_link = cp_cost.choose("auto", Q06, 8, 1, 1, 1, 8192, 4, 1e8, 1e14)
+    slow_link = cp_cost.choose("auto", _prefill(8), _rates(1e8, 1e14))
     assert slow_link[0] == "ulysses"  # the ring's 7 steps of K/V blocks cannot hide
-    fast_link = cp_cost.choose("auto", Q06, 2, 1, 1, 1, 8192, 4, 1e13, 1e11)
+    fast_link = cp_cost.choose("auto", _prefill(2), _rates(1e13, 1e11))
     assert fast_link[0] == "ring"  # transfers hide behind the compute; all-to-alls cannot
     for strategy, preds in (slow_link, fast_link):
         assert preds[strategy]["predicted_s"] == min(p["predicted_s"] for p in preds.values())
-    only_ring = cp_cost.choose("auto", Q06, 3, 1, 1, 1, 8192, 4, 1e8, 1e14)
+    only_ring = cp_cost.choose("auto", _prefill(3), _rates(1e8, 1e14))
     assert only_ring[0] == "ring" and set(only_ring[1]) == {"ring"}
-    assert cp_cost.choose("auto", Q06, 1, 1, 1, 1, 64, 4, 1e8, 1e14)[0] == "ring"
-    with pytest.raises(ValueError, match="16 query heads cannot be shared equally by 3"):
-        cp_cost.choose("ulysses", Q06, 3, 1, 1, 1, 8192, 4, 1e8, 1e14)
+    assert cp_cost.choose("auto", _prefill(1, padded_len=64), _rates(1e8, 1e14))[0] == "ring"
+    with pytest.raises(RequestError, match="16 query heads cannot be shared equally by 3"):
+        cp_cost.choose("ulysses", _prefill(3), _rates(1e8, 1e14))
 
 
 def test_generate_cp_ulysses_json_and_bad_split(capsys):

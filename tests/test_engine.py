@@ -108,7 +108,7 @@ def test_padded_prompt_does_not_fit_the_cache_slots(engine):
     need = P // C + math.ceil((n - 1) / C)
     assert len(prompt) + n <= MAX_SEQ and need > MAX_SEQ // C
     msg = _refused(engine, [prompt], n)
-    assert f"--max-seq-len to {need * C}" in msg
+    assert f"raise max_seq_len to {need * C}" in msg
     assert str(P) in msg and str(need) in msg and str(MAX_SEQ // C) in msg
     most = (MAX_SEQ // C - P // C) * C + 1  # the most new tokens that fit: 25
     engine.check([prompt], most)
@@ -129,14 +129,17 @@ def test_max_new_tokens_below_one(engine, n):
 @pytest.mark.parametrize(
     "kwargs,word",
     [
-        (dict(microbatches=0), "--microbatches"),
-        (dict(groups=0), "--groups"),
-        (dict(max_seq_len=0), "--max-seq-len"),
+        (dict(microbatches=0), "microbatches"),
+        (dict(groups=0), "groups"),
+        (dict(max_seq_len=0), "max_seq_len"),
     ],
 )
 def test_bad_engine_settings(cfg, kwargs, word):
-    with pytest.raises(RequestError, match=word):
+    """The error names the parameter as Engine does (the CLI spells it as its flag)."""
+    with pytest.raises(RequestError, match=f"^{word} 0 must be at least 1$") as e:
         Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), **kwargs)
+    assert e.value.param == word
+    assert e.value.spelled({word: "--flag"}) == "--flag 0 must be at least 1"
 
 
 def test_more_stages_than_layers_is_refused(cfg):

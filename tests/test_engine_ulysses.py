@@ -207,11 +207,13 @@ def test_emulated_cpu_devices_share_the_hosts_matmul_rate():
 def test_impossible_head_split_fails_before_compiling():
     cfg, source, _, _ = _model("tiny")
     with pytest.raises(
-        RequestError, match="6 query heads cannot be shared equally by 4 seq devices; use --cp ring"
-    ):
+        RequestError, match="6 query heads cannot be shared equally by 4 seq devices; use cp ring"
+    ) as e:
         Engine(cfg, source, make_mesh(1, 4, jax.devices()[:4]), cp="ulysses")
-    with pytest.raises(RequestError, match="--cp 'ulyses' is not one of ring, ulysses, auto"):
+    assert e.value.param == "cp"
+    with pytest.raises(RequestError, match="^cp 'ulyses' is not one of ring, ulysses, auto") as e:
         Engine(cfg, source, make_mesh(1, 2, jax.devices()[:2]), cp="ulyses")
+    assert e.value.param == "cp"
 
 
 @pytest.mark.slow

@@ -276,16 +276,16 @@ def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
     for bad, match in [
         (([], Params(4)), "empty"),
         (([cfg.V], Params(4)), "outside the vocabulary"),
-        ((list(range(60)), Params(10)), "max-seq-len"),
+        ((list(range(60)), Params(10)), "max_seq_len"),
         (([1, 2], Params(0)), "at least 1"),
     ]:
         with pytest.raises(RequestError, match=match):
             sched.submit(*bad)
     for _ in range(3):  # 2 free rows + max_queue 2 waiting: the fifth is refused
         sched.submit([1, 2], Params(2))
-    with pytest.raises(QueueFull, match="max-queue"):
+    with pytest.raises(QueueFull, match="max_queue"):
         sched.submit([1, 2], Params(2))
-    with pytest.raises(RequestError, match="max-batch"):
+    with pytest.raises(RequestError, match="max_batch"):
         Scheduler(sched.engine, max_batch=0)
     sched.run()
     assert running.tokens == alone(prompt, Params(5))

@@ -108,7 +108,7 @@ def test_impossible_head_split_is_a_clear_error():
     with pytest.raises(
         ValueError,
         match=r"6 query heads cannot be shared equally by 4 seq "
-        r"devices; use --cp ring, or a seq size that divides 6",
+        r"devices; use ring attention, or a seq size that divides 6",
     ):
         ring.head_split(6, 2, 4)
     mesh, fn = _ulysses(4, 0.5)

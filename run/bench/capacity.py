@@ -16,6 +16,8 @@ import json
 import os
 import time
 
+from qwen3_spmd.run.flags import size_cpu_threads
+
 
 # One measurement read top to bottom: its flags, then per mesh the largest prompt that
 # compiles within the budget (bisection), then the table.
@@ -27,8 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-run", action="store_true", help="only compile, do not run the prefill")
     args = p.parse_args(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        from qwen3_spmd.run.cli import size_cpu_threads
-
         size_cpu_threads(args.devices)
         import jax
 

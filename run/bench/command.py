@@ -28,6 +28,17 @@ import platform
 import sys
 from functools import partial
 
+from qwen3_spmd.run.flags import (
+    CLIError,
+    add_dtype,
+    check_output_file,
+    dtype_name,
+    in_flags,
+    int_list,
+    platform_is_cpu,
+    use_cpu_devices,
+)
+
 SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer", "serve")
 SMOKE = {
     "prompt_lens": "16,32",
@@ -63,7 +74,7 @@ def register(subparsers) -> None:
         type=int,
         help="emulate this many CPU devices (default on CPU: the largest mesh)",
     )
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: float32 on CPU, else bfloat16)")
+    add_dtype(p)
     p.add_argument(
         "--scenario",
         action="append",
@@ -162,8 +173,6 @@ def register(subparsers) -> None:
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from qwen3_spmd.run.cli import CLIError, int_list
-
     xs = int_list(text, flag)
     if not xs or min(xs) < 1:
         raise CLIError(f"{flag} {text!r} needs positive integers")
@@ -171,8 +180,6 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _range(text: str, flag: str) -> tuple[int, int]:
-    from qwen3_spmd.run.cli import CLIError
-
     values = _ints(text, flag)
     if len(values) != 2 or values[0] > values[1]:
         raise CLIError(f"{flag} {text}: give MIN,MAX with 1 <= MIN <= MAX, e.g. 16,512")
@@ -180,8 +187,6 @@ def _range(text: str, flag: str) -> tuple[int, int]:
 
 
 def _settings(args) -> dict:
-    from qwen3_spmd.run.cli import CLIError
-
     smoke = SMOKE if args.smoke else {}
 
     def given(value, name: str, default):  # a flag given as 0 stays 0 (and is refused)
@@ -237,8 +242,6 @@ def _settings(args) -> dict:
 
 def _check_lengths(s: dict, scenarios, positions: int) -> None:
     """The jobs' sequences fit the model's positions, said in bench's own flags."""
-    from qwen3_spmd.run.cli import CLIError
-
     if "prefill" in scenarios and max(s["prompt_lens"]) + 1 > positions:
         raise CLIError(
             f"--prompt-lens {max(s['prompt_lens'])}: a prompt and the token after it "
@@ -274,15 +277,15 @@ def _meshes(args) -> list[tuple[int, int]]:
 def _cps(args, cfg, meshes) -> list[str]:
     """The --cp strategies (default ring), each checked against every mesh first."""
     from qwen3_spmd.pipeline import cp_cost
-    from qwen3_spmd.run.cli import CLIError
+    from qwen3_spmd.pipeline.requests import RequestError
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
     for cp in cps:
         for S, C in meshes:
             try:
                 cp_cost.check_cp(cfg, C, cp)
-            except ValueError as e:
-                raise CLIError(f"--mesh {S}x{C}: {e}") from None
+            except RequestError as e:
+                raise CLIError(f"--mesh {S}x{C}: {in_flags(e)}") from None
     return cps
 
 
@@ -322,7 +325,6 @@ def _fewer_layers(spec, layers: int, seed: int):
     import dataclasses
 
     from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
-    from qwen3_spmd.run.cli import CLIError
 
     if not spec.random:
         raise CLIError(
@@ -339,8 +341,6 @@ def _fewer_layers(spec, layers: int, seed: int):
 
 def _check_plot(path: str) -> None:
     """--plot needs matplotlib and a file name in one of the image formats it writes."""
-    from qwen3_spmd.run.cli import CLIError, check_output_file
-
     check_output_file(path, "--plot")
     try:
         import matplotlib  # noqa: F401
@@ -399,8 +399,6 @@ def _model_entry(spec) -> dict:
 
 def _scenarios(args, meshes) -> set[str]:
     """The scenarios to run, checked, and the CPU devices set up, before JAX starts."""
-    from qwen3_spmd.run.cli import CLIError, platform_is_cpu, use_cpu_devices
-
     need = max(S * C for S, C in meshes)
     if args.cpu_devices is not None and args.cpu_devices < need:
         raise CLIError(
@@ -420,12 +418,10 @@ def _scenarios(args, meshes) -> set[str]:
 
 
 def _dtype(args, meshes):
-    """The benchmark's dtype (float32 on CPU, bfloat16 elsewhere unless --dtype), after
+    """The benchmark's dtype (--dtype, or the platform's: run.flags.dtype_name), after
     checking that the largest mesh has its devices."""
     import jax
     import jax.numpy as jnp
-
-    from qwen3_spmd.run.cli import CLIError
 
     need = max(S * C for S, C in meshes)
     if len(jax.devices()) < need:
@@ -433,10 +429,7 @@ def _dtype(args, meshes):
             f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
             f"visible: on CPU pass --cpu-devices {need}"
         )
-    name = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    if name not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype {name} is not supported: use float32 or bfloat16")
-    return jnp.dtype(name)
+    return jnp.dtype(dtype_name(args.dtype))
 
 
 # Reads as the benchmark's run in order (plan, rooflines, each mesh, peer, report); each
@@ -526,7 +519,6 @@ def _http_main(args) -> int:
     """Loads an endpoint (ours, started or given, and transformers serve with --peer)
     with the same synthetic requests at each concurrency; reports like vLLM's bench."""
     from qwen3_spmd.run.bench import http_load
-    from qwen3_spmd.run.cli import CLIError
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.run.text import Text
 

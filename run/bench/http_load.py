@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen3_spmd.run.flags import CLIError, platform_is_cpu
+
 READY_S = 900  # a server has this long to load and compile
 
 
@@ -188,8 +190,6 @@ class Started:
     def __enter__(self):
         import httpx
 
-        from qwen3_spmd.run.cli import CLIError
-
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -231,8 +231,6 @@ def transformers_serve(folder: str) -> Started:
     run is on CPU), run by this Python (its console script need not be on PATH)."""
     import importlib.metadata
 
-    from qwen3_spmd.run.cli import CLIError
-
     script = next(
         (
             e
@@ -258,8 +256,6 @@ def transformers_serve(folder: str) -> Started:
 
 
 def _cpu() -> bool:
-    from qwen3_spmd.run.cli import platform_is_cpu
-
     return platform_is_cpu()
 
 

@@ -21,6 +21,7 @@ from qwen3_spmd.run.bench.measure import (
     run_once,
     spread,
 )
+from qwen3_spmd.run.flags import CLIError
 
 
 class MeshEngines:
@@ -40,11 +41,11 @@ class MeshEngines:
                 self.cfg,
                 src,
                 self.mesh,
-                self.dtype,
-                max_seq_len,
-                self.s["microbatches"],
-                self.s["groups"],
-                self.s["chunk"],
+                dtype=self.dtype,
+                max_seq_len=max_seq_len,
+                microbatches=self.s["microbatches"],
+                groups=self.s["groups"],
+                chunk=self.s["chunk"],
                 cp=self.cp,
                 **measured_rates(self.roof, self.mesh.shape["seq"]),
             )
@@ -131,8 +132,6 @@ def decode_cache_len(s: dict, C: int) -> int:
     if asked is None:
         return need
     if asked < need:
-        from qwen3_spmd.run.cli import CLIError
-
         raise CLIError(
             f"--decode-cache-len {asked} is below the {need} slots a decode job of "
             f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}"

@@ -21,11 +21,10 @@ import numpy as np
 from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.run.bench.jobs import decode_cache_len
 from qwen3_spmd.run.bench.measure import prompts_for, run_once, spread
+from qwen3_spmd.run.flags import CLIError
 
 
 def _import():
-    from qwen3_spmd.run.cli import CLIError
-
     try:
         import torch
         import transformers
@@ -62,8 +61,6 @@ def hf_model(spec, source, dtype_name: str):
         model = kind.from_pretrained(spec.folder, dtype=tdtype, attn_implementation="sdpa")
         return model.eval()
     if cfg.rope_scaling is not None:
-        from qwen3_spmd.run.cli import CLIError
-
         raise CLIError(
             "--peer transformers with a YaRN preset is not supported: use a checkpoint folder"
         )

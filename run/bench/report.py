@@ -88,7 +88,7 @@ def check_targets(report: dict) -> dict:
 
 
 def _serve_targets(report: dict) -> dict:
-    """Issue 17's CPU targets: on 1x1 with 8 rows at concurrency 8, output tokens/s >= 3x
+    """The serve scenario's CPU targets: on 1x1 with 8 rows at concurrency 8, output tokens/s >= 3x
     concurrency 1 and >= 0.8x a static batch of 8 equal-length requests (each the median
     of ratios run back to back); on 2x1 at concurrency >= 2 x rows / G, each stage's
     steady idle fraction (empty rows counted idle) <= 0.1."""

@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException
 
 from qwen3_spmd.run.serve import protocol
 from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
-from qwen3_spmd.run.serve.service import Event, Service
+from qwen3_spmd.run.serve.service import Ask, Event, Service
+from qwen3_spmd.run.text import TextError
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks its client
 SHUTDOWN = APIError(
@@ -85,7 +86,7 @@ def make_app(state: ServerState) -> FastAPI:
         body = protocol.parse(CompletionRequest, await request.body())
         _check_model(state, body.model)
         prompts = _prompt_ids(state, body.prompt)
-        job = service.job(prompts, **_job_fields(body, 16), logprobs=body.logprobs)
+        job = service.job(prompts, _ask(body, 16, logprobs=body.logprobs))
         meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
         echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
         events = service.run(service.submit(job))
@@ -109,11 +110,11 @@ def make_app(state: ServerState) -> FastAPI:
         body = protocol.parse(ChatRequest, await request.body())
         _check_model(state, body.model)
         prompt = _render_chat(state, body)
-        fields = _job_fields(body, None)
-        if body.max_completion_tokens is not None:  # the newer name wins
-            fields["max_tokens"] = body.max_completion_tokens
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = service.job([prompt], **fields, logprobs=top)
+        ask = _ask(body, None, logprobs=top)
+        if body.max_completion_tokens is not None:  # the newer name wins
+            ask = dataclasses.replace(ask, max_tokens=body.max_completion_tokens)
+        job = service.job([prompt], ask)
         meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
         events = service.run(service.submit(job))
 
@@ -189,8 +190,6 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
 
 
 def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
-    from qwen3_spmd.run.text import TextError
-
     if state.text is None:
         raise APIError(
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
@@ -208,19 +207,21 @@ def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
     return state.text.encode(rendered)
 
 
-def _job_fields(body, default_max_tokens: int | None) -> dict:
-    return dict(
+def _ask(body, default_max_tokens: int | None, logprobs: int | None) -> Ask:
+    """What the body asks of each choice (the fields both endpoints share)."""
+    return Ask(
         n=body.n,
         max_tokens=body.max_tokens,
+        default_max_tokens=default_max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stops=body.stops,
+        stops=tuple(body.stops),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
-        stop_token_ids=body.stop_token_ids,
-        default_max_tokens=default_max_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logprobs=logprobs,
     )
 
 

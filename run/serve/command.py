@@ -12,10 +12,25 @@ the server exits 0 (a second signal exits at once).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import sys
 import threading
 import time
+
+from qwen3_spmd.run import compile_cache, distributed
+from qwen3_spmd.run.flags import (
+    CLIError,
+    add_dtype,
+    dtype_name,
+    in_flags,
+    local_cpu_devices,
+    mesh_devices,
+    platform_is_cpu,
+    use_cpu_devices,
+)
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 # A server that closes an idle connection while a client reuses it fails that request
@@ -26,8 +41,6 @@ KEEP_ALIVE_S = 30.0
 
 # Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
-    from qwen3_spmd.run import compile_cache, distributed
-
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     p.add_argument(
         "--model",
@@ -36,7 +49,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--mesh", help="SxC (default: 1x1, or 2x2 emulated CPU devices without --model)")
     p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    add_dtype(p)
     p.add_argument(
         "--max-seq-len",
         type=int,
@@ -97,9 +110,6 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from qwen3_spmd.run import compile_cache, distributed
-    from qwen3_spmd.run.cli import platform_is_cpu, use_cpu_devices
-    from qwen3_spmd.run.generate import _local_cpu_devices
     from qwen3_spmd.sharding.mesh import parse_mesh
 
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
@@ -113,7 +123,9 @@ def main(args) -> int:
     procs = distributed.start(args)
     try:
         if on_cpu:
-            use_cpu_devices(_local_cpu_devices(args, mesh_text, stage * seq, procs.count))
+            use_cpu_devices(
+                local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, procs.count)
+            )
         compile_cache.use(args.compile_cache)
         return _serve(args, procs, mesh_text, stage, seq)
     finally:
@@ -121,8 +133,6 @@ def main(args) -> int:
 
 
 def _check_flags(args) -> None:
-    from qwen3_spmd.run.cli import CLIError
-
     for flag, value, least in (
         ("--max-batch", args.max_batch, 1),
         ("--max-queue", args.max_queue, 1),
@@ -171,7 +181,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
             )
         except Exception as e:  # the server ends, saying why
             state.status = "failed"
-            _say(f"error: {e}")
+            _say(f"error: {in_flags(e)}")
             server.should_exit = True
 
     from qwen3_spmd.run.serve.http import Server
@@ -188,9 +198,6 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
 def _follow_signals() -> None:
     """A follower stops when process 0 does (it drains, then tells the followers): a
     SIGTERM or Ctrl-C here is noted, a second one ends this process at once."""
-    import os
-    import signal
-
     seen = []
 
     def note(sig, frame):
@@ -208,8 +215,6 @@ def _say(line: str) -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    from qwen3_spmd.run.cli import CLIError
-
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -226,32 +231,26 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
-    import jax
     import jax.numpy as jnp
 
     from qwen3_spmd.pipeline.decisions import SharedDecisions
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.handles import Params
     from qwen3_spmd.pipeline.scheduler import Scheduler
-    from qwen3_spmd.run.cli import CLIError
-    from qwen3_spmd.run.generate import _mesh_devices
     from qwen3_spmd.sharding.mesh import make_mesh
 
-    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    if dtype not in ("float32", "bfloat16"):
-        raise CLIError(f"--dtype {dtype} is not supported: use float32 or bfloat16")
-    mesh = make_mesh(stage, seq, _mesh_devices(stage * seq, procs, mesh_text))
+    dtype = dtype_name(args.dtype)
+    mesh = make_mesh(stage, seq, mesh_devices(stage * seq, procs, mesh_text))
     if procs.leader:
         _say(f"loading {spec.label} onto mesh {mesh_text} ({dtype})")
     engine = Engine(
         spec.cfg,
         spec.source,
         mesh,
-        jnp.dtype(dtype),
-        max_seq_len,
-        1,
-        args.groups,
-        args.chunk,
+        dtype=jnp.dtype(dtype),
+        max_seq_len=max_seq_len,
+        groups=args.groups,
+        chunk=args.chunk,
         on_compile=_compiling if procs.leader else None,
         cp=args.cp,
     )
@@ -279,8 +278,6 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
 
 
 def _compiling(name):
-    import contextlib
-
     _say(f"compiling {name}")
     return contextlib.nullcontext()
 
@@ -312,7 +309,7 @@ def _default_sampling(spec):
     if config and not config.get("do_sample", False):
         return Sampling()
     return Sampling(
-        float(config.get("temperature", 1.0)),
-        int(config.get("top_k", 0) or 0),
-        float(config.get("top_p", 1.0)),
+        temperature=float(config.get("temperature", 1.0)),
+        top_k=int(config.get("top_k", 0) or 0),
+        top_p=float(config.get("top_p", 1.0)),
     )

@@ -22,10 +22,14 @@ from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
 
 SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
+# The library's parameter names (RequestError.params) as the API's fields; the rest
+# (temperature, top_k, top_p, min_tokens) are the same in both.
+FIELDS = {"max_new_tokens": "max_tokens", "prompts": "prompt", "eos_ids": "stop_token_ids"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,25 @@ class Settings:
     eos_ids: tuple[int, ...]
     defaults: Sampling  # a request's sampling when it names none (generation_config.json)
     retry_after_s: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What an API request asks of each of its choices, as sent (None: the server's
+    default); `Service.job` checks it."""
+
+    n: int = 1
+    max_tokens: int | None = None
+    default_max_tokens: int | None = None  # the endpoint's, when max_tokens is None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # -1 or 0: off
+    seed: int | None = None
+    stops: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # top log-probabilities per token; None: none
 
 
 @dataclasses.dataclass
@@ -53,6 +76,12 @@ class Job:
     stop_ids: tuple[int, ...]  # the scheduler's end ids: EOS (unless ignored) + stop_token_ids
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities per token; None: none
+
+
+def _invalid(e: RequestError) -> APIError:
+    """A 400 for the library's refusal, naming its parameter as the API's field."""
+    code = "invalid_value" if e.param else None
+    return APIError(400, e.spelled(FIELDS), FIELDS.get(e.param, e.param), code)
 
 
 class TokenInfo(NamedTuple):
@@ -92,8 +121,8 @@ class Choice:
             lp = self.handle.logprobs[self.count]
             self.pending.append(TokenInfo(token, lp, self.chars))
         self.count += 1
-        if token in self.job.stop_ids:
-            return self.end("stop")
+        if self.handle.params.finish_reason(self.handle.tokens[: self.count]) == "stop":
+            return self.end("stop")  # an end id: it ends the text, unshown
         armed = self.count >= self.job.min_tokens
         piece = self.detok.add(token)
         self.chars += len(piece)
@@ -128,25 +157,9 @@ class Service:
 
     # ---- checks ------------------------------------------------------------------------
 
-    def job(
-        self,
-        prompts: list[list[int]],
-        *,
-        n: int,
-        max_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stops: list[str],
-        ignore_eos: bool,
-        min_tokens: int,
-        stop_token_ids: list[int] | None,
-        logprobs: int | None,
-        default_max_tokens: int | None,
-    ) -> Job:
-        """A request's fields, checked (APIError 400 naming the field)."""
-        s = self.settings
+    def job(self, prompts: list[list[int]], ask: Ask) -> Job:
+        """A request's prompts and what it asks, checked (APIError 400 naming the field)."""
+        s, n, max_tokens, min_tokens = self.settings, ask.n, ask.max_tokens, ask.min_tokens
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n {n} must be between 1 and {MAX_N}", "n", "invalid_value")
         for p in prompts:
@@ -161,7 +174,9 @@ class Service:
                     "invalid_value",
                 )
         budgets = [
-            max_tokens if max_tokens is not None else default_max_tokens or s.max_seq_len - len(p)
+            max_tokens
+            if max_tokens is not None
+            else ask.default_max_tokens or s.max_seq_len - len(p)
             for p in prompts
         ]
         for p, budget in zip(prompts, budgets):
@@ -189,29 +204,27 @@ class Service:
         d = s.defaults
         try:
             sampling = Sampling(
-                d.temperature if temperature is None else temperature,
-                d.top_k if top_k is None else max(top_k, 0),
-                d.top_p if top_p is None else top_p,
+                temperature=d.temperature if ask.temperature is None else ask.temperature,
+                top_k=d.top_k if ask.top_k is None else max(ask.top_k, 0),
+                top_p=d.top_p if ask.top_p is None else ask.top_p,
             )
-        except SamplingError as e:  # its message names the command-line flag
-            flag = str(e).split()[0]
-            param = flag.removeprefix("--").replace("-", "_")
-            raise APIError(400, str(e).replace(flag, param, 1), param, "invalid_value") from None
+        except SamplingError as e:
+            raise _invalid(e) from None
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
             raise APIError(
-                400, f"logprobs {logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
+                400, f"logprobs {ask.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
             )
-        extra = tuple(stop_token_ids or ())
+        extra = tuple(ask.stop_token_ids)
         for t in extra:
             if not 0 <= t < s.vocab:
                 raise APIError(
                     400, f"stop token id {t} is outside the vocabulary", "stop_token_ids"
                 )
-        if any(not isinstance(x, str) or not x for x in stops):
+        if any(not isinstance(x, str) or not x for x in ask.stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
-        stop_ids = tuple(dict.fromkeys((() if ignore_eos else s.eos_ids) + extra))
+        stop_ids = tuple(dict.fromkeys((() if ask.ignore_eos else s.eos_ids) + extra))
         if min_tokens and len(stop_ids) > MAX_BANNED:
             raise APIError(
                 400,
@@ -220,15 +233,15 @@ class Service:
                 "stop_token_ids",
             )
         return Job(
-            prompts,
-            n,
-            budgets,
-            sampling,
-            secrets.randbelow(SEEDS) if seed is None else seed % SEEDS,
-            stops,
-            stop_ids,
-            min_tokens,
-            logprobs,
+            prompts=prompts,
+            n=n,
+            max_tokens=budgets,
+            sampling=sampling,
+            seed=secrets.randbelow(SEEDS) if ask.seed is None else ask.seed % SEEDS,
+            stops=list(ask.stops),
+            stop_ids=stop_ids,
+            min_tokens=min_tokens,
+            logprobs=ask.logprobs,
         )
 
     # ---- running -----------------------------------------------------------------------
@@ -253,10 +266,10 @@ class Service:
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
         except QueueFull as e:
             self.cancel(choices)
-            raise self.unavailable(str(e), "queue_full") from None
+            raise self.unavailable(in_flags(e), "queue_full") from None  # the server's flag
         except RequestError as e:
             self.cancel(choices)
-            raise APIError(400, str(e)) from None
+            raise _invalid(e) from None
         return choices
 
     def unavailable(self, message: str, code: str = "unavailable") -> APIError:
