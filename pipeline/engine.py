@@ -1,10 +1,12 @@
 """The generate engine: one code path for every mesh shape, 1x1 included.
 
-`Engine` places the weights on a ('stage', 'seq') mesh once. `generate` then checks a
-batch of prompts up front, lays it out (`pipeline.layout`), runs the prefill program
-once and the decode program chunk by chunk (each chunk on device; the host only looks
-at the new tokens between chunks, to stream them and to stop once every request has
-finished), and returns the completions with their own timing and the cache.
+`Engine` places the weights on a ('stage', 'seq') mesh once and runs the programs
+(prefill, decode chunk, in-place K/V inserts and row moves), each compiled once per
+shape. `generate` checks a static batch of prompts up front and runs it through the
+same executor and row book as continuous batching (`pipeline.executor`): one prefill
+of the whole batch, then decode chunks (each on device; the host only looks at the new
+tokens between chunks, to stream them and to stop once every request has finished). It
+returns the completions with their own timing and the cache.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ class Generation:
     timing: dict  # compile_s, prefill_s, decode_s and tokens per second of this call
     layout: dict  # batch and prompt padding, microbatches, groups, chunks run
     cache: KVCache  # the cache as the last decode left it (slots of steps never run: -1)
+
+
+def _timing(clock: Clock, prompt_tokens: int, new_tokens: int) -> dict:
+    """A generate call's seconds and rates (`new_tokens` from decode steps)."""
+    return {
+        "compile_s": clock.compile_s,
+        "prefill_s": clock.prefill_s,
+        "decode_s": clock.decode_s,
+        "prefill_tokens_per_s": prompt_tokens / clock.prefill_s if clock.prefill_s > 0 else 0.0,
+        "decode_tokens_per_s": new_tokens / clock.decode_s if clock.decode_s > 0 else 0.0,
+    }
 
 
 def _put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
@@ -456,15 +469,8 @@ class Engine:
                 step_logits.append(np.asarray(executor.logits)[:steps])
             steps_run, chunks = steps_run + steps, chunks + 1
         completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
-        n_prompt = sum(map(len, prompts))
         n_new = sum(len(c.token_ids) - 1 for c in completions)
-        timing = {
-            "compile_s": clock.compile_s,
-            "prefill_s": clock.prefill_s,
-            "decode_s": clock.decode_s,
-            "prefill_tokens_per_s": n_prompt / clock.prefill_s if clock.prefill_s > 0 else 0.0,
-            "decode_tokens_per_s": n_new / clock.decode_s if clock.decode_s > 0 else 0.0,
-        }
+        timing = _timing(clock, sum(map(len, prompts)), n_new)
         strategy, predictions = self.cp_plan(shape.B, shape.P_pad)
         layout = {
             "batch": shape.B,
