@@ -403,7 +403,6 @@ def run_http(capsys, concurrency: str, *argv) -> dict:
     )
 
 
-@pytest.mark.slow
 def test_serve_over_http_starts_and_loads_our_server(capsys):
     """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP."""
     out = run_http(capsys, "1,2")
@@ -413,7 +412,6 @@ def test_serve_over_http_starts_and_loads_our_server(capsys):
     assert out["http"]["targets"] == {}  # no peer, no ratio
 
 
-@pytest.mark.slow
 def test_serve_over_http_beside_transformers_serve(capsys):
     # transformers serve needs torch, transformers and accelerate: not dependencies (nor
     # in CI), so this runs only where they are installed.

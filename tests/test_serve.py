@@ -20,8 +20,6 @@ import pytest
 
 from qwen3_spmd.run.text import Text
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny"
 KEY = "test-key"
