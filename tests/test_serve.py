@@ -480,13 +480,25 @@ def test_sigterm_ends_running_requests_and_exits_0(server):
         lines = r.iter_lines()
         next(lines)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _wait_draining(server)
         refused = _post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1})
         rest = [line for line in lines if line]
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert rest[-1] == "data: [DONE]"
     assert "error" in json.loads(rest[-2][len("data: ") :])
     assert proc.wait(timeout=60) == 0
+
+
+def _wait_draining(server, limit_s=30):
+    """Once the server has taken the signal: /health says 503 "draining"."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        r = httpx.get(server["url"] + "/health", timeout=10)
+        if r.status_code == 503 and r.json()["status"] == "draining":
+            return
+        assert r.status_code == 200, r.text
+        assert time.monotonic() < deadline, f"the server did not start draining in {limit_s} s"
+        time.sleep(0.05)
 
 
 def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subprocess.Popen]:
