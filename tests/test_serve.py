@@ -1,7 +1,13 @@
 """`qwen3-spmd serve` end to end: a server subprocess on 127.0.0.1 (a free port), an
 emulated 2x2 mesh, the tiny fixture (a real tokenizer and Qwen3's chat template),
 driven by the official `openai` client and by raw HTTP for the SSE bytes. Every
-request has a timeout; the module's last test stops the server with SIGTERM."""
+request has a timeout; the module's last test stops the server with SIGTERM.
+
+The servers here compile each program when a request first needs it (`--precompile
+lazy`), in a fraction of the time it takes to compile every shape a round can run;
+`--precompile all` is tested where it costs least, the 1x1 server of
+tests/test_bench.py (`bench --url local`), and `Scheduler.precompile` in
+tests/test_scheduler.py."""
 
 import concurrent.futures
 import http.client
@@ -41,6 +47,7 @@ def server():
     argv += ["--mesh", "2x2", "--cpu-devices", "4", "--port", str(port), "--api-key", KEY]
     argv += ["--max-batch", "4", "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1"]
     argv += ["--chunk", "4"]  # a long request takes seconds: time to disconnect, to SIGTERM
+    argv += ["--precompile", "lazy"]
     log = (
         open(ROOT / ".pytest_cache" / "serve.log", "w")
         if (ROOT / ".pytest_cache").is_dir()
@@ -507,6 +514,7 @@ def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subpro
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
+    argv += ["--precompile", "lazy"]
     argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", *extra]
     procs = [
         subprocess.Popen(
