@@ -5,14 +5,14 @@ request has a timeout; the module's last test stops the server with SIGTERM.
 
 The servers here compile each program when a request first needs it (`--precompile
 lazy`), in a fraction of the time it takes to compile every shape a round can run;
-`--precompile all` is tested where it costs least, the 1x1 server of
-tests/test_bench.py (`bench --url local`), and `Scheduler.precompile` in
-tests/test_scheduler.py."""
+`--precompile all` has a test of its own with the fewest shapes (and
+`Scheduler.precompile` its own in tests/test_scheduler.py)."""
 
 import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -593,3 +593,43 @@ def test_losing_the_follower_ends_the_server_with_one_line():
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: lost process 1") and f"127.0.0.1:{coordinator}" in last, err
     assert elapsed < peer_timeout + 20  # the heartbeat timeout, plus a loaded machine's slack
+
+
+def test_precompile_all_compiles_every_shape_before_serving():
+    """--precompile all (the default): every program a round can run is compiled before
+    /health says 200, so a request then waits for no compile (the server names each
+    compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
+    positions."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
+    argv += ["--precompile", "all"]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            time.sleep(0.5)
+        out = httpx.post(url + "/v1/completions", json=_greedy([5, 6, 7], 4), timeout=TIMEOUT)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 4
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    compiled = re.search(r"compiled (\d+) program shapes", err)
+    assert compiled and int(compiled[1]) > 0, err
+    serving = err.index("serving tiny on")
+    assert err.index(compiled[0]) < serving and "compiling" not in err[serving:], err
