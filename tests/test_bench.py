@@ -412,9 +412,8 @@ def run_http(capsys, concurrency: str, *argv) -> dict:
 
 
 def test_serve_over_http_starts_and_loads_our_server(capsys):
-    """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP. The
-    suite's one server that compiles every program at start (`--precompile all`, the
-    default; 1x1, 2 rows, 30 positions: the fewest shapes)."""
+    """--url local: `qwen3-spmd serve` on the tiny checkpoint, loaded over HTTP (with
+    --smoke, a server that compiles lazily)."""
     out = run_http(capsys, "1,2")
     (ours,) = out["http"]["endpoints"]
     assert ours["name"] == "qwen3-spmd" and ours["model"] == "tiny"
