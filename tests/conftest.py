@@ -1,17 +1,36 @@
-"""Test session set-up: 8 emulated CPU devices, float32 matmuls at full precision.
+"""Test session set-up: 8 emulated CPU devices, float32 matmuls at full precision, and
+one persistent compilation cache for the session.
 
 The device count must be set before anything touches a JAX backend, so it happens
 here, at import, before any test module is collected.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# generate keeps compiled programs in ~/.cache unless told otherwise: tests (and the
-# runs they start) leave the user's cache alone; test_cli tests the cache on its own.
-os.environ.setdefault("QWEN3_SPMD_COMPILE_CACHE", "off")
+
+# Many tests compile the same programs (a fresh engine of the same shapes, a server and
+# the generate runs beside it): one compilation cache in a folder made for this session,
+# so each process after the first that compiles a program reads it back. It never
+# leaves the session (the user's ~/.cache is left alone) and goes at its end. The
+# subprocesses the tests start inherit it: `generate` and `serve` read
+# $QWEN3_SPMD_COMPILE_CACHE, a plain JAX program $JAX_COMPILATION_CACHE_DIR. A hit still
+# reports XLA's compile event (/jax/core/compile/backend_compile_duration, counted
+# around the cache read), so a test that counts compiles sees a program read back too.
+# test_cli tests the cache itself in folders of its own.
+CACHE_DIR = tempfile.mkdtemp(prefix="qwen3-spmd-test-xla-")
+atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
+os.environ["QWEN3_SPMD_COMPILE_CACHE"] = CACHE_DIR
+os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE_DIR
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # tiny programs too
+
 from qwen3_spmd.run.cli import size_cpu_threads  # noqa: E402
 
 size_cpu_threads(8)  # a device waiting in a collective holds a thread of XLA's CPU pool
@@ -22,3 +41,24 @@ import jax  # noqa: E402
 # than the GPUs present then fail to build: pick those tests by file).
 jax.config.update("jax_platforms", os.environ.get("QWEN3_SPMD_TEST_PLATFORM", "cpu"))
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_enable_compilation_cache", True)
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache_in_use():
+    """JAX decides once per process, at its first compile, whether the process uses
+    the cache: that compile is this one, with the cache on, whichever test runs first
+    (an in-process `bench` turns the cache off for its own figures)."""
+    jax.jit(lambda x: x + 1)(1).block_until_ready()
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_on():
+    """`bench` and `generate --compile-cache off` run in this process turn the cache
+    off (JAX then writes no programs, though it still reads): on again for the next
+    test."""
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)

@@ -138,7 +138,6 @@ def test_tiny_fixture_matches_transformers_and_1x1(runs, S, C, M, poison):
 RAND_MESHES = [(1, 2), (1, 4), (2, 2), (1, 8), (2, 4)]  # C < K, C = K, C > K
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("S,C", RAND_MESHES, ids=lambda x: str(x))
 def test_grouped_heads_every_split_matches_1x1(runs, S, C):
     base = runs.run("rand8", 1, 1, cp="ring")
@@ -154,7 +153,6 @@ def test_grouped_heads_every_split_matches_1x1(runs, S, C):
     _check_same(run, base, 4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("S,C", [(1, 8), (2, 4)], ids=lambda x: str(x))
 def test_ulysses_matches_the_ring_on_the_same_mesh(runs, S, C):
     ring_run = runs.run("rand8", S, C, cp="ring")
@@ -169,7 +167,6 @@ def test_seeded_sampling_identical(runs):
     np.testing.assert_allclose(run[1].first_logits, ref[1].first_logits, atol=TOL, rtol=0)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "links,strategy",
     [
@@ -216,7 +213,6 @@ def test_impossible_head_split_fails_before_compiling():
     assert e.value.param == "cp"
 
 
-@pytest.mark.slow
 def test_eight_query_heads_on_1x4_and_1x8_match_transformers(tmp_path):
     """The fixtures' 6 query heads split over 2 or 3 devices only; a model written by
     transformers itself with N=8 over K=2 runs Ulysses on 1x4 and 1x8 (C > K: KV heads

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 from reference import TINY
 from safetensors import safe_open
 
@@ -26,8 +25,6 @@ REF = np.load(TINY / "reference.npz")
 PROMPTS = [REF[f"prompt_{i}"].tolist() for i in range(3)]
 NEW = 8
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:

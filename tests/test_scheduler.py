@@ -341,7 +341,6 @@ else:
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2x2", "1x4"])
 def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
     """Two processes of two CPU devices each run one scheduler: process 0 takes staggered

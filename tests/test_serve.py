@@ -1,12 +1,18 @@
 """`qwen3-spmd serve` end to end: a server subprocess on 127.0.0.1 (a free port), an
 emulated 2x2 mesh, the tiny fixture (a real tokenizer and Qwen3's chat template),
 driven by the official `openai` client and by raw HTTP for the SSE bytes. Every
-request has a timeout; the module's last test stops the server with SIGTERM."""
+request has a timeout; the module's last test stops the server with SIGTERM.
+
+The servers here compile each program when a request first needs it (`--precompile
+lazy`), in a fraction of the time it takes to compile every shape a round can run;
+`--precompile all` has a test of its own with the fewest shapes (and
+`Scheduler.precompile` its own in tests/test_scheduler.py)."""
 
 import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,8 +25,6 @@ import numpy as np
 import pytest
 
 from qwen3_spmd.run.text import Text
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny"
@@ -43,6 +47,7 @@ def server():
     argv += ["--mesh", "2x2", "--cpu-devices", "4", "--port", str(port), "--api-key", KEY]
     argv += ["--max-batch", "4", "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1"]
     argv += ["--chunk", "4"]  # a long request takes seconds: time to disconnect, to SIGTERM
+    argv += ["--precompile", "lazy"]
     log = (
         open(ROOT / ".pytest_cache" / "serve.log", "w")
         if (ROOT / ".pytest_cache").is_dir()
@@ -482,13 +487,25 @@ def test_sigterm_ends_running_requests_and_exits_0(server):
         lines = r.iter_lines()
         next(lines)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        _wait_draining(server)
         refused = _post(server, "/v1/completions", {"prompt": [1], "max_tokens": 1})
         rest = [line for line in lines if line]
-    assert refused.status_code == 503
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert rest[-1] == "data: [DONE]"
     assert "error" in json.loads(rest[-2][len("data: ") :])
     assert proc.wait(timeout=60) == 0
+
+
+def _wait_draining(server, limit_s=30):
+    """Once the server has taken the signal: /health says 503 "draining"."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        r = httpx.get(server["url"] + "/health", timeout=10)
+        if r.status_code == 503 and r.json()["status"] == "draining":
+            return
+        assert r.status_code == 200, r.text
+        assert time.monotonic() < deadline, f"the server did not start draining in {limit_s} s"
+        time.sleep(0.05)
 
 
 def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subprocess.Popen]:
@@ -497,6 +514,7 @@ def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subpro
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
+    argv += ["--precompile", "lazy"]
     argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", *extra]
     procs = [
         subprocess.Popen(
@@ -575,3 +593,43 @@ def test_losing_the_follower_ends_the_server_with_one_line():
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: lost process 1") and f"127.0.0.1:{coordinator}" in last, err
     assert elapsed < peer_timeout + 20  # the heartbeat timeout, plus a loaded machine's slack
+
+
+def test_precompile_all_compiles_every_shape_before_serving():
+    """--precompile all (the default): every program a round can run is compiled before
+    /health says 200, so a request then waits for no compile (the server names each
+    compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
+    positions."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
+    argv += ["--precompile", "all"]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            time.sleep(0.5)
+        out = httpx.post(url + "/v1/completions", json=_greedy([5, 6, 7], 4), timeout=TIMEOUT)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 4
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    compiled = re.search(r"compiled (\d+) program shapes", err)
+    assert compiled and int(compiled[1]) > 0, err
+    serving = err.index("serving tiny on")
+    assert err.index(compiled[0]) < serving and "compiling" not in err[serving:], err

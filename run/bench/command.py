@@ -167,7 +167,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny sizes for tests: prompts 16,32, batches 1,2, 4 steps, 2 repeats",
+        help="tiny sizes for tests: prompts 16,32, batches 1,2, 4 steps, 2 repeats (--url "
+        "local: a server that compiles each program when first needed)",
     )
     p.set_defaults(func=main)
 
@@ -544,7 +545,10 @@ def _http_main(args) -> int:
         mesh = args.mesh[0] if args.mesh else "1x1"
         # Text prompts re-encode to about as many tokens as drawn: leave them twice.
         seq_len = min(2 * prompt_lens[1] + output_lens[1], spec.cfg.max_position_embeddings)
-        with http_load.ours(args.model, mesh, settings["serve_max_batch"], seq_len) as srv:
+        # --smoke checks that it all runs: a server that compiles only what it meets.
+        precompile = "lazy" if args.smoke else "all"
+        max_batch = settings["serve_max_batch"]
+        with http_load.ours(args.model, mesh, max_batch, seq_len, precompile) as srv:
             endpoints.append(_endpoint(srv.url, "qwen3-spmd", concurrencies, requests_for, say))
     else:
         endpoints.append(

@@ -215,10 +215,13 @@ class Started:
         self.log.close()
 
 
-def ours(model: str | None, mesh: str, max_batch: int, max_seq_len: int) -> Started:
+def ours(
+    model: str | None, mesh: str, max_batch: int, max_seq_len: int, precompile: str = "all"
+) -> Started:
     port = free_port()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--port", str(port)]
     argv += ["--mesh", mesh, "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
+    argv += ["--precompile", precompile]
     argv += ["--model", model] if model else []
     S, C = map(int, mesh.split("x"))
     if S * C > 1:
