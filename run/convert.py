@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.run.flags import CLIError, add_model
 
 
 def register(subparsers) -> None:
@@ -37,11 +37,12 @@ def register(subparsers) -> None:
         help="convert a Hugging Face checkpoint to an orbax "
         "checkpoint that restores sharded onto any mesh",
     )
-    p.add_argument(
-        "--model",
+    add_model(
+        p,
+        "the Hugging Face checkpoint folder (config.json, safetensors), or a hub id "
+        "(Qwen/Qwen3-0.6B: downloaded on first use)",
         required=True,
         metavar="HF_DIR",
-        help="the Hugging Face checkpoint folder (config.json, safetensors)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="the orbax checkpoint folder")
     p.add_argument(
@@ -71,7 +72,7 @@ def register(subparsers) -> None:
 
 def main(args) -> int:
     from qwen3_spmd.model.checkpoint import orbax_io
-    from qwen3_spmd.run import conversion
+    from qwen3_spmd.run import conversion, models
     from qwen3_spmd.sharding.mesh import parse_mesh
 
     meshes = [parse_mesh(m) for m in args.measure.split(",")] if args.measure else []
@@ -96,6 +97,7 @@ def main(args) -> int:
                 f"({time.perf_counter() - t0:.1f} s)"
             )
     report: dict = {"model": args.model, "out": args.out}
+    hf_folder = models.local_folder(args.model, args.revision)  # a hub id: its snapshot
     out = Path(args.out)
     if (
         meshes
@@ -107,7 +109,7 @@ def main(args) -> int:
     else:
         t0 = time.perf_counter()
         with _progress_bar(f"{args.model} -> {args.out}") as progress:
-            meta = conversion.convert(args.model, args.out, args.dtype, args.force, progress)
+            meta = conversion.convert(hf_folder, args.out, args.dtype, args.force, progress)
         report["convert"] = {
             "dtype": meta["dtype"],
             "bytes": meta["bytes"],
@@ -118,7 +120,7 @@ def main(args) -> int:
             f"{report['convert']['seconds']} s"
         )
     if meshes:
-        report["loads"] = measure(args.model, args.out, meshes, args.measure_dtype, say)
+        report["loads"] = measure(hf_folder, args.out, meshes, args.measure_dtype, say)
     if args.json:
         print(json.dumps(report))
     return 0

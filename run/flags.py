@@ -167,6 +167,16 @@ def mesh_devices(n: int, procs, mesh_text: str) -> list:
 DTYPES = ("float32", "bfloat16")
 
 
+def add_model(parser, help: str, **kwargs) -> None:
+    """--model (`help` says what it takes; a Hugging Face hub id works everywhere) and
+    --revision, which picks the hub id's branch, tag or commit."""
+    parser.add_argument("--model", help=help, **kwargs)
+    parser.add_argument(
+        "--revision",
+        help="with a hub id as --model: the branch, tag or commit to use (default: main)",
+    )
+
+
 def add_dtype(parser) -> None:
     parser.add_argument(
         "--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"

@@ -16,6 +16,7 @@ from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_model,
     check_output_file,
     check_output_folder,
     dtype_name,
@@ -32,10 +33,11 @@ DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84,
 # Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate tokens for prompts on a device mesh")
-    p.add_argument(
-        "--model",
-        help="Hugging Face checkpoint folder, or a preset name "
-        "(tiny, 0.6B, ..., 32B) with random weights; default: tiny",
+    add_model(
+        p,
+        "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
+        "on first use), or a preset name (tiny, 0.6B, ..., 32B) with random weights; "
+        "default: tiny",
     )
     p.add_argument(
         "--prompt",
@@ -223,7 +225,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
 
     dtype = dtype_name(args.dtype)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    spec = open_model(args.model, args.seed)
+    spec = open_model(args.model, args.seed, args.revision)
     text = Text.find(spec.folder)
     prompts = _prompts(args, text)
     demo = args.model is None and not prompts

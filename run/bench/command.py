@@ -31,6 +31,7 @@ from functools import partial
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_model,
     check_output_file,
     dtype_name,
     in_flags,
@@ -58,9 +59,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark prefill and decode against rooflines and transformers"
     )
-    p.add_argument(
-        "--model",
-        help="checkpoint folder or preset (tiny, 0.6B, ...; random weights); default: tiny",
+    add_model(
+        p,
+        "checkpoint folder, hub id (Qwen/Qwen3-0.6B: downloaded on first use) or preset "
+        "(tiny, 0.6B, ...; random weights); default: tiny",
     )
     p.add_argument(
         "--mesh",
@@ -456,7 +458,7 @@ def main(args) -> int:
 
     dtype = _dtype(args, meshes)
     dtype_name = dtype.name
-    spec = open_model(args.model, args.seed)
+    spec = open_model(args.model, args.seed, args.revision)
     if args.layers is not None:
         spec = _fewer_layers(spec, args.layers, args.seed)
     _check_lengths(settings, scenarios, spec.cfg.max_position_embeddings)
@@ -527,7 +529,7 @@ def _http_main(args) -> int:
         raise CLIError("--url measures an HTTP endpoint: only --scenario serve goes with it")
     settings = _settings(args)
     concurrencies = _ints(args.serve_concurrency or "1,8", "--serve-concurrency")
-    spec = open_model(args.model, args.seed)
+    spec = open_model(args.model, args.seed, args.revision)
     text = Text.find(spec.folder)
     prompt_lens, output_lens = settings["serve_prompt_lens"], settings["serve_output_lens"]
     per = settings["serve_requests_per_concurrency"]
@@ -548,7 +550,9 @@ def _http_main(args) -> int:
         # --smoke checks that it all runs: a server that compiles only what it meets.
         precompile = "lazy" if args.smoke else "all"
         max_batch = settings["serve_max_batch"]
-        with http_load.ours(args.model, mesh, max_batch, seq_len, precompile) as srv:
+        # The server reads the snapshot folder resolved here, not the hub again.
+        model = str(spec.folder) if spec.hub_id else args.model
+        with http_load.ours(model, mesh, max_batch, seq_len, precompile) as srv:
             endpoints.append(_endpoint(srv.url, "qwen3-spmd", concurrencies, requests_for, say))
     else:
         endpoints.append(

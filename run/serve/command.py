@@ -24,6 +24,7 @@ from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_model,
     dtype_name,
     in_flags,
     local_cpu_devices,
@@ -42,10 +43,11 @@ KEEP_ALIVE_S = 30.0
 # Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    p.add_argument(
-        "--model",
-        help="Hugging Face checkpoint folder, orbax folder, or a preset name (random "
-        "weights); default: tiny",
+    add_model(
+        p,
+        "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
+        "on first use, served under that name), or a preset name (random weights); "
+        "default: tiny",
     )
     p.add_argument("--mesh", help="SxC (default: 1x1, or 2x2 emulated CPU devices without --model)")
     p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
@@ -156,9 +158,13 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
     from qwen3_spmd.run.serve.app import ServerState
     from qwen3_spmd.run.text import Text
 
-    spec = open_model(args.model)
+    spec = open_model(args.model, revision=args.revision)
     text = Text.find(spec.folder)
-    name = args.served_model_name or (spec.folder.name if spec.folder else (args.model or "tiny"))
+    name = (
+        args.served_model_name
+        or spec.hub_id
+        or (spec.folder.name if spec.folder else (args.model or "tiny"))
+    )
     max_seq_len = args.max_seq_len or min(spec.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     max_seq_len = -(-max_seq_len // seq) * seq
     if not procs.leader:
