@@ -621,6 +621,6 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
         lines += [
             "",
             "(the built-in demo: random weights, so the tokens are noise; pass --model "
-            "a Hugging Face Qwen3 folder for real text)",
+            "a Hugging Face Qwen3 folder or hub id for real text)",
         ]
     return "\n".join(lines)
