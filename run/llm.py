@@ -19,8 +19,10 @@ Bad input raises `pipeline.requests.RequestError` naming the parameter as this A
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
+import re
 import string
 
 from qwen3_spmd.pipeline.handles import Handle, Params
@@ -124,8 +126,9 @@ class LLM:
         from qwen3_spmd.run.models import open_model
         from qwen3_spmd.run.text import Text
 
-        self.spec = open_model(model, weights_seed)
-        self.mesh = _mesh(mesh)
+        with _as_arguments():
+            self.spec = open_model(model, weights_seed)
+            self.mesh = _mesh(mesh)
         name = dtype_name(None) if dtype is None else jnp.dtype(dtype).name
         if name not in DTYPES:
             raise RequestError(
@@ -290,6 +293,19 @@ def _renamed(e: RequestError, index: int = 0) -> RequestError:
     if index:
         template = template.replace("prompt 0 ", f"prompt {index} ", 1)
     return type(e)(template, *(_NAMES.get(p, p) for p in e.params))
+
+
+@contextlib.contextmanager
+def _as_arguments():
+    """The command line's model and mesh errors ("--model x: ...") said as this API's
+    arguments ("model x: ...")."""
+    from qwen3_spmd.model.config import ConfigError
+    from qwen3_spmd.sharding.mesh import MeshError
+
+    try:
+        yield
+    except (ConfigError, MeshError) as e:
+        raise type(e)(re.sub(r"--(model|mesh)\b", r"\1", str(e))) from None
 
 
 def _mesh(mesh):

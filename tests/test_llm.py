@@ -123,6 +123,19 @@ def test_preset_has_no_text_but_runs_ids_on_2x2():
     assert (out.token_ids, out.text) == (ref.completions[0].token_ids, None)
 
 
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"model": "no/such/folder"}, "model no/such/folder: no such folder"),
+        ({"mesh": "3"}, "mesh '3' is not of the form SxC"),
+    ],
+)
+def test_bad_model_or_mesh_is_said_as_arguments(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        LLM(**kwargs)
+    assert str(e.value).startswith(words) and "--" not in str(e.value)
+
+
 def test_package_import_leaves_jax_alone():
     code = "import sys, qwen3_spmd; assert 'jax' not in sys.modules; print(qwen3_spmd.__all__)"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
