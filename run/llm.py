@@ -220,9 +220,7 @@ class LLM:
                 self.engine.check([ids], s.max_tokens)
             except RequestError as e:
                 raise _renamed(e, i) from None
-        handles = [
-            self.submit(ids, s, sample_index=i) for i, ((ids, _), s) in enumerate(zip(given, each))
-        ]
+        handles = [self._queue(ids, s, i) for i, ((ids, _), s) in enumerate(zip(given, each))]
         for h in handles:
             for _ in h:  # runs rounds (or waits for the background loop) until done
                 pass
@@ -240,6 +238,17 @@ class LLM:
             )
             for (ids, text), s, h in zip(given, each, handles)
         ]
+
+    def _queue(self, ids: list[int], sampling: SamplingParams, index: int) -> Handle:
+        """submit, running rounds while the scheduler's queue is full: a batch larger
+        than max_batch + max_queue goes in as rows free up."""
+        from qwen3_spmd.pipeline.scheduler import QueueFull
+
+        while True:
+            try:
+                return self.submit(ids, sampling, sample_index=index)
+            except QueueFull:
+                self.scheduler.step()
 
     def _prompt_ids(
         self, prompt, chat: bool, enable_thinking: bool

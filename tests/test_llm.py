@@ -81,6 +81,13 @@ def test_submit_over_time_joins_the_running_batch(llm):
     assert first.finish_reason == second.finish_reason == "length"
 
 
+def test_a_batch_past_the_queue_goes_in_as_rows_free_up(llm, monkeypatch):
+    params = SamplingParams(max_tokens=3, temperature=0.9, seed=2, ignore_eos=True)
+    want = llm.generate([IDS] * 3, params)
+    monkeypatch.setattr(llm.scheduler, "max_queue", 0)  # 2 rows, no queue: 3 prompts
+    assert llm.generate([IDS] * 3, params) == want
+
+
 def test_chat_template(llm):
     out = llm.generate("Hi there", SamplingParams(max_tokens=1), chat=True)[0]
     rendered = llm.text.chat("Hi there")
