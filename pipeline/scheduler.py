@@ -194,10 +194,12 @@ class Scheduler:
 
     # ---- the caller's side -----------------------------------------------------------
 
-    def submit(self, prompt_ids, params: Params = Params()) -> Handle:
+    def submit(self, prompt_ids, params: Params = Params(), sample_index: int = 0) -> Handle:
         """Queues a request (checked now, in words: RequestError; QueueFull when
         max_queue requests wait already) and returns its handle. Never waits for a
-        round: a server's event loop may call it."""
+        round: a server's event loop may call it. sample_index: its sampling key is
+        (seed, sample_index, step); the i-th prompt of a batch passes i to sample as
+        `Engine.generate` does."""
         if self.follower:
             raise RequestError("this process follows process 0: submit requests there")
         if self.failure is not None:
@@ -214,7 +216,7 @@ class Scheduler:
                     f"retry later, or raise $max_queue",
                     "max_queue",
                 )
-            handle = Handle(next(self._ids), prompt, params, self._drive)
+            handle = Handle(next(self._ids), prompt, params, self._drive, sample_index)
             self._handles[handle.id] = handle
             self._inbox.append(handle)
             self._queued += 1
@@ -341,7 +343,7 @@ class Scheduler:
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
-        self._waiting.extend(Request(h.id, h.prompt, h.params) for h in new)
+        self._waiting.extend(Request(h.id, h.prompt, h.params, h.sample_index) for h in new)
         round = self.planner.plan(
             self.book, self._waiting, {h.id for h in cancels}, self.accounting
         )
