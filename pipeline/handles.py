@@ -71,16 +71,9 @@ class Handle:
     failed). Times are seconds since submit.
     """
 
-    def __init__(
-        self,
-        id: int,
-        prompt: tuple[int, ...],
-        params: Params,
-        drive: Callable[[], bool],
-        sample_index: int = 0,
-    ):
-        self.id, self.prompt, self.params = id, prompt, params
-        self.sample_index = sample_index
+    def __init__(self, request: Request, drive: Callable[[], bool]):
+        self.request = request
+        self.id, self.prompt, self.params = request.id, request.prompt, request.params
         self.tokens: list[int] = []
         self.logprobs: list[Logprob] = []  # one per token, when params.logprobs
         self.finish_reason: str | None = None

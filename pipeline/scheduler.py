@@ -216,7 +216,7 @@ class Scheduler:
                     f"retry later, or raise $max_queue",
                     "max_queue",
                 )
-            handle = Handle(next(self._ids), prompt, params, self._drive, sample_index)
+            handle = Handle(Request(next(self._ids), prompt, params, sample_index), self._drive)
             self._handles[handle.id] = handle
             self._inbox.append(handle)
             self._queued += 1
@@ -343,7 +343,7 @@ class Scheduler:
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, set()
-        self._waiting.extend(Request(h.id, h.prompt, h.params, h.sample_index) for h in new)
+        self._waiting.extend(h.request for h in new)
         round = self.planner.plan(
             self.book, self._waiting, {h.id for h in cancels}, self.accounting
         )
