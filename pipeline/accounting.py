@@ -18,12 +18,13 @@ from qwen3_spmd.model.config import Qwen3Config
 
 
 def bytes_between_stages(
-    cfg: Qwen3Config, stages: int, prompt_lens: list[int], decode_steps: list[int]
+    cfg: Qwen3Config, stages: int, prompt_lens: list[int], decode_steps: list[int], itemsize: int
 ) -> int:
-    """Each prompt token and each decoded token's hidden state [D] crosses S - 1
-    boundaries; decode_steps[b] = tokens request b fed back (generated tokens - 1)."""
+    """Each prompt token and each decoded token's hidden state [D], `itemsize` bytes per
+    value (the run's dtype), crosses S - 1 boundaries; decode_steps[b] = tokens request b
+    fed back (generated tokens - 1)."""
     tokens = sum(prompt_lens) + sum(decode_steps)
-    return tokens * cfg.D * 2 * (stages - 1)
+    return tokens * cfg.D * itemsize * (stages - 1)
 
 
 def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: int) -> dict:

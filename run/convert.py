@@ -1,11 +1,19 @@
-"""`convert`: a Hugging Face checkpoint folder -> an orbax checkpoint folder.
+"""`convert`: a Hugging Face checkpoint folder -> an orbax checkpoint folder, or a
+random checkpoint of a preset's shape.
 
     qwen3-spmd convert --model HF_DIR --out DIR [--dtype float32|bfloat16] [--force]
+    qwen3-spmd convert --random-preset NAME --out DIR [--force]
 
-writes `DIR` (see `model.checkpoint.orbax_io` for the layout and the restore), which
-`generate`/`bench --model DIR` then restore onto any mesh. A killed conversion leaves
-only `DIR.partial-<pid>`, which nothing loads; re-running the command removes it and
-writes `DIR` again.
+The first writes `DIR` (see `model.checkpoint.orbax_io` for the layout and the restore),
+which `generate`/`bench --model DIR` then restore onto any mesh. A killed conversion
+leaves only `DIR.partial-<pid>`, which nothing loads; re-running the command removes it
+and writes `DIR` again.
+
+The second writes `DIR` as a Hugging Face checkpoint folder shaped like a real Qwen3
+one: config.json, model.safetensors (seeded random float32 weights), and Qwen3's own
+tokenizer.json, tokenizer_config.json (the chat template) and generation_config.json
+(`run.qwen_tokenizer`). A preset with fewer than Qwen3's 151,936 vocabulary rows (tiny:
+512) gets that many, so that every token id the tokenizer makes is a row.
 
 The load measurement (load time and peak host memory of both paths, each in a fresh
 process) on a random checkpoint of the 0.6B preset's shape:
@@ -13,8 +21,8 @@ process) on a random checkpoint of the 0.6B preset's shape:
     qwen3-spmd convert --random-preset 0.6B --model /tmp/q06-hf --out /tmp/q06-orbax \\
         --measure 1x1,2x2
 
-`--random-preset NAME` first writes a Hugging Face checkpoint of preset NAME with seeded
-random weights (float32 safetensors) into `--model`, if it is not there yet.
+With `--model` too, `--random-preset NAME` writes that random checkpoint into `--model`,
+if it is not there yet, and then converts it.
 """
 
 from __future__ import annotations
@@ -41,10 +49,15 @@ def register(subparsers) -> None:
         p,
         "the Hugging Face checkpoint folder (config.json, safetensors), or a hub id "
         "(Qwen/Qwen3-0.6B: downloaded on first use)",
-        required=True,
         metavar="HF_DIR",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="the orbax checkpoint folder")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the orbax checkpoint folder (with --random-preset alone: the random Hugging "
+        "Face checkpoint folder)",
+    )
     p.add_argument(
         "--dtype", help="float32 or bfloat16 (default: config.json's dtype, else float32)"
     )
@@ -63,8 +76,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--random-preset",
         metavar="NAME",
-        help="first write a Hugging Face checkpoint of this preset with seeded random "
-        "weights into --model (if absent), for measurements",
+        help="write a Hugging Face checkpoint of this preset (tiny, 0.6B, ...) with seeded "
+        "random weights and Qwen3's tokenizer into --out; with --model: into --model (if "
+        "absent), then convert it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
@@ -81,6 +95,8 @@ def main(args) -> int:
         if args.json
         else (lambda *a: print(*a, flush=True))
     )
+    if args.model is None and not args.random_preset:
+        raise CLIError("convert needs --model HF_DIR (or --random-preset NAME)")
     if args.random_preset:
         from qwen3_spmd.model.config import PRESETS
 
@@ -89,13 +105,23 @@ def main(args) -> int:
                 f"--random-preset {args.random_preset} is not a preset: use one of "
                 f"{', '.join(PRESETS)}"
             )
-        if not Path(args.model).exists():
+        if args.model is None:  # the random checkpoint is what --out asks for
+            if meshes:
+                raise CLIError("--measure compares two folders: add --model HF_DIR")
+            _clear_out(Path(args.out), args.force)
+        target = args.model or args.out
+        if not Path(target).exists():
             t0 = time.perf_counter()
-            write_random_hf(PRESETS[args.random_preset], args.model)
+            write_random_preset(args.random_preset, target)
             say(
-                f"wrote random {args.random_preset} checkpoint {args.model} "
-                f"({time.perf_counter() - t0:.1f} s)"
+                f"wrote random {args.random_preset} checkpoint {target} "
+                f"({time.perf_counter() - t0:.1f} s): Hugging Face safetensors, Qwen3's "
+                "tokenizer and chat template"
             )
+        if args.model is None:
+            if args.json:
+                print(json.dumps({"random_preset": args.random_preset, "out": args.out}))
+            return 0
     report: dict = {"model": args.model, "out": args.out}
     hf_folder = models.local_folder(args.model, args.revision)  # a hub id: its snapshot
     out = Path(args.out)
@@ -212,6 +238,35 @@ def _dense_config(cfg) -> dict:
         "torch_dtype": "float32",
         "use_sliding_window": False,
     }
+
+
+def write_random_preset(name: str, folder: str | Path, seed: int = 0) -> None:
+    """Preset `name` as a Hugging Face checkpoint folder with Qwen3's tokenizer files; a
+    preset's vocabulary grows to Qwen3's 151,936 rows where it is smaller."""
+    from qwen3_spmd.model.config import PRESETS
+    from qwen3_spmd.run import qwen_tokenizer
+    from qwen3_spmd.run.models import with_qwen_vocab
+
+    cfg = with_qwen_vocab(PRESETS[name])
+    write_random_hf(cfg, folder, seed)
+    qwen_tokenizer.write(folder, cfg.max_position_embeddings)
+
+
+def _clear_out(out: Path, force: bool) -> None:
+    """--out of a random checkpoint: absent, or replaced with --force when it is a
+    Hugging Face checkpoint folder (never another folder's files)."""
+    import shutil
+
+    if not out.exists():
+        return
+    if not force:
+        raise CLIError(f"--out {out} already exists: pass --force to replace it")
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        raise CLIError(
+            f"--out {out} exists and is not a Hugging Face checkpoint folder, which is all "
+            "--force replaces: choose another --out, or remove it yourself"
+        )
+    shutil.rmtree(out)
 
 
 def to_hf(entry, ours, cfg):

@@ -1,8 +1,9 @@
 """`generate`: prompts in, tokens (and text) out, on any (stage, seq) mesh.
 
-Without --model it runs the built-in `tiny` preset with seeded random weights on an
-emulated 2x2 CPU mesh and says so; its output is noise, but the machinery (stage
-plan, schedules, ring, sharded cache, the check against one device) is all real.
+Without --model it runs the built-in demo (the `tiny` preset's layers with Qwen3's
+vocabulary and tokenizer, seeded random weights) on an emulated 2x2 CPU mesh and says
+so; its text is noise, but the tokenizer and the machinery (stage plan, schedules, ring,
+sharded cache, the check against one device) are all real.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from qwen3_spmd.run.flags import (
     use_cpu_devices,
 )
 
-DEMO_PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [2, 71, 82, 81, 82, 84, 59]]
+DEMO_PROMPTS = ["The river flows", "Why is the sky blue?"]
 
 
 # Long because it is the flag list, one add_argument per flag in --help's order.
@@ -37,7 +38,7 @@ def register(subparsers) -> None:
         p,
         "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
         "on first use), or a preset name (tiny, 0.6B, ..., 32B) with random weights; "
-        "default: tiny",
+        "default: the demo, tiny with Qwen3's tokenizer and random weights",
     )
     p.add_argument(
         "--prompt",
@@ -219,18 +220,20 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
     from qwen3_spmd.pipeline.sampling import Sampling
-    from qwen3_spmd.run.models import open_model
-    from qwen3_spmd.run.text import Text
+    from qwen3_spmd.run.models import demo_model, open_model
     from qwen3_spmd.sharding.mesh import make_mesh
 
     dtype = dtype_name(args.dtype)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    spec = open_model(args.model, args.seed, args.revision)
-    text = Text.find(spec.folder)
+    if args.model is None:  # the demo
+        spec = demo_model(args.seed, args.revision)
+    else:
+        spec = open_model(args.model, args.seed, args.revision)
+    text = spec.text()
     prompts = _prompts(args, text)
     demo = args.model is None and not prompts
     if demo:
-        prompts = DEMO_PROMPTS
+        prompts = [text.encode(p) for p in DEMO_PROMPTS]
         args.timeline = True  # the demo shows everything, checked where it can be
         args.check = args.check or not procs.many
     if not prompts:
@@ -346,6 +349,7 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     return {
         "model": {"name": job.spec.label, "random_weights": job.spec.random},
         "dtype": job.dtype_name,
+        "bytes_per_value": engine.dtype.itemsize,
         "mesh": {"stage": S, "seq": C},
         "processes": procs.count,
         "devices_unused": job.unused_devices,
@@ -365,7 +369,11 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         "compile_cache": cache.report(),
         "max_seq_len": job.max_seq_len,
         "bytes_between_stages": accounting.bytes_between_stages(
-            cfg, S, [len(p) for p in job.prompts], [len(c.token_ids) - 1 for c in out.completions]
+            cfg,
+            S,
+            [len(p) for p in job.prompts],
+            [len(c.token_ids) - 1 for c in out.completions],
+            engine.dtype.itemsize,
         ),
         "bytes_sent": accounting.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
         "schedule": engine.schedules(out.layout),
@@ -602,11 +610,14 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
     lines += [
         "",
         f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
-        "at 2 bytes per value)",
+        f"at {r['bytes_per_value']} bytes per value)",
         f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
         f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
+        # With one seq device nothing moves along seq: no strategy to name.
         f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "
-        f"bytes per device; prefill predicted {r['cp_predicted_prefill_s']:.3f} s)",
+        f"bytes per device; prefill predicted {r['cp_predicted_prefill_s']:.3f} s)"
+        if C > 1
+        else f"{'seq attention:':<27}{'none':>12}  (one seq device)",
         f"time: prefill {t['prefill_s']:.3f} s ({t['prefill_tokens_per_s']:.1f} tok/s), "
         f"decode {t['decode_s']:.3f} s ({t['decode_tokens_per_s']:.1f} tok/s), "
         f"compile {t['compile_s']:.1f} s{_from_cache(r['compile_cache'])}",
@@ -620,7 +631,7 @@ def _readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) 
     if demo:
         lines += [
             "",
-            "(the built-in demo: random weights, so the tokens are noise; pass --model "
-            "a Hugging Face Qwen3 folder or hub id for real text)",
+            "(the built-in demo: Qwen3's real tokenizer, but random weights, so the text is "
+            "noise; pass --model a Hugging Face Qwen3 folder or hub id for real text)",
         ]
     return "\n".join(lines)

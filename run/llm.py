@@ -124,7 +124,6 @@ class LLM:
         from qwen3_spmd.pipeline.scheduler import Scheduler
         from qwen3_spmd.run.flags import DTYPES, dtype_name
         from qwen3_spmd.run.models import open_model
-        from qwen3_spmd.run.text import Text
 
         with _as_arguments():
             self.spec = open_model(model, weights_seed)
@@ -134,7 +133,7 @@ class LLM:
             raise RequestError(
                 f"$dtype {name} is not supported: use {' or '.join(DTYPES)}", "dtype"
             )
-        self.text = Text.find(self.spec.folder)
+        self.text = self.spec.text()
         self.eos_ids = self.spec.eos_ids()
         self.engine = Engine(
             self.spec.cfg,

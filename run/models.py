@@ -21,6 +21,13 @@ class ModelSpec:
     label: str
     random: bool
     hub_id: str | None = None  # the hub id `folder` was resolved from, if any
+    qwen_text: bool = False  # no folder, but Qwen3's shipped tokenizer (the demo)
+
+    def text(self):
+        """The tokenizer and chat template (run.text.Text), or None without any."""
+        from qwen3_spmd.run.text import Text
+
+        return Text.qwen() if self.qwen_text else Text.find(self.folder)
 
     def generation_config(self) -> dict:
         """generation_config.json of the folder ({} without one)."""
@@ -158,6 +165,41 @@ def local_folder(name: str, revision: str | None = None) -> str:
     """`name` itself, or the snapshot folder of hub id `name` (downloaded if need be):
     for the commands that read a checkpoint folder by path (convert)."""
     return str(hub_folder(name, revision)) if _names_hub(name, revision) else name
+
+
+def with_qwen_vocab(cfg: Qwen3Config) -> Qwen3Config:
+    """`cfg` with at least Qwen3's 151,936 embedding rows and its BOS/EOS ids, so that
+    every id of Qwen's tokenizer is a row. A preset that grows (tiny, 512 rows) ties its
+    output projection to the embedding, as the small Qwen3s do: one [V, D] table, not
+    two."""
+    from qwen3_spmd.run import qwen_tokenizer as qt
+
+    grows = cfg.V < qt.QWEN_VOCAB
+    return dataclasses.replace(
+        cfg,
+        vocab_size=max(cfg.V, qt.QWEN_VOCAB),
+        tie_word_embeddings=cfg.tie_word_embeddings or grows,
+        bos_token_id=qt.FIRST_ADDED,
+        eos_token_ids=qt.EOS_IDS,
+    )
+
+
+def demo_model(seed: int = 0, revision: str | None = None) -> ModelSpec:
+    """The built-in demo: the tiny preset's layers with Qwen3's vocabulary and tokenizer,
+    seeded random weights. It speaks real tokens; what it says is noise."""
+    from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
+
+    _names_hub("tiny", revision)  # --revision without --model: say it needs a hub id
+
+    cfg = with_qwen_vocab(PRESETS["tiny"])
+    return ModelSpec(
+        cfg,
+        RandomWeights(cfg, seed),
+        None,
+        "preset tiny with Qwen3's tokenizer and seeded RANDOM weights (not a trained model)",
+        True,
+        qwen_text=True,
+    )
 
 
 def open_model(spec: str | None, seed: int = 0, revision: str | None = None) -> ModelSpec:

@@ -22,6 +22,7 @@ class Text:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
+        self.folder = folder
         try:
             self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
@@ -35,6 +36,19 @@ class Text:
         except json.JSONDecodeError as e:
             raise TextError(f"{config_path} is not valid JSON ({e}): fix or remove it") from None
         self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def qwen(cls) -> Text:
+        """Qwen3's own tokenizer and chat template, shipped with the package
+        (run.qwen_tokenizer): the text of the demo and of random presets."""
+        from qwen3_spmd.run import qwen_tokenizer
+
+        self = cls.__new__(cls)
+        self.folder = None
+        self.tokenizer = qwen_tokenizer.tokenizer()
+        self.config = qwen_tokenizer.tokenizer_config()
+        self.vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        return self
 
     @classmethod
     def find(cls, folder: str | Path | None) -> Text | None:

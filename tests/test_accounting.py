@@ -35,16 +35,18 @@ def test_qwen3_0_6b_two_stages_plan_and_bytes():
     cfg = PRESETS["0.6B"]
     assert StagePlan(cfg.L, 2).stage_layers == [[0, 13], [14, 27]]
     # 15 prompt tokens and 19 fed-back tokens (the first of 20 comes from the prefill)
-    # each cross one boundary as a [1024] hidden state at 2 bytes per element.
-    n = accounting.bytes_between_stages(cfg, 2, [len(CHAT_PROMPT)], [20 - 1])
-    assert n == 69632 == (15 + 19) * 1024 * 2
+    # each cross one boundary as a [1024] hidden state, at 4 bytes per value in float32
+    # (and 2 in bfloat16).
+    n = accounting.bytes_between_stages(cfg, 2, [len(CHAT_PROMPT)], [20 - 1], 4)
+    assert n == 139264 == (15 + 19) * 1024 * 4
+    assert accounting.bytes_between_stages(cfg, 2, [len(CHAT_PROMPT)], [20 - 1], 2) == 69632
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_bytes_between_stages_scales_with_boundaries(stages):
     cfg = PRESETS["tiny"]
-    n = accounting.bytes_between_stages(cfg, stages, [3, 5], [2, 0])
-    assert n == (3 + 5 + 2) * cfg.D * 2 * (stages - 1)
+    n = accounting.bytes_between_stages(cfg, stages, [3, 5], [2, 0], 4)
+    assert n == (3 + 5 + 2) * cfg.D * 4 * (stages - 1)
 
 
 def test_bytes_sent_counts_padding_and_bubbles():

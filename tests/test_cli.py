@@ -65,6 +65,9 @@ def test_demo_on_2x2_matches_single_device(capsys):
     assert out["schedule"]["prefill"]["idle_fraction"] == pytest.approx(0.5)
     assert out["schedule"]["decode"]["steady_idle_fraction"] == 0.0
     assert out["kv_bytes_per_device"] > 0 and out["weight_bytes_per_device"] > 0
+    # Its prompts are text, through Qwen3's tokenizer; its replies decoded text (noise).
+    assert out["requests"][0]["prompt_ids"] == [785, 14796, 27455]  # "The river flows"
+    assert all(isinstance(r["text"], str) for r in out["requests"])
 
 
 def test_chat_prompt_uses_template(capsys):
@@ -96,7 +99,7 @@ def test_chat_prompt_uses_template(capsys):
         (["--prompt-ids", "1,,2"], "comma-separated"),
         (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature nan"),
         (["--prompt-ids", ""], "empty"),
-        (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+        (["--prompt-ids", "1,2,200000"], "outside the vocabulary"),  # the demo's: 151,936
         (["--prompt-ids", "1,2", "--max-new-tokens", "50", "--max-seq-len", "20"], "--max-seq-len"),
         # the library names its parameters (top_p, chunk); the command line, its flags
         (["--prompt-ids", "1,2", "--top-p", "1.5"], "error: --top-p 1.5 must be in (0, 1]"),
@@ -106,7 +109,7 @@ def test_chat_prompt_uses_template(capsys):
         (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
         (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
         (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
-        (["--prompt", "hello"], "tokenizer"),
+        (["--model", "tiny", "--prompt", "hello"], "tokenizer"),  # a preset: ids only
         (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
         (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
         # outputs are checked before the work, whose result would otherwise be lost
@@ -148,7 +151,9 @@ def test_console_script_sets_cpu_devices_before_jax_starts():
     assert "stage 0: layers 0-1" in out.stdout and "stage 1: layers 2-3" in out.stdout
     assert "timeline" in out.stdout and "KV cache bytes per device" in out.stdout
     assert "bytes between stages" in out.stdout
+    assert "(hidden states at 4 bytes per value)" in out.stdout  # float32
     assert "matches_single_device: true" in out.stdout
+    assert "Qwen3's real tokenizer, but random weights, so the text is noise" in out.stdout
 
 
 def test_several_requests_print_each_when_done(capsys):

@@ -26,3 +26,11 @@ def test_package_folders_import_under_one_name():
 
     assert Path(qwen3_spmd.__file__).resolve().parent == ROOT
     assert Path(cli.__file__).resolve() == ROOT / "run" / "cli.py"
+
+
+def test_package_data_is_there():
+    """Files a wheel must carry beside the code (Qwen3's tokenizer): each one listed exists."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package, names in config["package-data"].items():
+        folder = ROOT.joinpath(*package.split(".")[1:])
+        assert names and all((folder / name).is_file() for name in names), package

@@ -523,14 +523,13 @@ def _http_main(args) -> int:
     with the same synthetic requests at each concurrency; reports like vLLM's bench."""
     from qwen3_spmd.run.bench import http_load
     from qwen3_spmd.run.models import open_model
-    from qwen3_spmd.run.text import Text
 
     if set(args.scenario) - {"serve"}:
         raise CLIError("--url measures an HTTP endpoint: only --scenario serve goes with it")
     settings = _settings(args)
     concurrencies = _ints(args.serve_concurrency or "1,8", "--serve-concurrency")
     spec = open_model(args.model, args.seed, args.revision)
-    text = Text.find(spec.folder)
+    text = spec.text()
     prompt_lens, output_lens = settings["serve_prompt_lens"], settings["serve_output_lens"]
     per = settings["serve_requests_per_concurrency"]
 
@@ -550,8 +549,9 @@ def _http_main(args) -> int:
         # --smoke checks that it all runs: a server that compiles only what it meets.
         precompile = "lazy" if args.smoke else "all"
         max_batch = settings["serve_max_batch"]
-        # The server reads the snapshot folder resolved here, not the hub again.
-        model = str(spec.folder) if spec.hub_id else args.model
+        # The server reads the snapshot folder resolved here, not the hub again; without
+        # --model it serves the tiny preset measured here (not serve's own demo).
+        model = str(spec.folder) if spec.hub_id else (args.model or "tiny")
         with http_load.ours(model, mesh, max_batch, seq_len, precompile) as srv:
             endpoints.append(_endpoint(srv.url, "qwen3-spmd", concurrencies, requests_for, say))
     else:

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
         p,
         "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
         "on first use, served under that name), or a preset name (random weights); "
-        "default: tiny",
+        "default: the demo, tiny with Qwen3's tokenizer and random weights",
     )
     p.add_argument("--mesh", help="SxC (default: 1x1, or 2x2 emulated CPU devices without --model)")
     p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
@@ -154,12 +154,15 @@ def _check_flags(args) -> None:
 
 
 def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
-    from qwen3_spmd.run.models import open_model
+    from qwen3_spmd.run.models import demo_model, open_model
     from qwen3_spmd.run.serve.app import ServerState
-    from qwen3_spmd.run.text import Text
 
-    spec = open_model(args.model, revision=args.revision)
-    text = Text.find(spec.folder)
+    # No --model: the demo, which speaks text through Qwen3's tokenizer.
+    if args.model is None:
+        spec = demo_model(revision=args.revision)
+    else:
+        spec = open_model(args.model, revision=args.revision)
+    text = spec.text()
     name = (
         args.served_model_name
         or spec.hub_id
