@@ -200,7 +200,8 @@ class ShapeRules:
         """`programs()` in two: (what a first light load meets: one request at a time,
         greedy or sampled, prompts of at most LIGHT_TOKENS tokens in one prefill, each
         prefill's batch of the fewest rows and the decode chunk over the fewest rows; the
-        rest, lightest first). A server compiles the first before it serves, the rest while it serves."""
+        rest, lightest first). A server compiles the first before it serves, the rest
+        while it serves."""
         light = self.prompt_length(LIGHT_TOKENS)
         shapes = sorted(
             self.programs().shapes(), key=lambda s: (self.weight(s), type(s).__name__, s)

@@ -322,9 +322,8 @@ def _compiled_later(total: int):
         if n < total:
             _say(f"stopped compiling in the background after {n} of {total} program shapes")
         else:
-            _say(
-                f"compiled the other {n} program shapes in the background in {seconds:.0f} s{failed}"
-            )
+            took = f"in the background in {seconds:.0f} s{failed}"
+            _say(f"compiled the other {n} program shapes {took}")
 
     return done
 
