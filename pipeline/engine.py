@@ -553,12 +553,16 @@ class Engine:
 
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
-    def compile_prefill(self, B: int, P_pad: int, cache_rows: int, with_context: bool) -> None:
+    def compile_prefill(
+        self, B: int, P_pad: int, cache_rows: int, with_context: bool, announce: bool = True
+    ) -> None:
         """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
         P_pad runs (with_context: later chunks of prompts, continuing a cache): a new
         cache's zeros, the prefill program, the first tokens' sampling (greedy and
         sampled) and log-probabilities, and `insert` of its rows into a cache of
-        `cache_rows` rows. Nothing runs."""
+        `cache_rows` rows. Nothing runs (compiling is local to this process: no
+        collective, so a background thread may compile while rounds run).
+        announce=False: no on_compile for the program."""
         laid = lay_out([[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device)
         strategy = self.cp_plan(B, P_pad)[0]
         program, _ = self.programs.get(
@@ -567,6 +571,7 @@ class Engine:
             self.weights,
             self._abstract_cache(B),
             self._abstract(laid.prefill, PrefillInputs.specs()),
+            announce,
         )
         logits, new = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
@@ -583,16 +588,24 @@ class Engine:
         self._insert_fn(B).lower(self._abstract_cache(cache_rows), new, tokens).compile()
 
     def compile_decode(
-        self, rows: int, cache_rows: int, groups: int, sampled: bool, logprobs: bool
+        self,
+        rows: int,
+        cache_rows: int,
+        groups: int,
+        sampled: bool,
+        logprobs: bool,
+        announce: bool = True,
     ) -> None:
         """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
-        logits) over `rows` rows of a cache of `cache_rows` rows. Nothing runs."""
+        logits) over `rows` rows of a cache of `cache_rows` rows. Nothing runs.
+        announce=False: no on_compile."""
         self.programs.get(
             self.decode_name(groups, self.chunk, sampled, False, logprobs),
             self._decode_fn(groups, self.chunk, sampled, False, logprobs),
             self.weights,
             self._abstract_cache(cache_rows),
             self._abstract_decode_inputs(rows),
+            announce,
         )
 
     def compile_move(self, n: int, cache_rows: int) -> None:

@@ -4,13 +4,16 @@ A program is a jitted function of (weights, cache, inputs); its key is a name th
 every static choice that shapes it (sampling, groups, chunk length) plus the shapes of
 its cache and inputs. A compile can start ahead on a background thread (XLA compiles
 outside the GIL), overlapping another program's compile and run; the first call with
-the same key collects it.
+the same key collects it. Threads may ask for the same key at once (a server's rounds and
+its background compiles): one compiles, the others wait for that compile, so no key is
+ever compiled twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +43,8 @@ class Programs:
         self.on_compile = on_compile or (lambda name: contextlib.nullcontext())
         self.compiled: dict[str, Callable] = {}  # readable name -> compiled program
         self._by_key: dict[tuple, Callable] = {}
-        self._ahead: dict[tuple, Future] = {}
+        self._ahead: dict[tuple, Future] = {}  # compiling, or compiled ahead and not collected
+        self._lock = threading.Lock()  # guards the two dicts above
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
 
     @staticmethod
@@ -53,31 +57,50 @@ class Programs:
         with jax.default_matmul_precision(precision):
             return fn.lower(*args).compile()
 
-    def get(self, name: tuple, fn, weights, cache, inputs) -> tuple[Callable, float]:
-        """(fn compiled for these arguments' shapes, seconds the caller waited for it)."""
+    def get(
+        self, name: tuple, fn, weights, cache, inputs, announce: bool = True
+    ) -> tuple[Callable, float]:
+        """(fn compiled for these arguments' shapes, seconds the caller waited for it).
+        Compiles here unless compiled, or compiling on another thread (then waits for
+        that compile). announce=False: no on_compile (a compile no request waits for)."""
         key = self._key(name, weights, cache, inputs)
-        if key in self._by_key:
-            return self._by_key[key], 0.0
+        with self._lock:
+            if key in self._by_key:
+                return self._by_key[key], 0.0
+            pending = self._ahead.get(key)
+            mine = pending is None
+            if mine:  # this thread compiles it; others asking meanwhile wait on `pending`
+                pending = self._ahead[key] = Future()
         shown = (cache.k.shape, inputs.tokens.shape)  # [L_pad, B, K, S_cap, H]; [B, P_pad] or [B]
         readable = f"{' '.join(map(str, name))} [{'; '.join('x'.join(map(str, s)) for s in shown)}]"
         t0 = time.perf_counter()
-        with self.on_compile(readable):
-            ahead = self._ahead.pop(key, None)
-            # result() re-raises whatever the background compile raised.
-            compiled = (
-                ahead.result() if ahead is not None else self._build(fn, (weights, cache, inputs))
-            )
-        self._by_key[key] = self.compiled[readable] = compiled
+        with self.on_compile(readable) if announce else contextlib.nullcontext():
+            if mine:
+                try:
+                    pending.set_result(self._build(fn, (weights, cache, inputs)))
+                except BaseException as e:
+                    pending.set_exception(e)
+            try:
+                compiled = pending.result()  # re-raises what the compile raised
+            except BaseException:
+                with self._lock:  # a later call tries again
+                    if self._ahead.get(key) is pending:
+                        del self._ahead[key]
+                raise
+        with self._lock:
+            self._by_key[key] = self.compiled[readable] = compiled
+            self._ahead.pop(key, None)
         return compiled, time.perf_counter() - t0
 
     def ahead(self, name: tuple, fn, weights, cache, inputs) -> None:
         """Starts compiling fn for these arguments (arrays, or ShapeDtypeStructs with
         shardings) in the background, unless it is compiled or compiling already."""
         key = self._key(name, weights, cache, inputs)
-        if key not in self._by_key and key not in self._ahead:
-            self._ahead[key] = self._pool.submit(self._build, fn, (weights, cache, inputs))
+        with self._lock:
+            if key not in self._by_key and key not in self._ahead:
+                self._ahead[key] = self._pool.submit(self._build, fn, (weights, cache, inputs))
 
     @property
     def pending(self) -> int:
-        """Compiles started ahead and not yet collected."""
+        """Compiles under way, or started ahead and not yet collected."""
         return len(self._ahead)

@@ -39,6 +39,8 @@ import collections
 import concurrent.futures
 import itertools
 import threading
+import time
+from collections.abc import Callable
 
 from qwen3_spmd.pipeline.decisions import SharedDecisions
 from qwen3_spmd.pipeline.engine import Engine
@@ -49,7 +51,7 @@ from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling
-from qwen3_spmd.pipeline.shapes import ShapeRules
+from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, Shape, ShapeRules
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
 
@@ -135,6 +137,8 @@ class Scheduler:
         self.follower = decisions is not None and not decisions.leader
         self.closed = False  # a follower saw process 0 close
         self.failure: Exception | None = None  # what ended the background loop
+        self._compiler: threading.Thread | None = None  # compile_later's
+        self._stop_compiling = threading.Event()
 
     @property
     def prefill_tokens(self) -> int:
@@ -170,27 +174,67 @@ class Scheduler:
         k = self.executor.cache.k
         return 2 * k.nbytes // (self.engine.stages * self.engine.C)
 
-    def precompile(self, workers: int = 2) -> int:
+    def precompile(
+        self,
+        shapes: list[Shape] | None = None,
+        workers: int = 2,
+        on_compiled: Callable[[], None] | None = None,
+        announce: bool = True,
+    ) -> int:
         """Compiles every program a round can run (`ShapeRules.programs`: each prefill
         batch and chunk, the decode chunk over each row count, greedy or sampled, with
-        log-probabilities or without, and the row moves), so that no request waits for
-        a compile while the running ones stall (what a server does at start-up).
-        `workers` compiles run at once. Returns the number of shapes compiled (each with
-        its helpers)."""
-        eng, programs = self.engine, self.rules.programs()
-        tasks = [
-            (eng.compile_prefill, p.B, p.P_pad, self.B, p.with_context) for p in programs.prefills
-        ]
-        tasks += [
-            (eng.compile_decode, d.rows, self.B, self.groups, d.sampled, d.logprobs)
-            for d in programs.decodes
-        ]
-        tasks += [(eng.compile_move, n, self.B) for n in programs.moves]
+        log-probabilities or without, and the row moves), or those of `shapes`, so that
+        no request waits for a compile while the running ones stall (what a server does
+        at start-up). `workers` compiles run at once; on_compiled() after each shape;
+        announce=False: the engine's on_compile is not called. Returns the number of
+        shapes compiled (each with its helpers)."""
+        if shapes is None:
+            shapes = self.rules.programs().shapes()
         # XLA compiles outside the GIL: several at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            for done in [pool.submit(*task) for task in tasks]:
+            for done in [pool.submit(self._compile, s, announce) for s in shapes]:
                 done.result()
-        return len(tasks)
+                if on_compiled is not None:
+                    on_compiled()
+        return len(shapes)
+
+    def compile_later(
+        self, shapes: list[Shape], on_done: Callable[[int, float, list[str]], None] | None = None
+    ) -> None:
+        """Compiles `shapes` on a background thread, one at a time in their order, while
+        rounds run; then on_done(shapes compiled, seconds, errors). A round that meets
+        one first compiles it itself, or waits for the compile under way
+        (`pipeline.programs`): never twice. Compiling runs no program and no collective,
+        so each process of a multi-process job compiles its own. close() stops it after
+        the shape it is at."""
+
+        def work():
+            t0, errors, n = time.perf_counter(), [], 0
+            for shape in shapes:
+                if self._stop_compiling.is_set():
+                    break
+                try:
+                    self._compile(shape, announce=False)
+                except Exception as e:  # the round that meets it raises it again
+                    errors.append(f"{shape}: {e}")
+                n += 1
+            if on_done is not None:
+                on_done(n, time.perf_counter() - t0, errors)
+
+        self._stop_compiling.clear()
+        self._compiler = threading.Thread(target=work, name="compile-later", daemon=True)
+        self._compiler.start()
+
+    def _compile(self, shape: Shape, announce: bool) -> None:
+        eng = self.engine
+        if isinstance(shape, PrefillShape):
+            eng.compile_prefill(shape.B, shape.P_pad, self.B, shape.with_context, announce)
+        elif isinstance(shape, DecodeShape):
+            eng.compile_decode(
+                shape.rows, self.B, self.groups, shape.sampled, shape.logprobs, announce
+            )
+        else:
+            eng.compile_move(shape.rows, self.B)
 
     # ---- the caller's side -----------------------------------------------------------
 
@@ -273,14 +317,18 @@ class Scheduler:
                 self._loop.start()
 
     def close(self) -> None:
-        """Stops the background thread (after its current round); with several
-        processes, process 0 also tells the followers to stop."""
+        """Stops the background thread (after its current round) and compile_later's
+        (after its current compile: none is left running while the process exits);
+        with several processes, process 0 also tells the followers to stop."""
+        self._stop_compiling.set()
         with self._lock:
             self._closing = True
             self._wake.notify_all()
             loop, self._loop = self._loop, None
         if loop is not None:
             loop.join()
+        if self._compiler is not None:
+            self._compiler.join()
         if self.decisions is not None and not self.follower and not self.closed:
             with self._round:
                 self.decisions.publish(self.rounds, Round(close=True))

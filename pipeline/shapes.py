@@ -6,6 +6,10 @@ the planner pads what it plans (prompt batches, prompt lengths, long-prompt chun
 decode rows, row moves) to few shapes, and `ShapeRules.programs()` lists every shape
 those rules can give, by running the same rules over every input they can meet: what
 `Scheduler.precompile` compiles and what its test expects.
+
+`ShapeRules.first` splits that list for a server's start: the shapes a first light load
+meets (one request at a time, short prompts), compiled before it serves, and the rest,
+the likeliest first (`ShapeRules.weight`), compiled while it serves.
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ class DecodeShape:
     logprobs: bool
 
 
+@dataclasses.dataclass(frozen=True, order=True)
+class MoveShape:
+    """A move of `rows` rows (padded to a power of two) down into free rows."""
+
+    rows: int
+
+
+Shape = PrefillShape | DecodeShape | MoveShape
+
+# A light load's prompts: at most this many tokens. A few words: each first-set shape
+# costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the
+# start in bounds; the next lengths and rows come first in the background.
+LIGHT_TOKENS = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Programs:
     """Every shape a scheduler's rounds can run (each compiled with its helpers)."""
@@ -47,6 +66,10 @@ class Programs:
 
     def __len__(self) -> int:
         return len(self.prefills) + len(self.decodes) + len(self.moves)
+
+    def shapes(self) -> list[Shape]:
+        """Every shape, moves as MoveShape."""
+        return [*self.prefills, *self.decodes, *map(MoveShape, self.moves)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,3 +178,35 @@ class ShapeRules:
             for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
         }
         return Programs(tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)))
+
+    # ---- which to compile first --------------------------------------------------
+
+    def weight(self, shape: Shape) -> int:
+        """How heavy a load must be to meet `shape` (a light one meets the lightest):
+        the units of rows it needs busy at once (M prompts a prefill, G rows a decode;
+        a move of n rows needs more than n busy) times its padded prompt tokens (at least
+        a light prompt's), four times over for what few requests ask (log-probabilities,
+        a long prompt's later chunks)."""
+        light = self.prompt_length(LIGHT_TOKENS)
+        if isinstance(shape, PrefillShape):
+            units, tokens, rare = shape.B / self.microbatches, shape.P_pad, shape.with_context
+        elif isinstance(shape, DecodeShape):
+            units, tokens, rare = shape.rows / self.groups, light, shape.logprobs
+        else:
+            units, tokens, rare = shape.rows + 1, light, False
+        return math.ceil(units) * max(tokens, light) * (4 if rare else 1)
+
+    def first(self) -> tuple[list[Shape], list[Shape]]:
+        """`programs()` in two: (what a first light load meets: one request at a time,
+        greedy or sampled, prompts of at most LIGHT_TOKENS tokens in one prefill, each
+        prefill's batch of the fewest rows and the decode chunk over the fewest rows; the
+        rest, lightest first). A server compiles the first before it serves, the rest
+        while it serves."""
+        light = self.prompt_length(LIGHT_TOKENS)
+        shapes = sorted(
+            self.programs().shapes(), key=lambda s: (self.weight(s), type(s).__name__, s)
+        )
+        return (
+            [s for s in shapes if self.weight(s) <= light],
+            [s for s in shapes if self.weight(s) > light],
+        )

@@ -62,6 +62,21 @@ class Progress:
                     self.bar.console.print(f"compiled {name} in {time.perf_counter() - t0:.1f} s")
                 self.bar.remove_task(task)
 
+    def counter(self, description: str, total: int):
+        """A task of `total` steps shown as "k of N"; returns the callable that counts one
+        step (thread-safe: rich's bar takes its own lock)."""
+        if self.bar is None:
+            return lambda: None
+        task = self.bar.add_task(description, total=total, detail=f"0 of {total}")
+
+        def step() -> None:
+            if self.bar is not None:
+                self.bar.advance(task)
+                done = int(self.bar._tasks[task].completed)
+                self.bar.update(task, detail=f"{done} of {total}")
+
+        return step
+
     def done_loading(self) -> None:
         if self.bar is not None:
             for task in list(self.bar.task_ids):

@@ -5,7 +5,10 @@ Fixtures: tests/fixtures/{tiny,tied,yarn} (see their README). Every prompt of a 
 runs in one padded batch: padding positions are -1 and masked out by position.
 """
 
+import collections
+import concurrent.futures
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, load_model
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.stack import forward
 from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.programs import Programs
 from qwen3_spmd.sharding.mesh import make_mesh
 
 NAMES = ("tiny", "tied", "yarn")
@@ -196,6 +200,28 @@ def test_decode_program_compiled_ahead_is_collected():
     assert sum(n.startswith("decode") for n in eng.programs.compiled) == 1
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
+
+
+def test_two_threads_asking_for_one_program_compile_it_once(monkeypatch):
+    """Programs.get from two threads at once (a server's round and its background
+    compiles): one compiles, the other waits for that compile; both get one program."""
+    programs = Programs(jnp.float32)
+    builds, build = [], programs._build
+
+    def slow_build(fn, args):
+        builds.append(fn)
+        time.sleep(0.3)  # the other thread asks while this one compiles
+        return build(fn, args)
+
+    monkeypatch.setattr(programs, "_build", slow_build)
+    fn = jax.jit(lambda w, cache, inputs: cache.k * w + inputs.tokens.sum())
+    cache = collections.namedtuple("Cache", "k")(jnp.ones((3, 5)))
+    inputs = collections.namedtuple("Inputs", "tokens")(jnp.arange(7))
+    w = jnp.float32(2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: programs.get(("f",), fn, w, cache, inputs), range(2)))
+    assert len(builds) == 1 and got[0][0] is got[1][0] and programs.pending == 0
+    assert float(got[0][0](w, cache, inputs)[0, 0]) == 23
 
 
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (4, 8), (2, 17)])

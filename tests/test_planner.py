@@ -15,7 +15,13 @@ from qwen3_spmd.pipeline.planner import Planner
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.scheduler import Scheduler
-from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, ShapeRules
+from qwen3_spmd.pipeline.shapes import (
+    LIGHT_TOKENS,
+    DecodeShape,
+    MoveShape,
+    PrefillShape,
+    ShapeRules,
+)
 
 V = 97  # the fake model's vocabulary
 
@@ -141,6 +147,33 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, b
         assert (h.tokens, h.finish_reason) == _expected(prompt, p), i
     assert sched.book.live() == [] and sched.book.chunking is None
     assert len(sched.book.free_rows()) == sched.B
+
+
+@pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
+def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_the_first(
+    stages, C, M, rows, budget
+):
+    """`ShapeRules.first`: what a server compiles before serving and what it compiles
+    after are together every declared shape, none twice, the rest lightest first; a
+    light load (one request at a time, prompts of at most LIGHT_TOKENS tokens, greedy
+    or sampled) runs only first shapes."""
+    engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
+    sched = Scheduler(engine, max_batch=rows, prefill_tokens=budget, short_chunk=2)
+    first, rest = sched.rules.first()
+    shapes = first + rest
+    assert len(shapes) == len(set(shapes)) == len(sched.rules.programs())
+    assert set(shapes) == set(sched.rules.programs().shapes())
+    assert first and [sched.rules.weight(s) for s in rest] == sorted(map(sched.rules.weight, rest))
+    rng = np.random.default_rng(rows)
+    light = min(LIGHT_TOKENS, sched.rules.chunk_tokens)  # prompts in one prefill
+    for i in range(6):
+        prompt = rng.integers(0, V, int(rng.integers(1, light + 1))).tolist()
+        sampling = Sampling(temperature=0.7) if i % 2 else Sampling()
+        sched.submit(prompt, Params(int(rng.integers(1, 12)), sampling))
+        sched.run()
+    met = engine.prefills + [shape for shape, _ in engine.decodes]
+    assert set(met) <= set(first), set(met) - set(first)
+    assert MoveShape(1) in rest and not engine.moves
 
 
 def test_a_prompt_whose_bucket_leaves_no_room_is_padded_to_its_own_length():

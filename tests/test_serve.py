@@ -5,8 +5,8 @@ request has a timeout; the module's last test stops the server with SIGTERM.
 
 The servers here compile each program when a request first needs it (`--precompile
 lazy`), in a fraction of the time it takes to compile every shape a round can run;
-`--precompile all` has a test of its own with the fewest shapes (and
-`Scheduler.precompile` its own in tests/test_scheduler.py)."""
+`--precompile all` and `first` (the default) have a test each with the fewest shapes
+(and `Scheduler.precompile` its own in tests/test_scheduler.py)."""
 
 import concurrent.futures
 import http.client
@@ -596,7 +596,7 @@ def test_losing_the_follower_ends_the_server_with_one_line():
 
 
 def test_precompile_all_compiles_every_shape_before_serving():
-    """--precompile all (the default): every program a round can run is compiled before
+    """--precompile all: every program a round can run is compiled before
     /health says 200, so a request then waits for no compile (the server names each
     compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
     positions."""
@@ -633,3 +633,50 @@ def test_precompile_all_compiles_every_shape_before_serving():
     assert compiled and int(compiled[1]) > 0, err
     serving = err.index("serving tiny on")
     assert err.index(compiled[0]) < serving and "compiling" not in err[serving:], err
+
+
+def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
+    """--precompile first (the default): the shapes a first light load meets compile
+    before /health says 200, the rest on a background thread while the server answers;
+    a request of a background shape (log-probabilities) is served either way, each shape
+    compiles once, and a line says when the background is done; SIGTERM ends it with 0.
+    1x1, one row, 8 positions: 6 shapes first, 2 after."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
+    argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=f)
+    url = f"http://127.0.0.1:{port}"
+    done = "compiled the other 2 program shapes in the background"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 300 s"
+            time.sleep(0.5)
+        body = _greedy([5, 6, 7], 4, logprobs=2)
+        out = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert out.status_code == 200 and out.json()["choices"][0]["logprobs"]["token_logprobs"]
+        while done not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = log.read_text()
+    assert proc.returncode == 0, err
+    first = "compiled 6 of 8 program shapes"
+    assert err.index(first) < err.index("serving tiny on") and f"{done} in" in err, err
+    waits = re.findall(r"compiling (decode .+)", err)  # a round waiting for a compile
+    assert "failed" not in err and len(waits) == len(set(waits)), err

@@ -1,9 +1,12 @@
 """`qwen3-spmd serve`: flags, start-up and shutdown of the HTTP server.
 
 Start-up binds the port first (a taken port fails at once), answers `/health` with
-503 while a background thread loads the weights, builds the scheduler, compiles every
-program its rounds can run (`--precompile all`; `lazy`: the first ones, met by the
-warm-up request) and runs one warm-up request, then serves. With several processes
+503 while a background thread loads the weights, builds the scheduler, compiles the
+programs a first light load meets (`--precompile first`, the default:
+`ShapeRules.first`; `all`: every program its rounds can run; `lazy`: none, the warm-up
+request compiles its own) and runs one warm-up request, then serves; with `first` the
+other programs compile on a background thread meanwhile, the likeliest first. With
+several processes
 process 0 serves HTTP and every other process runs the same rounds from its
 decisions (`Scheduler.follow`). SIGTERM or Ctrl-C: new requests get 503, the running
 ones have --shutdown-timeout seconds to finish, the rest end with an error event, and
@@ -97,11 +100,13 @@ def register(subparsers) -> None:
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument(
         "--precompile",
-        default="all",
-        choices=("all", "lazy"),
-        help="all: compile at start every program the server can run, so no request waits "
-        "for a compile; lazy: compile each when first needed (a faster start, but a request "
-        "of a new shape stalls the running ones while it compiles). Default all",
+        default="first",
+        choices=("first", "all", "lazy"),
+        help="first: compile at start what a first light load meets (one request at a time, "
+        "short prompts), the rest on a background thread while serving, the likeliest "
+        "first; all: compile every program the server can run before serving, so no request "
+        "ever waits for a compile (a slow start); lazy: compile each when first needed (a "
+        "request of a new shape stalls the running ones while it compiles). Default first",
     )
     p.add_argument(
         "--cp", default="ring", choices=("ring", "ulysses", "auto"), help="prefill split along seq"
@@ -174,6 +179,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
         scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
         _follow_signals()
         scheduler.follow()
+        scheduler.close()  # waits for a background compile under way
         return 0
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
     state = ServerState(name, args.api_key, text=text)
@@ -271,19 +277,58 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
         max_queue=args.max_queue,
         decisions=decisions,
     )
-    if args.precompile == "all":  # every process compiles its own programs
-        t0 = time.perf_counter()
-        if procs.leader:
-            _say("compiling every program the server can run (--precompile lazy skips this)")
-        shapes = scheduler.precompile()
-        if procs.leader:
-            _say(f"compiled {shapes} program shapes in {time.perf_counter() - t0:.0f} s")
+    # Every process compiles the same programs, each its own (compiling is local).
+    first, rest = scheduler.rules.first()
+    now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
+    later = rest if args.precompile == "first" else []
+    if now:
+        _precompile(scheduler, now, len(first) + len(rest), procs.leader)
     if procs.leader:  # one request end to end (lazy: it compiles the first programs)
         warm = scheduler.submit([0], Params(max_new_tokens=2))
         scheduler.run()
         list(warm)
         scheduler.start()
+    if later:
+        scheduler.compile_later(later, _compiled_later(len(later)) if procs.leader else None)
     return scheduler
+
+
+def _precompile(scheduler, shapes: list, total: int, leader: bool) -> None:
+    """Compiles `shapes` (of `total` the rounds can run) before serving: on a terminal a
+    bar counts them ("k of N"), and a line says what it took."""
+    from qwen3_spmd.run.progress import Progress
+
+    some = f"{len(shapes)} of {total}" if len(shapes) < total else f"{total}"
+    if leader:
+        _say(f"compiling {some} program shapes before serving")
+    progress = Progress(enabled=leader)
+    count = progress.counter("compiling program shapes", len(shapes))
+    t0 = time.perf_counter()
+    try:
+        scheduler.precompile(shapes, on_compiled=count, announce=False)
+    finally:
+        progress.stop()
+    if leader:
+        rest = (
+            f"; the other {total - len(shapes)} compile while serving"
+            if len(shapes) < total
+            else ""
+        )
+        _say(f"compiled {some} program shapes in {time.perf_counter() - t0:.0f} s{rest}")
+
+
+def _compiled_later(total: int):
+    """compile_later's on_done: one line when the background compiles end."""
+
+    def done(n: int, seconds: float, errors: list[str]) -> None:
+        failed = f" ({len(errors)} failed, the first {errors[0]})" if errors else ""
+        if n < total:
+            _say(f"stopped compiling in the background after {n} of {total} program shapes")
+        else:
+            took = f"in the background in {seconds:.0f} s{failed}"
+            _say(f"compiled the other {n} program shapes {took}")
+
+    return done
 
 
 def _compiling(name):
