@@ -595,6 +595,21 @@ def test_losing_the_follower_ends_the_server_with_one_line():
     assert elapsed < peer_timeout + 20  # the heartbeat timeout, plus a loaded machine's slack
 
 
+def _wait_healthy(proc, url: str, log, limit_s: float = 300) -> float:
+    """Polls /health until it says 200 (while the server lives: else its `log()`);
+    returns the deadline, for the test's later waits."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert proc.poll() is None, log()
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return deadline
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up in {limit_s} s"
+        time.sleep(0.5)
+
+
 def test_precompile_all_compiles_every_shape_before_serving():
     """--precompile all: every program a round can run is compiled before
     /health says 200, so a request then waits for no compile (the server names each
@@ -610,16 +625,7 @@ def test_precompile_all_compiles_every_shape_before_serving():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            time.sleep(0.5)
+        _wait_healthy(proc, url, lambda: proc.communicate()[1])
         out = httpx.post(url + "/v1/completions", json=_greedy([5, 6, 7], 4), timeout=TIMEOUT)
         assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] <= 4
         proc.send_signal(signal.SIGTERM)
@@ -651,16 +657,7 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     url = f"http://127.0.0.1:{port}"
     done = "compiled the other 2 program shapes in the background"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 300 s"
-            time.sleep(0.5)
+        deadline = _wait_healthy(proc, url, log.read_text)
         body = _greedy([5, 6, 7], 4, logprobs=2)
         out = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
         assert out.status_code == 200 and out.json()["choices"][0]["logprobs"]["token_logprobs"]
