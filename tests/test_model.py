@@ -8,7 +8,7 @@ runs in one padded batch: padding positions are -1 and masked out by position.
 import collections
 import concurrent.futures
 import functools
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -207,11 +207,17 @@ def test_two_threads_asking_for_one_program_compile_it_once(monkeypatch):
     compiles): one compiles, the other waits for that compile; both get one program."""
     programs = Programs(jnp.float32)
     builds, build = [], programs._build
+    asking = threading.Semaphore(0)  # released by each thread as it asks
 
     def slow_build(fn, args):
         builds.append(fn)
-        time.sleep(0.3)  # the other thread asks while this one compiles
+        for _ in range(2):  # both threads have asked before this compile ends
+            assert asking.acquire(timeout=60)
         return build(fn, args)
+
+    def ask(_):
+        asking.release()
+        return programs.get(("f",), fn, w, cache, inputs)
 
     monkeypatch.setattr(programs, "_build", slow_build)
     fn = jax.jit(lambda w, cache, inputs: cache.k * w + inputs.tokens.sum())
@@ -219,7 +225,7 @@ def test_two_threads_asking_for_one_program_compile_it_once(monkeypatch):
     inputs = collections.namedtuple("Inputs", "tokens")(jnp.arange(7))
     w = jnp.float32(2)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda _: programs.get(("f",), fn, w, cache, inputs), range(2)))
+        got = list(pool.map(ask, range(2)))
     assert len(builds) == 1 and got[0][0] is got[1][0] and programs.pending == 0
     assert float(got[0][0](w, cache, inputs)[0, 0]) == 23
 
