@@ -28,6 +28,7 @@ from flax import nnx
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.moe import MoE
 from qwen3_spmd.model.rope import apply_rope
+from qwen3_spmd.model.split import TensorSplit, masked_vocab
 from qwen3_spmd.ring.matmul import few_rows, turned_product
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
@@ -72,10 +73,15 @@ class DecoderLayer(nnx.Module):
 
     Layers are stacked, so each holds the parameters of every MLP kind its config has:
     a config that mixes dense and sparse layers gives every layer both (the unused kind
-    zeros), and the caller says which one runs (`sparse`, per layer)."""
+    zeros), and the caller says which one runs (`sparse`, per layer).
 
-    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
-        D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
+    Under a mesh with a `tensor` axis each device holds its share of the heads and the
+    MLP's columns (`split`, model.split), and the two partial outputs are summed there."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs, split=TensorSplit()):
+        D, N, H = cfg.D, cfg.N, cfg.H
+        K, F = split.kv_heads(cfg), split.width(cfg)
+        self.split = split
         self.input_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         # Projections are stored [out, in], as the checkpoint has them: a decode step
         # (one token against the weights) then reads each row contiguously, which is
@@ -99,7 +105,7 @@ class DecoderLayer(nnx.Module):
             self.up_fd = _param(rngs, (F, D), dtype)
             self.down_df = _param(rngs, (D, F), dtype)
         if self.sparse_mlp:
-            self.moe = MoE(cfg, dtype=dtype, rngs=rngs)
+            self.moe = MoE(cfg, dtype=dtype, rngs=rngs, split=split)
 
     def __call__(
         self,
@@ -134,18 +140,21 @@ class DecoderLayer(nnx.Module):
         output [B, T, D] (output projection, then the MLP; sparse as in __call__)."""
         # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
         o_2d = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
-        attn = dense(o.reshape(*o.shape[:2], -1), o_2d)
+        attn = self.split.sum(dense(o.reshape(*o.shape[:2], -1), o_2d))
         if self.attention_bias:
             attn = attn + self.o_bias[...]
         x = x + attn
-        h = self.post_norm(x)
+        return x + self.split.sum(self._mlp(self.post_norm(x), sparse))
+
+    def _mlp(self, h: jax.Array, sparse: jax.Array | None) -> jax.Array:
+        """The MLP's output [B, T, D] (this device's part of it, under a tensor split)."""
         if not self.sparse_mlp:
-            return x + self._dense(h)
+            return self._dense(h)
         if not self.dense_mlp:
-            return x + self.moe(h)
+            return self.moe(h)
         if sparse is None:
             raise ValueError("this config mixes dense and sparse layers: pass `sparse`")
-        return x + jax.lax.cond(sparse, lambda h: self.moe(h), self._dense, h)
+        return jax.lax.cond(sparse, lambda h: self.moe(h), self._dense, h)
 
     def _dense(self, h: jax.Array) -> jax.Array:
         gate, up = dense(h, self.gate_fd[...]), dense(h, self.up_fd[...])
@@ -154,26 +163,41 @@ class DecoderLayer(nnx.Module):
 
 class Qwen3(nnx.Module):
     """Embedding, L decoder layers stored stacked on a leading axis, final norm, lm_head
-    (the embedding's transpose when the config ties them)."""
+    (the embedding's transpose when the config ties them).
 
-    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.embed_vd = _param(rngs, (cfg.V, cfg.D), dtype)
+    `split` (model.split) cuts every layer, the embedding and lm_head over a mesh's
+    `tensor` axis; the default, one device, is the checkpoint's layout."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype=jnp.float32, rngs: nnx.Rngs, split=TensorSplit()):
+        V = split.vocab(cfg)
+        self.split, self.vocab_size = split, cfg.V
+        self.embed_vd = _param(rngs, (V, cfg.D), dtype)
 
         @nnx.split_rngs(splits=cfg.L)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def stacked(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(cfg, dtype=dtype, rngs=rngs)
+            return DecoderLayer(cfg, dtype=dtype, rngs=rngs, split=split)
 
         self.layers = stacked(rngs)
         self.norm = RMSNorm(cfg.D, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head_vd = None if cfg.tie_word_embeddings else _param(rngs, (cfg.V, cfg.D), dtype)
+        self.lm_head_vd = None if cfg.tie_word_embeddings else _param(rngs, (V, cfg.D), dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] int32 -> x [B, T, D]."""
-        return jnp.take(self.embed_vd[...], tokens, axis=0)
+        """tokens [B, T] int32 -> x [B, T, D]. Under a tensor split each device looks up
+        the tokens of its own vocabulary rows (zeros for the others) and the sum over
+        `tensor` gives every device the whole lookup (exact: one term is not zero)."""
+        table = self.embed_vd[...]
+        if self.split.size == 1:
+            return jnp.take(table, tokens, axis=0)
+        rows = table.shape[0]
+        local = tokens - self.split.first(rows)
+        mine = (local >= 0) & (local < rows)
+        x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+        return self.split.sum(jnp.where(mine[..., None], x, jnp.zeros_like(x)))
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> logits [B, T, V] float32 (final norm, then lm_head)."""
+        """x [B, T, D] -> logits [B, T, V] float32 (final norm, then lm_head); under a
+        tensor split, this device's V'/X vocabulary rows, padding ids at -inf."""
         h = self.norm(x)
         head = self.embed_vd if self.lm_head_vd is None else self.lm_head_vd
-        return dense(h, head[...]).astype(jnp.float32)
+        return masked_vocab(dense(h, head[...]).astype(jnp.float32), self.split, self.vocab_size)

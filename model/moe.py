@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.ring.attention import make_varying, varying_axes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -129,17 +131,25 @@ def _expert_times(w_eno, e, v) -> jax.Array:
     return v @ w.T if w.shape[1] <= FUSED_MAX_K else w @ v
 
 
-def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf):
+def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf, skip_zero: bool = False):
     """A loop over the R * A (row, choice) pairs: the pair's expert sliced out of the
     stacked weights, three matrix-vector products, the weighted outputs summed per row
-    in float32. x [R, D], weights and ids [R, A] -> [R, D] float32."""
+    in float32. x [R, D], weights and ids [R, A] -> [R, D] float32. skip_zero: a pair of
+    weight 0 (routed to another device's experts) reads and computes nothing."""
     R, A = ids.shape
 
-    def pair(p):  # no carry: under shard_map its type would have to track x's axes
-        r, e, w = p
+    def product(r, e, w):
         xr = x[r]
         h = _swiglu(_expert_times(gate_efd, e, xr), _expert_times(up_efd, e, xr))
         return w.astype(jnp.float32) * _expert_times(down_edf, e, h).astype(jnp.float32)
+
+    def pair(p):  # no carry: under shard_map its type would have to track x's axes
+        if not skip_zero:
+            return product(*p)
+        # Inside shard_map both branches must vary along the same mesh axes.
+        axes = frozenset().union(*(varying_axes(a) for a in (x, weights, down_edf)))
+        zeros = make_varying(jnp.zeros((down_edf.shape[1],), jnp.float32), axes)
+        return jax.lax.cond(p[2] != 0, lambda p: product(*p), lambda p: zeros, p)
 
     rows = jnp.repeat(jnp.arange(R, dtype=jnp.int32), A)
     ys = jax.lax.map(pair, (rows, ids.reshape(-1), weights.reshape(-1)))  # [R * A, D]
@@ -231,10 +241,15 @@ def formulation(rows: int, experts: int, top: int) -> str:
 
 class MoE(nnx.Module):
     """Router [E, D] and E SwiGLU experts stacked on an expert axis, each stored
-    [out, in] as the checkpoint has them: gate and up [E, F, D], down [E, D, F]."""
+    [out, in] as the checkpoint has them: gate and up [E, F, D], down [E, D, F].
 
-    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs):
-        E, D, F = cfg.E, cfg.D, cfg.moe_intermediate_size
+    Under a tensor split (model.split) a device holds E/X whole experts ("ep") or the
+    F/X columns of every expert ("tp"), and returns its part of the sum; the router is
+    whole on every device, so all route alike."""
+
+    def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs, split=TensorSplit()):
+        E, D, F = cfg.E, cfg.D, split.expert_width(cfg)
+        self.split = split
 
         def param(shape):
             return nnx.Param(
@@ -253,8 +268,17 @@ class MoE(nnx.Module):
         B, T, D = h.shape
         x = h.reshape(B * T, D)
         weights, ids, _ = route(x, self.router_ed[...], self.top, self.normalize)
-        how = how or formulation(B * T, self.router_ed.shape[0], self.top)
+        experts = self.gate_efd.shape[0]  # this device's
+        if self.split.size > 1 and self.split.experts == "ep":
+            # The pairs routed to another device's experts weigh zero here.
+            local = ids - self.split.first(experts)
+            mine = (local >= 0) & (local < experts)
+            weights = jnp.where(mine, weights, jnp.zeros_like(weights))
+            ids = jnp.clip(local, 0, experts - 1)
+        how = how or formulation(B * T, experts, self.top)
+        ep = self.split.size > 1 and self.split.experts == "ep"
+        extra = {"skip_zero": True} if ep and how == "looped" else {}
         y = FORMULATIONS[how](
-            x, weights, ids, self.gate_efd[...], self.up_efd[...], self.down_edf[...]
+            x, weights, ids, self.gate_efd[...], self.up_efd[...], self.down_edf[...], **extra
         )
         return y.astype(h.dtype).reshape(B, T, D)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
+from qwen3_spmd.model.split import TensorSplit
 
 ParamPath = tuple[str, ...]
 
@@ -28,6 +29,9 @@ def map_params(fn: Callable[[ParamPath, jax.ShapeDtypeStruct], jax.Array], state
     return jax.tree_util.tree_map_with_path(lambda keypath, x: fn(param_path(keypath), x), state)
 
 
-def abstract_model(cfg: Qwen3Config, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) of the model, without allocating it."""
-    return nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+def abstract_model(
+    cfg: Qwen3Config, dtype, split: TensorSplit = TensorSplit()
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) of the model, without allocating it; with
+    a tensor split, the placed (global) shapes (model.split)."""
+    return nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, dtype=dtype, rngs=nnx.Rngs(0), split=split)))

@@ -46,6 +46,31 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
     return {"prefill": prefill, "decode": decode, "total": prefill + decode}
 
 
+def bytes_all_reduced(
+    cfg: Qwen3Config, stages: int, seq: int, tensor: int, layout: dict, itemsize: int
+) -> dict:
+    """Bytes one device sends in the `tensor` all-reduces of the hidden state (model.split:
+    the embedding's and two per layer slot), per active tick of each program, as a ring
+    all-reduce moves them: 2 (X - 1) / X of the payload.
+
+    prefill_per_tick: a microbatch [B/M, P/C, D] through a stage's L_pad / S slots;
+    decode_per_step: a group's new tokens [B/G, 1, D] through them."""
+    if tensor == 1:
+        return {"prefill_per_tick": 0, "decode_per_step": 0}
+    reduces = 2 * math.ceil(cfg.L / stages) + 1
+    per_value = 2 * (tensor - 1) / tensor * itemsize * cfg.D * reduces
+    B, M, G, P_len = (
+        layout["batch"],
+        layout["microbatches"],
+        layout["groups"],
+        layout["padded_prompt"],
+    )
+    return {
+        "prefill_per_tick": int(per_value * (B // M) * (P_len // seq)),
+        "decode_per_step": int(per_value * (B // G)),
+    }
+
+
 def bytes_per_device(tree) -> list[int]:
     """Bytes every array in `tree` keeps on each device of its sharding, per device (in
     device id order, devices holding nothing omitted). Counted from the shardings, so

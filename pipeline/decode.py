@@ -31,6 +31,8 @@ from qwen3_spmd.pipeline.sampling import (
     TOP_LOGPROBS,
     RowSampling,
     TokenLogprobs,
+    gather_vocab,
+    greedy_split,
     sample_rows,
     token_logprobs,
 )
@@ -119,6 +121,7 @@ def build_decode(
 
     def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
         model = nnx.merge(graphdef, weights.state)
+        split = model.split
         stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
         C = jax.lax.axis_size("seq")
         c = jax.lax.axis_index("seq")
@@ -173,13 +176,26 @@ def build_decode(
             x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
             def head(x):
-                logits = model.logits(x)[:, 0]  # [Bg, V]
+                """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
+                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
                 params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+                if split.size > 1 and not (sampled or logprobs):
+                    # Greedy rows need each device's best pair only (sampling.greedy_split).
+                    tok = greedy_split(local, params, j + 1, split)
+                    row0_logits = (
+                        gather_vocab(local[:1], split, cfg.V)
+                        if with_logits
+                        else jnp.zeros((1, cfg.V), jnp.float32)
+                    )
+                    return row0_logits, tok, None
+                # Sampling's filters and the log-probabilities need a row's whole
+                # distribution: the rows' logits, gathered (small beside the weights).
+                logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
                 tok = sample_rows(logits, params, j + 1, sampled)
-                return logits, tok, token_logprobs(logits, tok) if logprobs else None
+                return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
 
             shapes = (
-                jax.ShapeDtypeStruct((Bg, cfg.V), jnp.float32),
+                jax.ShapeDtypeStruct((1, cfg.V), jnp.float32),
                 jax.ShapeDtypeStruct((Bg,), jnp.int32),
                 _logprob_shapes(Bg) if logprobs else None,
             )
@@ -195,7 +211,7 @@ def build_decode(
             if with_logits:
                 out = out._replace(
                     logits=jnp.where(
-                        on_last & (row0 == 0), put_rows(out.logits, logits[:1], i), out.logits
+                        on_last & (row0 == 0), put_rows(out.logits, logits, i), out.logits
                     )
                 )
             h_next, tok_next = shift((x, tok), cyclic=True)

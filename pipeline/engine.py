@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
 from qwen3_spmd.pipeline.executor import Executor
@@ -91,7 +92,7 @@ class Engine:
     Args:
       cfg: the model config.
       source: where weights come from (HFCheckpoint, RandomWeights, ...).
-      mesh: a ('stage', 'seq') mesh (sharding.make_mesh).
+      mesh: a ('stage', 'seq', 'tensor') mesh (sharding.make_mesh).
       dtype: compute and storage dtype.
       max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
         device holds ceil(max_seq_len / C) slots.
@@ -105,6 +106,8 @@ class Engine:
       cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
         the N query heads) or "auto" (per batch, the smaller time of
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
+      experts: Qwen3-MoE over `tensor`: "ep" whole experts per device, "tp" every
+        expert's columns split (model.split).
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
         collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
         cp_cost.nominal for the platform; bench measures them). On CPU the throughput
@@ -126,9 +129,12 @@ class Engine:
         cp: str = "ring",
         link_bytes_per_s: float | dict | None = None,
         flops_per_s: float | None = None,
+        experts: str = "ep",
     ):
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
+        self.split = TensorSplit(mesh.shape["tensor"], experts)
+        self.split.check(cfg)
         self.plan = StagePlan(cfg.L, self.stages)
         for name, value, least in (
             ("microbatches", microbatches, 1),
@@ -140,7 +146,7 @@ class Engine:
                 raise RequestError(f"${name} {value} must be at least {least}", name)
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
-        cp_cost.check_cp(cfg, self.C, cp)
+        cp_cost.check_cp(self.split.local(cfg), self.C, cp)
         self.cp = cp
         platform = mesh.devices.flat[0].platform
         link, flops = cp_cost.nominal(platform)
@@ -149,13 +155,13 @@ class Engine:
         shared = mesh.devices.size if platform == "cpu" else 1
         self.flops_per_s = (flops_per_s or flops) / shared
         self.slots_per_device = math.ceil(max_seq_len / self.C)
-        graphdef, abstract = abstract_model(cfg, self.dtype)
+        graphdef, abstract = abstract_model(cfg, self.dtype, self.split)
         self.graphdef = graphdef
-        state = place_state(abstract, self.plan, mesh, source)
+        state = place_state(abstract, self.plan, mesh, source, self.split)
         self.weights = Weights(
             state, jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         )
-        self.state_specs = map_params(lambda path, x: param_spec(path), state)
+        self.state_specs = map_params(lambda path, x: param_spec(path, experts), state)
         self.programs = Programs(self.dtype, on_compile)
         self._prefill: dict[tuple, Callable] = {}  # (cp strategy, with context) -> jitted
         self._decode: dict[tuple, Callable] = {}
@@ -181,8 +187,10 @@ class Engine:
         )
 
     def cache_shape(self, B: int) -> tuple[int, ...]:
-        """k and v [L_pad, B, K, S_cap, H] (heads-major: model.cache)."""
-        return (self.plan.padded_layers, B, self.cfg.K, self.slots_per_device * self.C, self.cfg.H)
+        """k and v [L_pad, B, K', S_cap, H] (heads-major: model.cache; K' the KV heads as
+        placed, repeats included: model.split)."""
+        K = self.split.kv_heads(self.cfg)
+        return (self.plan.padded_layers, B, K, self.slots_per_device * self.C, self.cfg.H)
 
     def _placed(self, x: np.ndarray, spec) -> jax.Array:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
@@ -330,7 +338,7 @@ class Engine:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
         pipeline.cp_cost.predict's figures for each strategy that can run)."""
         prefill = cp_cost.Prefill(
-            cfg=self.cfg,
+            cfg=self.split.local(self.cfg),  # per device: its heads and columns
             seq=self.C,
             stages=self.stages,
             microbatches=self.M,

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.sampling import gather_vocab
 from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
     StageCache,
@@ -73,7 +74,8 @@ class PrefillCarry(NamedTuple):
 
     h: jax.Array  # [B/M, P_pad/C, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
-    logits: jax.Array  # [B, V] float32: the last prompt token's logits (last stage)
+    logits: jax.Array  # [B, V'/X] float32: the last prompt token's logits (last stage;
+    #                    this device's block of the vocabulary, model.split)
 
 
 # One shard_map program, read top to bottom as DESIGN.md's prefill schedule: its
@@ -126,6 +128,7 @@ def build_prefill(
         stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
         B, T = inputs.tokens.shape
         Bm = B // M
+        V_local = model.split.vocab(cfg) // model.split.size  # this device's vocabulary rows
 
         def tick(t, carry: PrefillCarry) -> PrefillCarry:
             m = t - s
@@ -190,7 +193,7 @@ def build_prefill(
             on_last, logits = on_last_stage(
                 active,
                 lambda h: model.logits(h[:, None])[:, 0],
-                jax.ShapeDtypeStruct((Bm, cfg.V), jnp.float32),
+                jax.ShapeDtypeStruct((Bm, V_local), jnp.float32),
                 h_last,
             )
             logits = jnp.where(on_last, put_rows(carry.logits, logits, row0), carry.logits)
@@ -199,11 +202,11 @@ def build_prefill(
         carry = PrefillCarry(
             vary(jnp.full((Bm, T, cfg.D), jnp.nan if poison else 0.0, cache.k.dtype)),
             StageCache(cache.k, cache.v),
-            vary(jnp.zeros((B, cfg.V), jnp.float32)),
+            vary(jnp.zeros((B, V_local), jnp.float32)),
         )
         carry = jax.lax.fori_loop(0, M + stages - 1, tick, carry)
         return (
-            from_device(carry.logits, stages - 1, 0),
+            from_device(gather_vocab(carry.logits, model.split, cfg.V), stages - 1, 0),
             KVCache(carry.cache.k, carry.cache.v, cache.pos),
         )
 

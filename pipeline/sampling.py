@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline.requests import RequestError
 
 
@@ -177,12 +178,40 @@ def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True
     return jnp.where(hot, drawn, argmax)
 
 
-def ban(logits: jax.Array, rows: RowSampling, step) -> jax.Array:
-    """logits [B, V] with each row's banned ids at -inf while step < its ban_until."""
+def ban(logits: jax.Array, rows: RowSampling, step, first=0) -> jax.Array:
+    """logits [B, V] with each row's banned ids at -inf while step < its ban_until.
+    first: the id of column 0 (a device's block of a vocabulary split over `tensor`)."""
     B, V = logits.shape
     on = jnp.broadcast_to(step, (B,)) < rows.ban_until
-    ids = jnp.where(on[:, None] & (rows.ban_ids >= 0), rows.ban_ids, V)  # V: dropped
+    ids = rows.ban_ids - first
+    ids = jnp.where(on[:, None] & (rows.ban_ids >= 0) & (ids >= 0), ids, V)  # V: dropped
     return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")
+
+
+# ---- logits split by vocabulary over `tensor` (model.split) ----------------------------
+
+
+def gather_vocab(local: jax.Array, split: TensorSplit, vocab: int) -> jax.Array:
+    """Each device's vocabulary block [B, V'/X] -> the whole logits [B, V] on every
+    `tensor` device (X = 1: local)."""
+    if split.size == 1:
+        return local
+    return jax.lax.all_gather(local, split.axis, axis=1, tiled=True)[:, :vocab]
+
+
+def greedy_split(local: jax.Array, rows: RowSampling, step, split: TensorSplit) -> jax.Array:
+    """`sample_rows`' greedy tokens [B] from logits split by vocabulary, local
+    [B, V'/X]: each device's best value and id (its bans applied), then only those X
+    pairs gathered, never the vocabulary. The first device holding the largest value
+    wins, which is the lowest id, as `greedy` breaks ties."""
+    first = split.first(local.shape[-1])
+    local = ban(local, rows, step, first)
+    best = greedy(local)
+    value = jnp.take_along_axis(local, best[:, None], axis=-1)[:, 0]
+    values = jax.lax.all_gather(value, split.axis)  # [X, B]
+    ids = jax.lax.all_gather(best + first, split.axis)  # [X, B]
+    device = greedy(values.T)
+    return jnp.take_along_axis(ids.T, device[:, None], axis=-1)[:, 0]
 
 
 class TokenLogprobs(NamedTuple):

@@ -1,9 +1,9 @@
 """What one device does inside the mesh-wide `shard_map`: small helpers shared by the
 prefill and decode loops.
 
-Inside the map every device holds its stage's layers, one [1, ...] buffer per slot and
-weight, its stage's slice of the KV cache `[L_pad / S, B, K, S_cap / C, H]`, and its
-`seq` share of the tokens.
+Inside the map every device holds its stage's layers (its `tensor` share of them), one
+[1, ...] buffer per slot and weight, its stage's slice of the KV cache
+`[L_pad / S, B, K' / X, S_cap / C, H]`, and its `seq` share of the tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.rope import rope_tables
 from qwen3_spmd.ring.attention import heads_major, make_varying
+from qwen3_spmd.sharding.mesh import AXES
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS
-
-AXES = ("stage", "seq")
 
 
 class Weights(NamedTuple):
@@ -55,9 +54,13 @@ def vary(x: jax.Array, axes=AXES) -> jax.Array:
 
 
 def from_device(x: jax.Array, stage, seq) -> jax.Array:
-    """x as held by device (stage, seq), made the same on every device. Exact: every
-    other device adds zeros."""
-    here = (jax.lax.axis_index("stage") == stage) & (jax.lax.axis_index("seq") == seq)
+    """x as held by device (stage, seq) (its first `tensor` device), made the same on
+    every device. Exact: every other device adds zeros."""
+    here = (
+        (jax.lax.axis_index("stage") == stage)
+        & (jax.lax.axis_index("seq") == seq)
+        & (jax.lax.axis_index("tensor") == 0)
+    )
     return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), AXES)
 
 

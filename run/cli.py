@@ -14,13 +14,13 @@ import sys
 import traceback
 
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.run import convert, generate, ring_demo
+from qwen3_spmd.run import convert, generate, plan, ring_demo
 from qwen3_spmd.run.bench import command as bench
 from qwen3_spmd.run.flags import CLIError, in_flags
 from qwen3_spmd.run.flags import size_cpu_threads as size_cpu_threads  # tests/conftest.py's
 from qwen3_spmd.run.serve import command as serve
 
-SUBCOMMANDS = (generate, ring_demo, bench, convert, serve)
+SUBCOMMANDS = (generate, ring_demo, bench, convert, serve, plan)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +55,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     # `--help` and the argument errors need not wait for.
     from qwen3_spmd.model.checkpoint.hf import LoadError
     from qwen3_spmd.model.config import ConfigError
+    from qwen3_spmd.model.split import TensorError
     from qwen3_spmd.run.text import TextError
     from qwen3_spmd.sharding.mesh import MeshError
     from qwen3_spmd.sharding.plan import PlanError
@@ -67,6 +68,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         TextError,
         MeshError,
         PlanError,
+        TensorError,
         FileNotFoundError,
     )
 

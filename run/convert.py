@@ -297,8 +297,11 @@ def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
 # ---- measuring both load paths -------------------------------------------------------
 
 
-def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> dict:
-    """Loads `folder` onto a stage x seq mesh of emulated CPU devices in this process and
+def measure_load(
+    folder: str, stage: int, seq: int, dtype: str = "float32", tensor: int = 1
+) -> dict:
+    """Loads `folder` onto a stage x seq x tensor mesh of emulated CPU devices in this
+    process and
     reports the load time and this process's peak RSS. Call it in a fresh process (it
     sets the device count, and peak RSS covers the process's whole life: the high-water
     mark of its address space, VmHWM, which starts afresh at exec; getrusage's maxrss
@@ -309,25 +312,28 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", stage * seq)
+    jax.config.update("jax_num_cpu_devices", stage * seq * tensor)
     import jax.numpy as jnp
     import numpy as np
 
     from qwen3_spmd.model.checkpoint.orbax_io import OrbaxCheckpoint
     from qwen3_spmd.model.params import abstract_model, map_params
+    from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
     from qwen3_spmd.sharding.place import place_state
     from qwen3_spmd.sharding.plan import StagePlan
 
-    mesh = make_mesh(stage, seq, jax.devices()[: stage * seq])
+    mesh = make_mesh(stage, seq, jax.devices()[: stage * seq * tensor], tensor=tensor)
     jnp.zeros(1).block_until_ready()  # start the backend before measuring
     rss_before = _peak_rss()
     t0 = time.perf_counter()
     spec = open_model(folder)
     plan = StagePlan(spec.cfg.L, stage)
-    _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype))
-    state = place_state(abstract, plan, mesh, spec.source)
+    split = TensorSplit(tensor)
+    split.check(spec.cfg)
+    _, abstract = abstract_model(spec.cfg, jnp.dtype(dtype), split)
+    state = place_state(abstract, plan, mesh, spec.source, split)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     peak = _peak_rss()
@@ -345,7 +351,7 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
     fmt = "orbax" if isinstance(spec.source, OrbaxCheckpoint) else "safetensors"
     return {
         "format": fmt,
-        "mesh": f"{stage}x{seq}",
+        "mesh": _shape(stage, seq, tensor),
         "dtype": dtype,
         "load_s": round(seconds, 3),
         "peak_rss_bytes": peak,
@@ -355,6 +361,12 @@ def measure_load(folder: str, stage: int, seq: int, dtype: str = "float32") -> d
         "target_bytes": int(target),
         "under_target": peak < target,
     }
+
+
+def _shape(stage: int, seq: int, tensor: int) -> str:
+    from qwen3_spmd.sharding.mesh import MeshShape
+
+    return str(MeshShape(stage, seq, tensor))
 
 
 def _peak_rss() -> int:
@@ -375,17 +387,20 @@ def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) 
     """Both load paths on each mesh, each in a fresh process; prints one line per load."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     results = []
-    for stage, seq in meshes:
+    for stage, seq, tensor in meshes:
         for folder in (hf_folder, orbax_folder):
             code = (
                 "import json, sys; from qwen3_spmd.run.convert import measure_load; "
-                f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r})))"
+                f"print(json.dumps(measure_load({str(folder)!r}, {stage}, {seq}, {dtype!r}, "
+                f"{tensor})))"
             )
             out = subprocess.run(
                 [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
             )
             if out.returncode != 0:
-                raise RuntimeError(f"measuring {folder} on {stage}x{seq} failed:\n{out.stderr}")
+                raise RuntimeError(
+                    f"measuring {folder} on {_shape(stage, seq, tensor)} failed:\n{out.stderr}"
+                )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(r)
             say(

@@ -177,6 +177,17 @@ def add_model(parser, help: str, **kwargs) -> None:
     )
 
 
+def add_expert_split(parser) -> None:
+    """--expert-split: how Qwen3-MoE's experts share the `tensor` axis (model.split)."""
+    parser.add_argument(
+        "--expert-split",
+        default="ep",
+        choices=("ep", "tp"),
+        help="Qwen3-MoE over the tensor axis: ep gives each device E/X whole experts, "
+        "tp splits every expert's columns (default ep)",
+    )
+
+
 def add_dtype(parser) -> None:
     parser.add_argument(
         "--dtype", help="float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)"

@@ -17,6 +17,7 @@ from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_expert_split,
     add_model,
     check_output_file,
     check_output_folder,
@@ -80,14 +81,14 @@ def register(subparsers) -> None:
     p.add_argument(
         "--mesh",
         default=None,
-        help="SxC: S pipeline stages x C sequence devices (default: 1x1, but 2x2 "
-        "emulated CPU devices on a CPU without --model or with several "
-        "processes)",
+        help="SxC or SxCxX: S pipeline stages x C sequence devices x X tensor devices "
+        "(default: 1x1, but 2x2 emulated CPU devices on a CPU without --model or with "
+        "several processes)",
     )
     p.add_argument(
         "--cpu-devices",
         type=int,
-        help="emulate this many CPU devices (default on CPU: S*C of --mesh)",
+        help="emulate this many CPU devices (default on CPU: S*C*X of --mesh)",
     )
     p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
     p.add_argument(
@@ -98,6 +99,7 @@ def register(subparsers) -> None:
         "the ring), ulysses (all-to-all to a head split; seq must divide the "
         "query heads) or auto (the cost model's pick); default ring",
     )
+    add_expert_split(p)
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument(
@@ -148,22 +150,22 @@ def main(args) -> int:
     # Emulated devices are for the demo and tests: a real checkpoint runs on the real ones.
     demo_mesh = on_cpu and (args.model is None or args.num_processes is not None)
     mesh_text = args.mesh or ("2x2" if demo_mesh else "1x1")
-    stage, seq = parse_mesh(mesh_text)
+    shape = parse_mesh(mesh_text)
     distributed.check_flags(args)
     if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits
-        local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, args.num_processes)
+        local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, args.num_processes)
     procs = distributed.start(args)  # before anything touches a JAX backend
     try:
         if on_cpu:
             use_cpu_devices(
-                local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, procs.count)
+                local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, procs.count)
             )
         elif args.cpu_devices is not None:
             raise CLIError(
                 "--cpu-devices emulates CPU devices, but this run is on an "
                 "accelerator: leave it out (or set JAX_PLATFORMS=cpu)"
             )
-        return _run(args, procs, mesh_text, stage, seq, compile_cache.use(args.compile_cache))
+        return _run(args, procs, mesh_text, shape, compile_cache.use(args.compile_cache))
     finally:
         distributed.finish(procs)
 
@@ -184,9 +186,9 @@ class _Job:
     unused_devices: int  # devices this process sees that the mesh leaves out
 
 
-def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
+def _run(args, procs, mesh_text: str, shape, cache) -> int:
     """Checks the job, loads and generates (a progress bar meanwhile), then reports."""
-    job = _job(args, procs, mesh_text, stage, seq)
+    job = _job(args, procs, mesh_text, shape)
     show = procs.leader  # only process 0 prints results; the others stay quiet
     out, engine, stream = _load_and_generate(args, job, procs, show)
     report = _report(args, job, engine, out, procs, cache)
@@ -214,9 +216,10 @@ def _run(args, procs, mesh_text: str, stage: int, seq: int, cache) -> int:
 
 # Every check of generate's flags before anything loads, in the order a user meets
 # them; each failure is one CLIError line.
-def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
+def _job(args, procs, mesh_text: str, shape) -> _Job:
     import jax
 
+    from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
     from qwen3_spmd.pipeline.sampling import Sampling
@@ -242,8 +245,10 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
         check_output_file(args.logits_out, "--logits-out")
     if args.profile:
         check_output_folder(args.profile, "--profile")
-    devices = mesh_devices(stage * seq, procs, mesh_text)
-    mesh = make_mesh(stage, seq, devices)
+    seq = shape.seq
+    TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)
+    devices = mesh_devices(shape.devices, procs, mesh_text)
+    mesh = make_mesh(shape.stage, seq, devices, tensor=shape.tensor)
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
     if args.check and procs.many:
@@ -256,7 +261,7 @@ def _job(args, procs, mesh_text: str, stage: int, seq: int) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    cp_cost.check_cp(spec.cfg, seq, args.cp)
+    cp_cost.check_cp(TensorSplit(shape.tensor, args.expert_split).local(spec.cfg), seq, args.cp)
     if procs.leader and max_seq_len % seq:
         print(
             f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
@@ -286,7 +291,7 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
     from qwen3_spmd.run.progress import Progress
 
     dtype = jnp.dtype(job.dtype_name)
-    stage, seq = job.mesh.shape["stage"], job.mesh.shape["seq"]
+    stage = job.mesh.shape["stage"]
     progress = Progress(enabled=show)
     stream = None
     try:
@@ -304,11 +309,12 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
             chunk=args.chunk,
             on_compile=progress.compiling,
             cp=args.cp,
+            experts=args.expert_split,
         )
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
-            print(f"model: {job.spec.label}\n{_mesh_line(job, procs, stage, seq)}", flush=True)
+            print(f"model: {job.spec.label}\n{_mesh_line(job, procs)}", flush=True)
             stream = (
                 _Streamer(job.text, progress)
                 if len(job.prompts) == 1
@@ -322,18 +328,22 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
     return out, engine, stream
 
 
-def _mesh_line(job: _Job, procs, stage: int, seq: int) -> str:
+def _mesh_line(job: _Job, procs) -> str:
     """'mesh 2x2 (stage x seq) over 4 CPU devices, float32', and what is left unused."""
-    n = stage * seq
+    from qwen3_spmd.sharding.mesh import MeshShape
+
+    shape = MeshShape(*job.mesh.devices.shape)
+    n = shape.devices
+    axes = "stage x seq x tensor" if shape.tensor > 1 else "stage x seq"
     platform = job.mesh.devices.flat[0].platform.upper()
     line = (
-        f"mesh {stage}x{seq} (stage x seq) over {n} {platform} device{'s' * (n != 1)}"
+        f"mesh {shape} ({axes}) over {n} {platform} device{'s' * (n != 1)}"
         f"{f' in {procs.count} processes' if procs.many else ''}, {job.dtype_name}"
     )
     if job.unused_devices:
         line += (
             f" ({job.unused_devices} more device{'s' * (job.unused_devices != 1)} left "
-            "unused: pass --mesh SxC to use them)"
+            "unused: pass --mesh SxC or SxCxX to use them)"
         )
     return line
 
@@ -343,19 +353,21 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     from qwen3_spmd.pipeline import accounting
 
     cfg, mesh = job.spec.cfg, job.mesh
-    S, C = mesh.shape["stage"], mesh.shape["seq"]
+    S, C, X = mesh.shape["stage"], mesh.shape["seq"], mesh.shape["tensor"]
     read = getattr(job.spec.source, "bytes_read", 0) or 0
     text = job.text
     return {
         "model": {"name": job.spec.label, "random_weights": job.spec.random},
         "dtype": job.dtype_name,
         "bytes_per_value": engine.dtype.itemsize,
-        "mesh": {"stage": S, "seq": C},
+        "mesh": {"stage": S, "seq": C, "tensor": X},
         "processes": procs.count,
         "devices_unused": job.unused_devices,
         "stage_layers": engine.plan.stage_layers,
-        "stage_devices": [[int(d.id) for d in row] for row in mesh.devices],
-        "stage_processes": [sorted({int(d.process_index) for d in row}) for row in mesh.devices],
+        "stage_devices": [[int(d.id) for d in row.flat] for row in mesh.devices],
+        "stage_processes": [
+            sorted({int(d.process_index) for d in row.flat}) for row in mesh.devices
+        ],
         "requests": [
             {
                 "prompt_ids": c.prompt_ids,
@@ -376,6 +388,9 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
             engine.dtype.itemsize,
         ),
         "bytes_sent": accounting.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
+        "bytes_all_reduced_per_device": accounting.bytes_all_reduced(
+            cfg, S, C, X, out.layout, engine.dtype.itemsize
+        ),
         "schedule": engine.schedules(out.layout),
         "kv_bytes_per_device": max(accounting.bytes_per_device((out.cache.k, out.cache.v))),
         "weight_bytes_per_device": max(accounting.bytes_per_device(engine.weights.state)),
@@ -481,7 +496,7 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
     mine = {
         s
         for s, row in enumerate(mesh.devices)
-        if any(d.process_index == jax.process_index() for d in row)
+        if any(d.process_index == jax.process_index() for d in row.flat)
     }
     layers = sum(plan.counts[s] for s in mine)
     total = []

@@ -90,20 +90,20 @@ class Output:
 
 
 class LLM:
-    """A Qwen3 model on a (stage, seq) mesh, ready to generate.
+    """A Qwen3 model on a (stage, seq, tensor) mesh, ready to generate.
 
     Args:
       model: a Hugging Face checkpoint folder, an orbax folder written by `qwen3-spmd
         convert`, or a preset name (tiny, 0.6B, ..., 32B: seeded random weights);
         None is the tiny preset. Text needs the folder's tokenizer.json.
-      mesh: "SxC" (S pipeline stages x C sequence devices), or a jax Mesh with axes
-        ('stage', 'seq'). On CPU, a mesh of several devices is emulated when JAX has
+      mesh: "SxC" or "SxCxX" (S pipeline stages x C sequence devices x X tensor
+        devices), or a jax Mesh with axes ('stage', 'seq', 'tensor'). On CPU, a mesh of several devices is emulated when JAX has
         not started yet (else JAX must already see them).
       dtype: "float32" or "bfloat16" (default: float32 on CPU, bfloat16 elsewhere).
       max_seq_len: KV cache capacity per request (prompt + max_tokens).
       max_batch: decode rows: requests decoded at once (more wait for a row).
       weights_seed: the random weights' seed for a preset.
-      chunk, microbatches, cp: as `pipeline.engine.Engine`'s.
+      chunk, microbatches, cp, experts: as `pipeline.engine.Engine`'s.
     """
 
     def __init__(
@@ -117,6 +117,7 @@ class LLM:
         chunk: int = 16,
         microbatches: int = 1,
         cp: str = "ring",
+        experts: str = "ep",
     ):
         import jax.numpy as jnp
 
@@ -144,6 +145,7 @@ class LLM:
             microbatches=microbatches,
             chunk=chunk,
             cp=cp,
+            experts=experts,
         )
         self.scheduler = Scheduler(self.engine, max_batch=max_batch)
 
@@ -308,17 +310,18 @@ def _as_arguments():
     """The command line's model and mesh errors ("--model x: ...") said as this API's
     arguments ("model x: ...")."""
     from qwen3_spmd.model.config import ConfigError
+    from qwen3_spmd.model.split import TensorError
     from qwen3_spmd.sharding.mesh import MeshError
 
     try:
         yield
-    except (ConfigError, MeshError) as e:
+    except (ConfigError, MeshError, TensorError) as e:
         raise type(e)(re.sub(r"--(model|mesh)\b", r"\1", str(e))) from None
 
 
 def _mesh(mesh):
-    """A ('stage', 'seq') Mesh from "SxC" over the first S*C devices (emulated on CPU
-    when JAX has not started), or the Mesh given."""
+    """A ('stage', 'seq', 'tensor') Mesh from "SxC" or "SxCxX" over the first S*C*X
+    devices (emulated on CPU when JAX has not started), or the Mesh given."""
     from jax.sharding import Mesh
 
     if isinstance(mesh, Mesh):
@@ -328,11 +331,14 @@ def _mesh(mesh):
     from qwen3_spmd.run.flags import platform_is_cpu, use_cpu_devices
     from qwen3_spmd.sharding.mesh import make_mesh, parse_mesh
 
-    stage, seq = parse_mesh(mesh)
-    if platform_is_cpu() and stage * seq > 1:
+    shape = parse_mesh(mesh)
+    n = shape.devices
+    if platform_is_cpu() and n > 1:
         try:
-            use_cpu_devices(stage * seq)
+            use_cpu_devices(n)
         except RuntimeError:  # JAX has started: the devices it has are the ones
             pass
     devices = jax.devices()
-    return make_mesh(stage, seq, devices[: stage * seq] if len(devices) > stage * seq else devices)
+    return make_mesh(
+        shape.stage, shape.seq, devices[:n] if len(devices) > n else devices, tensor=shape.tensor
+    )

@@ -1,10 +1,13 @@
-"""Bytes each device holds for a model on a stage x seq mesh, read from the shardings
-the engine places with (no devices needed: an abstract mesh gives the shard shapes).
+"""Bytes each device holds for a model on a stage x seq x tensor mesh, read from the
+shardings the engine places with (no devices needed: an abstract mesh gives the shard
+shapes).
 
 Weights: every stage slot of a layer parameter is one [S, ...] buffer sharded
-P('stage') (sharding.place), so a device holds L_pad / S layers of each, identity
-slots included; the embedding, final norm and lm_head are replicated. KV cache:
-k and v [L_pad, B, K, S_cap, H] sharded P('stage', None, None, 'seq', None).
+P('stage', ...) (sharding.place), so a device holds L_pad / S layers of each, identity
+slots included, and of each its `tensor` share (sharding.specs.param_spec: heads,
+columns, vocabulary rows or experts; norms and the router whole). KV cache: k and v
+[L_pad, B, K', S_cap, H] sharded P('stage', None, 'tensor', 'seq', None), K' the KV
+heads as placed (repeats counted: model.split).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.sharding.mesh import AXES, parse_mesh
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
 
@@ -26,24 +31,34 @@ def _shard_bytes(mesh: AbstractMesh, spec, shape, dtype) -> int:
 
 
 def bytes_per_device(
-    cfg: Qwen3Config, stages: int, seq: int, dtype, batch: int = 1, max_seq_len: int = 0
+    cfg: Qwen3Config,
+    stages: int,
+    seq: int,
+    dtype,
+    batch: int = 1,
+    max_seq_len: int = 0,
+    tensor: int = 1,
+    experts: str = "ep",
 ) -> dict[str, int]:
     """{'weights', 'kv', 'total'}: bytes on one device (every device holds the same)."""
-    mesh = AbstractMesh((stages, seq), ("stage", "seq"))
+    mesh = AbstractMesh((stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
-    _, abstract = abstract_model(cfg, dtype)
+    split = TensorSplit(tensor, experts)
+    split.check(cfg)
+    _, abstract = abstract_model(cfg, dtype, split)
     sizes = []
 
     def leaf(path, x):
+        spec = param_spec(path, experts)
         if path[0] == "layers":  # per_stage slot buffers of [S, ...]
-            one = _shard_bytes(mesh, param_spec(path), (stages, *x.shape[1:]), x.dtype)
+            one = _shard_bytes(mesh, spec, (stages, *x.shape[1:]), x.dtype)
             sizes.append(plan.per_stage * one)
         else:
-            sizes.append(_shard_bytes(mesh, param_spec(path), x.shape, x.dtype))
+            sizes.append(_shard_bytes(mesh, spec, x.shape, x.dtype))
         return x
 
     map_params(leaf, abstract)
-    kv_shape = (plan.padded_layers, batch, cfg.K, max_seq_len, cfg.H)
+    kv_shape = (plan.padded_layers, batch, split.kv_heads(cfg), max_seq_len, cfg.H)
     kv = 2 * _shard_bytes(mesh, SPECS.cache_lbksh, kv_shape, dtype) if max_seq_len else 0
     weights = sum(sizes)
     return {"weights": weights, "kv": kv, "total": weights + kv}
@@ -56,7 +71,8 @@ def _cli():
 
     p = argparse.ArgumentParser(prog="python -m qwen3_spmd.sharding.footprint")
     p.add_argument("--model", default="235B-A22B", choices=list(PRESETS))
-    p.add_argument("--meshes", default="4x2,8x2")
+    p.add_argument("--meshes", default="4x2,8x2,8x1x8,2x1x8")
+    p.add_argument("--expert-split", default="ep", choices=("ep", "tp"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=32768)
@@ -69,10 +85,12 @@ def _cli():
         f"{a.max_seq_len} cache slots per request"
     )
     for m in a.meshes.split(","):
-        S, C = map(int, m.split("x"))
-        b = bytes_per_device(cfg, S, C, dtype, a.batch, a.max_seq_len)
+        shape = parse_mesh(m)
+        b = bytes_per_device(
+            cfg, *shape[:2], dtype, a.batch, a.max_seq_len, shape.tensor, a.expert_split
+        )
         print(
-            f"  {S}x{C}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "
+            f"  {shape}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "
             f"= {b['total'] / 1e9:6.1f} GB per device"
         )
 

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from qwen3_spmd.model.params import map_params
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import param_spec
 
@@ -26,16 +27,28 @@ class WeightSource(Protocol):
     ) -> np.ndarray: ...
 
 
-def place_state(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
+def place_state(
+    abstract_state: Any,
+    plan: StagePlan,
+    mesh: Mesh,
+    source: WeightSource,
+    split: TensorSplit = TensorSplit(),
+):
     """The model state on `mesh` from a weight source: `place_params`, unless the source
     holds a state already placed on this mesh and places itself (`place`)."""
     place = getattr(source, "place", None)
     if place is not None:
         return place(abstract_state, plan, mesh)
-    return place_params(abstract_state, plan, mesh, source)
+    return place_params(abstract_state, plan, mesh, source, split)
 
 
-def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: WeightSource):
+def place_params(
+    abstract_state: Any,
+    plan: StagePlan,
+    mesh: Mesh,
+    source: WeightSource,
+    split: TensorSplit = TensorSplit(),
+):
     """The model state with every leaf a global jax.Array on `mesh`.
 
     One parameter at a time: the source reads the layers of this host's stages (one
@@ -47,14 +60,17 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
       plan: the stage plan; each layer leaf becomes a tuple of L_pad / S per-slot arrays
         [S, ...] sharded P('stage') (slot j of every stage: see pipeline.stage.run_stage),
         zeros in identity slots.
+      split: the tensor split (model.split): each parameter's `tensor` axis (by
+        sharding.specs.param_spec) and the checkpoint arrays fitted to the placed
+        shapes (KV heads repeated, widths and vocabulary padded).
     """
     slots = plan.layer_of_slot
     per = plan.per_stage
 
     def place(path, x):
-        sharding = NamedSharding(mesh, param_spec(path))
+        sharding = NamedSharding(mesh, param_spec(path, split.experts))
         if path[0] != "layers":
-            whole = source.read(path, x.dtype)
+            whole = split.fit(path, source.read(path, x.dtype), x.shape)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: whole[index])
         shape = (plan.stages, *x.shape[1:])  # one slot of every stage
         stages = sorted(
@@ -66,7 +82,7 @@ def place_params(abstract_state: Any, plan: StagePlan, mesh: Mesh, source: Weigh
         )
         mine = [i for s in stages for i in slots[s * per : (s + 1) * per] if i is not None]
         row = {layer: r for r, layer in enumerate(mine)}
-        read = source.read(path, x.dtype, mine)  # [len(mine), ...]
+        read = split.fit(path, source.read(path, x.dtype, mine), (len(mine), *x.shape[1:]))
         zeros = np.zeros(x.shape[1:], x.dtype)
 
         def slot(j: int) -> jax.Array:

@@ -14,15 +14,44 @@ from jax.sharding import PartitionSpec as P
 @dataclasses.dataclass(frozen=True)
 class Specs:
     layers: P = P("stage")  # layer weights: stacked [L_pad, ...] as placed, then per slot [S, ...]
-    replicated: P = P()  # embedding, final norm, lm_head; scalars
-    cache_lbksh: P = P("stage", None, None, "seq", None)  # KV cache k, v (heads-major)
+    replicated: P = P()  # final norm, router, scalars
+    cache_lbksh: P = P("stage", None, "tensor", "seq", None)  # KV cache k, v (heads-major)
     slots_bs: P = P(None, "seq")  # cache slot positions, -1 = empty
     tokens_bt: P = P(None, "seq")  # prompt tokens and positions, zigzag order
 
 
 SPECS = Specs()
 
+# The axis of each parameter that `tensor` splits (model.split), counted in the array
+# as stored: [V, D] outside the layers, [L, ...] inside them.
+TENSOR_AXIS = {
+    "embed_vd": 0,
+    "lm_head_vd": 0,
+    "q_nhd": 1,
+    "k_khd": 1,
+    "v_khd": 1,
+    "q_bias": 1,
+    "k_bias": 1,
+    "v_bias": 1,
+    "o_dnh": 2,
+    "gate_fd": 1,
+    "up_fd": 1,
+    "down_df": 2,
+}
+# Qwen3-MoE's experts [L, E, F, D] and [L, E, D, F]: whole experts ("ep"), or every
+# expert's columns ("tp").
+EXPERT_AXIS = {
+    "ep": {"gate_efd": 1, "up_efd": 1, "down_edf": 1},
+    "tp": {"gate_efd": 2, "up_efd": 2, "down_edf": 3},
+}
 
-def param_spec(path: tuple[str, ...]) -> P:
-    """The spec of a parameter by its NNX state path."""
-    return SPECS.layers if path[0] == "layers" else SPECS.replicated
+
+def param_spec(path: tuple[str, ...], experts: str = "ep") -> P:
+    """The spec of a parameter by its NNX state path: layers over `stage`, and the axis
+    `tensor` splits (none for norms and the router)."""
+    axes = {**TENSOR_AXIS, **EXPERT_AXIS[experts]}
+    names: list[str | None] = ["stage"] if path[0] == "layers" else []
+    at = axes.get(path[-1])
+    if at is not None:
+        names += [None] * (at - len(names)) + ["tensor"]
+    return P(*names)

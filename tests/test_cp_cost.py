@@ -4,9 +4,10 @@ the ring and Ulysses, counted by hand for the 0.6B shape; the `auto` choice; and
 
 import json
 
+import jax.numpy as jnp
 import pytest
 
-from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.config import PRESETS, Qwen3Config
 from qwen3_spmd.pipeline import cp_cost
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.run.cli import main
@@ -159,3 +160,49 @@ def test_generate_cp_ulysses_json_and_bad_split(capsys):
         "error: ulysses: 4 query heads cannot be shared equally by 3 seq "
         "devices; use --cp ring, or a seq size that divides 4 (1, 2, 4)"
     )
+
+
+# ---- the mesh's cost model (pipeline.mesh_cost, `plan`) ------------------------------------
+
+
+def test_the_seeds_worked_exercise():
+    """PP = 4, 5 ms a stage per decode step, 0.2 ms a transfer: 20.8 ms a token for one
+    request; with 4 groups in flight a step every 5.2 ms (the shift follows the layers
+    in the same tick, so it does not hide behind them)."""
+    from qwen3_spmd.pipeline.mesh_cost import pipeline_decode
+
+    token_s, steps = pipeline_decode(5e-3, 0.2e-3, stages=4, groups=1)
+    assert token_s == pytest.approx(20.8e-3)
+    assert steps == pytest.approx(1 / 20.8e-3)
+    assert pipeline_decode(5e-3, 0.2e-3, stages=4, groups=4)[1] == pytest.approx(1 / 5.2e-3)
+
+
+def test_plan_ranks_every_factorisation(capsys):
+    """32B on 8 H200s in one host: every S x C x X the heads allow, tensor first for
+    latency (a token waits for one stage, not eight), the bytes those of the shardings;
+    on two hosts the tensor axis stays inside one (X <= 4)."""
+    import json
+
+    from qwen3_spmd.run.cli import main
+    from qwen3_spmd.sharding.footprint import bytes_per_device
+
+    assert main(["plan", "--model", "32B", "--devices", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["meshes"]
+    shapes = {(r["stage"], r["seq"], r["tensor"]) for r in rows}
+    assert len(shapes) == len(rows) and all(s * c * x == 8 for s, c, x in shapes)
+    assert {x for _, _, x in shapes} == {1, 2, 4, 8}
+    assert rows[0]["mesh"] == "1x1x8"
+    times = [r["decode_token_s"] for r in rows if r["fits"]]
+    assert times == sorted(times)
+    eight = next(r for r in rows if r["mesh"] == "8x1")
+    assert eight["decode_token_s"] > 4 * rows[0]["decode_token_s"]
+    cfg = PRESETS["32B"]
+    want = bytes_per_device(cfg, 2, 1, jnp.bfloat16, 8, 4096, tensor=4)
+    two = next(r for r in rows if r["mesh"] == "2x1x4")
+    assert (two["weight_bytes_per_device"], two["kv_bytes_per_device"]) == (
+        want["weights"],
+        want["kv"],
+    )
+    assert main(["plan", "--model", "32B", "--devices", "8", "--hosts", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["meshes"]
+    assert max(r["tensor"] for r in rows) == 4

@@ -108,7 +108,7 @@ def run_two(mesh: str, cpu_devices: int) -> dict:
 
 def test_2x2_over_two_processes_matches_one_process_and_1x1(capsys):
     report = run_two("2x2", 2)
-    assert report["processes"] == 2 and report["mesh"] == {"stage": 2, "seq": 2}
+    assert report["processes"] == 2 and report["mesh"] == {"stage": 2, "seq": 2, "tensor": 1}
     assert report["stage_processes"] == [[0], [1]]  # process 0's two devices are stage 0
     assert tokens(report) == REFERENCE_TOKENS  # the transformers reference = the 1x1 run
     for mesh, devices in (("2x2", 4), ("1x1", 1)):  # in this process (8 CPU devices)

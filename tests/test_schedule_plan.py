@@ -65,10 +65,14 @@ def test_more_stages_than_layers_is_refused():
 
 def test_make_mesh_shapes():
     mesh = make_mesh(2, 4, jax.devices()[:8])
-    assert dict(mesh.shape) == {"stage": 2, "seq": 4}
-    assert mesh.axis_names == ("stage", "seq")
+    assert dict(mesh.shape) == {"stage": 2, "seq": 4, "tensor": 1}
+    assert mesh.axis_names == ("stage", "seq", "tensor")
     # seq is the minor axis: neighbouring devices share a stage
-    assert [d.id for d in mesh.devices[0]] == [d.id for d in jax.devices()[:4]]
+    assert [d.id for d in mesh.devices[0, :, 0]] == [d.id for d in jax.devices()[:4]]
+    # tensor is innermost: a stage's tensor devices are neighbours
+    mesh = make_mesh(2, 1, jax.devices()[:8], tensor=4)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:8]]
+    assert [d.id for d in mesh.devices[1, 0]] == [d.id for d in jax.devices()[4:8]]
 
 
 @pytest.mark.parametrize("S,C,n", [(2, 2, 3), (4, 2, 4), (1, 3, 8), (8, 2, 8)])
@@ -79,19 +83,23 @@ def test_make_mesh_refuses_wrong_device_count(S, C, n):
     assert f"{S}x{C}" in msg and str(S * C) in msg and str(n) in msg
 
 
-@pytest.mark.parametrize("text,want", [("2x4", (2, 4)), ("1X1", (1, 1)), ("8x1", (8, 1))])
+@pytest.mark.parametrize(
+    "text,want",
+    [("2x4", (2, 4, 1)), ("1X1", (1, 1, 1)), ("8x1", (8, 1, 1)), ("2x1x4", (2, 1, 4))],
+)
 def test_parse_mesh(text, want):
     assert parse_mesh(text) == want
+    assert str(parse_mesh(text)) == text.lower()
 
 
-@pytest.mark.parametrize("text", ["2", "2x", "x2", "axb", "2x2x2", "2*2", "", "2.0x1"])
+@pytest.mark.parametrize("text", ["2", "2x", "x2", "axb", "2x2x2x2", "2x2x", "2*2", "", "2.0x1"])
 def test_parse_mesh_refuses_malformed(text):
     with pytest.raises(MeshError) as e:
         parse_mesh(text)
     assert repr(text) in str(e.value) and "SxC" in str(e.value)
 
 
-@pytest.mark.parametrize("text", ["0x2", "2x0", "-1x4"])
+@pytest.mark.parametrize("text", ["0x2", "2x0", "-1x4", "1x1x0"])
 def test_parse_mesh_refuses_non_positive(text):
     with pytest.raises(MeshError, match="positive"):
         parse_mesh(text)

@@ -31,6 +31,7 @@ from functools import partial
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_expert_split,
     add_model,
     check_output_file,
     dtype_name,
@@ -68,7 +69,7 @@ def register(subparsers) -> None:
         "--mesh",
         action="append",
         default=[],
-        metavar="SxC",
+        metavar="SxC[xX]",
         help="a mesh shape to run (repeatable); 1x1 always runs as the baseline",
     )
     p.add_argument(
@@ -77,6 +78,7 @@ def register(subparsers) -> None:
         help="emulate this many CPU devices (default on CPU: the largest mesh)",
     )
     add_dtype(p)
+    add_expert_split(p)
     p.add_argument(
         "--scenario",
         action="append",
@@ -208,6 +210,7 @@ def _settings(args) -> dict:
         "groups": args.groups,
         "prefill_batch": args.prefill_batch,
         "seed": args.seed,
+        "expert_split": args.expert_split,
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
         "serve_max_batch": given(args.serve_max_batch, "serve_max_batch", 8),
@@ -266,10 +269,11 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
         )
 
 
-def _meshes(args) -> list[tuple[int, int]]:
-    from qwen3_spmd.sharding.mesh import parse_mesh
+def _meshes(args) -> list:
+    """The MeshShapes to run, 1x1 first."""
+    from qwen3_spmd.sharding.mesh import MeshShape, parse_mesh
 
-    shapes = [(1, 1)]
+    shapes = [MeshShape(1, 1)]
     for text in args.mesh:
         shape = parse_mesh(text)
         if shape not in shapes:
@@ -279,16 +283,19 @@ def _meshes(args) -> list[tuple[int, int]]:
 
 def _cps(args, cfg, meshes) -> list[str]:
     """The --cp strategies (default ring), each checked against every mesh first."""
+    from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import RequestError
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
-    for cp in cps:
-        for S, C in meshes:
+    for m in meshes:
+        split = TensorSplit(m.tensor, args.expert_split)
+        split.check(cfg)
+        for cp in cps:
             try:
-                cp_cost.check_cp(cfg, C, cp)
+                cp_cost.check_cp(split.local(cfg), m.seq, cp)
             except RequestError as e:
-                raise CLIError(f"--mesh {S}x{C}: {in_flags(e)}") from None
+                raise CLIError(f"--mesh {m}: {in_flags(e)}") from None
     return cps
 
 
@@ -373,7 +380,7 @@ def _measure_rooflines(dtype, settings: dict, meshes, say) -> dict:
     roof = rooflines(
         dtype, max(settings["repeats"], 3), max(settings["warmup"], 1), settings["smoke"]
     )
-    seqs = sorted({C for _, C in meshes if C > 1})
+    seqs = sorted({m.seq for m in meshes if m.seq > 1})
     roof["links"] = [link_bandwidth(jax.devices()[:C], settings["smoke"]) for C in seqs]
     for link in roof["links"]:
         say(
@@ -402,10 +409,10 @@ def _model_entry(spec) -> dict:
 
 def _scenarios(args, meshes) -> set[str]:
     """The scenarios to run, checked, and the CPU devices set up, before JAX starts."""
-    need = max(S * C for S, C in meshes)
+    need = max(m.devices for m in meshes)
     if args.cpu_devices is not None and args.cpu_devices < need:
         raise CLIError(
-            f"--mesh {'x'.join(map(str, max(meshes, key=lambda m: m[0] * m[1])))} "
+            f"--mesh {max(meshes, key=lambda m: m.devices)} "
             f"needs {need} devices but --cpu-devices is {args.cpu_devices}: raise it"
         )
     if platform_is_cpu():
@@ -426,7 +433,7 @@ def _dtype(args, meshes):
     import jax
     import jax.numpy as jnp
 
-    need = max(S * C for S, C in meshes)
+    need = max(m.devices for m in meshes)
     if len(jax.devices()) < need:
         raise CLIError(
             f"the largest --mesh needs {need} devices but {len(jax.devices())} are "
@@ -477,7 +484,7 @@ def main(args) -> int:
     }
     say(
         f"bench: {spec.label}; {dtype_name}; meshes "
-        f"{', '.join(f'{S}x{C}' for S, C in meshes)}; scenarios {', '.join(sorted(scenarios))}"
+        f"{', '.join(map(str, meshes))}; scenarios {', '.join(sorted(scenarios))}"
     )
     roof = None
     if "roofline" in scenarios:
@@ -488,10 +495,15 @@ def main(args) -> int:
         spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings, "ring", roof
     )
     report["meshes"] = []
-    for S, C in meshes:
-        mesh = single.mesh if (S, C) == (1, 1) else make_mesh(S, C, jax.devices()[: S * C])
-        engines = single if (S, C) == (1, 1) else None
-        for cp in cps if C > 1 else ["ring"]:
+    for m in meshes:
+        alone = m.devices == 1
+        mesh = (
+            single.mesh
+            if alone
+            else make_mesh(m.stage, m.seq, jax.devices()[: m.devices], tensor=m.tensor)
+        )
+        engines = single if alone else None
+        for cp in cps if m.seq > 1 else ["ring"]:
             report["meshes"].append(
                 run_mesh(spec.cfg, source, mesh, dtype, settings, scenarios, roof, say, engines, cp)
             )

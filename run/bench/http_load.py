@@ -223,9 +223,11 @@ def ours(
     argv += ["--mesh", mesh, "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
     argv += ["--precompile", precompile]
     argv += ["--model", model] if model else []
-    S, C = map(int, mesh.split("x"))
-    if S * C > 1:
-        argv += ["--cpu-devices", str(S * C)] if _cpu() else []
+    from qwen3_spmd.sharding.mesh import parse_mesh
+
+    n = parse_mesh(mesh).devices
+    if n > 1:
+        argv += ["--cpu-devices", str(n)] if _cpu() else []
     return Started(argv, port, "qwen3-spmd serve")
 
 

@@ -22,6 +22,7 @@ from qwen3_spmd.run.bench.measure import (
     spread,
 )
 from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.sharding.mesh import MeshShape
 
 
 class MeshEngines:
@@ -47,6 +48,7 @@ class MeshEngines:
                 groups=self.s["groups"],
                 chunk=self.s["chunk"],
                 cp=self.cp,
+                experts=self.s["expert_split"],
                 **measured_rates(self.roof, self.mesh.shape["seq"]),
             )
             self.state = e.weights.state
@@ -83,6 +85,8 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
     t = spread([r["prefill_s"] for r in job["runs"]])
     layout = job["layout"]
     sent = accounting.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
+    X = engines.mesh.shape["tensor"]
+    reduced = accounting.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
     flops = prefill_flops(cfg, T, B)
     out = {
         "prompt_len": T,
@@ -96,6 +100,7 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
         "idle_fraction": engine.schedules(layout)["prefill"]["idle_fraction"],
         "stage_bytes": sent["prefill"],
         "stage_bytes_per_token": sent["prefill"] / (B * T),
+        "all_reduce_bytes_per_tick": reduced["prefill_per_tick"],
         "ring_bytes": ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)[
             "prefill"
         ],
@@ -149,6 +154,8 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     t = spread([r["decode_s"] for r in job["runs"]])
     layout = job["layout"]
     sent = accounting.bytes_sent(cfg, S, C, layout, dtype.itemsize)
+    X = engines.mesh.shape["tensor"]
+    reduced = accounting.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
     ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
@@ -174,6 +181,7 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         "stage_bytes": sent["decode"],
         "stage_bytes_per_token": sent["decode"] / (B * N),
         "ring_bytes_per_token": ring["decode_per_step"] * layout["decode_steps"] / (B * N),
+        "all_reduce_bytes_per_step": reduced["decode_per_step"],
         "programs": program_memory(engine),
     }
     if roof is not None:
@@ -232,11 +240,18 @@ def run_mesh(
     `cp` says. `engines` (kept by the caller to reuse the compiled programs later, as
     the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
     named in the entry's mesh label ("1x4 ulysses")."""
-    S, C = mesh.shape["stage"], mesh.shape["seq"]
-    label = f"{S}x{C}" if cp == "ring" else f"{S}x{C} {cp}"
+    shape = MeshShape(*mesh.devices.shape)
+    label = str(shape) if cp == "ring" else f"{shape} {cp}"
     say(f"mesh {label}:")
     engines = engines or MeshEngines(cfg, source, mesh, dtype, settings, cp, roof)
-    entry = {"mesh": label, "stage": S, "seq": C, "devices": S * C, "cp": cp}
+    entry = {
+        "mesh": label,
+        "stage": shape.stage,
+        "seq": shape.seq,
+        "tensor": shape.tensor,
+        "devices": shape.devices,
+        "cp": cp,
+    }
     last = None
     if "prefill" in scenarios:
         entry["prefill"] = [prefill_job(engines, T, roof, say) for T in settings["prompt_lens"]]
@@ -259,10 +274,10 @@ def run_mesh(
             f"{m['max_kv_bytes'] / 2**20:.1f} MiB per device"
         )
     steps = min(settings["chunk"], settings["decode_steps"])
-    G = S if settings["groups"] is None else settings["groups"]
+    G = shape.stage if settings["groups"] is None else settings["groups"]
     entry["timeline"] = {
-        "prefill": prefill_grid(settings["microbatches"], S),
-        "decode": decode_grid(G, S, steps),
+        "prefill": prefill_grid(settings["microbatches"], shape.stage),
+        "decode": decode_grid(G, shape.stage, steps),
     }
     compiles = [j["compile_s"] for k in ("prefill", "decode") for j in entry.get(k, [])]
     entry["compile_s_max"] = max(compiles) if compiles else 0.0

@@ -141,7 +141,7 @@ def serve_job(engines, settings: dict, say) -> dict:
     return {
         "max_batch": sched_rows,
         "groups": G,
-        "kv_bytes_per_device": kv // (S * C),
+        "kv_bytes_per_device": kv // engine.mesh.devices.size,
         "concurrency": rows,
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),

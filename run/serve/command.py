@@ -27,6 +27,7 @@ from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.flags import (
     CLIError,
     add_dtype,
+    add_expert_split,
     add_model,
     dtype_name,
     in_flags,
@@ -52,8 +53,13 @@ def register(subparsers) -> None:
         "on first use, served under that name), or a preset name (random weights); "
         "default: the demo, tiny with Qwen3's tokenizer and random weights",
     )
-    p.add_argument("--mesh", help="SxC (default: 1x1, or 2x2 emulated CPU devices without --model)")
+    p.add_argument(
+        "--mesh",
+        help="SxC or SxCxX: stages x seq devices x tensor devices (default: 1x1, or 2x2 "
+        "emulated CPU devices without --model)",
+    )
     p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
+    add_expert_split(p)
     add_dtype(p)
     p.add_argument(
         "--max-seq-len",
@@ -125,16 +131,16 @@ def main(args) -> int:
     _check_flags(args)
     on_cpu = platform_is_cpu()
     mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
-    stage, seq = parse_mesh(mesh_text)
+    shape = parse_mesh(mesh_text)
     distributed.check_flags(args)
     procs = distributed.start(args)
     try:
         if on_cpu:
             use_cpu_devices(
-                local_cpu_devices(args.cpu_devices, mesh_text, stage * seq, procs.count)
+                local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, procs.count)
             )
         compile_cache.use(args.compile_cache)
-        return _serve(args, procs, mesh_text, stage, seq)
+        return _serve(args, procs, mesh_text, shape)
     finally:
         distributed.finish(procs)
 
@@ -158,7 +164,8 @@ def _check_flags(args) -> None:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be at least 2")
 
 
-def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
+def _serve(args, procs, mesh_text: str, shape) -> int:
+    from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.run.models import demo_model, open_model
     from qwen3_spmd.run.serve.app import ServerState
 
@@ -174,9 +181,10 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
         or (spec.folder.name if spec.folder else (args.model or "tiny"))
     )
     max_seq_len = args.max_seq_len or min(spec.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    max_seq_len = -(-max_seq_len // seq) * seq
+    max_seq_len = -(-max_seq_len // shape.seq) * shape.seq
+    TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)  # before the port is taken
     if not procs.leader:
-        scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
+        scheduler = _load(args, spec, procs, mesh_text, shape, max_seq_len)
         _follow_signals()
         scheduler.follow()
         scheduler.close()  # waits for a background compile under way
@@ -186,7 +194,7 @@ def _serve(args, procs, mesh_text: str, stage: int, seq: int) -> int:
 
     def load():
         try:
-            scheduler = _load(args, spec, procs, mesh_text, stage, seq, max_seq_len)
+            scheduler = _load(args, spec, procs, mesh_text, shape, max_seq_len)
             state.service = _service(scheduler, spec, text, name, max_seq_len)
             state.status = "ready"
             host, port = sock.getsockname()[:2]
@@ -244,7 +252,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: int):
+def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
     import jax.numpy as jnp
 
@@ -255,7 +263,8 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
     from qwen3_spmd.sharding.mesh import make_mesh
 
     dtype = dtype_name(args.dtype)
-    mesh = make_mesh(stage, seq, mesh_devices(stage * seq, procs, mesh_text))
+    devices = mesh_devices(shape.devices, procs, mesh_text)
+    mesh = make_mesh(shape.stage, shape.seq, devices, tensor=shape.tensor)
     if procs.leader:
         _say(f"loading {spec.label} onto mesh {mesh_text} ({dtype})")
     engine = Engine(
@@ -268,6 +277,7 @@ def _load(args, spec, procs, mesh_text: str, stage: int, seq: int, max_seq_len: 
         chunk=args.chunk,
         on_compile=_compiling if procs.leader else None,
         cp=args.cp,
+        experts=args.expert_split,
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
     scheduler = Scheduler(

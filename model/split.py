@@ -1,0 +1,175 @@
+"""How the model is cut over the mesh's `tensor` axis: X devices share every layer
+(Megatron's split), and Qwen3-MoE's experts.
+
+- Attention: each device holds N/X query heads and K'/X KV heads (q, k, v split by
+  heads; q_norm, k_norm and RoPE are per head), and the output projection's columns
+  for its heads; one `psum` over `tensor` adds the partial outputs.
+- MLP: gate and up split by columns (F'/X), down by rows; one `psum`.
+- Embedding and lm_head by vocabulary rows (V'/X): the lookup takes a device's own
+  rows (zeros elsewhere) and a `psum`; the logits stay split (pipeline.sampling gathers
+  what its rule needs).
+- Experts: "ep" gives each device E/X whole experts (each device computes the routed
+  pairs of its own experts, the rest weigh zero); "tp" splits every expert's columns
+  as the dense MLP's. Either ends in the MLP's one `psum`.
+
+The placed model's sizes are the checkpoint's where they divide evenly and are padded
+otherwise (`fit` makes a checkpoint array of the placed shape):
+- K' = K when X divides K; when K divides X, each KV head repeated X/K times
+  contiguously (device i holds head i // (X/K)), so a device's query heads all read
+  the one KV head it holds;
+- F' and the experts' width rounded up to a multiple of X with zero columns (a zero
+  gate column gives silu(0) * 0 = 0, and a zero down row adds nothing);
+- V' rounded up with zero rows, whose logits are masked to -inf (never sampled).
+With X = 1 every size is the checkpoint's and nothing is summed: the single-device
+reference is the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen3_spmd.model.config import Qwen3Config
+
+EXPERT_SPLITS = ("ep", "tp")
+
+
+class TensorError(ValueError):
+    """A model that cannot be split over the tensor size asked for: the message names
+    the sizes and the tensor sizes that would fit."""
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+    """The `tensor` axis as the model sees it: its size X and its name in the mesh."""
+
+    size: int = 1  # X
+    experts: str = "ep"  # Qwen3-MoE: "ep" whole experts per device, "tp" each expert split
+    axis: str = "tensor"
+
+    def __post_init__(self):
+        if self.size < 1:
+            raise TensorError(f"tensor size {self.size} must be at least 1")
+        if self.experts not in EXPERT_SPLITS:
+            raise TensorError(
+                f"expert split {self.experts!r} is not one of {', '.join(EXPERT_SPLITS)}"
+            )
+
+    # ---- the placed sizes ----------------------------------------------------------
+
+    def kv_heads(self, cfg: Qwen3Config) -> int:
+        """K': the KV heads placed, repeats included."""
+        return max(cfg.K, self.size)
+
+    def kv_repeat(self, cfg: Qwen3Config) -> int:
+        """How many devices hold each KV head (1: none repeated)."""
+        return max(1, self.size // cfg.K)
+
+    def width(self, cfg: Qwen3Config) -> int:
+        """F': the dense MLP's width, padded to a multiple of X."""
+        return _round_up(cfg.F, self.size)
+
+    def expert_width(self, cfg: Qwen3Config) -> int:
+        """One expert's width as placed (padded when the experts are split by columns)."""
+        F = cfg.moe_intermediate_size
+        return _round_up(F, self.size) if self.experts == "tp" else F
+
+    def vocab(self, cfg: Qwen3Config) -> int:
+        """V': the vocabulary rows placed, padded to a multiple of X."""
+        return _round_up(cfg.V, self.size)
+
+    def local(self, cfg: Qwen3Config) -> Qwen3Config:
+        """The model as one device of the split sees it: N/X query heads, K'/X KV heads,
+        F'/X columns, V'/X vocabulary rows, E/X experts ("ep") or the experts' F/X
+        columns ("tp"); for per-device costs (pipeline.cp_cost)."""
+        X = self.size
+        moe = {}
+        if cfg.has_sparse:
+            if self.experts == "ep":
+                moe = {"num_experts": cfg.E // X, "num_experts_per_tok": min(cfg.A, cfg.E // X)}
+            else:
+                moe = {"moe_intermediate_size": self.expert_width(cfg) // X}
+        return dataclasses.replace(
+            cfg,
+            num_attention_heads=cfg.N // X,
+            num_key_value_heads=self.kv_heads(cfg) // X,
+            intermediate_size=self.width(cfg) // X,
+            vocab_size=self.vocab(cfg) // X,
+            **moe,
+        )
+
+    # ---- the refusals --------------------------------------------------------------
+
+    def fits(self, cfg: Qwen3Config, x: int) -> bool:
+        """Whether the model splits over x tensor devices with this expert split."""
+        heads = cfg.N % x == 0 and (cfg.K % x == 0 or x % cfg.K == 0)
+        experts = not cfg.has_sparse or self.experts == "tp" or cfg.E % x == 0
+        return heads and experts
+
+    def check(self, cfg: Qwen3Config) -> None:
+        """A TensorError in one line, naming the sizes that would fit, unless the model
+        splits over X devices."""
+        X = self.size
+        if self.fits(cfg, X):
+            return
+        fits = ", ".join(str(x) for x in range(1, cfg.N + 1) if self.fits(cfg, x))
+        if cfg.N % X:
+            why = f"its {cfg.N} query heads cannot be shared equally by {X} tensor devices"
+        elif cfg.K % X and X % cfg.K:
+            why = (
+                f"its {cfg.K} KV heads neither divide over {X} tensor devices nor repeat "
+                f"evenly on them"
+            )
+        else:
+            why = (
+                f"its {cfg.E} experts cannot be shared equally by {X} tensor devices "
+                f"(or split each expert's columns: expert split 'tp')"
+            )
+        raise TensorError(f"tensor {X}: {why}; use a tensor size of {fits}")
+
+    # ---- inside the mesh -----------------------------------------------------------
+
+    def sum(self, x: jax.Array) -> jax.Array:
+        """The partial products of the devices summed over `tensor` (X = 1: x)."""
+        return jax.lax.psum(x, self.axis) if self.size > 1 else x
+
+    def first(self, rows: int) -> jax.Array | int:
+        """The first global row of this device's block of `rows` rows (vocabulary or
+        experts)."""
+        return jax.lax.axis_index(self.axis) * rows if self.size > 1 else 0
+
+    # ---- checkpoint arrays to placed shapes -----------------------------------------
+
+    def fit(self, path: tuple[str, ...], x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """A checkpoint array x (its layer axis possibly a subset) made the placed `shape`:
+        KV heads repeated contiguously, every other axis that grew padded with zeros."""
+        for axis, (have, want) in enumerate(zip(x.shape, shape)):
+            if have == want or (path[0] == "layers" and axis == 0):
+                continue
+            if path[-1] in _KV_HEADS:
+                x = np.repeat(x, want // have, axis=axis)
+            else:
+                pad = [(0, 0)] * x.ndim
+                pad[axis] = (0, want - have)
+                x = np.pad(x, pad)
+        return x
+
+
+_KV_HEADS = ("k_khd", "v_khd", "k_bias", "v_bias")
+
+
+def masked_vocab(logits: jax.Array, split: TensorSplit, vocab: int) -> jax.Array:
+    """logits [..., V'/X] of this device's vocabulary rows with the padding ids (>= the
+    model's `vocab`) at -inf."""
+    rows = logits.shape[-1]
+    if rows * split.size == vocab:
+        return logits
+    ids = split.first(rows) + jnp.arange(rows)
+    return jnp.where(ids < vocab, logits, -jnp.inf)

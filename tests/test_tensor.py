@@ -1,0 +1,259 @@
+"""The `tensor` mesh axis (model.split): heads, MLP columns, vocabulary and experts split
+over X devices inside the one shard_map, against transformers' fixtures and against
+the single device.
+
+The `wide` fixture has 8 query heads over 2 KV heads (so 4 and 8 tensor devices repeat
+each KV head), an MLP width of 100 and a vocabulary of 333 (which 8 does not divide:
+padded) and 5 layers (uneven over 2 stages); `tied` ties lm_head to the embedding.
+Budget: one engine per (fixture, mesh), one generate per engine and kind of run.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from reference import FIXTURES
+
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.split import TensorError, TensorSplit
+from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, greedy_split, sample_rows
+from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.sharding.footprint import bytes_per_device
+from qwen3_spmd.sharding.mesh import make_mesh
+
+TOL = 1e-4
+SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9)
+
+
+def _fixture(name):
+    folder = FIXTURES / name
+    cfg = Qwen3Config.from_hf(folder)
+    ref = np.load(folder / "reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(int(ref["num_prompts"]))]
+    return folder, cfg, ref, prompts
+
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def _engine(name, S, C, X, cp="ring", experts="ep") -> Engine:
+    key = (name, S, C, X, cp, experts)
+    if key not in _ENGINES:
+        folder, cfg, _, _ = _fixture(name)
+        mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
+        _ENGINES[key] = Engine(
+            cfg, HFCheckpoint(folder, cfg), mesh, max_seq_len=64, chunk=4, cp=cp, experts=experts
+        )
+    return _ENGINES[key]
+
+
+def _check_against_transformers(engine: Engine, name: str):
+    _, _, ref, prompts = _fixture(name)
+    gen = engine.generate(prompts, int(ref["max_new_tokens"]))
+    for i, c in enumerate(gen.completions):
+        assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
+    np.testing.assert_allclose(gen.first_logits, ref["step_logits_0"], atol=TOL, rtol=0)
+
+
+DENSE = [
+    ("wide", 2, 1, 2),  # X divides K; 5 layers over 2 stages
+    ("wide", 1, 1, 4),  # K = 2 < X: each KV head on 2 devices; V padded to 336
+    ("wide", 1, 1, 8),  # each KV head on 4 devices; F = 100 padded to 104
+    ("wide", 2, 1, 4),
+    ("wide", 1, 2, 4),  # the ring over seq, each device 1/4 of the heads
+    ("wide", 2, 2, 2),
+    ("tied", 1, 1, 4),  # lm_head is the embedding, split by vocabulary rows
+]
+
+
+@pytest.mark.parametrize("mesh", DENSE, ids=lambda m: f"{m[0]}-{m[1]}x{m[2]}x{m[3]}")
+def test_dense_meshes_match_transformers(mesh):
+    _check_against_transformers(_engine(*mesh), mesh[0])
+
+
+def test_ulysses_splits_each_devices_heads_over_seq():
+    """Ulysses' all-to-all on 1x2x2: each device's 4 query heads split further over seq."""
+    _check_against_transformers(_engine("wide", 1, 2, 2, cp="ulysses"), "wide")
+
+
+MOE = [("moe", 1, 1, 2, "ep"), ("moe", 1, 1, 2, "tp"), ("moe", 2, 2, 2, "ep")]
+
+
+@pytest.mark.parametrize("mesh", MOE, ids=lambda m: f"{m[1]}x{m[2]}x{m[3]}-{m[4]}")
+def test_moe_experts_over_tensor_match_transformers(mesh):
+    """Whole experts per device (ep) or every expert's columns (tp); the fixture mixes
+    sparse layers with a dense one (layer 2), so the dense MLP is split too."""
+    name, S, C, X, experts = mesh
+    _check_against_transformers(_engine(name, S, C, X, experts=experts), name)
+
+
+def test_seeded_sampling_is_the_single_devices():
+    """Temperature, top-k and top-p together: the logits of a row are gathered before the
+    filters, so 2x1x4 draws exactly the tokens of 1x1 with the same keys."""
+    _, _, _, prompts = _fixture("wide")
+    runs = [
+        _engine("wide", *mesh).generate(prompts, 8, sampling=SAMPLED, seed=3)
+        for mesh in ((1, 1, 1), (2, 1, 4))
+    ]
+    one, split = ([c.token_ids for c in g.completions] for g in runs)
+    assert one == split
+    assert len({t for row in one for t in row}) > 8  # it sampled, not a greedy rerun
+
+
+def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
+    """`greedy_split` gathers each device's best (value, id) only: the token is the
+    lowest id of the largest value, as greedy over the whole row, bans applied."""
+    B, V, X = 6, 40, 4
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    logits[1, [3, 27]] = 9.0  # a tie across devices: the lower id wins
+    logits[2, [25, 33]] = 9.0  # a tie on one side of a device boundary
+    logits[3, 12] = 9.0  # banned below: the next best wins
+    rows = RowSampling.stack([(Sampling(), 0, r, (5, (12, 1))) for r in range(B)])
+    mesh = make_mesh(1, 1, jax.devices()[:X], tensor=X)
+    split = TensorSplit(X)
+
+    def local(x, rows):
+        return greedy_split(x, rows, jnp.int32(2), split)[None]
+
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(None, "tensor"), RowSampling(*[P()] * len(RowSampling._fields))),
+        out_specs=P("tensor"),
+    )
+    got = np.asarray(jax.jit(f)(logits, rows))  # [X, B]: every device has them all
+    want = np.asarray(sample_rows(jnp.asarray(logits), rows, jnp.int32(2), sampled=False))
+    assert (got == want[None]).all()
+    assert want[1] == 3 and want[2] == 25 and want[3] != 12
+
+
+def test_continuous_batching_on_2x1x2_gives_each_request_its_tokens():
+    """Staggered arrivals over fewer rows than requests: each request's tokens are the
+    ones transformers gives it alone."""
+    _, _, ref, prompts = _fixture("wide")
+    budgets = [8, 3, 6]
+    sched = Scheduler(_engine("wide", 2, 1, 2), max_batch=2, prefill_tokens=16)
+    handles = [sched.submit(prompts[0], Params(budgets[0]))]
+    sched.step()
+    handles += [sched.submit(p, Params(n)) for p, n in zip(prompts[1:], budgets[1:])]
+    sched.run()
+    for i, (h, n) in enumerate(zip(handles, budgets)):
+        assert h.tokens == ref[f"greedy_tokens_{i}"].tolist()[:n], i
+
+
+def test_refusals_name_the_sizes_that_fit():
+    _, wide, _, _ = _fixture("wide")  # N = 8, K = 2
+    _, tiny, _, _ = _fixture("tiny")  # N = 6, K = 2
+    _, moe, _, _ = _fixture("moe")  # N = 4, K = 2, E = 8
+    with pytest.raises(TensorError, match=r"^tensor 3: its 8 query heads .* 1, 2, 4, 8$"):
+        TensorSplit(3).check(wide)
+    with pytest.raises(
+        TensorError, match=r"^tensor 3: its 2 KV heads .*; use a tensor size of 1, 2, 6$"
+    ):
+        TensorSplit(3).check(tiny)
+    six = Qwen3Config(**{**moe.__dict__, "num_experts": 6})
+    with pytest.raises(TensorError, match=r"its 6 experts .* 'tp'\); use a tensor size of 1, 2$"):
+        TensorSplit(4).check(six)
+    TensorSplit(4, experts="tp").check(six)  # split by columns, any count of experts fits
+    with pytest.raises(TensorError, match="tensor 4: its 6 query heads"):
+        Engine(
+            tiny,
+            HFCheckpoint(FIXTURES / "tiny", tiny),
+            make_mesh(1, 1, jax.devices()[:4], tensor=4),
+        )
+
+
+def test_the_cli_refuses_in_one_line(capsys):
+    from qwen3_spmd.run.cli import main
+
+    argv = ["generate", "--model", str(FIXTURES / "tiny"), "--mesh", "1x1x4", "--prompt-ids", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "tensor 4: its 6 query heads" in err, err
+
+
+def test_per_device_bytes_are_the_footprints():
+    """Weights and KV cache per device as placed equal `sharding.footprint` (repeated KV
+    heads and padding counted), and split 1/(S*X) of the single device's but for the
+    whole norms and the repeats."""
+    _, cfg, _, prompts = _fixture("wide")
+    sizes = {}
+    for mesh in ((1, 1, 1), (1, 1, 4), (2, 1, 4)):
+        S, C, X = mesh
+        engine = _engine("wide", *mesh)
+        measured = max(accounting.bytes_per_device(engine.weights.state))
+        cache = engine.empty_cache(2)
+        kv = max(accounting.bytes_per_device((cache.k, cache.v)))
+        want = bytes_per_device(cfg, S, C, jnp.float32, batch=2, max_seq_len=64, tensor=X)
+        assert (measured, kv) == (want["weights"], want["kv"]), mesh
+        sizes[mesh] = want
+    one, four = sizes[(1, 1, 1)], sizes[(1, 1, 4)]
+    assert four["kv"] * 2 == one["kv"]  # 2 KV heads on 4 devices: each holds one, not 1/2
+    # Whole on every device: input and post-attention norms, the final norm, q and k norms.
+    norms = ((2 * cfg.L + 1) * cfg.D + 2 * cfg.L * cfg.H) * 4
+    pad = 2 * (336 - 333) * cfg.D * 4  # embedding and lm_head rows
+    k_v = 2 * cfg.L * (4 - 2) * cfg.H * cfg.D * 4  # k and v projections of the repeated heads
+    assert four["weights"] * 4 == one["weights"] - norms + 4 * norms + pad + k_v
+
+
+def test_two_all_reduces_of_the_hidden_state_per_layer():
+    """Megatron's count: the embedding's sum, then per layer one after attention's
+    output projection and one after the MLP; nothing else of the hidden state's size."""
+    engine = _engine("wide", 1, 1, 4)
+    _, cfg, _, prompts = _fixture("wide")
+    laid = engine.lay_out(prompts[:1])
+    from qwen3_spmd.pipeline.prefill import PrefillInputs
+
+    inputs = engine._abstract(laid.prefill, PrefillInputs.specs())
+    hlo = (
+        engine._prefill_fn("ring")
+        .lower(engine.weights, engine._abstract_cache(laid.B), inputs)
+        .compile()
+        .as_text()
+    )
+    reduces = re.findall(r"= f32\[(\d+),(\d+),(\d+)\][^=]* all-reduce\(", hlo)
+    hidden = [s for s in reduces if int(s[2]) == cfg.D]  # [B, T, D]
+    assert len(hidden) == 2 * cfg.L + 1, reduces
+
+
+def test_two_processes_on_2x1x4():
+    """Stages across two processes, tensor devices inside each (gloo on CPU)."""
+    from test_multihost import ENV, ROOT, free_port
+
+    folder, _, ref, prompts = _fixture("wide")
+    argv = ["--model", str(folder), "--mesh", "2x1x4", "--cpu-devices", "4"]
+    argv += ["--max-new-tokens", "6", "--json"]
+    for p in prompts:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "qwen3_spmd.run", "generate", *argv]
+            + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+            + ["--process-id", str(i)],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    report = json.loads(outs[0][0])
+    assert report["mesh"] == {"stage": 2, "seq": 1, "tensor": 4}
+    assert report["stage_processes"] == [[0], [1]]
+    for i, r in enumerate(report["requests"]):
+        assert r["token_ids"] == ref[f"greedy_tokens_{i}"].tolist()[:6], i
