@@ -48,6 +48,7 @@ def server():
     argv += ["--max-batch", "4", "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1"]
     argv += ["--chunk", "4"]  # a long request takes seconds: time to disconnect, to SIGTERM
     argv += ["--precompile", "lazy"]
+    argv += ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes"]
     log = (
         open(ROOT / ".pytest_cache" / "serve.log", "w")
         if (ROOT / ".pytest_cache").is_dir()
@@ -289,6 +290,29 @@ def test_chat_prompt_tokens_are_the_template(server, client, text):
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == out.choices[0].message.content
+
+
+def test_chat_with_tools_reaches_the_parsers(server, client, text):
+    """The flags reach the server (the parsers' rules: tests/test_serve_parsers.py): the
+    message has reasoning_content, and a request with tools passes the parser's check
+    and is rendered with them (asked for too many tokens, so it is refused before the
+    model runs: a prompt of ~400 tokens would compile a prefill of its own)."""
+    messages = [  # test_chat_prompt_tokens_are_the_template's: its programs are compiled
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where does the river flow?"},
+    ]
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, extra_body=off
+    )
+    assert "reasoning_content" in out.choices[0].message.model_extra
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = _post(
+        server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 512}
+    )
+    prompt = len(text.encode(text.render(messages, True, tools=tools)))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert f"the prompt's {prompt} tokens plus max_tokens 512" in r.json()["error"]["message"]
 
 
 def test_seeded_sampling_same_alone_and_under_load(server, client):

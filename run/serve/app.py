@@ -23,8 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from qwen3_spmd.run.serve import protocol
+from qwen3_spmd.run.serve import protocol, tools
+from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
+from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
 
@@ -43,6 +45,8 @@ class ServerState:
     service: Service | None = None  # None until the model is loaded and compiled
     text: object | None = None  # run.text.Text, or None without tokenizer.json
     status: str = "loading"  # loading, ready, draining, failed
+    reasoning_parser: str | None = None  # "qwen3": thinking -> reasoning_content
+    tool_call_parser: str | None = None  # "hermes": <tool_call> -> tool_calls
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -99,7 +103,8 @@ def make_app(state: ServerState) -> FastAPI:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
         if body.stream:
-            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo))
+            pieces = lambda e, reason: ([e.text] if e.text else [], reason)
+            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces))
         out = await _collect(request, events, len(echo))
         choices = [choice(i, echo[i] + t, r, ts) for i, (t, r, ts) in enumerate(zip(*out[:3]))]
         return {**meta.head(), "choices": choices, "usage": protocol.usage(prompt_tokens, out[3])}
@@ -109,7 +114,8 @@ def make_app(state: ServerState) -> FastAPI:
         service = _ready(state, request)
         body = protocol.parse(ChatRequest, await request.body())
         _check_model(state, body.model)
-        prompt = _render_chat(state, body)
+        read_tools = tools.check_request(body.tools, body.tool_choice, state.tool_call_parser)
+        rendered, prompt = _render_chat(state, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         ask = _ask(body, None, logprobs=top)
         if body.max_completion_tokens is not None:  # the newer name wins
@@ -122,14 +128,25 @@ def make_app(state: ServerState) -> FastAPI:
             logprobs = _chat_logprobs(state, tokens, top) if top is not None else None
             return {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
 
+        def reply() -> ChatReply:  # one per choice
+            reasoning = Qwen3Reasoning.for_prompt(rendered) if state.reasoning_parser else None
+            return ChatReply(reasoning, tools.HermesToolCalls() if read_tools else None)
+
         if body.stream:
             first = [{"role": "assistant", "content": ""}] * job.n
-            return _sse(_chunks(events, meta, len(prompt), body, choice, first))
+            replies = [reply() for _ in range(job.n)]
+
+            def pieces(e, reason):
+                r = replies[e.index]
+                return r.add(e.text) + (r.end() if e.finish_reason else []), r.finish_reason(reason)
+
+            return _sse(_chunks(events, meta, len(prompt), body, choice, first, pieces))
         out = await _collect(request, events, job.n)
-        choices = [
-            choice(i, {"role": "assistant", "content": t}, r, ts, key="message")
-            for i, (t, r, ts) in enumerate(zip(*out[:3]))
-        ]
+        choices = []
+        for i, (t, r, ts) in enumerate(zip(*out[:3])):
+            whole = reply()
+            message = fold(whole.add(t) + whole.end(), reasoning=bool(state.reasoning_parser))
+            choices.append(choice(i, message, whole.finish_reason(r), ts, key="message"))
         return {**meta.head(), "choices": choices, "usage": protocol.usage(len(prompt), out[3])}
 
     return app
@@ -189,7 +206,9 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
     return [state.text.encode(p) for p in prompt]
 
 
-def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
+def _render_chat(state: ServerState, body: ChatRequest) -> tuple[str, list[int]]:
+    """The prompt as text and as token ids: the messages, and the tools, rendered with
+    the chat template."""
     if state.text is None:
         raise APIError(
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
@@ -198,13 +217,18 @@ def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
     for m in messages:  # content parts: the text ones, joined (the template takes text)
         if isinstance(m.get("content"), list):
             m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+        if m["role"] == "assistant":  # a turn of tool calls only has null content
+            m.setdefault("content", "")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools:  # as sent; Qwen3's template lists them in the system turn
+        kwargs["tools"] = body.tools
+    if body.tool_choice is not None:
+        kwargs["tool_choice"] = body.tool_choice
     try:
-        rendered = state.text.render(
-            messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
-        )
+        rendered = state.text.render(messages, body.add_generation_prompt, **kwargs)
     except TextError as e:
         raise APIError(400, str(e), "messages") from None
-    return state.text.encode(rendered)
+    return rendered, state.text.encode(rendered)
 
 
 def _ask(body, default_max_tokens: int | None, logprobs: int | None) -> Ask:
@@ -285,22 +309,31 @@ async def _chunks(
     body,
     choice: Callable[[int, object, str | None, list], dict],
     first: list,
+    pieces: Callable[[Event, str | None], tuple[list, str | None]],
 ):
     """A stream's chunks: each choice's `first` piece (the echoed prompt, the chat
     role), its deltas and finish reason, then the usage (include_usage) or, when the
-    server ended the request, an error."""
+    server ended the request, an error. pieces(event, finish reason): what to send for
+    an event (texts, or chat deltas: several, or none while a parser holds text back)
+    and the finish reason to send; an event's tokens (logprobs) go with the next chunk
+    of their choice."""
     chat = meta.object.startswith("chat")
     for i, piece in enumerate(first):
         if piece:
             yield {**meta.head(chat), "choices": [choice(i, piece, None, [])]}
-    used, failed = 0, False
+    used, failed, tokens = 0, False, [[] for _ in first]
     async with contextlib.aclosing(events):
         async for e in events:
             failed |= e.finish_reason == "error"
-            reason = None if e.finish_reason == "error" else e.finish_reason
-            if e.text or reason:
-                piece = e.text if not chat else ({"content": e.text} if e.text else {})
-                yield {**meta.head(chat), "choices": [choice(e.index, piece, reason, e.tokens)]}
+            sent, reason = pieces(e, None if e.finish_reason == "error" else e.finish_reason)
+            tokens[e.index] += e.tokens
+            if reason and not sent:
+                sent = [{} if chat else ""]
+            for k, piece in enumerate(sent):
+                last = reason if k == len(sent) - 1 else None
+                out = choice(e.index, piece, last, tokens[e.index])
+                yield {**meta.head(chat), "choices": [out]}
+                tokens[e.index] = []
             used += e.completion_tokens if e.finish_reason else 0
     if failed:
         yield SHUTDOWN.body()

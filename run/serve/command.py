@@ -102,6 +102,19 @@ def register(subparsers) -> None:
         help="seconds an idle client connection stays open; keep it above the clients' own "
         f"idle expiry (default {KEEP_ALIVE_S:g})",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3",),
+        help="qwen3: a chat reply's <think>...</think> goes to message.reasoning_content "
+        "(streamed as delta.reasoning_content), the rest to content (default: all content)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes",),
+        help="hermes (Qwen3's format): <tool_call>{...}</tool_call> in a chat reply becomes "
+        "message.tool_calls, finish_reason tool_calls (default: requests with tools are "
+        "refused unless tool_choice is none)",
+    )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument(
@@ -190,7 +203,13 @@ def _serve(args, procs, mesh_text: str, shape) -> int:
         scheduler.close()  # waits for a background compile under way
         return 0
     sock = _bind(args.host, args.port)  # before loading: a taken port fails at once
-    state = ServerState(name, args.api_key, text=text)
+    state = ServerState(
+        name,
+        args.api_key,
+        text=text,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+    )
 
     def load():
         try:

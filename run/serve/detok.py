@@ -71,7 +71,7 @@ class StopText:
         if cut >= 0:
             self.stopped, self._held = True, ""
             return pending[:cut]
-        keep = max((self._overlap(pending, s) for s in self.stops), default=0)
+        keep = max((partial_end(pending, s) for s in self.stops), default=0)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep]
 
@@ -79,10 +79,11 @@ class StopText:
         out, self._held = ("" if self.stopped else self._held), ""
         return out
 
-    @staticmethod
-    def _overlap(text: str, stop: str) -> int:
-        """The longest end of `text` that begins `stop` (shorter than all of it)."""
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                return k
-        return 0
+
+def partial_end(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (shorter than all of
+    it): text a stream must hold back until it knows whether `tag` follows."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

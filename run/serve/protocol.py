@@ -112,6 +112,8 @@ class ChatRequest(_Request):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # as sent: the template renders them
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
