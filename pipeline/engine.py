@@ -47,6 +47,7 @@ from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
 from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
 from qwen3_spmd.ring import padded_length
+from qwen3_spmd.sharding.mesh import AXES, MeshError
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
@@ -131,6 +132,11 @@ class Engine:
         flops_per_s: float | None = None,
         experts: str = "ep",
     ):
+        if tuple(mesh.axis_names) != AXES:
+            raise MeshError(
+                f"the mesh's axes are {tuple(mesh.axis_names)}, not {AXES}: build it with "
+                "qwen3_spmd.sharding.mesh.make_mesh(stage, seq, devices, tensor=X)"
+            )
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
         self.split = TensorSplit(mesh.shape["tensor"], experts)
