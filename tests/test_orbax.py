@@ -21,6 +21,7 @@ from qwen3_spmd.model.checkpoint import orbax_io as ob
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.run import conversion
 from qwen3_spmd.run.cli import main
@@ -95,6 +96,21 @@ def test_restored_state_is_bitwise_the_safetensors_state(converted, cfg, S, C):
             for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True):
                 assert ws.device == gs.device and ws.index == gs.index
                 assert np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
+
+
+def test_restored_state_on_a_tensor_mesh_is_the_safetensors_state(converted, cfg):
+    """On 2x1x2 each device's shard of each (padded) parameter, restored from orbax,
+    holds the bytes the safetensors checkpoint gives it."""
+    split = TensorSplit(2)
+    mesh, plan = make_mesh(2, 1, jax.devices()[:4], tensor=2), StagePlan(cfg.L, 2)
+    _, abstract = abstract_model(cfg, jnp.float32, split)
+    want = place_params(abstract, plan, mesh, HFCheckpoint(TINY, cfg), split)
+    got = place_params(abstract, plan, mesh, ob.OrbaxCheckpoint(converted / "f32", cfg), split)
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got), strict=True):
+        assert g.shape == w.shape and g.sharding == w.sharding
+        for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True):
+            assert ws.index == gs.index and np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
+    assert want["embed_vd"].shape == (332, cfg.D)  # 331 rows padded to a multiple of 2
 
 
 def test_read_matches_safetensors(converted, cfg):
