@@ -14,7 +14,7 @@ a comment that says what this file does with it:
     <!-- example: output of the block above -->  the block above prints this; numbers
                                              with a decimal point (timings) aside
     <!-- example: not run: REASON -->        a download, a GPU, several hosts, a fixed
-                                             port, or over a minute on 2 CPU cores
+                                             port, or 40 s or more on 2 CPU cores
 
 A block without one fails here, so no example is left unchecked by accident. Bash runs
 the bash blocks, with `qwen3-spmd` the package's script (pyproject's entry point) and
@@ -27,6 +27,7 @@ programs land in the session's compile cache (conftest.py).
 """
 
 import ast
+import difflib
 import importlib.util
 import os
 import re
@@ -35,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import tomllib
 import urllib.request
@@ -49,8 +51,8 @@ from qwen3_spmd.run.cli import build_parser
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- example: (.+?) -->$")
-FENCE = re.compile(r"^```(\w*)\s*$")
-RUNNABLE = ("bash", "python")
+FENCE = re.compile(r"^\s*```(\w*)\s*$")
+RUNNABLE = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "py": "python"}
 SERVE_FLAGS = ["--precompile", "lazy", "--max-seq-len", "128"]  # a fast start
 JOB_TIMEOUT = 240  # seconds, for one example (a served one waits for the server too)
 CLI_MODULES = ("qwen3_spmd.run", "qwen3_spmd.run.cli")
@@ -85,10 +87,12 @@ def _blocks(page: Path) -> list[Block]:
         if not m:
             i += 1
             continue
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        mark = MARKER.match(lines[i - 1]) if i else None
-        code = "\n".join(lines[i + 1 : end]) + "\n"
-        out.append(Block(page, i + 1, m.group(1), code, mark and mark.group(1), heading))
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        assert end, f"{page.name}:{i + 1}: a fence that never closes"
+        mark = MARKER.match(lines[i - 1].strip()) if i else None
+        code = textwrap.dedent("\n".join(lines[i + 1 : end]) + "\n")
+        lang = RUNNABLE.get(m.group(1), m.group(1))
+        out.append(Block(page, i + 1, lang, code, mark and mark.group(1), heading))
         i = end + 1
     return out
 
@@ -363,7 +367,8 @@ def test_example_runs(job, results):
     futures, servers = results
     done = futures[job].result()
     tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
-    assert done.returncode == 0, f"{job.where} failed ({done.returncode}):\n{tail}"
+    status = done.returncode
+    assert status == 0, f"{job.where} failed ({status}):\n{tail}"
     if job.server:
         assert done.stdout.strip(), f"{job.where} printed nothing"
         assert '"error"' not in done.stdout, f"{job.where} got an error:\n{tail}"
@@ -373,9 +378,9 @@ def test_example_runs(job, results):
     shown = [b for b in BLOCKS if _kind(b) == "output of the block above"]
     for out in shown:
         if _previous(out) in job.blocks:
-            assert _masked(done.stdout) == _masked(out.code), (
-                f"{out.where} is not what {job.where} prints now:\n{done.stdout}"
-            )
+            diff = difflib.unified_diff(_masked(out.code), _masked(done.stdout), lineterm="")
+            diff = "\n".join(list(diff)[2:30])
+            assert not diff, f"{out.where} is not what {job.where} prints now:\n{diff}"
 
 
 def _masked(text: str) -> list[str]:
