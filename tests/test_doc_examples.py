@@ -4,6 +4,10 @@ Every ```bash and ```python block in README.md and docs/*.md has, on the line ab
 a comment that says what this file does with it:
 
     <!-- example: run -->                   run as printed, from the repository root
+    <!-- example: run; it prints its closing comments -->
+                                             and the comment lines that end the block
+                                             are the lines it prints last (a note after
+                                             two spaces aside)
     <!-- example: run after PAGE#HEADING --> run in one Python process after the run
                                              block under that heading, which builds what
                                              this one uses
@@ -56,6 +60,7 @@ RUNNABLE = {"bash": "bash", "sh": "bash", "shell": "bash", "python": "python", "
 SERVE_FLAGS = ["--precompile", "lazy", "--max-seq-len", "128"]  # a fast start
 JOB_TIMEOUT = 240  # seconds, for one example (a served one waits for the server too)
 CLI_MODULES = ("qwen3_spmd.run", "qwen3_spmd.run.cli")
+CLOSING = "run; it prints its closing comments"
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def _kind(block: Block) -> str:
     for kind in ("run after ", "run against ", "not run: "):
         if m.startswith(kind):
             return kind.strip(" :")
-    if m == "run" or m.startswith("output of the block above"):
+    if m in ("run", CLOSING) or m.startswith("output of the block above"):
         return m.split(";")[0]
     return "unknown"
 
@@ -375,12 +380,30 @@ def test_example_runs(job, results):
         # the name it sends is the one the server announces
         m = re.search(r"^serving (\S+) on ", servers[job.server].log.read_text(), re.M)
         assert m and m.group(1) in job.blocks[0].code, servers[job.server].tail()
+    for b in job.blocks:
+        if b.marker == CLOSING:
+            said = _closing_comments(b.code)
+            assert said, f"{b.where}: no comment lines at its end"
+            printed = _masked(done.stdout)[-len(said) :]
+            assert printed == _masked("\n".join(said)), (
+                f"{b.where} says it prints\n{chr(10).join(said)}\nbut prints\n{tail}"
+            )
     shown = [b for b in BLOCKS if _kind(b) == "output of the block above"]
     for out in shown:
         if _previous(out) in job.blocks:
             diff = difflib.unified_diff(_masked(out.code), _masked(done.stdout), lineterm="")
             diff = "\n".join(list(diff)[2:30])
             assert not diff, f"{out.where} is not what {job.where} prints now:\n{diff}"
+
+
+def _closing_comments(code: str) -> list[str]:
+    """The comment lines that end a block, without '# ' and a note after two spaces."""
+    said = []
+    for line in reversed(code.strip().splitlines()):
+        if not line.startswith("# "):
+            break
+        said.insert(0, line[2:].split("  ")[0])
+    return said
 
 
 def _masked(text: str) -> list[str]:
