@@ -233,14 +233,17 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
+def _script() -> list[str]:
+    """The `qwen3-spmd` command: pyproject's entry point, run by this interpreter."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, func = scripts["qwen3-spmd"].partition(":")
+    return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.exit({func}())"]
+
+
 def _bash_prelude() -> str:
-    module, _, func = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"][
-        "qwen3-spmd"
-    ].partition(":")
     py = shlex.quote(sys.executable)
-    script = f"import sys; from {module} import {func}; sys.exit({func}())"
     return (
-        f'qwen3-spmd() {{ {py} -c {shlex.quote(script)} "$@"; }}\n'
+        f'qwen3-spmd() {{ {shlex.join(_script())} "$@"; }}\n'
         f'python() {{ {py} "$@"; }}\npython3() {{ {py} "$@"; }}\n'
     )
 
@@ -250,18 +253,23 @@ def _run(lang: str, code: str) -> subprocess.CompletedProcess:
         argv, stdin = ["bash", "-eo", "pipefail", "-c", _bash_prelude() + code], None
     else:
         argv, stdin = [sys.executable, "-"], code
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a timeout ends bash's children too
+    )
     try:
-        return subprocess.run(
-            argv,
-            cwd=ROOT,
-            env=_env(),
-            input=stdin,
-            capture_output=True,
-            text=True,
-            timeout=JOB_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(argv, -1, e.stdout or "", f"timed out: {e}")
+        out, err = proc.communicate(stdin, timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\ntimed out after {JOB_TIMEOUT} s"
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def _free_port() -> int:
@@ -278,14 +286,11 @@ class Server:
         self.command, self.log, self.port = command, log, _free_port()
         words = shlex.split(command)
         assert words[0] == "qwen3-spmd", f"serve with qwen3-spmd, not {command!r}"
-        argv = [sys.executable, "-m", "qwen3_spmd.run", *words[1:], "--port", str(self.port)]
-        self.proc = subprocess.Popen(
-            argv + SERVE_FLAGS,
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=open(log, "w"),
-        )
+        argv = [*_script(), *words[1:], "--port", str(self.port), *SERVE_FLAGS]
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                argv, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=f
+            )
 
     def wait(self) -> None:
         deadline = time.monotonic() + JOB_TIMEOUT
