@@ -86,7 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0: any)")
     p.add_argument(
         "--served-model-name",
-        help="the model name clients send (default: the folder's or the preset's name)",
+        help="the model name clients send (default: the hub id, the folder's or the preset's name)",
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
     p.add_argument(
