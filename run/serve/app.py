@@ -2,6 +2,7 @@
 disconnects. Everything about generating lives in `service`.
 
     GET  /health               200 when serving; 503 while loading or shutting down
+    GET  /metrics              Prometheus' text format (`metrics`); 503 until serving
     GET  /v1/models            the one served model
     POST /v1/completions       prompt: text, texts, token ids, or lists of token ids
     POST /v1/chat/completions  messages rendered with the checkpoint's chat template
@@ -20,7 +21,8 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from qwen3_spmd.run.serve import protocol
@@ -67,6 +69,13 @@ def make_app(state: ServerState) -> FastAPI:
             "waiting": service.scheduler.waiting,
             "finished": dict(service.finished),
         }
+
+    @app.get("/metrics")
+    async def metrics():  # no API key, as /health and vLLM's /metrics
+        if state.service is None:
+            return JSONResponse({"status": state.status}, status_code=503)
+        registry = state.service.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):

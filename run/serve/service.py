@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
+from qwen3_spmd.run.serve.metrics import Metrics
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
 
 SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
@@ -109,6 +111,7 @@ class Choice:
 
     def __init__(self, index: int, handle: Handle, job: Job, decode):
         self.index, self.handle, self.job = index, handle, job
+        self.submitted = time.perf_counter()
         self.detok = Detokenizer(decode)
         self.stop = StopText(job.stops)
         self.count = 0  # tokens taken (the one that ended the choice included)
@@ -154,6 +157,7 @@ class Service:
         # Choices ended, by finish reason ("cancelled": their client went away).
         self.finished: collections.Counter[str] = collections.Counter()
         self._aborted: set[Handle] = set()
+        self.metrics = Metrics(self)  # GET /metrics
 
     # ---- checks ------------------------------------------------------------------------
 
@@ -266,6 +270,7 @@ class Service:
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
         except QueueFull as e:
             self.cancel(choices)
+            self.metrics.rejected("queue_full")
             raise self.unavailable(in_flags(e), "queue_full") from None  # the server's flag
         except RequestError as e:
             self.cancel(choices)
@@ -288,18 +293,20 @@ class Service:
         cancelled when the caller stops reading (a disconnect)."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
         tasks = [asyncio.create_task(self._follow(c, queue)) for c in choices]
-        left = len(choices)
+        running = {c.index: c for c in choices}
         try:
-            while left:
+            while running:
                 event = await queue.get()
                 if event.finish_reason is not None:
-                    left -= 1
                     self.finished[event.finish_reason] += 1
+                    self.metrics.ended(running.pop(event.index), event.finish_reason)
                 yield event
         finally:
             for t in tasks:
                 t.cancel()
-            self.finished["cancelled"] += left
+            self.finished["cancelled"] += len(running)
+            for c in running.values():
+                self.metrics.ended(c, "cancelled")
             self.cancel([c for c in choices if not c.handle.done])
 
     async def _follow(self, choice: Choice, queue: asyncio.Queue) -> None:
