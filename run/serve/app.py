@@ -18,18 +18,21 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from qwen3_spmd.run.serve import protocol
 from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
 
+_log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks its client
 SHUTDOWN = APIError(
     503, "the server ended the request before it finished (shutdown, or an engine error)"
@@ -57,6 +60,13 @@ def make_app(state: ServerState) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect):
+        # Normal traffic, not a server error: a line at INFO rather than uvicorn's
+        # "Exception in ASGI application" traceback. No one reads the answer.
+        _log.info("%s %s: the client left mid-body", request.method, request.url.path)
+        return JSONResponse(_client_gone().body(), 400)
 
     @app.get("/health")
     async def health():
@@ -145,6 +155,10 @@ def make_app(state: ServerState) -> FastAPI:
 
 
 # ---- checks ------------------------------------------------------------------------------
+
+
+def _client_gone() -> APIError:
+    return APIError(400, "the client disconnected", None, "client_disconnected")
 
 
 def _ready(state: ServerState, request: Request) -> Service:
@@ -270,7 +284,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            raise APIError(400, "the client disconnected", None, "client_disconnected")
+            raise _client_gone()
     task.result()
     if "error" in reasons:
         raise SHUTDOWN
