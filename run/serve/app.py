@@ -218,13 +218,24 @@ def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    for m in messages:  # content parts: the text ones, joined (the template takes text)
+    for i, m in enumerate(
+        messages
+    ):  # content parts: the text ones, joined (the template takes text)
         if isinstance(m.get("content"), list):
-            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+            texts = [p.get("text", "") for p in m["content"]]
+            j = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+            if j is not None:
+                param = f"messages.{i}.content.{j}.text"
+                raise APIError(400, f"{param} must be a string", param, "invalid_value")
+            m["content"] = "".join(texts)
+    # The body's own fields win over chat_template_kwargs of the same names.
+    kwargs = {
+        k: v
+        for k, v in (body.chat_template_kwargs or {}).items()
+        if k not in ("messages", "add_generation_prompt")
+    }
     try:
-        rendered = state.text.render(
-            messages, body.add_generation_prompt, **(body.chat_template_kwargs or {})
-        )
+        rendered = state.text.render(messages, body.add_generation_prompt, **kwargs)
     except TextError as e:
         raise APIError(400, str(e), "messages") from None
     return state.text.encode(rendered)

@@ -209,13 +209,16 @@ class Service:
         try:
             sampling = Sampling(
                 temperature=d.temperature if ask.temperature is None else ask.temperature,
-                top_k=d.top_k if ask.top_k is None else max(ask.top_k, 0),
+                # Past the vocabulary, top-k keeps every token: the same as off (and
+                # no int32 overflow on the device).
+                top_k=d.top_k if ask.top_k is None else min(max(ask.top_k, 0), s.vocab),
                 top_p=d.top_p if ask.top_p is None else ask.top_p,
             )
         except SamplingError as e:
             raise _invalid(e) from None
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
+        min_tokens = min(min_tokens, max(budgets))  # past the budget it holds back nothing more
         if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
             raise APIError(
                 400, f"logprobs {ask.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
