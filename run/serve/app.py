@@ -218,9 +218,8 @@ def _render_chat(state: ServerState, body: ChatRequest) -> list[int]:
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    for i, m in enumerate(
-        messages
-    ):  # content parts: the text ones, joined (the template takes text)
+    # Content parts: their texts, joined (the template takes text).
+    for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):
             texts = [p.get("text", "") for p in m["content"]]
             j = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
