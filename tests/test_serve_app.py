@@ -136,6 +136,13 @@ def test_metrics_move_by_exactly_the_load(serve, engine):
     assert not math.isnan(after[(P + "engine_compile_wait_seconds_total", ())])
 
 
+def test_metrics_wait_for_the_model():
+    """While loading there is no service to count: 503, as /health says."""
+    client = TestClient(make_app(ServerState("tiny")))
+    r = client.get("/metrics")
+    assert r.status_code == 503 and r.json() == {"status": "loading"}
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 
