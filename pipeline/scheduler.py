@@ -306,6 +306,12 @@ class Scheduler:
         with self._lock:
             return self._queued
 
+    @property
+    def rows_busy(self) -> int:
+        """Rows holding a request or a long prompt being prefilled, as of the last round."""
+        with self._lock:
+            return self.B - self._free_count
+
     # ---- the rounds' driver: the caller, or a background thread ----------------------
 
     def start(self) -> None:

@@ -122,7 +122,7 @@ class Text:
                     "add_generation_prompt": add_generation_prompt,
                 }
             )
-        except TemplateError as e:
+        except Exception as e:  # TemplateError, or a TypeError on a message's odd field
             raise TextError(f"the chat template of this checkpoint failed ({e})") from None
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from qwen3_spmd.run.text import Text
 
@@ -576,9 +577,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def test_two_processes_serve_as_one(reference, text):
-    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP, process
-    1 follows its decisions; the completions equal transformers' tokens; SIGTERM to both
-    (as a job scheduler sends it) drains and both exit 0."""
+    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP and
+    /metrics, process 1 follows its decisions; the completions equal transformers'
+    tokens; SIGTERM to both (as a job scheduler sends it) drains and both exit 0."""
     port = _free_port()
     procs = _two_process_server(port, _free_port())
     try:
@@ -593,6 +594,15 @@ def test_two_processes_serve_as_one(reference, text):
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             for got, want in pool.map(ask, range(3)):
                 assert got == want
+        # Process 0 serves /metrics: the job's requests (the warm-up went around them).
+        scraped = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+        value = {
+            s.name: s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+        }
+        assert value["qwen3_spmd:prompt_tokens_total"] == sum(len(p) for p, _ in reference[:3])
+        assert value["qwen3_spmd:generation_tokens_total"] == sum(len(t) for _, t in reference[:3])
         for p in procs:
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr.read() for p in procs]

@@ -2,6 +2,7 @@
 disconnects. Everything about generating lives in `service`.
 
     GET  /health               200 when serving; 503 while loading or shutting down
+    GET  /metrics              Prometheus' text format (`metrics`); 503 until serving
     GET  /v1/models            the one served model
     POST /v1/completions       prompt: text, texts, token ids, or lists of token ids
     POST /v1/chat/completions  messages rendered with the checkpoint's chat template
@@ -17,11 +18,14 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from qwen3_spmd.run.serve import protocol, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
@@ -30,6 +34,7 @@ from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
 
+_log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks its client
 SHUTDOWN = APIError(
     503, "the server ended the request before it finished (shutdown, or an engine error)"
@@ -60,6 +65,13 @@ def make_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, e: ClientDisconnect):
+        # Normal traffic, not a server error: a line at INFO rather than uvicorn's
+        # "Exception in ASGI application" traceback. No one reads the answer.
+        _log.info("%s %s: the client left mid-body", request.method, request.url.path)
+        return JSONResponse(_client_gone().body(), 400)
+
     @app.get("/health")
     async def health():
         if state.status != "ready":
@@ -71,6 +83,13 @@ def make_app(state: ServerState) -> FastAPI:
             "waiting": service.scheduler.waiting,
             "finished": dict(service.finished),
         }
+
+    @app.get("/metrics")
+    async def metrics():  # no API key, as /health and vLLM's /metrics
+        if state.service is None:
+            return JSONResponse({"status": state.status}, status_code=503)
+        registry = state.service.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -155,6 +174,10 @@ def make_app(state: ServerState) -> FastAPI:
 # ---- checks ------------------------------------------------------------------------------
 
 
+def _client_gone() -> APIError:
+    return APIError(400, "the client disconnected", None, "client_disconnected")
+
+
 def _ready(state: ServerState, request: Request) -> Service:
     """The service, once the key is right and the server serves (else 401 or 503)."""
     if state.api_key is not None:
@@ -214,12 +237,23 @@ def _render_chat(state: ServerState, body: ChatRequest) -> tuple[str, list[int]]
             400, "this checkpoint has no tokenizer.json: use /v1/completions with token ids"
         )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    for m in messages:  # content parts: the text ones, joined (the template takes text)
+    # Content parts: their texts, joined (the template takes text).
+    for i, m in enumerate(messages):
         if isinstance(m.get("content"), list):
-            m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))
+            texts = [p.get("text", "") if isinstance(p, dict) else "" for p in m["content"]]
+            j = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+            if j is not None:
+                param = f"messages.{i}.content.{j}.text"
+                raise APIError(400, f"{param} must be a string", param, "invalid_value")
+            m["content"] = "".join(texts)
         if m["role"] == "assistant":  # a turn of tool calls only has null content
             m.setdefault("content", "")
-    kwargs = dict(body.chat_template_kwargs or {})
+    # The body's own fields win over chat_template_kwargs of the same names.
+    kwargs = {
+        k: v
+        for k, v in (body.chat_template_kwargs or {}).items()
+        if k not in ("messages", "add_generation_prompt")
+    }
     if body.tools:  # as sent; Qwen3's template lists them in the system turn
         kwargs["tools"] = body.tools
     if body.tool_choice is not None:
@@ -285,7 +319,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            raise APIError(400, "the client disconnected", None, "client_disconnected")
+            raise _client_gone()
     task.result()
     if "error" in reasons:
         raise SHUTDOWN

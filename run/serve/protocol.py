@@ -120,14 +120,55 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     """A request body -> the model, or a 400 naming what is wrong."""
     try:
         body = json.loads(raw)
+        where = _not_text(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the body is not valid JSON ({e})", None, "invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+    if where is not None:
+        param = ".".join(where)
+        raise APIError(
+            400,
+            f"{param}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+            "which is not text: send valid Unicode",
+            param,
+            "invalid_value",
+        )
     try:
         return model.model_validate(body)
     except ValidationError as e:
         raise APIError.from_validation(e) from None
+
+
+def _not_text(value, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The path to the first string of a JSON value (keys too) that is not text: one
+    holding a lone surrogate, which JSON's escapes can spell but no tokenizer or UTF-8
+    encoder takes. A key that is not text is named by its escaped spelling."""
+    if isinstance(value, str):
+        return None if value.isascii() or _utf8(value) else path
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((str(i), v) for i, v in enumerate(value))
+    else:
+        return None
+    for key, v in items:
+        if not _utf8(key):
+            return (*path, key.encode("utf-8", "backslashreplace").decode())
+        found = _not_text(v, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def new_id(prefix: str) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
+from qwen3_spmd.run.serve.metrics import Metrics
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
 
 SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
@@ -109,6 +111,7 @@ class Choice:
 
     def __init__(self, index: int, handle: Handle, job: Job, decode):
         self.index, self.handle, self.job = index, handle, job
+        self.submitted = time.perf_counter()
         self.detok = Detokenizer(decode)
         self.stop = StopText(job.stops)
         self.count = 0  # tokens taken (the one that ended the choice included)
@@ -154,6 +157,7 @@ class Service:
         # Choices ended, by finish reason ("cancelled": their client went away).
         self.finished: collections.Counter[str] = collections.Counter()
         self._aborted: set[Handle] = set()
+        self.metrics = Metrics(self)  # GET /metrics
 
     # ---- checks ------------------------------------------------------------------------
 
@@ -205,13 +209,16 @@ class Service:
         try:
             sampling = Sampling(
                 temperature=d.temperature if ask.temperature is None else ask.temperature,
-                top_k=d.top_k if ask.top_k is None else max(ask.top_k, 0),
+                # Past the vocabulary, top-k keeps every token: the same as off (and
+                # no int32 overflow on the device).
+                top_k=d.top_k if ask.top_k is None else min(max(ask.top_k, 0), s.vocab),
                 top_p=d.top_p if ask.top_p is None else ask.top_p,
             )
         except SamplingError as e:
             raise _invalid(e) from None
         if min_tokens < 0:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
+        min_tokens = min(min_tokens, max(budgets))  # past the budget it holds back nothing more
         if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
             raise APIError(
                 400, f"logprobs {ask.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
@@ -266,6 +273,7 @@ class Service:
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
         except QueueFull as e:
             self.cancel(choices)
+            self.metrics.rejected("queue_full")
             raise self.unavailable(in_flags(e), "queue_full") from None  # the server's flag
         except RequestError as e:
             self.cancel(choices)
@@ -288,18 +296,20 @@ class Service:
         cancelled when the caller stops reading (a disconnect)."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
         tasks = [asyncio.create_task(self._follow(c, queue)) for c in choices]
-        left = len(choices)
+        running = {c.index: c for c in choices}
         try:
-            while left:
+            while running:
                 event = await queue.get()
                 if event.finish_reason is not None:
-                    left -= 1
                     self.finished[event.finish_reason] += 1
+                    self.metrics.ended(running.pop(event.index), event.finish_reason)
                 yield event
         finally:
             for t in tasks:
                 t.cancel()
-            self.finished["cancelled"] += left
+            self.finished["cancelled"] += len(running)
+            for c in running.values():
+                self.metrics.ended(c, "cancelled")
             self.cancel([c for c in choices if not c.handle.done])
 
     async def _follow(self, choice: Choice, queue: asyncio.Queue) -> None:
