@@ -387,7 +387,9 @@ def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) 
     """Both load paths on each mesh, each in a fresh process; prints one line per load."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     results = []
-    for stage, seq, tensor in meshes:
+    from qwen3_spmd.sharding.mesh import MeshShape
+
+    for stage, seq, tensor in (MeshShape(*m) for m in meshes):  # (S, C) or (S, C, X)
         for folder in (hf_folder, orbax_folder):
             code = (
                 "import json, sys; from qwen3_spmd.run.convert import measure_load; "
