@@ -8,9 +8,11 @@
 - Embedding and lm_head by vocabulary rows (V'/X): the lookup takes a device's own
   rows (zeros elsewhere) and a `psum`; the logits stay split (pipeline.sampling gathers
   what its rule needs).
-- Experts: "ep" gives each device E/X whole experts (each device computes the routed
-  pairs of its own experts, the rest weigh zero); "tp" splits every expert's columns
-  as the dense MLP's. Either ends in the MLP's one `psum`.
+- Experts: "tp" (the default) splits every expert's columns as the dense MLP's, so every
+  device does 1/X of each chosen expert's work; "ep" gives each device E/X whole
+  experts (each device computes the routed pairs of its own experts, the rest weigh
+  zero, which only the looped decode formulation skips). Either ends in the MLP's one
+  `psum`.
 
 The placed model's sizes are the checkpoint's where they divide evenly and are padded
 otherwise (`fit` makes a checkpoint array of the placed shape):
@@ -51,7 +53,7 @@ class TensorSplit:
     """The `tensor` axis as the model sees it: its size X and its name in the mesh."""
 
     size: int = 1  # X
-    experts: str = "ep"  # Qwen3-MoE: "ep" whole experts per device, "tp" each expert split
+    experts: str = "tp"  # Qwen3-MoE: "tp" each expert split by columns, "ep" whole experts
     axis: str = "tensor"
 
     def __post_init__(self):

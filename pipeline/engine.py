@@ -107,8 +107,8 @@ class Engine:
       cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
         the N query heads) or "auto" (per batch, the smaller time of
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
-      experts: Qwen3-MoE over `tensor`: "ep" whole experts per device, "tp" every
-        expert's columns split (model.split).
+      experts: Qwen3-MoE over `tensor`: "tp" every expert's columns split (default),
+        "ep" whole experts per device (model.split).
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
         collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
         cp_cost.nominal for the platform; bench measures them). On CPU the throughput
@@ -130,7 +130,7 @@ class Engine:
         cp: str = "ring",
         link_bytes_per_s: float | dict | None = None,
         flops_per_s: float | None = None,
-        experts: str = "ep",
+        experts: str = "tp",
     ):
         if tuple(mesh.axis_names) != AXES:
             raise MeshError(

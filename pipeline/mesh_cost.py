@@ -71,7 +71,7 @@ class Load:
     dtype: str = "bfloat16"
 
 
-def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str = "ep"):
+def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str = "tp"):
     """Every S x C x X of `devices` the model splits over: X inside a host (X divides the
     devices of one), S at most the layers."""
     per_host = devices // hosts

@@ -181,10 +181,11 @@ def add_expert_split(parser) -> None:
     """--expert-split: how Qwen3-MoE's experts share the `tensor` axis (model.split)."""
     parser.add_argument(
         "--expert-split",
-        default="ep",
+        default="tp",
         choices=("ep", "tp"),
-        help="Qwen3-MoE over the tensor axis: ep gives each device E/X whole experts, "
-        "tp splits every expert's columns (default ep)",
+        help="Qwen3-MoE over the tensor axis: tp splits every expert's columns (1/X of "
+        "each chosen expert's work on every device), ep gives each device E/X whole "
+        "experts (default tp)",
     )
 
 

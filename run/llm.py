@@ -117,7 +117,7 @@ class LLM:
         chunk: int = 16,
         microbatches: int = 1,
         cp: str = "ring",
-        experts: str = "ep",
+        experts: str = "tp",
     ):
         import jax.numpy as jnp
 

@@ -38,7 +38,7 @@ def bytes_per_device(
     batch: int = 1,
     max_seq_len: int = 0,
     tensor: int = 1,
-    experts: str = "ep",
+    experts: str = "tp",
 ) -> dict[str, int]:
     """{'weights', 'kv', 'total'}: bytes on one device (every device holds the same)."""
     mesh = AbstractMesh((stages, seq, tensor), AXES)
@@ -72,7 +72,7 @@ def _cli():
     p = argparse.ArgumentParser(prog="python -m qwen3_spmd.sharding.footprint")
     p.add_argument("--model", default="235B-A22B", choices=list(PRESETS))
     p.add_argument("--meshes", default="4x2,8x2,8x1x8,2x1x8")
-    p.add_argument("--expert-split", default="ep", choices=("ep", "tp"))
+    p.add_argument("--expert-split", default="tp", choices=("ep", "tp"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=32768)

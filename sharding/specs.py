@@ -46,7 +46,7 @@ EXPERT_AXIS = {
 }
 
 
-def param_spec(path: tuple[str, ...], experts: str = "ep") -> P:
+def param_spec(path: tuple[str, ...], experts: str = "tp") -> P:
     """The spec of a parameter by its NNX state path: layers over `stage`, and the axis
     `tensor` splits (none for norms and the router)."""
     axes = {**TENSOR_AXIS, **EXPERT_AXIS[experts]}

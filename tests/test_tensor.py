@@ -46,7 +46,7 @@ def _fixture(name):
 _ENGINES: dict[tuple, Engine] = {}
 
 
-def _engine(name, S, C, X, cp="ring", experts="ep") -> Engine:
+def _engine(name, S, C, X, cp="ring", experts="tp") -> Engine:
     key = (name, S, C, X, cp, experts)
     if key not in _ENGINES:
         folder, cfg, _, _ = _fixture(name)
@@ -165,8 +165,8 @@ def test_refusals_name_the_sizes_that_fit():
         TensorSplit(3).check(tiny)
     six = Qwen3Config(**{**moe.__dict__, "num_experts": 6})
     with pytest.raises(TensorError, match=r"its 6 experts .* 'tp'\); use a tensor size of 1, 2$"):
-        TensorSplit(4).check(six)
-    TensorSplit(4, experts="tp").check(six)  # split by columns, any count of experts fits
+        TensorSplit(4, experts="ep").check(six)
+    TensorSplit(4).check(six)  # split by columns (the default), any count of experts fits
     with pytest.raises(TensorError, match="tensor 4: its 6 query heads"):
         Engine(
             tiny,
