@@ -1,12 +1,25 @@
 """Test references: float64 numpy computations that the sharded and fused paths are
 checked against, and the fixture folders."""
 
+import functools
 from pathlib import Path
 
 import numpy as np
 
+from qwen3_spmd.model.config import Qwen3Config
+
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny"
+
+
+@functools.cache
+def fixture(name: str):
+    """(folder, config, reference.npz, prompts as lists) of fixture `name`."""
+    folder = FIXTURES / name
+    cfg = Qwen3Config.from_hf(folder)
+    ref = np.load(folder / "reference.npz")
+    prompts = [ref[f"prompt_{i}"].tolist() for i in range(int(ref["num_prompts"]))]
+    return folder, cfg, ref, prompts
 
 
 def dense_attention(q, k, v, q_pos, k_pos, scale):

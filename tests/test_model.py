@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from reference import FIXTURES, right_padded
+from reference import fixture, right_padded
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, load_model
-from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.stack import forward
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.programs import Programs
@@ -29,18 +28,9 @@ TOL = 1e-4
 
 
 @functools.cache
-def _fixture(name):
-    folder = FIXTURES / name
-    cfg = Qwen3Config.from_hf(folder)
-    ref = np.load(folder / "reference.npz")
-    prompts = [ref[f"prompt_{i}"].tolist() for i in range(int(ref["num_prompts"]))]
-    return folder, cfg, ref, prompts
-
-
-@functools.cache
 def _forward_fn(name):
     """Jitted full forward (dense attention, no cache) of the loaded fixture."""
-    folder, cfg, _, _ = _fixture(name)
+    folder, cfg, _, _ = fixture(name)
     graphdef, state = nnx.split(load_model(folder, cfg, jnp.float32))
     fn = jax.jit(
         lambda st, tokens, positions: forward(nnx.merge(graphdef, st), cfg, tokens, positions)
@@ -54,7 +44,7 @@ def _forward_fn(name):
 def _greedy_by_recomputation(name):
     """8 greedy tokens per prompt, each step a full forward pass over prompt + tokens so
     far. Returns (tokens [n, 8], logits [n, 8, V] at each step, full sequences)."""
-    _, cfg, ref, prompts = _fixture(name)
+    _, cfg, ref, prompts = fixture(name)
     steps = int(ref["max_new_tokens"])
     seqs = [list(p) for p in prompts]
     width = max(len(p) for p in prompts) + steps
@@ -72,7 +62,7 @@ def _greedy_by_recomputation(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_logits_match_transformers(name):
-    _, cfg, ref, prompts = _fixture(name)
+    _, cfg, ref, prompts = fixture(name)
     tokens, positions = right_padded(prompts)
     logits = _forward_fn(name)(tokens, positions)
     assert logits.dtype == np.float32 and logits.shape == (*tokens.shape, cfg.V)
@@ -89,14 +79,14 @@ def test_prefill_logits_match_transformers(name):
 
 
 def test_yarn_prompts_run_past_the_original_window():
-    _, cfg, _, prompts = _fixture("yarn")
+    _, cfg, _, prompts = fixture("yarn")
     assert cfg.rope_scaling is not None
     assert all(len(p) > cfg.rope_scaling.original_max_position_embeddings for p in prompts)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_by_full_recomputation_matches_transformers(name):
-    _, _, ref, prompts = _fixture(name)
+    _, _, ref, prompts = fixture(name)
     tokens, logits, _ = _greedy_by_recomputation(name)
     for i in range(len(prompts)):
         np.testing.assert_array_equal(tokens[i], ref[f"greedy_tokens_{i}"], err_msg=f"{name} {i}")
@@ -108,7 +98,7 @@ def test_greedy_by_full_recomputation_matches_transformers(name):
 
 @functools.cache
 def _engine_run(name, dtype=jnp.float32):
-    folder, cfg, ref, prompts = _fixture(name)
+    folder, cfg, ref, prompts = fixture(name)
     eng = Engine(
         cfg,
         HFCheckpoint(folder, cfg),
@@ -122,7 +112,7 @@ def _engine_run(name, dtype=jnp.float32):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_tokens_match_transformers(name):
-    _, _, ref, prompts = _fixture(name)
+    _, _, ref, prompts = fixture(name)
     out = _engine_run(name)
     assert len(out.completions) == len(prompts)
     for i, c in enumerate(out.completions):
@@ -135,7 +125,7 @@ def test_engine_greedy_tokens_match_transformers(name):
 def test_cached_decode_equals_a_full_forward_pass(name):
     """Request 0's logits at every step: prefill, then decode from the KV cache, against a
     full forward pass (no cache) over the prompt and the tokens generated so far."""
-    _, cfg, ref, _ = _fixture(name)
+    _, cfg, ref, _ = fixture(name)
     out = _engine_run(name)
     _, full_logits, _ = _greedy_by_recomputation(name)
     steps = int(ref["max_new_tokens"])
@@ -145,7 +135,7 @@ def test_cached_decode_equals_a_full_forward_pass(name):
 
 
 def test_engine_layout_and_timing_on_one_device():
-    _, _, ref, prompts = _fixture("tiny")
+    _, _, ref, prompts = fixture("tiny")
     out = _engine_run("tiny")
     assert out.layout["batch"] == len(prompts) and out.layout["requests"] == len(prompts)
     assert out.layout["decode_steps"] == int(ref["max_new_tokens"]) - 1
@@ -165,7 +155,7 @@ def test_bfloat16_engine_is_finite_and_agrees_where_robust():
     are: finite logits, step-0 logits within 0.25 (5x the measured error), and the same
     first token where the float32 gap exceeds 0.4 (prompt 2).
     """
-    _, _, ref, prompts = _fixture("tiny")
+    _, _, ref, prompts = fixture("tiny")
     out16 = _engine_run("tiny", jnp.bfloat16)
     out32 = _engine_run("tiny")
     assert out16.first_logits.dtype == np.float32
@@ -186,7 +176,7 @@ def test_decode_program_compiled_ahead_is_collected():
     while the prefill compiles and runs. A call that never decodes (every request stops
     at its first token) leaves it pending; the next call collects it, once, and gives
     the reference tokens with it."""
-    folder, cfg, ref, prompts = _fixture("tiny")
+    folder, cfg, ref, prompts = fixture("tiny")
     eng = Engine(
         cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]), max_seq_len=128, chunk=4
     )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from reference import FIXTURES
+from reference import FIXTURES, fixture
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
@@ -35,21 +35,13 @@ TOL = 1e-4
 SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9)
 
 
-def _fixture(name):
-    folder = FIXTURES / name
-    cfg = Qwen3Config.from_hf(folder)
-    ref = np.load(folder / "reference.npz")
-    prompts = [ref[f"prompt_{i}"].tolist() for i in range(int(ref["num_prompts"]))]
-    return folder, cfg, ref, prompts
-
-
 _ENGINES: dict[tuple, Engine] = {}
 
 
 def _engine(name, S, C, X, cp="ring", experts="tp") -> Engine:
     key = (name, S, C, X, cp, experts)
     if key not in _ENGINES:
-        folder, cfg, _, _ = _fixture(name)
+        folder, cfg, _, _ = fixture(name)
         mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
         _ENGINES[key] = Engine(
             cfg, HFCheckpoint(folder, cfg), mesh, max_seq_len=64, chunk=4, cp=cp, experts=experts
@@ -58,7 +50,7 @@ def _engine(name, S, C, X, cp="ring", experts="tp") -> Engine:
 
 
 def _check_against_transformers(engine: Engine, name: str):
-    _, _, ref, prompts = _fixture(name)
+    _, _, ref, prompts = fixture(name)
     gen = engine.generate(prompts, int(ref["max_new_tokens"]))
     for i, c in enumerate(gen.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
@@ -100,7 +92,7 @@ def test_moe_experts_over_tensor_match_transformers(mesh):
 def test_seeded_sampling_is_the_single_devices():
     """Temperature, top-k and top-p together: the logits of a row are gathered before the
     filters, so 2x1x4 draws exactly the tokens of 1x1 with the same keys."""
-    _, _, ref, prompts = _fixture("wide")
+    _, _, ref, prompts = fixture("wide")
     runs = [
         _engine("wide", *mesh).generate(prompts[:2], 8, sampling=SAMPLED, seed=3)
         for mesh in ((1, 1, 1), (2, 1, 4))
@@ -141,7 +133,7 @@ def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
 def test_continuous_batching_on_2x1x2_gives_each_request_its_tokens():
     """A request joins while another decodes, over the two decode groups of the 2
     stages: each request's tokens are the ones transformers gives it alone."""
-    _, _, ref, prompts = _fixture("wide")
+    _, _, ref, prompts = fixture("wide")
     budgets = [8, 5]
     sched = Scheduler(_engine("wide", 2, 1, 2), max_batch=2, prefill_tokens=16)
     handles = [sched.submit(prompts[0], Params(budgets[0]))]
@@ -154,9 +146,9 @@ def test_continuous_batching_on_2x1x2_gives_each_request_its_tokens():
 
 
 def test_refusals_name_the_sizes_that_fit():
-    _, wide, _, _ = _fixture("wide")  # N = 8, K = 2
-    _, tiny, _, _ = _fixture("tiny")  # N = 6, K = 2
-    _, moe, _, _ = _fixture("moe")  # N = 4, K = 2, E = 8
+    _, wide, _, _ = fixture("wide")  # N = 8, K = 2
+    _, tiny, _, _ = fixture("tiny")  # N = 6, K = 2
+    _, moe, _, _ = fixture("moe")  # N = 4, K = 2, E = 8
     with pytest.raises(TensorError, match=r"^tensor 3: its 8 query heads .* 1, 2, 4, 8$"):
         TensorSplit(3).check(wide)
     with pytest.raises(
@@ -180,7 +172,7 @@ def test_a_mesh_of_two_axes_is_refused_in_words():
 
     from qwen3_spmd.sharding.mesh import MeshError
 
-    folder, cfg, _, _ = _fixture("tiny")
+    folder, cfg, _, _ = fixture("tiny")
     two = jax.make_mesh(
         (1, 1), ("stage", "seq"), devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * 2
     )
@@ -201,7 +193,7 @@ def test_per_device_bytes_are_the_footprints():
     """Weights and KV cache per device as placed equal `sharding.footprint` (repeated KV
     heads and padding counted), and split 1/(S*X) of the single device's but for the
     whole norms and the repeats."""
-    _, cfg, _, prompts = _fixture("wide")
+    _, cfg, _, prompts = fixture("wide")
     sizes = {}
     for mesh in ((1, 1, 1), (1, 1, 4), (2, 1, 4)):
         S, C, X = mesh
@@ -225,7 +217,7 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
     """Megatron's count: the embedding's sum, then per layer one after attention's
     output projection and one after the MLP; nothing else of the hidden state's size."""
     engine = _engine("wide", 1, 1, 4)
-    _, cfg, _, prompts = _fixture("wide")
+    _, cfg, _, prompts = fixture("wide")
     laid = engine.lay_out(prompts[:1])
     from qwen3_spmd.pipeline.prefill import PrefillInputs
 
@@ -245,7 +237,7 @@ def test_two_processes_on_2x1x4():
     """Stages across two processes, tensor devices inside each (gloo on CPU)."""
     from test_multihost import ENV, ROOT, free_port
 
-    folder, _, ref, prompts = _fixture("wide")
+    folder, _, ref, prompts = fixture("wide")
     argv = ["--model", str(folder), "--mesh", "2x1x4", "--cpu-devices", "4"]
     argv += ["--max-new-tokens", "6", "--json"]
     for p in prompts:
