@@ -411,9 +411,18 @@ def _closing_comments(code: str) -> list[str]:
     return said
 
 
+# What a second run adds to a command's timing line: how many of its programs the compile
+# cache held, which depends on what ran before in the session, as the timings do.
+CACHE_NOTE = re.compile(r" \(\d+ programs? read from the compile cache\)")
+
+
 def _masked(text: str) -> list[str]:
-    """Lines without trailing blanks, numbers with a decimal point as '#'."""
-    lines = [re.sub(r"\d+\.\d+(e[-+]?\d+)?", "#", ln).rstrip() for ln in text.splitlines()]
+    """Lines without trailing blanks, numbers with a decimal point as '#', the compile
+    cache's note left out."""
+    lines = [
+        CACHE_NOTE.sub("", re.sub(r"\d+\.\d+(e[-+]?\d+)?", "#", ln)).rstrip()
+        for ln in text.splitlines()
+    ]
     while lines and not lines[-1]:
         lines.pop()
     return lines
