@@ -46,6 +46,31 @@ jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+# The longest modules (many engines, servers, 2-process runs), longest first. The two
+# xdist workers (pyproject's addopts: --dist loadfile --no-loadscope-reorder) take
+# whole modules in collection order, each its next when it is almost done, so the long
+# ones start early and the many short ones fill in at the end, which both workers
+# then reach at about the same time. A module not named here keeps its place after them.
+LONGEST_FIRST = [
+    "test_scheduler.py",
+    "test_moe.py",
+    "test_engine_mesh.py",
+    "test_tensor.py",
+    "test_serve.py",
+    "test_bench.py",
+    "test_doc_examples.py",
+    "test_multihost.py",
+    "test_cli.py",
+    "test_orbax.py",
+    "test_serve_app.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _compile_cache_in_use():
     """JAX decides once per process, at its first compile, whether the process uses

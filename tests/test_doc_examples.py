@@ -37,7 +37,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from qwen3_spmd.run.cli import build_parser
 
@@ -272,18 +272,12 @@ def _run(lang: str, code: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """One server for the examples that run against it, started with the pages'
     command plus a free port and a fast start."""
 
     def __init__(self, command: str, log: Path):
-        self.command, self.log, self.port = command, log, _free_port()
+        self.command, self.log, self.port = command, log, free_port()
         words = shlex.split(command)
         assert words[0] == "qwen3-spmd", f"serve with qwen3-spmd, not {command!r}"
         argv = [*_script(), *words[1:], "--port", str(self.port), *SERVE_FLAGS]

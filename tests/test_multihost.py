@@ -8,13 +8,13 @@ of start-up and compilation, so runs are few and requests short.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from ports import free_port
 from reference import TINY
 from safetensors import safe_open
 
@@ -25,12 +25,6 @@ REF = np.load(TINY / "reference.npz")
 PROMPTS = [REF[f"prompt_{i}"].tolist() for i in range(3)]
 NEW = 8
 ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(argv, **popen) -> subprocess.Popen:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ports import free_port
 from reference import TINY
 
 from qwen3_spmd.model.checkpoint import orbax_io as ob
@@ -299,11 +300,7 @@ print("RESULT", same, orb.bytes_read, hf.bytes_read, flush=True)
 
 
 def test_two_processes_each_restore_only_their_stages(converted, cfg):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(

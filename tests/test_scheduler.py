@@ -7,6 +7,7 @@ import asyncio
 import jax
 import numpy as np
 import pytest
+from ports import free_port
 from reference import TINY
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
@@ -348,7 +349,6 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
     the other follows its rounds; every request's tokens are those it gets alone."""
     import json
     import os
-    import socket
     import subprocess
     import sys
 
@@ -361,9 +361,7 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
         ],
         [(rng.integers(0, cfg.V, 9).tolist(), 12, 0.0)],
     ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [str(port), str(TINY), mesh, json.dumps(waves)]
     procs = [

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from qwen3_spmd.run.text import Text
@@ -34,15 +35,9 @@ MAX_QUEUE = 4
 TIMEOUT = 120  # seconds, per request
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "2x2", "--cpu-devices", "4", "--port", str(port), "--api-key", KEY]
@@ -580,8 +575,8 @@ def test_two_processes_serve_as_one(reference, text):
     """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP and
     /metrics, process 1 follows its decisions; the completions equal transformers'
     tokens; SIGTERM to both (as a job scheduler sends it) drains and both exit 0."""
-    port = _free_port()
-    procs = _two_process_server(port, _free_port())
+    port = free_port()
+    procs = _two_process_server(port, free_port())
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -614,8 +609,8 @@ def test_losing_the_follower_ends_the_server_with_one_line():
     """A follower that dies ends process 0 (the HTTP server) within --peer-timeout with
     one line naming the lost process and a non-zero status, rather than a server that
     accepts requests no round can run."""
-    coordinator, peer_timeout = _free_port(), 5
-    procs = _two_process_server(_free_port(), coordinator, "--peer-timeout", str(peer_timeout))
+    coordinator, peer_timeout = free_port(), 5
+    procs = _two_process_server(free_port(), coordinator, "--peer-timeout", str(peer_timeout))
     try:
         procs[1].kill()
         killed = time.monotonic()
@@ -649,7 +644,7 @@ def test_precompile_all_compiles_every_shape_before_serving():
     /health says 200, so a request then waits for no compile (the server names each
     compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
     positions."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
@@ -681,7 +676,7 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     a request of a background shape (log-probabilities) is served either way, each shape
     compiles once, and a line says when the background is done; SIGTERM ends it with 0.
     1x1, one row, 8 positions: 6 shapes first, 2 after."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]

@@ -235,7 +235,8 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
 
 def test_two_processes_on_2x1x4():
     """Stages across two processes, tensor devices inside each (gloo on CPU)."""
-    from test_multihost import ENV, ROOT, free_port
+    from ports import free_port
+    from test_multihost import ENV, ROOT
 
     folder, _, ref, prompts = fixture("wide")
     argv = ["--model", str(folder), "--mesh", "2x1x4", "--cpu-devices", "4"]
