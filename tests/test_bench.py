@@ -183,8 +183,8 @@ def test_table_and_plot(capsys, tmp_path):
 
 
 def test_peer_transformers(capsys):
-    # torch and transformers are deliberately not dependencies (nor in CI): the peer
-    # scenario is tested only where they are installed.
+    # torch is deliberately not a dependency (nor in CI; transformers is in the test
+    # extra, for chat templates): the peer scenario is tested only where torch is.
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     out = run_json(
@@ -422,8 +422,8 @@ def test_serve_over_http_starts_and_loads_our_server(capsys):
 
 
 def test_serve_over_http_beside_transformers_serve(capsys):
-    # transformers serve needs torch, transformers and accelerate: not dependencies (nor
-    # in CI), so this runs only where they are installed.
+    # transformers serve needs torch and accelerate too: not dependencies (nor in CI),
+    # so this runs only where they are installed.
     for module in ("torch", "transformers", "accelerate"):
         pytest.importorskip(module)
     out = run_http(capsys, "8", "--peer", "transformers")
