@@ -42,8 +42,12 @@ class Sampling:
                 f"$temperature {self.temperature} must be a finite number >= 0 (0 = greedy)",
                 "temperature",
             )
-        if self.top_k < 0:
-            raise SamplingError(f"$top_k {self.top_k} must be >= 0 (0 = off)", "top_k")
+        if not 0 <= self.top_k < 2**31:  # a row's top_k is an int32
+            raise SamplingError(
+                f"$top_k {self.top_k} must be in [0, 2**31) (0 = off; past the vocabulary "
+                "it keeps every token, as off)",
+                "top_k",
+            )
         if not 0 < self.top_p <= 1:
             raise SamplingError(f"$top_p {self.top_p} must be in (0, 1] (1 = off)", "top_p")
 

@@ -250,9 +250,11 @@ class Scheduler:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens)
+        if not 0 <= params.min_tokens < 2**31:  # a row's ban ends at an int32 step
+            raise RequestError(
+                f"$min_tokens {params.min_tokens} must be in [0, 2**31)", "min_tokens"
+            )
         RowSampling.stack([row_sampling(Request(0, prompt, params))])  # the ban's end ids fit
-        if params.min_tokens < 0:
-            raise RequestError(f"$min_tokens {params.min_tokens} must be >= 0", "min_tokens")
         with self._lock:
             if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(

@@ -12,6 +12,7 @@ import pytest
 from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import length_bucket
 from qwen3_spmd.pipeline.planner import Planner
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.scheduler import Scheduler
@@ -249,6 +250,16 @@ def test_cancels_are_found_wherever_the_request_is():
     assert plan.cancels == (2, 0, 1) and plan.chunk is None
     (admitted,) = plan.admissions
     assert [r.id for r in admitted.requests] == [3] and admitted.rows == (0,)
+
+
+def test_min_tokens_out_of_range_is_one_line():
+    """A row's ban ends at an int32 step: past it (or below 0) a RequestError naming the
+    field, before anything is queued."""
+    sched = Scheduler(FakeEngine(stages=1, C=1, M=1, max_seq_len=64, chunk=4), max_batch=2)
+    for bad in (-1, 2**31):
+        with pytest.raises(RequestError, match=r"^min_tokens .* must be in \[0, 2\*\*31\)"):
+            sched.submit([1, 2], Params(4, min_tokens=bad))
+    assert sched.idle
 
 
 def test_a_long_prompt_is_planned_a_chunk_a_round_the_last_padded_to_its_bucket():

@@ -148,6 +148,7 @@ def test_per_row_steps_equal_scalar_steps():
         (dict(temperature=float("inf")), "temperature"),
         (dict(top_p=float("nan")), "top_p"),
         (dict(top_k=-1), "top_k"),
+        (dict(top_k=2**31), "top_k"),  # an int32 per row: past it, a clear error
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_p=-0.2), "top_p"),
