@@ -246,7 +246,8 @@ def _job(args, procs, mesh_text: str, shape) -> _Job:
     if args.profile:
         check_output_folder(args.profile, "--profile")
     seq = shape.seq
-    TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)
+    split = TensorSplit(shape.tensor, args.expert_split)
+    split.check(spec.cfg)
     devices = mesh_devices(shape.devices, procs, mesh_text)
     mesh = make_mesh(shape.stage, seq, devices, tensor=shape.tensor)
     if args.max_seq_len is not None and args.max_seq_len < 1:
@@ -261,7 +262,7 @@ def _job(args, procs, mesh_text: str, shape) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    cp_cost.check_cp(TensorSplit(shape.tensor, args.expert_split).local(spec.cfg), seq, args.cp)
+    cp_cost.check_cp(split.local(spec.cfg), seq, args.cp)
     if procs.leader and max_seq_len % seq:
         print(
             f"note: --max-seq-len {max_seq_len} rounded up to {-(-max_seq_len // seq) * seq}, "
