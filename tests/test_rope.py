@@ -3,6 +3,7 @@
 transformers.modeling_rope_utils), and the rotation's algebra."""
 
 import dataclasses
+import json
 import math
 
 import jax.numpy as jnp
@@ -334,31 +335,23 @@ def test_llama3_keeps_high_frequencies_divides_low_ones_and_blends_between():
     assert attention_factor == 1.0
 
 
-@pytest.mark.parametrize(
-    "rope_type, params",
-    [
-        ("linear", {"factor": 4.0}),
-        ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
-    ],
-)
-def test_scaled_rope_matches_transformers(rope_type, params):
-    transformers = pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+def _transformers_cases() -> list[dict]:
+    """transformers' own values, written by tests/fixtures/make_rope_reference.py (its
+    RoPE functions need torch, which the project does not install)."""
+    return json.loads((FIXTURES / "rope_scaled.json").read_text())["cases"]
 
-    hf = transformers.Qwen3Config(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=256,
-        rope_parameters={
-            "rope_type": rope_type,
-            "rope_theta": 10_000.0,
-            "original_max_position_embeddings": 64,
-            **params,
-        },
+
+@pytest.mark.parametrize("case", _transformers_cases(), ids=lambda c: c["rope_type"])
+def test_scaled_rope_matches_transformers(case):
+    cfg = dataclasses.replace(
+        _scaled(
+            case["rope_type"], original=case["original_max_position_embeddings"], **case["params"]
+        ),
+        head_dim=case["head_dim"],
+        rope_theta=case["rope_theta"],
     )
-    theirs, their_factor = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-    ours, our_factor = inverse_frequencies(_scaled(rope_type, original=64, **params))
-    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
-    assert our_factor == pytest.approx(their_factor)
+    ours, our_factor = inverse_frequencies(cfg)
+    theirs = np.asarray(case["inv_freq"], dtype=np.float32)
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert our_factor == pytest.approx(case["attention_factor"])
