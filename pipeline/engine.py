@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
@@ -33,6 +34,7 @@ from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
+from qwen3_spmd.pipeline.prefix import BlockPool, copy_blocks
 from qwen3_spmd.pipeline.programs import Clock, OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
 from qwen3_spmd.pipeline.rowbook import RowBook
@@ -248,6 +250,81 @@ class Engine:
     def _move_fn(self, n: int):
         return self._in_place(("move", n), _move_rows)
 
+    # ---- the prefix cache's pool (pipeline.prefix) -------------------------------------
+
+    def empty_pool(self, slots: int, block: int) -> BlockPool:
+        """A pool of `slots` prompt blocks of `block` tokens, zeroed, sharded as the
+        cache: k and v [L_pad, slots, K', block, H] (each `seq` device its block / C
+        slots of every block)."""
+        L, _, K, _, H = self.cache_shape(1)
+        shape = (L, slots, K, block, H)
+        zeros = self._jitted(
+            self._helpers,
+            ("pool", shape),
+            lambda: jax.jit(
+                lambda: jnp.zeros(shape, self.dtype),
+                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
+            ),
+        )
+        return BlockPool(zeros(), zeros())
+
+    def pool_bytes_per_block(self, block: int) -> int:
+        """Bytes of one pool block (k and v) on each device."""
+        L, _, K, _, H = self.cache_shape(1)
+        per_device = L // self.stages * (K // self.split.size) * (block // self.C) * H
+        return 2 * per_device * self.dtype.itemsize
+
+    def save_blocks(self, pool: BlockPool, cache: KVCache, saves) -> BlockPool:
+        """pool (donated, updated in place) with, for each `pipeline.prefix.Save`, block
+        `block` of cache row `row` written into pool slot `slot`. No byte moves between
+        devices: each holds the same share of a block in the row and in the pool."""
+        n = pool.k.shape[3] // self.C  # a block's local slots
+        at_pool = [(s.slot, 0) for s in saves]
+        at_row = [(s.row, s.block * n) for s in saves]
+        k, v = self._copy_blocks(pool, (cache.k, cache.v), at_pool, at_row)
+        return BlockPool(k, v)
+
+    def load_blocks(self, cache: KVCache, pool: BlockPool, row: int, slots) -> KVCache:
+        """cache (donated, updated in place) with pool slots[j] written into block j of
+        row `row` (its slot positions are the caller's to set)."""
+        n = pool.k.shape[3] // self.C
+        at_row = [(row, j * n) for j in range(len(slots))]
+        at_pool = [(s, 0) for s in slots]
+        k, v = self._copy_blocks((cache.k, cache.v), pool, at_row, at_pool)
+        return cache._replace(k=k, v=v)
+
+    def _copy_blocks(self, dst, src, dst_at, src_at):
+        """(k, v) of dst (donated) with block pieces of src copied in
+        (`pipeline.prefix.copy_blocks`); the index lists are padded to the most blocks a
+        row holds, so one program serves every count."""
+        n = min(src[0].shape[3], dst[0].shape[3]) // self.C  # a block's local slots: the pool's
+        most = self.slots_per_device // n
+        key = ("blocks", dst[0].shape, src[0].shape)
+        fn = self._jitted(self._helpers, key, lambda: self._copy_program(n))
+        for i in range(0, len(dst_at), most):  # a round's saves may span several rows
+            part = [list(at[i : i + most]) for at in (dst_at, src_at)]
+            count = len(part[0])
+            padded = [np.array(at + [(0, 0)] * (most - count), np.int32) for at in part]
+            dst = fn(*dst, *src, np.int32(count), *padded)
+        return dst
+
+    def _copy_program(self, n: int):
+        spec, one = SPECS.cache_lbksh, P()
+
+        def local(dst_k, dst_v, src_k, src_v, count, dst_at, src_at):
+            return (
+                copy_blocks(dst_k, src_k, count, dst_at, src_at, n),
+                copy_blocks(dst_v, src_v, count, dst_at, src_at, n),
+            )
+
+        mapped = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(spec, spec, spec, spec, one, one, one),
+            out_specs=(spec, spec),
+        )
+        return jax.jit(mapped, donate_argnums=(0, 1))
+
     def _in_place(self, key: tuple, update):
         """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so
         XLA writes the rows it changes into the cache's own buffers."""
@@ -319,8 +396,8 @@ class Engine:
 
     # ---- the programs --------------------------------------------------------------
 
-    def _prefill_fn(self, strategy: str, with_context: bool = False):
-        key = (strategy, with_context)
+    def _prefill_fn(self, strategy: str, with_context: bool = False, block: int | None = None):
+        key = (strategy, with_context, block)
         return self._jitted(
             self._prefill,
             key,
@@ -335,6 +412,7 @@ class Engine:
                     self.poison,
                     strategy,
                     with_context,
+                    block,
                 ),
                 donate_argnames="cache",
             ),
@@ -359,10 +437,12 @@ class Engine:
         )
 
     @staticmethod
-    def prefill_name(strategy: str, with_context: bool) -> tuple:
-        """The prefill program's name: its cp strategy, and whether it continues a cache."""
+    def prefill_name(strategy: str, with_context: bool, block: int | None = None) -> tuple:
+        """The prefill program's name: its cp strategy, whether it continues a cache, and
+        the block of a prefix cache's layout."""
         name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
-        return name + (("context",) if with_context else ())
+        name += ("context",) if with_context else ()
+        return name + (("blocks", block) if block is not None else ())
 
     @staticmethod
     def decode_name(
@@ -520,11 +600,11 @@ class Engine:
         if cache is None:
             cache = self.new_cache(batch)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
-        fn = self._prefill_fn(strategy, with_context)
+        fn = self._prefill_fn(strategy, with_context, batch.block)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         logits, cache = self._run(
-            self.prefill_name(strategy, with_context), fn, clock, cache, inputs
+            self.prefill_name(strategy, with_context, batch.block), fn, clock, cache, inputs
         )
         first = self._sample(logits, params, np.int32(0), sampled=sampled)
         first = np.asarray(first)
@@ -568,7 +648,13 @@ class Engine:
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
     def compile_prefill(
-        self, B: int, P_pad: int, cache_rows: int, with_context: bool, announce: bool = True
+        self,
+        B: int,
+        P_pad: int,
+        cache_rows: int,
+        with_context: bool,
+        announce: bool = True,
+        block: int | None = None,
     ) -> None:
         """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
         P_pad runs (with_context: later chunks of prompts, continuing a cache): a new
@@ -576,12 +662,12 @@ class Engine:
         sampled) and log-probabilities, and `insert` of its rows into a cache of
         `cache_rows` rows. Nothing runs (compiling is local to this process: no
         collective, so a background thread may compile while rounds run).
-        announce=False: no on_compile for the program."""
-        laid = lay_out([[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device)
+        announce=False: no on_compile for the program. block: a prefix cache's layout."""
+        laid = lay_out([[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block)
         strategy = self.cp_plan(B, P_pad)[0]
         program, _ = self.programs.get(
-            self.prefill_name(strategy, with_context),
-            self._prefill_fn(strategy, with_context),
+            self.prefill_name(strategy, with_context, block),
+            self._prefill_fn(strategy, with_context, block),
             self.weights,
             self._abstract_cache(B),
             self._abstract(laid.prefill, PrefillInputs.specs()),

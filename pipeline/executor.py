@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
-from qwen3_spmd.pipeline.handles import Logprob
+from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
+from qwen3_spmd.pipeline.prefix import BlockPool, PrefixBook, block_slot_pos
 from qwen3_spmd.pipeline.programs import Clock
-from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
+from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
 
@@ -32,7 +33,9 @@ class Executor:
 
     cache: the KV cache of the book's rows (a server allocates it at start); None: the
     first admission makes it (an admission that fills every row, as a static batch's,
-    becomes it without a copy).
+    becomes it without a copy). prefix, pool: the prefix cache's book and blocks
+    (`pipeline.prefix`), None without one; block_layout: the block prompts are laid out
+    by (`ShapeRules.layout_block`).
     """
 
     def __init__(
@@ -42,9 +45,13 @@ class Executor:
         accounting: Accounting,
         clock: Clock,
         cache: KVCache | None,
+        prefix: PrefixBook | None = None,
+        pool: BlockPool | None = None,
+        block_layout: int | None = None,
     ):
         self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
         self.cache = cache
+        self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
         self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
         # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
@@ -54,6 +61,8 @@ class Executor:
         """The round's cancellations, long-prompt chunk and admissions: the first tokens
         of the requests prefilled (and the ends of those cancelled in rows)."""
         updates = []
+        if self.prefix is not None:
+            self.prefix.tick()
         for id in round.cancels:
             in_row = self.book.row_of(id) is not None
             if self.book.cancel(id):
@@ -65,6 +74,10 @@ class Executor:
             updates += self._chunk(round.chunk)
         for admission in round.admissions:
             updates += self._prefill(admission)
+        if round.saves:  # before any later write to the rows they read
+            self.pool = self.engine.save_blocks(self.pool, self.cache, round.saves)
+            for save in round.saves:
+                self.prefix.store(save)
         return updates
 
     def decode(self, round: Round) -> list[Update]:
@@ -83,7 +96,13 @@ class Executor:
     def _chunk(self, chunk: Chunk) -> list[Update]:
         """The next chunk of the long prompt; after its last, the request decodes."""
         eng, book = self.engine, self.book
-        held = book.hold(chunk.request, chunk.row) if chunk.request else book.chunking
+        if chunk.request is None:
+            held = book.chunking
+        elif chunk.cached:
+            held = self._hit(chunk)
+        else:
+            held = book.hold(chunk.request, chunk.row)
+            self._count(chunk.request, ())
         request = held.request
         batch = lay_out(
             [list(request.prompt[chunk.start : chunk.end])],
@@ -95,6 +114,7 @@ class Executor:
             offset=held.offset,
             P_pad=chunk.shape.P_pad,
             rows=chunk.shape.B,
+            block=self.block_layout,
         )
         book.chunk_prefilled(batch, chunk.end)
         cache = self._chunk_cache
@@ -113,9 +133,28 @@ class Executor:
         rows[0] = held.row
         self._insert(cache, rows)
         update = book.start(held.row, request, int(first[0]), held.offset, held.slot_pos)
+        update.cached_tokens = held.cached_tokens
         if request.params.logprobs:
             update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
         return [update]
+
+    def _hit(self, chunk: Chunk) -> Chunking:
+        """A prompt whose first blocks the prefix cache holds starts chunking past them:
+        its chunk cache holds their K/V, copied from the pool."""
+        eng, block = self.engine, self.prefix.block
+        done = len(chunk.cached) * block
+        slot_pos = block_slot_pos(len(chunk.cached), block, eng.C, eng.slots_per_device)
+        held = self.book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
+        held.cached_tokens = done
+        cache = eng.empty_cache(chunk.shape.B)  # rows past the first are dropped copies
+        self._chunk_cache = eng.load_blocks(cache, self.pool, 0, chunk.cached)
+        self._count(chunk.request, chunk.cached)
+        return held
+
+    def _count(self, request: Request, cached: tuple[int, ...]) -> None:
+        """A prompt starts its prefill, its first blocks from `cached` pool slots."""
+        if self.prefix is not None:
+            self.prefix.use(cached, len(request.prompt))
 
     def _prefill(self, admission: Admission) -> list[Update]:
         """Short prompts prefilled together into their rows; their first tokens."""
@@ -128,7 +167,10 @@ class Executor:
             eng.slots_per_device,
             P_pad=admission.shape.P_pad,
             rows=admission.shape.B,
+            block=self.block_layout,
         )
+        for r in requests:
+            self._count(r, ())
         params = RowSampling.stack(
             [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
         )

@@ -78,6 +78,7 @@ class Handle:
         self.logprobs: list[Logprob] = []  # one per token, when params.logprobs
         self.finish_reason: str | None = None
         self.token_times_s: list[float] = []  # when each token reached the host
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self._submitted = time.perf_counter()
         self._changed = threading.Condition()
         # drive() runs one round and says True, or says False when a background loop

@@ -2,8 +2,8 @@
 
 The batch is padded to a multiple of the microbatch and group counts with copies of the
 first prompt (their results are dropped), every prompt to the padded length P_pad (a
-multiple of 2C) and put in zigzag device order; device c's first P_pad / C cache slots
-hold its zigzag share of the prompt.
+multiple of 2C) and put in zigzag device order (with a prefix cache, block by block);
+device c's first P_pad / C cache slots hold its zigzag share of the prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from qwen3_spmd.pipeline.prefill import PrefillInputs
-from qwen3_spmd.ring import decode_slot, padded_length, to_device_order, zigzag
+from qwen3_spmd.ring import decode_slot, padded_length, to_device_order, zigzag, zigzag_blocks
 
 
 @dataclasses.dataclass
@@ -27,6 +27,7 @@ class Batch:
     slot_pos: np.ndarray  # [B, C, S_loc] int32 positions held by the cache slots, -1 = empty
     request: np.ndarray  # [B] int32 request index of each row (padding rows: 0)
     offset: int = 0  # local slots earlier chunks of these prompts hold (chunked prefill)
+    block: int | None = None  # each block zigzagged on its own (a prefix cache's layout)
 
     @property
     def B(self) -> int:
@@ -74,6 +75,7 @@ def lay_out(
     offset: int = 0,
     P_pad: int | None = None,
     rows: int | None = None,
+    block: int | None = None,
 ) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
     bucketed: B rounded up further, to that multiple times a power of two (`bucket`),
@@ -82,7 +84,9 @@ def lay_out(
     `offset` local slots (chunked prefill); slot_pos lists this chunk's slots only.
     P_pad, rows: the padded length (a multiple of 2C, at least the longest prompt's) and
     the batch's rows (a multiple of that unit, at least the prompts), instead of the
-    ones chosen here (`pipeline.shapes` decides them for a scheduler)."""
+    ones chosen here (`pipeline.shapes` decides them for a scheduler). block: each block
+    of that many tokens zigzagged on its own (`ring.zigzag_blocks`, a prefix cache's
+    layout; `start` is then a multiple of it), None: the whole P_pad at once."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
@@ -102,7 +106,7 @@ def lay_out(
     for b, p in enumerate(rows):
         tokens[b, : len(p)] = p
         positions[b, : len(p)] = start + np.arange(len(p))
-    part = zigzag(P_pad, C)
+    part = zigzag(P_pad, C) if block is None else zigzag_blocks(P_pad, C, block)
     tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
     slot_pos = np.full((B, C, slots_per_device), -1, np.int32)
     slot_pos[:, :, offset : offset + P_pad // C] = positions.reshape(B, C, P_pad // C)
@@ -117,6 +121,7 @@ def lay_out(
         slot_pos,
         request,
         offset,
+        block,
     )
 
 

@@ -36,6 +36,7 @@ import math
 from collections.abc import Iterable
 
 from qwen3_spmd.pipeline.handles import Params, Request
+from qwen3_spmd.pipeline.prefix import PrefixBook, Save, plan_saves
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, ShapeRules
@@ -52,6 +53,8 @@ class Chunk:
     end: int
     shape: PrefillShape
     request: Request | None = None
+    cached: tuple[int, ...] = ()  # a first chunk's prefix-cache hit: the pool slots of
+    # its first blocks, in order (its tokens before `start`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +78,8 @@ class DecodeChunk:
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """Everything one round runs, in this order. close: process 0 has stopped (the
-    followers stop after this)."""
+    """Everything one round runs, in this order (the saves right after the prefills).
+    close: process 0 has stopped (the followers stop after this)."""
 
     cancels: tuple[int, ...] = ()  # request ids
     chunk: Chunk | None = None
@@ -84,6 +87,7 @@ class Round:
     moves: tuple[tuple[int, int], ...] = ()  # (from row, to row)
     decode: DecodeChunk | None = None
     close: bool = False
+    saves: tuple[Save, ...] = ()  # prompt blocks into the prefix cache, after the prefills
 
     def taken(self) -> set[int]:
         """The waiting requests this round takes out of the queue."""
@@ -102,7 +106,7 @@ class Round:
         if d["chunk"]:
             c = d["chunk"]
             shape, request = PrefillShape(**c.pop("shape")), _request(c.pop("request"))
-            chunk = Chunk(**c, shape=shape, request=request)
+            chunk = Chunk(**{**c, "cached": tuple(c["cached"])}, shape=shape, request=request)
         if d["decode"]:
             decode = DecodeChunk(**{**d["decode"], "shape": DecodeShape(**d["decode"]["shape"])})
         return Round(
@@ -119,6 +123,7 @@ class Round:
             moves=tuple(tuple(m) for m in d["moves"]),
             decode=decode,
             close=d["close"],
+            saves=tuple(Save(**x) for x in d["saves"]),
         )
 
 
@@ -146,15 +151,29 @@ class Accounting:
 class Planner:
     """Plans rounds for a row book padded by `rules`, on `stages` pipeline stages.
     short_chunk: decode steps a round runs while a row is free; long_chunk: the
-    engine's chunk, the most a round runs."""
+    engine's chunk, the most a round runs. prefix: the prefix cache's book (read only),
+    None without a cache."""
 
-    def __init__(self, rules: ShapeRules, stages: int, short_chunk: int, long_chunk: int):
+    def __init__(
+        self,
+        rules: ShapeRules,
+        stages: int,
+        short_chunk: int,
+        long_chunk: int,
+        prefix: PrefixBook | None = None,
+    ):
         self.rules, self.stages = rules, stages
         self.short_chunk, self.long_chunk = short_chunk, long_chunk
+        self.prefix = prefix
 
     def long(self, request: Request) -> bool:
         """Whether a prompt is prefilled in chunks."""
         return len(request.prompt) > self.rules.chunk_tokens
+
+    def cached(self, request: Request) -> tuple[int, ...]:
+        """The pool slots of the prompt's first blocks the prefix cache holds (a hit is
+        prefilled from its first uncached token on, as a long prompt's later chunks)."""
+        return self.prefix.lookup(request.prompt) if self.prefix is not None else ()
 
     def plan(
         self,
@@ -185,23 +204,32 @@ class Planner:
         free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
 
         budget, chunk = rules.prefill_tokens, None
-        if held is None and queue and self.long(queue[0]) and free:
-            request, row = queue.pop(0), free.pop(0)
-            chunk = self._chunk(request, row, done=0, offset=0, first=True)
+        if held is None and queue and free:
+            hit = self.cached(queue[0])
+            if hit or self.long(queue[0]):
+                request, row = queue.pop(0), free.pop(0)
+                chunk = self._chunk(request, row, done=0, offset=0, first=True, cached=hit)
         elif held is not None:
             chunk = self._chunk(held.request, held.row, held.done, held.offset, first=False)
         held_row = None  # the row a long prompt holds after this round
+        prefilled = []  # (row, prompt) of the prompts whose prefill ends this round
         if chunk is not None:
-            budget -= rules.chunk_tokens
+            budget -= chunk.shape.P_pad  # the padded tokens it computes
             request = chunk.request or held.request
             if chunk.end == len(request.prompt):
                 busy[chunk.row] = (request, 1)
+                prefilled.append((chunk.row, request.prompt))
             else:
                 held_row = chunk.row
 
         admissions, queue = self._admit(queue, free, max(budget, 0))
         for a in admissions:
             busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
+            prefilled += [(b, r.prompt) for r, b in zip(a.requests, a.rows)]
+        saves = ()
+        if self.prefix is not None:
+            hits = set(chunk.cached) if chunk is not None else set()
+            saves = plan_saves(self.prefix, prefilled, keep=hits)
         # A request whose budget is its first token ends at its prefill.
         busy = {b: (r, n) for b, (r, n) in busy.items() if n < r.params.max_new_tokens}
         moves, decode = (), None
@@ -211,12 +239,25 @@ class Planner:
             decode = self._decode(
                 busy, bool(queue), book.B, book.groups, early_ends, acc.busy_row_steps
             )
-        return Round(tuple(found), chunk, tuple(admissions), moves, decode)
+        return Round(tuple(found), chunk, tuple(admissions), moves, decode, saves=saves)
 
-    def _chunk(self, request: Request, row: int, done: int, offset: int, first: bool) -> Chunk:
+    def _chunk(
+        self,
+        request: Request,
+        row: int,
+        done: int,
+        offset: int,
+        first: bool,
+        cached: tuple[int, ...] = (),
+    ) -> Chunk:
+        """The next chunk of `request` in `row` after `done` tokens in `offset` local
+        slots; a first chunk after a hit of `cached` pool slots starts past them."""
+        if cached:
+            done = len(cached) * self.rules.block
+            offset = done // self.rules.C
         end = min(done + self.rules.chunk_tokens, len(request.prompt))
         shape = self.rules.chunk(end - done, offset, request.params.max_new_tokens)
-        return Chunk(row, done, end, shape, request if first else None)
+        return Chunk(row, done, end, shape, request if first else None, cached)
 
     def _admit(
         self, queue: list[Request], free: list[int], budget: int
@@ -231,8 +272,8 @@ class Planner:
         by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
         n = tokens = 0
         for request in queue:
-            if n == len(free) or self.long(request):
-                break  # a long prompt starts chunking when the one before it is done
+            if n == len(free) or self.long(request) or self.cached(request):
+                break  # a long prompt (or a hit) starts chunking when the one before is done
             length = len(request.prompt)
             if tokens + length > budget and (n or budget < rules.prefill_tokens):
                 break

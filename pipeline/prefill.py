@@ -50,6 +50,7 @@ from qwen3_spmd.ring import (
     ring_attention,
     ulysses_attention,
     zigzag,
+    zigzag_blocks,
 )
 from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.sharding.specs import SPECS
@@ -90,6 +91,7 @@ def build_prefill(
     poison: bool = False,
     cp: str = "ring",
     with_context: bool = False,
+    block: int | None = None,
 ):
     """The prefill program (not yet jitted).
 
@@ -103,7 +105,8 @@ def build_prefill(
     K/V to its cache slots, so the cache is the same. with_context: the tokens are a
     later chunk of their prompts, written from local slot `inputs.offset` on, and
     attend also to the cached slots below it (`ring.context_attention`, merged by LSE
-    with the chunk's own attention, ring or Ulysses).
+    with the chunk's own attention, ring or Ulysses). block: the prompts are laid out
+    block by block (`ring.zigzag_blocks`; the position order fused Ulysses restores).
     """
     if cp not in CP_STRATEGIES:
         raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
@@ -169,7 +172,8 @@ def build_prefill(
                     return prompt_attention(q, k, v, scale=scale)
                 if cp == "ulysses":
                     C = mesh.shape["seq"]
-                    order = device_positions(zigzag(T * C, C)) if fused_ulysses else None
+                    part = zigzag(T * C, C) if block is None else zigzag_blocks(T * C, C, block)
+                    order = device_positions(part) if fused_ulysses else None
                     return ulysses_attention(
                         q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale, fused_order=order
                     )

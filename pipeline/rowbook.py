@@ -30,6 +30,7 @@ class Update:
     tokens: list[int]
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None  # one per token, when the request asks
+    cached_tokens: int = 0  # with its first token: prompt tokens the prefix cache gave
 
 
 @dataclasses.dataclass
@@ -56,6 +57,7 @@ class Chunking:
     done: int = 0  # prompt tokens prefilled so far
     offset: int = 0  # local cache slots its chunks hold so far (on every device)
     slot_pos: np.ndarray | None = None  # [C, S_loc] positions its chunks' slots hold
+    cached_tokens: int = 0  # its first tokens, whose K/V came from the prefix cache
 
 
 class RowBook:
@@ -138,9 +140,18 @@ class RowBook:
         self.slot_pos[dst] = self.slot_pos[src]
         self.free(src)
 
-    def hold(self, request: Request, row: int) -> Chunking:
-        """A long prompt starts chunking, holding `row`."""
-        self.chunking = Chunking(request, row)
+    def hold(
+        self,
+        request: Request,
+        row: int,
+        done: int = 0,
+        offset: int = 0,
+        slot_pos: np.ndarray | None = None,
+    ) -> Chunking:
+        """A long prompt starts chunking, holding `row`; after a prefix cache's hit its
+        first `done` tokens are in already, in `offset` local slots listed in slot_pos
+        [C, S_loc]."""
+        self.chunking = Chunking(request, row, done, offset, slot_pos)
         return self.chunking
 
     def chunk_prefilled(self, batch: Batch, end: int) -> None:

@@ -47,6 +47,7 @@ from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.executor import Executor
 from qwen3_spmd.pipeline.handles import Handle, Params, Request
 from qwen3_spmd.pipeline.planner import Accounting, Planner, Round
+from qwen3_spmd.pipeline.prefix import PrefixBook
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
@@ -76,6 +77,10 @@ class Scheduler:
         last round); `submit` refuses more (QueueFull).
       decisions: with several processes, how they share each round
         (`pipeline.decisions.SharedDecisions`); None in a single process.
+      prefix_cache_bytes: each device's bytes for the prefix cache's pool of prompt
+        blocks (`pipeline.prefix`); 0: no prefix cache.
+      prefix_block: the prefix cache's block in tokens (rounded down to a multiple of
+        2C, at most the chunk, which is then rounded down to a multiple of it).
     """
 
     def __init__(
@@ -86,6 +91,8 @@ class Scheduler:
         short_chunk: int | None = None,
         max_queue: int = 256,
         decisions: SharedDecisions | None = None,
+        prefix_cache_bytes: int = 0,
+        prefix_block: int = 256,
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -93,6 +100,21 @@ class Scheduler:
         self.groups = engine.groups_for(engine.stages)
         self.B = -(-max_batch // self.groups) * self.groups
         two_c = 2 * engine.C
+        chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
+        block, self.prefix, pool = None, None, None
+        if prefix_cache_bytes > 0:
+            room = engine.slots_per_device * engine.C  # a block fits a row
+            block = max(two_c, min(prefix_block, chunk_tokens, room) // two_c * two_c)
+            chunk_tokens = chunk_tokens // block * block
+            per_block = engine.pool_bytes_per_block(block)
+            if prefix_cache_bytes < per_block:
+                raise RequestError(
+                    f"$prefix_cache_bytes {prefix_cache_bytes} holds no block of {block} "
+                    f"tokens ({per_block} bytes a device): raise it, or 0 for no prefix cache",
+                    "prefix_cache_bytes",
+                )
+            self.prefix = PrefixBook(prefix_cache_bytes // per_block, block)
+            pool = engine.empty_pool(self.prefix.slots, block)
         self.rules = ShapeRules(
             rows=self.B,
             groups=self.groups,
@@ -101,19 +123,28 @@ class Scheduler:
             slots=engine.slots_per_device,
             max_seq_len=engine.max_seq_len,
             prefill_tokens=prefill_tokens,
-            chunk_tokens=max(two_c, prefill_tokens // two_c * two_c),
+            chunk_tokens=chunk_tokens,
+            block=block,
         )
         self.planner = Planner(
             self.rules,
             stages=engine.stages,
             short_chunk=short_chunk or max(1, engine.chunk // 4),
             long_chunk=engine.chunk,
+            prefix=self.prefix,
         )
         self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
         self.accounting = Accounting()
         self.clock = Clock()
         self.executor = Executor(
-            engine, self.book, self.accounting, self.clock, cache=engine.empty_cache(self.B)
+            engine,
+            self.book,
+            self.accounting,
+            self.clock,
+            cache=engine.empty_cache(self.B),
+            prefix=self.prefix,
+            pool=pool,
+            block_layout=self.rules.layout_block,
         )
         self.max_queue = max_queue
         self.rounds = 0
@@ -228,7 +259,14 @@ class Scheduler:
     def _compile(self, shape: Shape, announce: bool) -> None:
         eng = self.engine
         if isinstance(shape, PrefillShape):
-            eng.compile_prefill(shape.B, shape.P_pad, self.B, shape.with_context, announce)
+            eng.compile_prefill(
+                shape.B,
+                shape.P_pad,
+                self.B,
+                shape.with_context,
+                announce,
+                block=self.rules.layout_block,
+            )
         elif isinstance(shape, DecodeShape):
             eng.compile_decode(
                 shape.rows, self.B, self.groups, shape.sampled, shape.logprobs, announce
@@ -421,6 +459,7 @@ class Scheduler:
                     self._handles.pop(u.id, None)
         for u, handle in zip(updates, handles):
             if handle is not None:  # a follower's rounds have no handles
+                handle.cached_tokens = max(handle.cached_tokens, u.cached_tokens)
                 handle._deliver(u.tokens, u.finish_reason, u.logprobs)
         return updates
 

@@ -79,7 +79,8 @@ class ShapeRules:
     microbatches: M, a prefill batch's row unit. C: seq devices. slots: S_loc, cache
     slots per device and row. max_seq_len: a request's prompt + new tokens at most.
     prefill_tokens: prompt tokens a round prefills at most. chunk_tokens: a long
-    prompt's chunk (a multiple of 2C)."""
+    prompt's chunk (a multiple of 2C). block: the prefix cache's block (a multiple of 2C
+    dividing chunk_tokens; `pipeline.prefix`), None without one."""
 
     rows: int
     groups: int
@@ -89,6 +90,13 @@ class ShapeRules:
     max_seq_len: int
     prefill_tokens: int
     chunk_tokens: int
+    block: int | None = None
+
+    @property
+    def layout_block(self) -> int | None:
+        """The block prompts are laid out by (`ring.zigzag_blocks`): the prefix cache's,
+        on several `seq` devices (on one, every layout is position order)."""
+        return self.block if self.C > 1 else None
 
     # ---- the padding the planner applies ------------------------------------------
 
@@ -161,9 +169,12 @@ class ShapeRules:
             for B in batches
             if B <= M or B * fewest[P] <= self.prefill_tokens
         }
+        last = {min(self.prompt_length(n), self.chunk_tokens) for n in range(1, short + 1)}
         if self.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks
             prefills.add(PrefillShape(M, self.chunk_tokens))
-            last = {min(self.prompt_length(n), self.chunk_tokens) for n in range(1, short + 1)}
+            prefills |= {PrefillShape(M, P, with_context=True) for P in last}
+        elif self.block is not None and self.max_seq_len - 1 > self.block:
+            # what follows a prefix cache's hit: a chunk with the copied blocks as context
             prefills |= {PrefillShape(M, P, with_context=True) for P in last}
         rows = {self.decode_rows(b) for b in range(self.rows)}
         decodes = {

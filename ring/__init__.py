@@ -21,6 +21,7 @@ from qwen3_spmd.ring.partition import (
     slots_per_device,
     to_device_order,
     zigzag,
+    zigzag_blocks,
 )
 from qwen3_spmd.ring.ulysses import HeadSplit, head_split, ulysses_attention
 
@@ -46,4 +47,5 @@ __all__ = [
     "to_device_order",
     "ulysses_attention",
     "zigzag",
+    "zigzag_blocks",
 ]

@@ -9,6 +9,8 @@ positions are -1, which the attention mask never lets anyone see or be seen by.
   mask the last device does the most work.
 - `zigzag`: the padded sequence is cut into 2C chunks and device c holds chunk c and
   chunk 2C-1-c, so every device does the same causal work.
+- `zigzag_blocks`: the zigzag of each block of a fixed size on its own (a prefix cache's
+  layout: a block sits at the same slots in every prompt).
 
 `to_device_order` lays a `[B, T, ...]` array out in partition order (device 0's
 positions first), ready to be sharded `P(None, 'seq')`; `from_device_order` undoes it.
@@ -52,6 +54,29 @@ def zigzag(seq_len: int, n: int) -> list[np.ndarray]:
     """
     chunks = np.split(_padded_positions(seq_len, n), 2 * n)
     return [np.concatenate([chunks[c], chunks[2 * n - 1 - c]]) for c in range(n)]
+
+
+def zigzag_blocks(seq_len: int, n: int, block: int) -> list[np.ndarray]:
+    """The sequence padded to P (a multiple of 2n) cut in blocks of `block` tokens (a
+    multiple of 2n; the last block may be shorter), each block zigzagged over the n
+    devices on its own: device c holds, block after block, the block's chunks c and
+    2n-1-c. Every device still does the same causal work, and a block's share sits at
+    the same local slots (block j: slots [j*block/n, (j+1)*block/n)) whatever the
+    sequence's length, which is what lets a prefix cache copy a block's K/V between
+    prompts (`pipeline.prefix`). block >= P is `zigzag`.
+
+    Returns: n int32 arrays of P/n positions each; padding positions are -1.
+    """
+    if block < 2 * n or block % (2 * n):
+        raise ValueError(f"zigzag_blocks: block {block} must be a positive multiple of {2 * n}")
+    positions = _padded_positions(seq_len, n)
+    parts = [[] for _ in range(n)]
+    for start in range(0, positions.size, block):
+        piece = positions[start : start + block]
+        chunks = np.split(piece, 2 * n)
+        for c in range(n):
+            parts[c] += [chunks[c], chunks[2 * n - 1 - c]]
+    return [np.concatenate(p) for p in parts]
 
 
 def causal_work(partition: list[np.ndarray]) -> list[int]:
