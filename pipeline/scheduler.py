@@ -115,6 +115,7 @@ class Scheduler:
                 )
             self.prefix = PrefixBook(prefix_cache_bytes // per_block, block)
             pool = engine.empty_pool(self.prefix.slots, block)
+        self.prefix_cache_bytes = self.prefix.slots * per_block if self.prefix else 0
         self.rules = ShapeRules(
             rows=self.B,
             groups=self.groups,

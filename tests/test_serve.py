@@ -242,10 +242,13 @@ def test_streamed_equals_whole_with_usage(server, reference):
         {**body, "stream": True, "stream_options": {"include_usage": True}},
     )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    cached = whole["usage"]["prompt_tokens_details"]["cached_tokens"]  # seen before or not
+    assert 0 <= cached < len(prompt)
     assert whole["usage"] == {
         "prompt_tokens": len(prompt),
         "completion_tokens": 48,
         "total_tokens": len(prompt) + 48,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
     texts, reasons = _joined(chunks[:-1], 2)
     assert texts == [c["text"] for c in whole["choices"]]

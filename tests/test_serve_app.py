@@ -50,13 +50,16 @@ def engine():
 
 @pytest.fixture
 def serve(engine):
-    """serve(max_queue) -> a TestClient of a new app over the module's engine (one row);
-    every scheduler built is closed at the test's end."""
+    """serve(max_queue, prefix_cache_bytes=0) -> a TestClient of a new app over the
+    module's engine (one row; a prefix cache of 8-token blocks when given bytes); every
+    scheduler built is closed at the test's end."""
     spec, eng = engine
     schedulers, clients = [], []
 
-    def make(max_queue: int) -> TestClient:
-        scheduler = Scheduler(eng, 1, max_queue=max_queue)
+    def make(max_queue: int, prefix_cache_bytes: int = 0) -> TestClient:
+        scheduler = Scheduler(
+            eng, 1, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes, prefix_block=8
+        )
         scheduler.start()
         schedulers.append(scheduler)
         text = spec.text()
@@ -134,6 +137,41 @@ def test_metrics_move_by_exactly_the_load(serve, engine):
     compiled = len(engine[1].programs.compiled)
     assert after[(P + "engine_compiles_total", ())] == compiled > 0
     assert not math.isnan(after[(P + "engine_compile_wait_seconds_total", ())])
+
+
+def test_a_repeated_chat_reports_its_cached_tokens_and_the_metrics_count_them(serve, engine):
+    """The same chat twice with a prefix cache of 8-token blocks: the first computes its
+    whole prompt, the second copies every whole block but the one holding its last
+    token; usage.prompt_tokens_details.cached_tokens says so (streamed too), the texts
+    agree, and /metrics' prefix cache counters move by exactly that."""
+    client = serve(max_queue=4, prefix_cache_bytes=8 * engine[1].pool_bytes_per_block(8))
+    before = _scrape(client)
+    chat = {
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    first = client.post("/v1/chat/completions", json=chat).json()
+    second = client.post("/v1/chat/completions", json=chat).json()
+    streamed = client.post(
+        "/v1/chat/completions",
+        json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    last = json.loads(streamed.text.split("\n\n")[-3][len("data: ") :])
+    prompt = first["usage"]["prompt_tokens"]
+    hit = (prompt - 1) // 8 * 8
+    assert prompt > 16 and hit >= 16
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    after = _scrape(client)
+    assert _moved(before, after, "prefix_cache_queries_total") == 3 * prompt
+    assert _moved(before, after, "prefix_cache_hits_total") == 2 * hit
+    assert after[(P + "prefix_cache_blocks", ())] == prompt // 8
+    assert after[(P + "prefix_cache_usage_perc", ())] == prompt // 8 / 8
+    assert after[(P + "prefix_cache_bytes", ())] == 8 * engine[1].pool_bytes_per_block(8)
 
 
 def test_metrics_wait_for_the_model():

@@ -123,10 +123,12 @@ def make_app(state: ServerState) -> FastAPI:
 
         if body.stream:
             pieces = lambda e, reason: ([e.text] if e.text else [], reason)
-            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces))
+            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces, job.n))
         out = await _collect(request, events, len(echo))
         choices = [choice(i, echo[i] + t, r, ts) for i, (t, r, ts) in enumerate(zip(*out[:3]))]
-        return {**meta.head(), "choices": choices, "usage": protocol.usage(prompt_tokens, out[3])}
+        cached = _cached_tokens(out[4], job.n)
+        usage = protocol.usage(prompt_tokens, out[3], cached)
+        return {**meta.head(), "choices": choices, "usage": usage}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -159,14 +161,15 @@ def make_app(state: ServerState) -> FastAPI:
                 r = replies[e.index]
                 return r.add(e.text) + (r.end() if e.finish_reason else []), r.finish_reason(reason)
 
-            return _sse(_chunks(events, meta, len(prompt), body, choice, first, pieces))
+            return _sse(_chunks(events, meta, len(prompt), body, choice, first, pieces, job.n))
         out = await _collect(request, events, job.n)
         choices = []
         for i, (t, r, ts) in enumerate(zip(*out[:3])):
             whole = reply()
             message = fold(whole.add(t) + whole.end(), reasoning=bool(state.reasoning_parser))
             choices.append(choice(i, message, whole.finish_reason(r), ts, key="message"))
-        return {**meta.head(), "choices": choices, "usage": protocol.usage(len(prompt), out[3])}
+        usage = protocol.usage(len(prompt), out[3], _cached_tokens(out[4], job.n))
+        return {**meta.head(), "choices": choices, "usage": usage}
 
     return app
 
@@ -299,10 +302,11 @@ class _Meta:
 
 
 async def _collect(request: Request, events: AsyncIterator[Event], n: int):
-    """Every choice's whole text, finish reason and tokens (with logprobs), and the
-    tokens generated in all; cancels them if the client goes away meanwhile (FastAPI
-    would not notice it)."""
+    """Every choice's whole text, finish reason and tokens (with logprobs), the tokens
+    generated in all, and each choice's prompt tokens from the prefix cache; cancels
+    them if the client goes away meanwhile (FastAPI would not notice it)."""
     texts, reasons, tokens, used = [""] * n, [None] * n, [[] for _ in range(n)], [0]
+    cached = [0] * n
 
     async def read():
         async with contextlib.aclosing(events):
@@ -312,6 +316,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
                 if e.finish_reason:
                     reasons[e.index] = e.finish_reason
                     used[0] += e.completion_tokens
+                    cached[e.index] = e.cached_tokens
 
     task = asyncio.create_task(read())
     while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
@@ -323,7 +328,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     task.result()
     if "error" in reasons:
         raise SHUTDOWN
-    return texts, reasons, tokens, used[0]
+    return texts, reasons, tokens, used[0], cached
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -344,18 +349,19 @@ async def _chunks(
     choice: Callable[[int, object, str | None, list], dict],
     first: list,
     pieces: Callable[[Event, str | None], tuple[list, str | None]],
+    n: int,
 ):
     """A stream's chunks: each choice's `first` piece (the echoed prompt, the chat
     role), its deltas and finish reason, then the usage (include_usage) or, when the
     server ended the request, an error. pieces(event, finish reason): what to send for
     an event (texts, or chat deltas: several, or none while a parser holds text back)
     and the finish reason to send; an event's tokens (logprobs) go with the next chunk
-    of their choice."""
+    of their choice. n: choices per prompt."""
     chat = meta.object.startswith("chat")
     for i, piece in enumerate(first):
         if piece:
             yield {**meta.head(chat), "choices": [choice(i, piece, None, [])]}
-    used, failed, tokens = 0, False, [[] for _ in first]
+    used, failed, tokens, cached = 0, False, [[] for _ in first], [0] * len(first)
     async with contextlib.aclosing(events):
         async for e in events:
             failed |= e.finish_reason == "error"
@@ -369,10 +375,18 @@ async def _chunks(
                 yield {**meta.head(chat), "choices": [out]}
                 tokens[e.index] = []
             used += e.completion_tokens if e.finish_reason else 0
+            cached[e.index] = e.cached_tokens
     if failed:
         yield SHUTDOWN.body()
     elif body.include_usage:
-        yield {**meta.head(chat), "choices": [], "usage": protocol.usage(prompt_tokens, used)}
+        usage = protocol.usage(prompt_tokens, used, _cached_tokens(cached, n))
+        yield {**meta.head(chat), "choices": [], "usage": usage}
+
+
+def _cached_tokens(per_choice: list[int], n: int) -> int:
+    """Prompt tokens the prefix cache gave, each prompt counted once as prompt_tokens
+    counts it (its n choices are requests of their own; the most any of them got)."""
+    return sum(max(per_choice[i : i + n]) for i in range(0, len(per_choice), n))
 
 
 def _completion_logprobs(state: ServerState, tokens, k: int, offset: int) -> dict:

@@ -16,6 +16,7 @@ the server exits 0 (a second signal exits at once).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -115,6 +116,14 @@ def register(subparsers) -> None:
         "message.tool_calls, finish_reason tool_calls (default: requests with tools are "
         "refused unless tool_choice is none)",
     )
+    p.add_argument(
+        "--prefix-cache-mib",
+        type=float,
+        help="MiB of each device for the prefix cache's pool of prompt blocks, whose K/V a "
+        "later prompt that begins alike copies instead of computing; 0 turns it off "
+        "(default: half the device memory free after weights and rows on one process with "
+        "a GPU, else as much as the rows' own KV cache)",
+    )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument(
@@ -173,6 +182,8 @@ def _check_flags(args) -> None:
         raise CLIError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
     if not args.keep_alive > 0:
         raise CLIError(f"--keep-alive {args.keep_alive} must be > 0 seconds")
+    if args.prefix_cache_mib is not None and not args.prefix_cache_mib >= 0:
+        raise CLIError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0 (0: no cache)")
     if args.max_seq_len is not None and args.max_seq_len < 2:
         raise CLIError(f"--max-seq-len {args.max_seq_len} must be at least 2")
 
@@ -278,6 +289,7 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
     from qwen3_spmd.pipeline.decisions import SharedDecisions
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.handles import Params
+    from qwen3_spmd.pipeline.requests import RequestError
     from qwen3_spmd.pipeline.scheduler import Scheduler
     from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -299,13 +311,17 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
         experts=args.expert_split,
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
-    scheduler = Scheduler(
-        engine,
-        args.max_batch,
-        prefill_tokens=args.prefill_tokens,
-        max_queue=args.max_queue,
-        decisions=decisions,
-    )
+    try:
+        scheduler = Scheduler(
+            engine,
+            args.max_batch,
+            prefill_tokens=args.prefill_tokens,
+            max_queue=args.max_queue,
+            decisions=decisions,
+            prefix_cache_bytes=_prefix_cache_bytes(args, engine, procs.many),
+        )
+    except RequestError as e:  # a --prefix-cache-mib under one block
+        raise CLIError(f"--prefix-cache-mib {args.prefix_cache_mib}: {e}") from None
     # Every process compiles the same programs, each its own (compiling is local).
     first, rest = scheduler.rules.first()
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
@@ -320,6 +336,21 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
     if later:
         scheduler.compile_later(later, _compiled_later(len(later)) if procs.leader else None)
     return scheduler
+
+
+def _prefix_cache_bytes(args, engine, many: bool) -> int:
+    """Each device's bytes for the prefix cache's pool: --prefix-cache-mib, or half of
+    what the device says is free after the weights and the rows' KV cache. Where it
+    says nothing (CPU), or with several processes (whose pools must hold the same
+    blocks, and whose free memory may differ), as much as the rows' own KV cache."""
+    if args.prefix_cache_mib is not None:
+        return int(args.prefix_cache_mib * 2**20)
+    rows = 2 * math.prod(engine.cache_shape(args.max_batch)) * engine.dtype.itemsize
+    rows //= engine.mesh.devices.size
+    stats = None if many else engine.mesh.devices.flat[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows) // 2)
+    return rows
 
 
 def _precompile(scheduler, shapes: list, total: int, leader: bool) -> None:

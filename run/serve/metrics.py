@@ -5,7 +5,8 @@ Each `Service` has its own registry (not prometheus_client's global one): severa
 servers in one process (tests) count apart. Two kinds of metric:
 
 - read when scraped (`_Now`): requests running and waiting, rows busy, the programs
-  the engine has compiled and the seconds rounds waited for compiles;
+  the engine has compiled and the seconds rounds waited for compiles, the prefix
+  cache's queries and hits (in prompt tokens, as vLLM counts them), evictions and pool;
 - counted as choices end (`Metrics.ended`): prompt and generation tokens, finished
   requests by reason, time to first token, time per output token, end-to-end latency;
   and the requests refused with a 503 (`Metrics.rejected`).
@@ -122,4 +123,33 @@ class _Now:
             "engine_compile_wait_seconds",
             "Seconds rounds waited for a compile.",
             scheduler.clock.compile_s,
+        )
+        prefix = scheduler.prefix  # None without a prefix cache: every figure 0
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (every admitted prompt's).",
+            prefix.queries if prefix else 0,
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens whose K/V the prefix cache gave (not computed).",
+            prefix.hits if prefix else 0,
+        )
+        yield counter(
+            "prefix_cache_evictions",
+            "Blocks evicted from the pool.",
+            prefix.evictions if prefix else 0,
+        )
+        yield gauge(
+            "prefix_cache_blocks", "Blocks the pool holds.", prefix.blocks_held if prefix else 0
+        )
+        yield gauge(
+            "prefix_cache_usage_perc",
+            "Fraction of the pool's blocks in use (vLLM's kv_cache_usage_perc, for the pool).",
+            prefix.blocks_held / prefix.slots if prefix else 0.0,
+        )
+        yield gauge(
+            "prefix_cache_bytes",
+            "Bytes of the pool on each device (its budget, allocated at start).",
+            scheduler.prefix_cache_bytes,
         )

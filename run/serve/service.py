@@ -104,6 +104,7 @@ class Event:
     finish_reason: str | None = None
     completion_tokens: int = 0  # at the end: tokens the choice generated
     tokens: list[TokenInfo] = dataclasses.field(default_factory=list)  # with logprobs only
+    cached_tokens: int = 0  # at the end: its prompt's tokens the prefix cache gave
 
 
 class Choice:
@@ -145,7 +146,8 @@ class Choice:
 
     def event(self, text: str, reason: str | None) -> Event:
         tokens, self.pending = self.pending, []
-        return Event(self.index, text, reason, self.count, tokens)
+        cached = self.handle.cached_tokens if reason else 0
+        return Event(self.index, text, reason, self.count, tokens, cached_tokens=cached)
 
 
 class Service:
