@@ -143,6 +143,15 @@ def register(subparsers) -> None:
         help="serve: requests per unit of concurrency in each closed loop (default 2)",
     )
     p.add_argument(
+        "--serve-shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="serve: also the prefix cache against none, on 16 requests that share an "
+        "N-token system prompt, 4 conversations of 4 turns, and the unshared load "
+        "(default 0: not run)",
+    )
+    p.add_argument(
         "--url",
         metavar="URL|local",
         help="serve: load this OpenAI-compatible endpoint over HTTP instead of the "
@@ -221,6 +230,7 @@ def _settings(args) -> dict:
             given(args.serve_output_lens, "serve_output_lens", "16,256"), "--serve-output-lens"
         ),
         "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
+        "serve_shared_prefix": args.serve_shared_prefix,
     }
     s["decode_prompt_len"] = (
         args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])
@@ -239,6 +249,8 @@ def _settings(args) -> dict:
             raise CLIError(f"{flag} {s[name]} must be at least 1")
     if s["warmup"] < 0:
         raise CLIError(f"--warmup {s['warmup']} must not be negative")
+    if s["serve_shared_prefix"] < 0:
+        raise CLIError(f"--serve-shared-prefix {s['serve_shared_prefix']} must not be negative")
     if s["decode_cache_len"] is not None:
         from qwen3_spmd.run.bench.jobs import decode_cache_len
 
@@ -260,6 +272,19 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
             f"serve requests need up to {need} positions (--serve-prompt-lens and "
             f"--serve-output-lens maxima), but the model has {positions}: shorten one"
         )
+    if s["serve_shared_prefix"]:
+        from qwen3_spmd.run.bench.prefix import longest_prompt
+
+        if "serve" not in scenarios:
+            raise CLIError("--serve-shared-prefix is a part of --scenario serve: add it")
+        need = longest_prompt(s["serve_shared_prefix"], s["serve_output_lens"])
+        need += s["serve_output_lens"][1]
+        if need > positions:
+            raise CLIError(
+                f"--serve-shared-prefix {s['serve_shared_prefix']}: a conversation's last "
+                f"turn needs {need} positions, but the model has {positions}: shorten it "
+                f"or --serve-output-lens"
+            )
     need = s["decode_prompt_len"] + s["decode_steps"] + 1
     if "decode" in scenarios and need > positions:
         raise CLIError(

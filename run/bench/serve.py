@@ -138,7 +138,7 @@ def serve_job(engines, settings: dict, say) -> dict:
             f"{loop['row_occupancy']:.2f}, stages idle {loop['stage_idle_fraction']:.2f}"
         )
     kv = 2 * int(np.prod(engine.cache_shape(sched_rows))) * engine.dtype.itemsize
-    return {
+    out = {
         "max_batch": sched_rows,
         "groups": G,
         "kv_bytes_per_device": kv // engine.mesh.devices.size,
@@ -146,6 +146,13 @@ def serve_job(engines, settings: dict, say) -> dict:
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),
     }
+    if s.get("serve_shared_prefix"):
+        from qwen3_spmd.run.bench.prefix import longest_prompt, prefix_job
+
+        longest = longest_prompt(s["serve_shared_prefix"], s["serve_output_lens"])
+        prefixed = engines.get(fitting_seq_len(2 * longest, longest_output, C))
+        out["prefix_cache"] = prefix_job(prefixed, s, B_max, say)
+    return out
 
 
 def _loop_requests(cfg, s: dict, c: int):
