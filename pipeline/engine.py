@@ -708,6 +708,20 @@ class Engine:
             announce,
         )
 
+    def compile_copy(self, pool: BlockPool, cache_rows: int, into_pool: bool) -> None:
+        """Compiles, unless compiled, the prefix cache's block copy between `pool` and a
+        cache of `cache_rows` rows: into the pool (`save_blocks`) or out of it
+        (`load_blocks`)."""
+        cache = self._abstract_cache(cache_rows)
+        pool = self._abstract(tuple(pool), (SPECS.cache_lbksh,) * 2)
+        dst, src = (pool, (cache.k, cache.v)) if into_pool else ((cache.k, cache.v), pool)
+        n = pool[0].shape[3] // self.C
+        most = self.slots_per_device // n
+        key = ("blocks", dst[0].shape, src[0].shape)
+        fn = self._jitted(self._helpers, key, lambda: self._copy_program(n))
+        at = jax.ShapeDtypeStruct((most, 2), jnp.int32)
+        fn.lower(*dst, *src, jax.ShapeDtypeStruct((), jnp.int32), at, at).compile()
+
     def compile_move(self, n: int, cache_rows: int) -> None:
         """Compiles, unless compiled, `move_rows` of n (a power of two) rows."""
         rows = jax.ShapeDtypeStruct((n,), jnp.int32)

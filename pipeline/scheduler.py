@@ -52,7 +52,7 @@ from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling
-from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, Shape, ShapeRules
+from qwen3_spmd.pipeline.shapes import CopyShape, DecodeShape, PrefillShape, Shape, ShapeRules
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
 
@@ -78,7 +78,8 @@ class Scheduler:
       decisions: with several processes, how they share each round
         (`pipeline.decisions.SharedDecisions`); None in a single process.
       prefix_cache_bytes: each device's bytes for the prefix cache's pool of prompt
-        blocks (`pipeline.prefix`); 0: no prefix cache.
+        blocks (`pipeline.prefix`); 0: no prefix cache (nor when no request the rows
+        hold could hit: max_seq_len under a block and two tokens).
       prefix_block: the prefix cache's block in tokens (rounded down to a multiple of
         2C, at most the chunk, which is then rounded down to a multiple of it).
     """
@@ -101,10 +102,11 @@ class Scheduler:
         self.B = -(-max_batch // self.groups) * self.groups
         two_c = 2 * engine.C
         chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
-        block, self.prefix, pool = None, None, None
-        if prefix_cache_bytes > 0:
-            room = engine.slots_per_device * engine.C  # a block fits a row
-            block = max(two_c, min(prefix_block, chunk_tokens, room) // two_c * two_c)
+        self.prefix, pool = None, None
+        room = engine.slots_per_device * engine.C  # a block fits a row
+        block = max(two_c, min(prefix_block, chunk_tokens, room) // two_c * two_c)
+        # A hit needs a whole block before a prompt's last token and a token after it.
+        if prefix_cache_bytes > 0 and engine.max_seq_len >= block + 2:
             chunk_tokens = chunk_tokens // block * block
             per_block = engine.pool_bytes_per_block(block)
             if prefix_cache_bytes < per_block:
@@ -125,7 +127,7 @@ class Scheduler:
             max_seq_len=engine.max_seq_len,
             prefill_tokens=prefill_tokens,
             chunk_tokens=chunk_tokens,
-            block=block,
+            block=self.prefix.block if self.prefix else None,
         )
         self.planner = Planner(
             self.rules,
@@ -272,6 +274,12 @@ class Scheduler:
             eng.compile_decode(
                 shape.rows, self.B, self.groups, shape.sampled, shape.logprobs, announce
             )
+        elif isinstance(shape, CopyShape):
+            pool = self.executor.pool
+            if shape.direction == "save":
+                eng.compile_copy(pool, self.B, into_pool=True)
+            else:
+                eng.compile_copy(pool, self.rules.microbatches, into_pool=False)
         else:
             eng.compile_move(shape.rows, self.B)
 

@@ -48,7 +48,15 @@ class MoveShape:
     rows: int
 
 
-Shape = PrefillShape | DecodeShape | MoveShape
+@dataclasses.dataclass(frozen=True, order=True)
+class CopyShape:
+    """The prefix cache's block copies: from the rows into the pool ("save"), or from the
+    pool into a chunk's cache ("load")."""
+
+    direction: str
+
+
+Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
 
 # A light load's prompts: at most this many tokens. A few words: each first-set shape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the
@@ -63,13 +71,19 @@ class Programs:
     prefills: tuple[PrefillShape, ...]
     decodes: tuple[DecodeShape, ...]
     moves: tuple[int, ...]  # rows a move copies (padded)
+    copies: tuple[str, ...] = ()  # the prefix cache's block copies ("load", "save")
 
     def __len__(self) -> int:
-        return len(self.prefills) + len(self.decodes) + len(self.moves)
+        return len(self.prefills) + len(self.decodes) + len(self.moves) + len(self.copies)
 
     def shapes(self) -> list[Shape]:
-        """Every shape, moves as MoveShape."""
-        return [*self.prefills, *self.decodes, *map(MoveShape, self.moves)]
+        """Every shape, moves as MoveShape, copies as CopyShape."""
+        return [
+            *self.prefills,
+            *self.decodes,
+            *map(MoveShape, self.moves),
+            *map(CopyShape, self.copies),
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +202,10 @@ class ShapeRules:
             for live in range(1, self.rows + 1)
             for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
         }
-        return Programs(tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)))
+        copies = ("load", "save") if self.block is not None else ()
+        return Programs(
+            tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)), copies
+        )
 
     # ---- which to compile first --------------------------------------------------
 
@@ -203,6 +220,8 @@ class ShapeRules:
             units, tokens, rare = shape.B / self.microbatches, shape.P_pad, shape.with_context
         elif isinstance(shape, DecodeShape):
             units, tokens, rare = shape.rows / self.groups, light, shape.logprobs
+        elif isinstance(shape, CopyShape):  # met once a prompt has a whole block
+            units, tokens, rare = 1, self.block, False
         else:
             units, tokens, rare = shape.rows + 1, light, False
         return math.ceil(units) * max(tokens, light) * (4 if rare else 1)

@@ -23,7 +23,7 @@ from qwen3_spmd.pipeline.prefix import (
 )
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.scheduler import Scheduler
-from qwen3_spmd.pipeline.shapes import PrefillShape
+from qwen3_spmd.pipeline.shapes import CopyShape, PrefillShape
 from qwen3_spmd.ring import causal_work, zigzag, zigzag_blocks
 from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -157,6 +157,9 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
         engine, max_batch=4, prefill_tokens=32, prefix_cache_bytes=pool, prefix_block=BLOCK
     )
     assert (scheduler.prefix.slots, scheduler.prefix.block) == (3, BLOCK)
+    copies = [s for s in scheduler.rules.programs().shapes() if isinstance(s, CopyShape)]
+    assert copies == [CopyShape("load"), CopyShape("save")]
+    assert scheduler.precompile(copies) == 2  # what a server compiles before it serves
     rng = np.random.default_rng(1)
     words = lambda n: rng.integers(0, cfg.V, n).tolist()  # noqa: E731
     system, other = words(19), words(17)
