@@ -174,18 +174,20 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
             assert h.tokens == plain(p, params), (p, params)
         return [h.cached_tokens for h in handles]
 
+    # Every hit below leaves 7 or 8 tokens to compute: one chunk shape after a hit.
     # Misses: two short requests of one prefix admitted in one round; block 0 saved once.
     assert run((system[:12] + words(3), greedy), (system[:12] + words(2), greedy)) == [0, 0]
     assert scheduler.prefix.blocks_held == 1
-    # Hits that end mid-block: one block of 22 tokens, then two of 20 (19 shared).
-    assert run((system + words(3), greedy)) == [8]
-    assert run((system + words(1), sampled)) == [16]
     # A prompt of two whole blocks takes one: its last token is computed.
     assert run((system[:16], greedy)) == [8]
-    # Another prefix takes the empty slot and evicts the least recently used block.
+    # A hit that ends mid-block: 19 shared tokens, two whole blocks.
+    assert run((system + words(4), sampled)) == [16]
+    # Another prefix takes the empty slot and evicts the least recently used block, the
+    # later of system's two first.
     assert run((other + words(4), greedy)) == [0]
     assert scheduler.prefix.evictions == 1
-    assert run((system + words(4), sampled)) == [8]  # its block 1 went: a shorter hit
-    assert run((other + words(2), greedy)) == [8]  # ... and came back in place of other's
+    assert run((system[:15], greedy)) == [8]
+    assert run((other + words(7), sampled)) == [16]  # evicts system's block 0 for its third
+    assert run((system[:12] + words(3), greedy)) == [0]
     p = scheduler.prefix
-    assert (p.hits, p.evictions) == (8 + 16 + 8 + 8 + 8, 3) and p.queries > p.hits
+    assert (p.hits, p.evictions) == (8 + 16 + 8 + 16, 3) and p.queries > p.hits
