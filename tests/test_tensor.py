@@ -78,7 +78,13 @@ def test_ulysses_splits_each_devices_heads_over_seq():
     _check_against_transformers(_engine("wide", 1, 2, 2, cp="ulysses"), "wide")
 
 
-MOE = [("moe", 1, 1, 2, "ep"), ("moe", 1, 1, 2, "tp"), ("moe", 2, 2, 2, "ep")]
+MOE = [
+    ("moe", 1, 1, 2, "ep"),
+    ("moe", 1, 1, 2, "tp"),
+    ("moe", 2, 1, 2, "tp"),  # 5 layers over 2 stages, the dense layer 2 on stage 0
+    ("moe", 1, 2, 2, "ep"),  # the ring over seq, each device half the experts
+    ("moe", 2, 2, 2, "ep"),
+]
 
 
 @pytest.mark.parametrize("mesh", MOE, ids=lambda m: f"{m[1]}x{m[2]}x{m[3]}-{m[4]}")
