@@ -239,13 +239,19 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
     assert len(hidden) == 2 * cfg.L + 1, reduces
 
 
-def test_two_processes_on_2x1x4():
-    """Stages across two processes, tensor devices inside each (gloo on CPU)."""
+@pytest.mark.parametrize(
+    "mesh, stage_processes",
+    [("2x1x4", [[0], [1]]), ("1x2x4", [[0, 1]])],
+    ids=["stages-across", "ring-across"],
+)
+def test_two_processes_with_tensor_devices_inside_each(mesh, stage_processes):
+    """Two processes of 4 devices (gloo on CPU), the tensor devices inside each: the
+    stages across them (2x1x4), or the ring's two `seq` devices (1x2x4)."""
     from ports import free_port
     from test_multihost import ENV, ROOT
 
     folder, _, ref, prompts = fixture("wide")
-    argv = ["--model", str(folder), "--mesh", "2x1x4", "--cpu-devices", "4"]
+    argv = ["--model", str(folder), "--mesh", mesh, "--cpu-devices", "4"]
     argv += ["--max-new-tokens", "6", "--json"]
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
@@ -266,7 +272,8 @@ def test_two_processes_on_2x1x4():
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     report = json.loads(outs[0][0])
-    assert report["mesh"] == {"stage": 2, "seq": 1, "tensor": 4}
-    assert report["stage_processes"] == [[0], [1]]
+    S, C, X = map(int, mesh.split("x"))
+    assert report["mesh"] == {"stage": S, "seq": C, "tensor": X}
+    assert report["stage_processes"] == stage_processes
     for i, r in enumerate(report["requests"]):
         assert r["token_ids"] == ref[f"greedy_tokens_{i}"].tolist()[:6], i
