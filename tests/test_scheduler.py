@@ -320,12 +320,15 @@ from qwen3_spmd.pipeline.scheduler import Scheduler
 from qwen3_spmd.sharding.mesh import make_mesh
 
 folder, mesh_text, requests = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+pool_blocks = int(sys.argv[6])
 S, C = map(int, mesh_text.split("x"))
 cfg = Qwen3Config.from_hf(folder)
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices), max_seq_len=64,
                 chunk=4)
-sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30))
+sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30),
+                  prefix_cache_bytes=pool_blocks * engine.pool_bytes_per_block(8),
+                  prefix_block=8)
 if rank:
     sched.follow()
     print("FOLLOWED", sched.rounds, flush=True)
@@ -338,32 +341,35 @@ else:
     sched.cancel(handles[-1])
     sched.run()
     sched.close()
-    print("RESULT", json.dumps([[h.tokens, h.finish_reason] for h in handles]), flush=True)
+    result = [[h.tokens, h.finish_reason, h.cached_tokens] for h in handles]
+    print("RESULT", json.dumps(result), flush=True)
 """
 
 
-@pytest.mark.parametrize("mesh", ["2x2", "1x4"])
-def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
+@pytest.mark.parametrize("mesh, pool_blocks", [("2x2", 3), ("1x4", 0)])
+def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     """Two processes of two CPU devices each run one scheduler: process 0 takes staggered
     requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and
-    the other follows its rounds; every request's tokens are those it gets alone."""
+    the other follows its rounds; every request's tokens are those it gets alone. On
+    2x2 with a prefix cache of three 8-token blocks: a later request that begins as the
+    long one hits both blocks, so the pool's saves and hits came to both processes."""
     import json
     import os
     import subprocess
     import sys
 
     rng = np.random.default_rng(9)
+    long = rng.integers(0, cfg.V, 21).tolist()
     waves = [
         [(rng.integers(0, cfg.V, 5).tolist(), 7, 0.0)],
-        [
-            (rng.integers(0, cfg.V, 21).tolist(), 4, 0.8),
-            (rng.integers(0, cfg.V, 3).tolist(), 6, 0.0),
-        ],
+        [(long, 4, 0.8), (rng.integers(0, cfg.V, 3).tolist(), 6, 0.0)],
         [(rng.integers(0, cfg.V, 9).tolist(), 12, 0.0)],
+        [(long[:18], 3, 0.0)],  # its first two blocks are the long one's
+        [(rng.integers(0, cfg.V, 4).tolist(), 5, 0.0)],  # cancelled
     ]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    argv = [str(port), str(TINY), mesh, json.dumps(waves)]
+    argv = [str(port), str(TINY), mesh, json.dumps(waves), str(pool_blocks)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PROCESS, str(r), *argv],
@@ -381,10 +387,11 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
     (line,) = [l for l in outs[0][0].splitlines() if l.startswith("RESULT")]
     got = json.loads(line.split(" ", 1)[1])
     requests = [r for wave in waves for r in wave]
-    for (tokens, reason), (prompt, n, t) in zip(got[:-1], requests[:-1]):
+    for (tokens, reason, _), (prompt, n, t) in zip(got[:-1], requests[:-1]):
         assert tokens == alone(prompt, Params(n, Sampling(temperature=t), seed=3))
         assert reason == "length"
     assert got[-1][1] == "cancelled"
+    assert [c for _, _, c in got[:-1]] == [0, 0, 0, 0, 16 if pool_blocks else 0]
 
 
 def test_a_round_survives_its_json():
