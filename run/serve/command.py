@@ -122,7 +122,7 @@ def register(subparsers) -> None:
         help="MiB of each device for the prefix cache's pool of prompt blocks, whose K/V a "
         "later prompt that begins alike copies instead of computing; 0 turns it off "
         "(default: half the device memory free after weights and rows on one process with "
-        "a GPU, else as much as the rows' own KV cache)",
+        "a GPU, else as much as the rows' own KV cache; none with several seq devices)",
     )
     p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
     p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
@@ -342,9 +342,14 @@ def _prefix_cache_bytes(args, engine, many: bool) -> int:
     """Each device's bytes for the prefix cache's pool: --prefix-cache-mib, or half of
     what the device says is free after the weights and the rows' KV cache. Where it
     says nothing (CPU), or with several processes (whose pools must hold the same
-    blocks, and whose free memory may differ), as much as the rows' own KV cache."""
+    blocks, and whose free memory may differ), as much as the rows' own KV cache. None
+    by default with several `seq` devices: prompts would be laid out block by block,
+    and the ring skips fewer pairs of such a layout (a mesh for long prompts pays that
+    on every prompt for what a repeated prefix saves)."""
     if args.prefix_cache_mib is not None:
         return int(args.prefix_cache_mib * 2**20)
+    if engine.C > 1:  # long prompts: the block layout would cost the ring's skipped pairs
+        return 0
     rows = 2 * math.prod(engine.cache_shape(args.max_batch)) * engine.dtype.itemsize
     rows //= engine.mesh.devices.size
     stats = None if many else engine.mesh.devices.flat[0].memory_stats()
