@@ -53,13 +53,15 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # then reach at about the same time. A module not named here keeps its place after them.
 LONGEST_FIRST = [
     "test_scheduler.py",
-    "test_moe.py",
+    "test_serve.py",
     "test_engine_mesh.py",
     "test_tensor.py",
-    "test_serve.py",
+    "test_moe.py",
+    "test_engine_ulysses.py",
+    "test_multihost.py",
     "test_bench.py",
     "test_doc_examples.py",
-    "test_multihost.py",
+    "test_prefix_cache.py",
     "test_cli.py",
     "test_orbax.py",
     "test_serve_app.py",
