@@ -250,6 +250,12 @@ def test_peer_transformers(capsys):
             ],
             "serve requests need up to 4200 positions",
         ),
+        (["--serve-shared-prefix", "16"], "a part of --scenario serve"),
+        (["--scenario", "serve", "--serve-shared-prefix", "-1"], "must not be negative"),
+        (
+            ["--scenario", "serve", "--serve-shared-prefix", "4000"],
+            "a conversation's last turn needs 4280 positions",
+        ),
     ],
 )
 def test_bad_input(capsys, argv, words):

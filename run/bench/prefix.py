@@ -23,7 +23,7 @@ import numpy as np
 
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.scheduler import Scheduler
-from qwen3_spmd.run.bench.serve import _loop_requests, _percentiles, closed_loop
+from qwen3_spmd.run.bench.serve import _loop_requests, closed_loop, finished_figures
 
 SHARED_REQUESTS, USER_TURN = 16, (16, 64)
 CONVERSATIONS, TURNS = 4, 4
@@ -113,13 +113,4 @@ def _turns(sched: Scheduler, conversations) -> dict:
                 prompts[i] = list(prompts[i]) + handle.tokens + user
                 live[i] = sched.submit(prompts[i], Params(n))
     compile_s = sched.clock.compile_s - compile_before
-    wall = time.perf_counter() - t0 - compile_s
-    tokens = sum(h.completion_tokens for h in finished)
-    return {
-        "requests": len(finished),
-        "output_tokens": tokens,
-        "time_s": wall,
-        "compile_s": compile_s,
-        "output_tokens_per_s": tokens / wall,
-        "time_to_first_token_s": _percentiles([h.time_to_first_token_s for h in finished]),
-    }
+    return finished_figures(finished, time.perf_counter() - t0 - compile_s, compile_s)

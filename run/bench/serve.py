@@ -57,6 +57,16 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         live = [h for h in live if not h.done]
     compile_s = sched.clock.compile_s - compile_before
     wall = time.perf_counter() - t0 - compile_s
+    return {
+        **finished_figures(finished, wall, compile_s),
+        **sched.decode_use(since=counts),
+        "before_drain": before_drain,
+    }
+
+
+def finished_figures(finished, wall: float, compile_s: float) -> dict:
+    """Counts, throughputs and latency percentiles of the handles `finished` in `wall`
+    seconds (compiles' `compile_s` left out)."""
     tokens = sum(h.completion_tokens for h in finished)
     per_token = [
         (h.token_times_s[-1] - h.token_times_s[0]) / (h.completion_tokens - 1)
@@ -72,8 +82,6 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         "requests_per_s": len(finished) / wall,
         "time_to_first_token_s": _percentiles([h.time_to_first_token_s for h in finished]),
         "time_per_output_token_s": _percentiles(per_token),
-        **sched.decode_use(since=counts),
-        "before_drain": before_drain,
     }
 
 
