@@ -7,6 +7,7 @@ import asyncio
 import jax
 import numpy as np
 import pytest
+from children import child_env
 from ports import free_port
 from reference import TINY
 
@@ -348,7 +349,6 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
     requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and
     the other follows its rounds; every request's tokens are those it gets alone."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -362,7 +362,7 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh):
         [(rng.integers(0, cfg.V, 9).tolist(), 12, 0.0)],
     ]
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [str(port), str(TINY), mesh, json.dumps(waves)]
     procs = [
         subprocess.Popen(
