@@ -15,6 +15,15 @@ import pytest
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Compiling is most of the suite's time, and LLVM's optimizations (XLA's CPU default is
+# -O2) are about a third of each compile: at -O0 the suite does 25-33% less work per
+# module (CPU seconds, e.g. test_engine_mesh 140 -> 95), while the tiny models' programs
+# still run in milliseconds. The results move by rounding only (logits by ~1e-6), within
+# every tolerance here; every check compares runs made under the same flags or a
+# transformers reference. The subprocesses inherit it (tests/children.py), but for the
+# pages' examples, which run in a reader's environment and print their tokens.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # Many tests compile the same programs (a fresh engine of the same shapes, a server and
 # the generate runs beside it): one compilation cache in a folder made for this session,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from children import child_env
 from reference import FIXTURES
 
 from qwen3_spmd.run.cli import main
@@ -137,7 +138,7 @@ def test_folder_without_config(capsys, tmp_path):
 
 def test_console_script_sets_cpu_devices_before_jax_starts():
     # No model and no prompt: the demo, on an emulated 2x2 CPU mesh, checked and drawn.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-m", "qwen3_spmd.run", "generate", "--max-new-tokens", "4"],
         cwd=ROOT,

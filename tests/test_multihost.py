@@ -1,12 +1,11 @@
 """Several processes, one mesh: `generate` over jax.distributed (gloo on CPU, 127.0.0.1).
 
-Each process is `python -m qwen3_spmd.run generate ...` with its own emulated CPU devices (the
-environment's XLA_FLAGS removed, so --cpu-devices decides). Each costs several seconds
-of start-up and compilation, so runs are few and requests short.
+Each process is `python -m qwen3_spmd.run generate ...` with its own emulated CPU devices
+(the session's device count removed from XLA_FLAGS, so --cpu-devices decides). Each costs
+several seconds of start-up and compilation, so runs are few and requests short.
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from children import child_env
 from ports import free_port
 from reference import TINY
 from safetensors import safe_open
@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 REF = np.load(TINY / "reference.npz")
 PROMPTS = [REF[f"prompt_{i}"].tolist() for i in range(3)]
 NEW = 8
-ENV = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+ENV = child_env()
 
 
 def spawn(argv, **popen) -> subprocess.Popen:

@@ -3,7 +3,6 @@ what the safetensors load gives; bfloat16; killed conversions; mismatched or for
 folders."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import child_env
 from ports import free_port
 from reference import TINY
 
@@ -179,7 +179,7 @@ sys.exit(main(["convert", "--model", sys.argv[1], "--out", sys.argv[2]]))
 
 def test_killed_conversion_leaves_nothing_that_loads_and_rerun_finishes(tmp_path, capsys):
     out = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-c", _STALL, str(TINY), str(out)],
         cwd=ROOT,
@@ -301,7 +301,7 @@ print("RESULT", same, orb.bytes_read, hf.bytes_read, flush=True)
 
 def test_two_processes_each_restore_only_their_stages(converted, cfg):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _HOST, str(r), str(port), str(converted / "f32"), str(TINY)],
@@ -403,7 +403,7 @@ def test_damaged_folders_are_one_line_errors(converted, tmp_path, capsys):
         assert main([*argv, "--model", str(folder)]) == 2
         errors[folder] = capsys.readouterr().err.strip()
     assert f"{data.relative_to(cut).as_posix()} is 1,000 bytes" in errors[cut]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run(
         [sys.executable, "-m", "qwen3_spmd.run", *argv, "--model", str(cut)],
         cwd=ROOT,

@@ -7,6 +7,7 @@ import asyncio
 import jax
 import numpy as np
 import pytest
+from children import child_env
 from ports import free_port
 from reference import TINY
 
@@ -354,7 +355,6 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     2x2 with a prefix cache of three 8-token blocks: a later request that begins as the
     long one hits both blocks, so the pool's saves and hits came to both processes."""
     import json
-    import os
     import subprocess
     import sys
 
@@ -368,7 +368,7 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
         [(rng.integers(0, cfg.V, 4).tolist(), 5, 0.0)],  # cancelled
     ]
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [str(port), str(TINY), mesh, json.dumps(waves), str(pool_blocks)]
     procs = [
         subprocess.Popen(

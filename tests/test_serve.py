@@ -11,7 +11,6 @@ lazy`), in a fraction of the time it takes to compile every shape a round can ru
 import concurrent.futures
 import http.client
 import json
-import os
 import re
 import signal
 import socket
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from children import child_env
 from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,7 +38,7 @@ TIMEOUT = 120  # seconds, per request
 @pytest.fixture(scope="module")
 def server():
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "2x2", "--cpu-devices", "4", "--port", str(port), "--api-key", KEY]
     argv += ["--max-batch", "4", "--max-queue", str(MAX_QUEUE), "--shutdown-timeout", "1"]
@@ -534,7 +534,7 @@ def _wait_draining(server, limit_s=30):
 def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subprocess.Popen]:
     """A 1x2 server over two processes (one CPU device each) on `port`, once /health
     says 200; the caller ends them."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
     argv += ["--precompile", "lazy"]
@@ -648,7 +648,7 @@ def test_precompile_all_compiles_every_shape_before_serving():
     compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
     positions."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
     argv += ["--precompile", "all"]
@@ -680,7 +680,7 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     compiles once, and a line says when the background is done; SIGTERM ends it with 0.
     1x1, one row, 8 positions: 6 shapes first, 2 after."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
     argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
     log = tmp_path / "serve.log"
