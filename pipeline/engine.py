@@ -268,6 +268,10 @@ class Engine:
         )
         return BlockPool(zeros(), zeros())
 
+    def cache_bytes_per_device(self, B: int) -> int:
+        """Bytes of a KV cache of B rows (k and v) on each device."""
+        return 2 * math.prod(self.cache_shape(B)) * self.dtype.itemsize // self.mesh.devices.size
+
     def pool_bytes_per_block(self, block: int) -> int:
         """Bytes of one pool block (k and v) on each device."""
         L, _, K, _, H = self.cache_shape(1)
@@ -297,16 +301,22 @@ class Engine:
         """(k, v) of dst (donated) with block pieces of src copied in
         (`pipeline.prefix.copy_blocks`); the index lists are padded to the most blocks a
         row holds, so one program serves every count."""
-        n = min(src[0].shape[3], dst[0].shape[3]) // self.C  # a block's local slots: the pool's
-        most = self.slots_per_device // n
-        key = ("blocks", dst[0].shape, src[0].shape)
-        fn = self._jitted(self._helpers, key, lambda: self._copy_program(n))
+        fn, most = self._copy_fn(dst[0].shape, src[0].shape)
         for i in range(0, len(dst_at), most):  # a round's saves may span several rows
             part = [list(at[i : i + most]) for at in (dst_at, src_at)]
             count = len(part[0])
             padded = [np.array(at + [(0, 0)] * (most - count), np.int32) for at in part]
             dst = fn(*dst, *src, np.int32(count), *padded)
         return dst
+
+    def _copy_fn(self, dst_shape: tuple, src_shape: tuple):
+        """(the jitted copy between arrays of these shapes, the most blocks it copies at
+        once: a row's)."""
+        n = min(src_shape[3], dst_shape[3]) // self.C  # a block's local slots: the pool's
+        key = ("blocks", dst_shape, src_shape)
+        return self._jitted(self._helpers, key, lambda: self._copy_program(n)), (
+            self.slots_per_device // n
+        )
 
     def _copy_program(self, n: int):
         spec, one = SPECS.cache_lbksh, P()
@@ -715,10 +725,7 @@ class Engine:
         cache = self._abstract_cache(cache_rows)
         pool = self._abstract(tuple(pool), (SPECS.cache_lbksh,) * 2)
         dst, src = (pool, (cache.k, cache.v)) if into_pool else ((cache.k, cache.v), pool)
-        n = pool[0].shape[3] // self.C
-        most = self.slots_per_device // n
-        key = ("blocks", dst[0].shape, src[0].shape)
-        fn = self._jitted(self._helpers, key, lambda: self._copy_program(n))
+        fn, most = self._copy_fn(dst[0].shape, src[0].shape)
         at = jax.ShapeDtypeStruct((most, 2), jnp.int32)
         fn.lower(*dst, *src, jax.ShapeDtypeStruct((), jnp.int32), at, at).compile()
 

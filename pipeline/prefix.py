@@ -33,6 +33,7 @@ prompts' blocks and computes the replies again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import NamedTuple
 
@@ -98,6 +99,10 @@ class PrefixBook:
 
     def __init__(self, slots: int, block: int):
         self.slots, self.block = slots, block
+        # A waiting prompt is looked up every round until admitted, then its blocks are
+        # named again for the saves: hash each prompt once. As many as the server's
+        # default queue (256) and as many again, not every prompt ever seen (it holds them).
+        self.names = functools.lru_cache(maxsize=512)(lambda prompt: block_names(prompt, block))
         self.where: dict[str, int] = {}  # block name -> slot
         self.held: list[tuple[str, int] | None] = [None] * slots  # (name, block index)
         self.used = [0] * slots
@@ -110,9 +115,7 @@ class PrefixBook:
         """The slots of the longest run of the prompt's first blocks in the pool (at
         most `hit_blocks`), in block order."""
         found = []
-        for name in block_names(
-            prompt[: hit_blocks(len(prompt), self.block) * self.block], self.block
-        ):
+        for name in self.names(tuple(prompt))[: hit_blocks(len(prompt), self.block)]:
             slot = self.where.get(name)
             if slot is None:
                 break
@@ -166,7 +169,7 @@ def plan_saves(book: PrefixBook, admitted: list[tuple[int, tuple[int, ...]]], ke
     found only after the ones before it."""
     wanted, seen, keep = [], set(book.where), set(keep)
     for row, prompt in admitted:
-        for j, name in enumerate(block_names(prompt, book.block)):
+        for j, name in enumerate(book.names(tuple(prompt))):
             if name in book.where:  # the earlier blocks a new one needs stay
                 keep.add(book.where[name])
             elif name not in seen:

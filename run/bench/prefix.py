@@ -50,8 +50,7 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
     for c in conversations:  # every conversation opens with the system prompt
         c[0] = (system + c[0][0], c[0][1])
     unshared = _loop_requests(engine.cfg, s, B_max)
-    rows_bytes = 2 * int(np.prod(engine.cache_shape(B_max))) * engine.dtype.itemsize
-    pool = rows_bytes // engine.mesh.devices.size
+    pool = engine.cache_bytes_per_device(B_max)
 
     def scheduler(cache: bool) -> Scheduler:
         return Scheduler(engine, B_max, prefix_cache_bytes=pool if cache else 0)

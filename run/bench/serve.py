@@ -145,11 +145,10 @@ def serve_job(engines, settings: dict, say) -> dict:
             f"{1e3 * (loop['time_per_output_token_s']['p50'] or 0):.0f} ms, rows busy "
             f"{loop['row_occupancy']:.2f}, stages idle {loop['stage_idle_fraction']:.2f}"
         )
-    kv = 2 * int(np.prod(engine.cache_shape(sched_rows))) * engine.dtype.itemsize
     out = {
         "max_batch": sched_rows,
         "groups": G,
-        "kv_bytes_per_device": kv // engine.mesh.devices.size,
+        "kv_bytes_per_device": engine.cache_bytes_per_device(sched_rows),
         "concurrency": rows,
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),

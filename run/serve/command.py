@@ -16,7 +16,6 @@ the server exits 0 (a second signal exits at once).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import socket
@@ -350,8 +349,7 @@ def _prefix_cache_bytes(args, engine, many: bool) -> int:
         return int(args.prefix_cache_mib * 2**20)
     if engine.C > 1:  # long prompts: the block layout would cost the ring's skipped pairs
         return 0
-    rows = 2 * math.prod(engine.cache_shape(args.max_batch)) * engine.dtype.itemsize
-    rows //= engine.mesh.devices.size
+    rows = engine.cache_bytes_per_device(args.max_batch)
     stats = None if many else engine.mesh.devices.flat[0].memory_stats()
     if stats and "bytes_limit" in stats:
         return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows) // 2)

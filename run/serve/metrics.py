@@ -124,29 +124,26 @@ class _Now:
             "Seconds rounds waited for a compile.",
             scheduler.clock.compile_s,
         )
-        prefix = scheduler.prefix  # None without a prefix cache: every figure 0
+        p = scheduler.prefix  # None without a prefix cache: every figure 0
+        queries, hits, evictions, held, slots = (
+            (p.queries, p.hits, p.evictions, p.blocks_held, p.slots) if p else (0, 0, 0, 0, 1)
+        )
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache (every admitted prompt's).",
-            prefix.queries if prefix else 0,
+            queries,
         )
         yield counter(
             "prefix_cache_hits",
             "Prompt tokens whose K/V the prefix cache gave (not computed).",
-            prefix.hits if prefix else 0,
+            hits,
         )
-        yield counter(
-            "prefix_cache_evictions",
-            "Blocks evicted from the pool.",
-            prefix.evictions if prefix else 0,
-        )
-        yield gauge(
-            "prefix_cache_blocks", "Blocks the pool holds.", prefix.blocks_held if prefix else 0
-        )
+        yield counter("prefix_cache_evictions", "Blocks evicted from the pool.", evictions)
+        yield gauge("prefix_cache_blocks", "Blocks the pool holds.", held)
         yield gauge(
             "prefix_cache_usage_perc",
             "Fraction of the pool's blocks in use (vLLM's kv_cache_usage_perc, for the pool).",
-            prefix.blocks_held / prefix.slots if prefix else 0.0,
+            held / slots,
         )
         yield gauge(
             "prefix_cache_bytes",
