@@ -278,14 +278,18 @@ class Engine:
         per_device = L // self.stages * (K // self.split.size) * (block // self.C) * H
         return 2 * per_device * self.dtype.itemsize
 
-    def save_blocks(self, pool: BlockPool, cache: KVCache, saves) -> BlockPool:
+    def save_blocks(self, pool: BlockPool, cache: KVCache, saves, slots=None) -> BlockPool:
         """pool (donated, updated in place) with, for each `pipeline.prefix.Save`, block
-        `block` of cache row `row` written into pool slot `slot`. No byte moves between
-        devices: each holds the same share of a block in the row and in the pool."""
+        `block` of cache row `row` written into pool slot `slot`. slots: [len(saves), n]
+        the local row slots each block's n pool slots take, in order (the same on every
+        device); None: a prompt's block layout, block j at [j n, (j + 1) n). No byte moves
+        between devices: each holds the same share of a block in the row and in the
+        pool."""
         n = pool.k.shape[3] // self.C  # a block's local slots
+        if slots is None:
+            slots = [s.block * n + np.arange(n) for s in saves]
         at_pool = [(s.slot, 0) for s in saves]
-        at_row = [(s.row, s.block * n) for s in saves]
-        k, v = self._copy_blocks(pool, (cache.k, cache.v), at_pool, at_row)
+        k, v = self._copy_blocks(pool, (cache.k, cache.v), at_pool, [s.row for s in saves], slots)
         return BlockPool(k, v)
 
     def load_blocks(self, cache: KVCache, pool: BlockPool, row: int, slots) -> KVCache:
@@ -293,44 +297,46 @@ class Engine:
         row `row` (its slot positions are the caller's to set)."""
         n = pool.k.shape[3] // self.C
         at_row = [(row, j * n) for j in range(len(slots))]
-        at_pool = [(s, 0) for s in slots]
-        k, v = self._copy_blocks((cache.k, cache.v), pool, at_row, at_pool)
+        whole = [np.arange(n)] * len(slots)
+        k, v = self._copy_blocks((cache.k, cache.v), pool, at_row, list(slots), whole)
         return cache._replace(k=k, v=v)
 
-    def _copy_blocks(self, dst, src, dst_at, src_at):
-        """(k, v) of dst (donated) with block pieces of src copied in
+    def _copy_blocks(self, dst, src, dst_at, src_at, src_slots):
+        """(k, v) of dst (donated) with blocks of src copied in
         (`pipeline.prefix.copy_blocks`); the index lists are padded to the most blocks a
         row holds, so one program serves every count."""
-        fn, most = self._copy_fn(dst[0].shape, src[0].shape)
+        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
         for i in range(0, len(dst_at), most):  # a round's saves may span several rows
-            part = [list(at[i : i + most]) for at in (dst_at, src_at)]
-            count = len(part[0])
-            padded = [np.array(at + [(0, 0)] * (most - count), np.int32) for at in part]
-            dst = fn(*dst, *src, np.int32(count), *padded)
+            count = len(dst_at[i : i + most])
+            pad = most - count
+            at = np.array(list(dst_at[i : i + most]) + [(0, 0)] * pad, np.int32)
+            rows = np.array(list(src_at[i : i + most]) + [0] * pad, np.int32)
+            slots = np.zeros((most, n), np.int32)
+            slots[:count] = np.asarray(src_slots[i : i + most], np.int32).reshape(count, n)
+            dst = fn(*dst, *src, np.int32(count), at, rows, slots)
         return dst
 
     def _copy_fn(self, dst_shape: tuple, src_shape: tuple):
         """(the jitted copy between arrays of these shapes, the most blocks it copies at
-        once: a row's)."""
+        once: a row's, a block's local slots)."""
         n = min(src_shape[3], dst_shape[3]) // self.C  # a block's local slots: the pool's
         key = ("blocks", dst_shape, src_shape)
-        return self._jitted(self._helpers, key, lambda: self._copy_program(n)), (
-            self.slots_per_device // n
-        )
+        fn = self._jitted(self._helpers, key, self._copy_program)
+        return fn, self.slots_per_device // n, n
 
-    def _copy_program(self, n: int):
+    def _copy_program(self):
         spec, one = SPECS.cache_lbksh, P()
 
-        def local(dst_k, dst_v, src_k, src_v, count, dst_at, src_at):
+        def local(dst_k, dst_v, src_k, src_v, count, dst_at, src_at, src_slots):
             return (
-                copy_blocks(dst_k, src_k, count, dst_at, src_at, n),
-                copy_blocks(dst_v, src_v, count, dst_at, src_at, n),
+                copy_blocks(dst_k, src_k, count, dst_at, src_at, src_slots),
+                copy_blocks(dst_v, src_v, count, dst_at, src_at, src_slots),
             )
 
         mapped = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(spec, spec, spec, spec, one, one, one),
+            in_specs=(spec, spec, spec, spec, one, one, one, one),
             out_specs=(spec, spec),
         )
         return jax.jit(mapped, donate_argnums=(0, 1))
@@ -725,9 +731,9 @@ class Engine:
         cache = self._abstract_cache(cache_rows)
         pool = self._abstract(tuple(pool), (SPECS.cache_lbksh,) * 2)
         dst, src = (pool, (cache.k, cache.v)) if into_pool else ((cache.k, cache.v), pool)
-        fn, most = self._copy_fn(dst[0].shape, src[0].shape)
-        at = jax.ShapeDtypeStruct((most, 2), jnp.int32)
-        fn.lower(*dst, *src, jax.ShapeDtypeStruct((), jnp.int32), at, at).compile()
+        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        fn.lower(*dst, *src, i32(), i32(most, 2), i32(most), i32(most, n)).compile()
 
     def compile_move(self, n: int, cache_rows: int) -> None:
         """Compiles, unless compiled, `move_rows` of n (a power of two) rows."""

@@ -17,7 +17,7 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
-from qwen3_spmd.pipeline.prefix import BlockPool, PrefixBook, block_slot_pos
+from qwen3_spmd.pipeline.prefix import BlockPool, PrefixBook, block_slot_pos, block_slots
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
@@ -63,6 +63,12 @@ class Executor:
         updates = []
         if self.prefix is not None:
             self.prefix.tick()
+        if round.ended_saves:  # before anything writes to the rows they read
+            block, where = self.prefix.block, {}
+            for e in self.book.ended:  # its blocks' slots (one seq device: slot_pos[0])
+                where[e.row] = block_slots(e.slot_pos[0], block, len(e.tokens) // block)
+            self._save(round.ended_saves, [where[s.row][s.block] for s in round.ended_saves])
+        self.book.ended.clear()
         for id in round.cancels:
             in_row = self.book.row_of(id) is not None
             if self.book.cancel(id):
@@ -75,9 +81,7 @@ class Executor:
         for admission in round.admissions:
             updates += self._prefill(admission)
         if round.saves:  # before any later write to the rows they read
-            self.pool = self.engine.save_blocks(self.pool, self.cache, round.saves)
-            for save in round.saves:
-                self.prefix.store(save)
+            self._save(round.saves)
         return updates
 
     def decode(self, round: Round) -> list[Update]:
@@ -150,6 +154,12 @@ class Executor:
         self._chunk_cache = eng.load_blocks(cache, self.pool, 0, chunk.cached)
         self._count(chunk.request, chunk.cached)
         return held
+
+    def _save(self, saves, slots=None) -> None:
+        """Runs `saves` (the rows' slots of each block: `Engine.save_blocks`)."""
+        self.pool = self.engine.save_blocks(self.pool, self.cache, saves, slots)
+        for save in saves:
+            self.prefix.store(save)
 
     def _count(self, request: Request, cached: tuple[int, ...]) -> None:
         """A prompt starts its prefill, its first blocks from `cached` pool slots."""

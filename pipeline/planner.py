@@ -78,8 +78,9 @@ class DecodeChunk:
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """Everything one round runs, in this order (the saves right after the prefills).
-    close: process 0 has stopped (the followers stop after this)."""
+    """Everything one round runs, in this order (ended_saves before anything writes to
+    the rows, saves right after the prefills). close: process 0 has stopped (the
+    followers stop after this)."""
 
     cancels: tuple[int, ...] = ()  # request ids
     chunk: Chunk | None = None
@@ -88,6 +89,8 @@ class Round:
     decode: DecodeChunk | None = None
     close: bool = False
     saves: tuple[Save, ...] = ()  # prompt blocks into the prefix cache, after the prefills
+    # the blocks of the requests that ended last round (`RowBook.ended`), first
+    ended_saves: tuple[Save, ...] = ()
 
     def taken(self) -> set[int]:
         """The waiting requests this round takes out of the queue."""
@@ -124,6 +127,7 @@ class Round:
             decode=decode,
             close=d["close"],
             saves=tuple(Save(**x) for x in d["saves"]),
+            ended_saves=tuple(Save(**x) for x in d["ended_saves"]),
         )
 
 
@@ -170,10 +174,11 @@ class Planner:
         """Whether a prompt is prefilled in chunks."""
         return len(request.prompt) > self.rules.chunk_tokens
 
-    def cached(self, request: Request) -> tuple[int, ...]:
-        """The pool slots of the prompt's first blocks the prefix cache holds (a hit is
-        prefilled from its first uncached token on, as a long prompt's later chunks)."""
-        return self.prefix.lookup(request.prompt) if self.prefix is not None else ()
+    def cached(self, request: Request, prefix: PrefixBook | None) -> tuple[int, ...]:
+        """The pool slots of the prompt's first blocks `prefix` (the prefix cache's book
+        as the round will read it) holds: a hit is prefilled from its first uncached
+        token on, as a long prompt's later chunks."""
+        return prefix.lookup(request.prompt) if prefix is not None else ()
 
     def plan(
         self,
@@ -203,9 +208,15 @@ class Planner:
         queue = [r for r in queue if r.id not in cancels]
         free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
 
+        # The requests that ended last round save their blocks first (generated tokens
+        # are in a block's layout on one seq device only); this round's hits see them.
+        prefix, ended = self.prefix, ()
+        if prefix is not None and rules.C == 1 and book.ended:
+            ended = plan_saves(prefix, [(e.row, e.tokens) for e in book.ended], keep=set())
+            prefix = prefix.after(ended)
         budget, chunk = rules.prefill_tokens, None
         if held is None and queue and free:
-            hit = self.cached(queue[0])
+            hit = self.cached(queue[0], prefix)
             if hit or self.long(queue[0]):
                 request, row = queue.pop(0), free.pop(0)
                 chunk = self._chunk(request, row, done=0, offset=0, first=True, cached=hit)
@@ -222,14 +233,14 @@ class Planner:
             else:
                 held_row = chunk.row
 
-        admissions, queue = self._admit(queue, free, max(budget, 0))
+        admissions, queue = self._admit(queue, free, max(budget, 0), prefix)
         for a in admissions:
             busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
             prefilled += [(b, r.prompt) for r, b in zip(a.requests, a.rows)]
         saves = ()
-        if self.prefix is not None:
+        if prefix is not None:
             hits = set(chunk.cached) if chunk is not None else set()
-            saves = plan_saves(self.prefix, prefilled, keep=hits)
+            saves = plan_saves(prefix, prefilled, keep=hits)
         # A request whose budget is its first token ends at its prefill.
         busy = {b: (r, n) for b, (r, n) in busy.items() if n < r.params.max_new_tokens}
         moves, decode = (), None
@@ -239,7 +250,9 @@ class Planner:
             decode = self._decode(
                 busy, bool(queue), book.B, book.groups, early_ends, acc.busy_row_steps
             )
-        return Round(tuple(found), chunk, tuple(admissions), moves, decode, saves=saves)
+        return Round(
+            tuple(found), chunk, tuple(admissions), moves, decode, saves=saves, ended_saves=ended
+        )
 
     def _chunk(
         self,
@@ -260,19 +273,20 @@ class Planner:
         return Chunk(row, done, end, shape, request if first else None, cached)
 
     def _admit(
-        self, queue: list[Request], free: list[int], budget: int
+        self, queue: list[Request], free: list[int], budget: int, prefix: PrefixBook | None
     ) -> tuple[list[Admission], list[Request]]:
         """Waiting short prompts, in their order, into the free rows within `budget`
         tokens (one at least, when no chunk runs this round). Prompts of one length
         bucket go together (padded to one length, a short prompt would cost a long
         one's compute), in whole bucketed batches (padding rows compute for nobody): 7
-        prompts of a bucket are batches of 4, 2 and 1. Returns the admissions and the
-        queue left."""
+        prompts of a bucket are batches of 4, 2 and 1; a prefix cache's hit (in
+        `prefix`) waits for the chunking seat. Returns the admissions and the queue
+        left."""
         rules = self.rules
         by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
         n = tokens = 0
         for request in queue:
-            if n == len(free) or self.long(request) or self.cached(request):
+            if n == len(free) or self.long(request) or self.cached(request, prefix):
                 break  # a long prompt (or a hit) starts chunking when the one before is done
             length = len(request.prompt)
             if tokens + length > budget and (n or budget < rules.prefill_tokens):

@@ -24,10 +24,16 @@ with blocks in the pool prefills only the rest, as a long prompt's later chunks 
             every process alike (the pool's decisions travel in the `Round`).
 
 A prompt's last token is always computed (its logits give the first token), so a hit
-covers at most (len - 1) // block blocks. Blocks are saved right after their prompt's
-prefill, from the row it went into; blocks of generated tokens are not cached (they sit
-in decode slots, not in a block's layout): a conversation's next turn hits its earlier
-prompts' blocks and computes the replies again.
+covers at most (len - 1) // block blocks. A prompt's blocks are saved right after its
+prefill, from the row it went into. When a request ends, the blocks of its prompt and
+generated tokens together (those whose K/V its row holds: all but the last token) are
+saved the next round, before anything writes to its row, so a conversation's next turn
+(the prompt, the reply, a new user turn) hits the reply's blocks too. That needs one
+`seq` device: with several, generated tokens sit round-robin over the devices
+(`ring.decode_slot`), not in a block's layout, and only prompt blocks are saved. The
+generated tokens' K/V were computed by decode steps, not by a prefill, so a turn that
+hits them differs from one that computes them by float rounding only, as two mesh
+shapes do.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import hashlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -84,7 +91,8 @@ class BlockPool(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Save:
-    """Block `block` of the prompt in row `row` goes into pool slot `slot`, as `name`."""
+    """Block `block` of the tokens in row `row` (a prompt just prefilled, or a request
+    that ended: `Round`) goes into pool slot `slot`, as `name`."""
 
     row: int
     block: int
@@ -136,6 +144,17 @@ class PrefixBook:
     def blocks_held(self) -> int:
         return len(self.where)
 
+    def after(self, saves) -> PrefixBook:
+        """What the book will say once `saves` run at the start of the next round (the
+        planner's view of a round that saves before it reads)."""
+        view = PrefixBook.__new__(PrefixBook)
+        view.__dict__.update(self.__dict__)
+        view.where, view.held, view.used = dict(self.where), list(self.held), list(self.used)
+        view.clock = self.clock + 1
+        for save in saves:
+            view._put(save)
+        return view
+
     # ---- writing (the executor, in the round's order) ----------------------------
 
     def tick(self) -> None:
@@ -152,24 +171,27 @@ class PrefixBook:
 
     def store(self, save: Save) -> None:
         """`save` ran: its slot holds its block now (evicting what it held)."""
+        self.evictions += self.held[save.slot] is not None
+        self._put(save)
+
+    def _put(self, save: Save) -> None:
         old = self.held[save.slot]
         if old is not None:
             del self.where[old[0]]
-            self.evictions += 1
         self.held[save.slot] = (save.name, save.block)
         self.where[save.name] = save.slot
         self.used[save.slot] = self.clock
 
 
 def plan_saves(book: PrefixBook, admitted: list[tuple[int, tuple[int, ...]]], keep: set[int]):
-    """The saves after a round's prefills: for each (row, prompt) admitted, in order,
-    its whole blocks not in the pool (nor saved earlier this round), into the slots
-    `PrefixBook.victims` gives, none of `keep` (the round's hits) nor of the blocks
-    those prompts already have in the pool. Earlier blocks first: a later block is
-    found only after the ones before it."""
+    """The saves of (row, tokens) sequences (prompts just prefilled, or the tokens of
+    requests that ended), in order: each one's whole blocks not in the pool (nor saved
+    earlier this round), into the slots `PrefixBook.victims` gives, none of `keep` (the
+    round's hits) nor of the blocks those sequences already have in the pool. Earlier
+    blocks first: a later block is found only after the ones before it."""
     wanted, seen, keep = [], set(book.where), set(keep)
-    for row, prompt in admitted:
-        for j, name in enumerate(book.names(tuple(prompt))):
+    for row, tokens in admitted:
+        for j, name in enumerate(book.names(tuple(tokens))):
             if name in book.where:  # the earlier blocks a new one needs stay
                 keep.add(book.where[name])
             elif name not in seen:
@@ -179,15 +201,30 @@ def plan_saves(book: PrefixBook, admitted: list[tuple[int, tuple[int, ...]]], ke
     return tuple(Save(row, j, slot, name) for (row, j, name), slot in zip(wanted, slots))
 
 
-def copy_blocks(dst, src, count, dst_at, src_at, n: int):
-    """dst with `count` pieces of src copied in, inside the shard_map (local arrays
-    [L_s, rows or slots, K_l, local slots, H]): piece i is src[:, src_at[i, 0], :,
-    src_at[i, 1] : +n] into dst[:, dst_at[i, 0], :, dst_at[i, 1] : +n]. dst_at, src_at:
-    [most, 2] int32; count <= most."""
+def block_slots(slot_pos: np.ndarray, block: int, blocks: int) -> np.ndarray:
+    """[blocks, block] the cache slots of a row on one `seq` device that hold the
+    positions of its first `blocks` blocks, in position order. slot_pos: [S_loc] the
+    position each slot holds (-1: none), as `RowBook` lists them; every position of
+    those blocks must be held."""
+    slot_of = np.full(blocks * block, -1, np.int64)
+    held = (slot_pos >= 0) & (slot_pos < blocks * block)
+    slot_of[slot_pos[held]] = np.flatnonzero(held)
+    if (slot_of < 0).any():
+        raise ValueError("a block's position is in no slot of the row")
+    return slot_of.reshape(blocks, block).astype(np.int32)
+
+
+def copy_blocks(dst, src, count, dst_at, src_at, src_slots):
+    """dst with `count` blocks of src copied in, inside the shard_map (local arrays
+    [L_s, rows or slots, K_l, local slots, H]): block i is src[:, src_at[i], :,
+    src_slots[i], :] (its n local slots, in order) into dst[:, dst_at[i, 0], :,
+    dst_at[i, 1] : +n]. dst_at: [most, 2], src_at: [most], src_slots: [most, n] int32;
+    count <= most."""
 
     def one(i, d):
-        L, _, K, _, H = src.shape
-        piece = lax.dynamic_slice(src, (0, src_at[i, 0], 0, src_at[i, 1], 0), (L, 1, K, n, H))
+        L, _, K, S, H = src.shape
+        rows = lax.dynamic_slice(src, (0, src_at[i], 0, 0, 0), (L, 1, K, S, H))
+        piece = jnp.take(rows, src_slots[i], axis=3)
         return lax.dynamic_update_slice(d, piece, (0, dst_at[i, 0], 0, dst_at[i, 1], 0))
 
     return lax.fori_loop(0, count, one, dst)

@@ -47,6 +47,17 @@ class Row:
         return self.request.params.max_new_tokens - len(self.generated)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """A request that ended in decode row `row` last round: the tokens whose K/V the row
+    still holds (its prompt and generated tokens but the last), and the position each
+    of the row's slots held (slot_pos [C, S_loc]), until the next round writes to it."""
+
+    row: int
+    tokens: tuple[int, ...]
+    slot_pos: np.ndarray
+
+
 @dataclasses.dataclass
 class Chunking:
     """A long prompt being prefilled a chunk a round, holding decode row `row` for when
@@ -70,6 +81,9 @@ class RowBook:
         self.slot_pos = np.full((rows, C, slots), -1, np.int32)  # [B, C, S_loc], -1 = empty
         self.lengths = np.zeros(rows, np.int32)  # [B] prompt lengths
         self.chunking: Chunking | None = None
+        # The requests that ended in a decode chunk since the last round began: the
+        # prefix cache saves their blocks (`Round.ended_saves`) before their rows change.
+        self.ended: list[Ended] = []
 
     # ---- reading -----------------------------------------------------------------
 
@@ -112,6 +126,8 @@ class RowBook:
             if reason:
                 break
         if reason:
+            tokens = row.request.prompt + tuple(row.generated[:-1])
+            self.ended.append(Ended(b, tokens, self.slot_pos[b].copy()))
             self.free(b)
         return Update(row.request.id, got, reason)
 

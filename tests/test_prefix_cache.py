@@ -1,7 +1,8 @@
 """pipeline.prefix: prompt blocks named by a hash chain, the pool's book (lookups, least
 recently used eviction, the saves a round plans), the block layout, and a scheduler
 whose requests get the same tokens with the cache as without it, on every mesh shape,
-through hits that end mid-block, evictions and two requests of one prefix in a round."""
+through hits that end mid-block, evictions, two requests of one prefix in a round, and
+a conversation whose turns hit the blocks of the replies before."""
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ from qwen3_spmd.pipeline.prefix import (
     Save,
     block_names,
     block_slot_pos,
+    block_slots,
     hit_blocks,
     plan_saves,
 )
@@ -109,8 +111,22 @@ def test_blocks_sit_at_the_same_local_slots_in_every_prompt_and_the_work_stays_b
 
 def test_the_pools_decisions_survive_the_rounds_json():
     chunk = Chunk(3, 16, 21, PrefillShape(1, 8, True), cached=(4, 0))
-    round = Round(chunk=chunk, saves=(Save(1, 2, 5, "ab" * 16),))
+    round = Round(
+        chunk=chunk, saves=(Save(1, 2, 5, "ab" * 16),), ended_saves=(Save(0, 1, 2, "c" * 32),)
+    )
     assert Round.from_json(round.to_json()) == round
+
+
+def test_an_ended_rows_blocks_are_read_from_its_prompt_and_decode_slots():
+    # A 5-token prompt padded to 8 slots, then 7 decode steps from slot 8 (positions 5-11).
+    slot_pos = np.full(16, -1, np.int32)
+    slot_pos[:5] = np.arange(5)
+    slot_pos[8:15] = np.arange(5, 12)
+    np.testing.assert_array_equal(
+        block_slots(slot_pos, 4, 3), [[0, 1, 2, 3], [4, 8, 9, 10], [11, 12, 13, 14]]
+    )
+    with pytest.raises(ValueError, match="no slot"):
+        block_slots(slot_pos, 4, 4)  # positions 12-15 were never written
 
 
 # ---- a scheduler with the cache against one without, on every mesh -------------------
@@ -163,8 +179,9 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
     rng = np.random.default_rng(1)
     words = lambda n: rng.integers(0, cfg.V, n).tolist()  # noqa: E731
     system, other = words(19), words(17)
-    greedy = Params(max_new_tokens=5)
-    sampled = Params(max_new_tokens=5, sampling=Sampling(temperature=0.8, top_k=20), seed=7)
+    # Requests that end at their first token first: the pool then holds prompt blocks only.
+    greedy = Params(max_new_tokens=1)
+    sampled = Params(max_new_tokens=1, sampling=Sampling(temperature=0.8, top_k=20), seed=7)
 
     def run(*requests):
         """Submits together (one round admits them), runs, returns (tokens, cached)."""
@@ -191,3 +208,19 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
     assert run((system[:12] + words(3), greedy)) == [0]
     p = scheduler.prefix
     assert (p.hits, p.evictions) == (8 + 16 + 8 + 16, 3) and p.queries > p.hits
+
+    # A conversation: each turn's prompt is the one before, its reply and a new user
+    # turn. With one seq device the blocks of an ended request's prompt and reply (but
+    # its last token, whose K/V no step wrote) are saved, so the next turn hits the
+    # reply's blocks too; with two only its prompt's.
+    greedy = Params(max_new_tokens=5)
+    sampled = Params(max_new_tokens=5, sampling=Sampling(temperature=0.8, top_k=20), seed=7)
+    turn, cached = words(6), []
+    for params, user in ((greedy, 4), (sampled, 3), (greedy, 2)):
+        handle = scheduler.submit(turn, params)
+        scheduler.run()
+        assert handle.tokens == plain(turn, params), (turn, params)
+        cached.append(handle.cached_tokens)
+        turn = turn + handle.tokens + words(user)  # 6, 15, 23 and 30 tokens
+    # 6 + 4 = 10 tokens with K/V: block 0 (generated tokens in it); then 15 + 4 = 19: 2.
+    assert cached == ([0, 8, 16] if mesh[1] == 1 else [0, 0, 8])

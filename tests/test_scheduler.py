@@ -321,12 +321,12 @@ from qwen3_spmd.pipeline.scheduler import Scheduler
 from qwen3_spmd.sharding.mesh import make_mesh
 
 folder, mesh_text, requests = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
-pool_blocks = int(sys.argv[6])
-S, C = map(int, mesh_text.split("x"))
+pool_blocks, later = int(sys.argv[6]), json.loads(sys.argv[7])
+S, C, X = [*map(int, mesh_text.split("x")), 1][:3]
 cfg = Qwen3Config.from_hf(folder)
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices), max_seq_len=64,
-                chunk=4)
+engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices, tensor=X),
+                max_seq_len=64, chunk=4)
 sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30),
                   prefix_cache_bytes=pool_blocks * engine.pool_bytes_per_block(8),
                   prefix_block=8)
@@ -341,19 +341,25 @@ else:
         sched.step()
     sched.cancel(handles[-1])
     sched.run()
+    for p, n, t in later:  # once the others ended
+        handles.insert(-1, sched.submit(p, Params(n, Sampling(temperature=t), seed=3)))
+        sched.run()
     sched.close()
     result = [[h.tokens, h.finish_reason, h.cached_tokens] for h in handles]
     print("RESULT", json.dumps(result), flush=True)
 """
 
 
-@pytest.mark.parametrize("mesh, pool_blocks", [("2x2", 3), ("1x4", 0)])
+@pytest.mark.parametrize("mesh, pool_blocks", [("2x1x2", 8), ("1x4", 0)])
 def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     """Two processes of two CPU devices each run one scheduler: process 0 takes staggered
     requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and
     the other follows its rounds; every request's tokens are those it gets alone. On
-    2x2 with a prefix cache of three 8-token blocks: a later request that begins as the
-    long one hits both blocks, so the pool's saves and hits came to both processes."""
+    2x1x2 (a stage per process, its heads over the process's two devices) with a prefix
+    cache of eight 8-token blocks (room for every block, no eviction): a later request that begins as the long one hits
+    both blocks, and a next turn of the first request (its prompt, its reply, more)
+    hits the block its reply completed, so the pool's saves and hits, those of ended
+    requests included, came to both processes."""
     import json
     import subprocess
     import sys
@@ -367,9 +373,12 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
         [(long[:18], 3, 0.0)],  # its first two blocks are the long one's
         [(rng.integers(0, cfg.V, 4).tolist(), 5, 0.0)],  # cancelled
     ]
+    first = waves[0][0]
+    reply = alone(first[0], Params(first[1], Sampling(temperature=first[2]), seed=3))
+    later = [(first[0] + reply + rng.integers(0, cfg.V, 3).tolist(), 4, 0.0)]  # 15 tokens
     port = free_port()
     env = child_env()
-    argv = [str(port), str(TINY), mesh, json.dumps(waves), str(pool_blocks)]
+    argv = [str(port), str(TINY), mesh, json.dumps(waves), str(pool_blocks), json.dumps(later)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PROCESS, str(r), *argv],
@@ -386,12 +395,14 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     assert "FOLLOWED" in outs[1][0]
     (line,) = [l for l in outs[0][0].splitlines() if l.startswith("RESULT")]
     got = json.loads(line.split(" ", 1)[1])
-    requests = [r for wave in waves for r in wave]
-    for (tokens, reason, _), (prompt, n, t) in zip(got[:-1], requests[:-1]):
+    requests = [r for wave in waves for r in wave][:-1] + later
+    for (tokens, reason, _), (prompt, n, t) in zip(got[:-1], requests):
         assert tokens == alone(prompt, Params(n, Sampling(temperature=t), seed=3))
         assert reason == "length"
     assert got[-1][1] == "cancelled"
-    assert [c for _, _, c in got[:-1]] == [0, 0, 0, 0, 16 if pool_blocks else 0]
+    # the first request's 5 + 6 tokens with K/V make one block
+    hits = [0, 0, 0, 0, 16, 8] if pool_blocks else [0] * 6
+    assert [c for _, _, c in got[:-1]] == hits
 
 
 def test_a_round_survives_its_json():
