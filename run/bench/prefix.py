@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from qwen3_spmd.pipeline.handles import Params
@@ -53,7 +54,10 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
     pool = engine.cache_bytes_per_device(B_max)
 
     def scheduler(cache: bool) -> Scheduler:
-        return Scheduler(engine, B_max, prefix_cache_bytes=pool if cache else 0)
+        sched = Scheduler(engine, B_max, prefix_cache_bytes=pool if cache else 0)
+        # A server fills its rows and pool with zeros once, at start: not a request's time.
+        jax.block_until_ready((sched.executor.cache, sched.executor.pool))
+        return sched
 
     loads = {
         "shared": lambda sched: closed_loop(sched, shared, B_max),
