@@ -110,7 +110,9 @@ def build_decode(
     (DecodeOutputs, KVCache). `cache.pos` must already list the slots this chunk
     writes (positions ahead of a query are masked anyway); the program writes k and v
     only, so `cache` is donated and updated in place. sampled=False promises every row
-    is greedy (no sort of the vocabulary). with_logits=False leaves row 0's per-step
+    is greedy (no sort of the vocabulary compiled); sampled=True samples where a row
+    asks to (a chunk whose rows are all greedy skips the sort, and the vocabulary's
+    gather over `tensor`, at run time). with_logits=False leaves row 0's per-step
     logits out, sparing a [steps, V] buffer per chunk. logprobs=True also reports each
     new token's log-probability and the top TOP_LOGPROBS (`sampling.token_logprobs`).
     """
@@ -179,7 +181,18 @@ def build_decode(
                 """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
                 local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
                 params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
-                if split.size > 1 and not (sampled or logprobs):
+
+                def whole():
+                    # Sampling's filters and the log-probabilities need a row's whole
+                    # distribution: the rows' logits, gathered (small beside the weights).
+                    logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
+                    tok = sample_rows(logits, params, j + 1, sampled)
+                    return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
+
+                if split.size == 1 or logprobs:
+                    return whole()
+
+                def best_pairs():
                     # Greedy rows need each device's best pair only (sampling.greedy_split).
                     tok = greedy_split(local, params, j + 1, split)
                     row0_logits = (
@@ -188,11 +201,16 @@ def build_decode(
                         else jnp.zeros((1, cfg.V), jnp.float32)
                     )
                     return row0_logits, tok, None
-                # Sampling's filters and the log-probabilities need a row's whole
-                # distribution: the rows' logits, gathered (small beside the weights).
-                logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
-                tok = sample_rows(logits, params, j + 1, sampled)
-                return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
+
+                if not sampled:
+                    return best_pairs()
+                # Every tensor device holds the same rows' parameters: all take one branch
+                # (whose outputs are typed varying alike, as on_last_stage's).
+                return jax.lax.cond(
+                    jnp.any(params.temperature > 0),
+                    lambda: jax.tree.map(vary, whole()),
+                    lambda: jax.tree.map(vary, best_pairs()),
+                )
 
             shapes = (
                 jax.ShapeDtypeStruct((1, cfg.V), jnp.float32),

@@ -33,13 +33,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from qwen3_spmd.pipeline.handles import Params, Request
+from qwen3_spmd.pipeline.layout import whole_batch
 from qwen3_spmd.pipeline.prefix import PrefixBook, Save, plan_saves
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
-from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape, ShapeRules
+from qwen3_spmd.pipeline.shapes import DecodeShape, MoveShape, PrefillShape, Shape, ShapeRules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,17 @@ class Round:
         if self.chunk is not None and self.chunk.request is not None:
             ids.add(self.chunk.request.id)
         return ids
+
+    def shapes(self, rules: ShapeRules) -> set[Shape]:
+        """The program shapes the round runs (besides the prefix cache's copies)."""
+        shapes: set[Shape] = {a.shape for a in self.admissions}
+        if self.chunk is not None:
+            shapes.add(self.chunk.shape)
+        if self.moves:
+            shapes.add(MoveShape(rules.moved(len(self.moves))))
+        if self.decode is not None:
+            shapes.add(self.decode.shape)
+        return shapes
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -169,6 +181,11 @@ class Planner:
         self.rules, self.stages = rules, stages
         self.short_chunk, self.long_chunk = short_chunk, long_chunk
         self.prefix = prefix
+        # Whether a shape's program is compiled; while the rest compile in the
+        # background (`Scheduler.compile_later`), a round takes a compiled shape that does
+        # the same work (fewer prompts, a longer padding, more decode rows, no move) over
+        # waiting for one.
+        self.ready: Callable[[Shape], bool] = lambda shape: True
 
     def long(self, request: Request) -> bool:
         """Whether a prompt is prefilled in chunks."""
@@ -269,7 +286,10 @@ class Planner:
             done = len(cached) * self.rules.block
             offset = done // self.rules.C
         end = min(done + self.rules.chunk_tokens, len(request.prompt))
-        shape = self.rules.chunk(end - done, offset, request.params.max_new_tokens)
+        new_tokens = request.params.max_new_tokens
+        shape = self.rules.chunk(end - done, offset, new_tokens)
+        stand_ins = self.rules.prefill_stand_ins(shape, [new_tokens], offset)
+        shape = next(filter(self.ready, stand_ins), shape)
         return Chunk(row, done, end, shape, request if first else None, cached)
 
     def _admit(
@@ -297,17 +317,28 @@ class Planner:
             together.append(request)
             n, tokens = n + 1, tokens + length
         admissions, rows = [], iter(free)
-        for together in by_bucket.values():
+        for P_pad, together in by_bucket.items():
             while together:
-                k = rules.prefill_batch(len(together))
+                k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
                 batch, together = together[:k], together[k:]
-                shape = rules.prefill(
-                    k,
-                    max(len(r.prompt) for r in batch),
-                    [r.params.max_new_tokens for r in batch],
-                )
                 admissions.append(Admission(tuple(batch), tuple(next(rows) for _ in batch), shape))
         return admissions, queue[n:]
+
+    def _batch(self, together: list[Request], k: int) -> tuple[int, PrefillShape]:
+        """(prompts, shape) of a prefill of the first k of `together`; where its program
+        is not ready, the largest batch of them (k, or a smaller bucketed one) with a
+        ready stand-in (`ShapeRules.prefill_stand_ins`), else a microbatch's own shape
+        (one the background compiles before the batched ones)."""
+        rules, M = self.rules, self.rules.microbatches
+        n = k
+        while True:
+            batch = together[:n]
+            new_tokens = [r.params.max_new_tokens for r in batch]
+            shape = rules.prefill(n, max(len(r.prompt) for r in batch), new_tokens)
+            ready = next(filter(self.ready, rules.prefill_stand_ins(shape, new_tokens)), None)
+            if ready is not None or n <= M:
+                return n, ready or shape
+            n = whole_batch(n - 1, M)
 
     def _compact(self, busy: dict, held_row: int | None) -> tuple[tuple[int, int], ...]:
         """Moves the requests in rows past the fewest a chunk could run over into free
@@ -320,7 +351,7 @@ class Planner:
             return ()
         free = [b for b in range(fewest) if b not in busy and b != held_row]
         below = free[: len(above)]
-        if len(below) < len(above):
+        if len(below) < len(above) or not self.ready(MoveShape(self.rules.moved(len(above)))):
             return ()
         for a, b in zip(above, below):
             busy[b] = busy.pop(a)
@@ -354,11 +385,14 @@ class Planner:
         # one stage, always).
         if (take - first) * groups > (self.stages - 1) * rows:
             take = first
+        # One program samples or not (all-greedy rows skip the sort at run time), so a
+        # server compiles one per row count where it would two.
         shape = DecodeShape(
             self.rules.decode_rows(max(busy)),
-            sampled=any(r.params.sampling.temperature > 0 for r, _ in busy.values()),
+            sampled=True,
             logprobs=any(r.params.logprobs for r, _ in busy.values()),
         )
+        shape = next(filter(self.ready, self.rules.decode_stand_ins(shape)), shape)
         return DecodeChunk(shape, take)
 
 

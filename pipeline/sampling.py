@@ -158,8 +158,18 @@ def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True
     argmax = greedy(logits)
     if not sampled:
         return argmax
-    B, V = logits.shape
     hot = rows.temperature > 0
+    # Rows that are all greedy skip the sort of the vocabulary, so a program that may
+    # sample serves them as fast as a greedy one (a server then need not wait for both).
+    return jax.lax.cond(
+        jnp.any(hot), lambda: _filtered_draw(logits, rows, step, hot, argmax), lambda: argmax
+    )
+
+
+def _filtered_draw(logits, rows: RowSampling, step, hot, argmax) -> jax.Array:
+    """`sample_rows`' draw: each hot row's token from its temperature, top-k and top-p;
+    the others' argmax."""
+    B, V = logits.shape
     x = logits / jnp.where(hot, rows.temperature, 1.0)[:, None]
     # Filters as thresholds on the row's sorted values (one sort serves every row's k
     # and p): top-k keeps values >= the k-th largest, top-p the smallest prefix of the

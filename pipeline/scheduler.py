@@ -173,6 +173,7 @@ class Scheduler:
         self.failure: Exception | None = None  # what ended the background loop
         self._compiler: threading.Thread | None = None  # compile_later's
         self._stop_compiling = threading.Event()
+        self._compiled: set[Shape] = set()  # shapes compiled, or run by a round
 
     @property
     def prefill_tokens(self) -> int:
@@ -205,8 +206,7 @@ class Scheduler:
     @property
     def kv_bytes_per_device(self) -> int:
         """Bytes of the K and V cache each device holds (allocated once, all rows)."""
-        k = self.executor.cache.k
-        return 2 * k.nbytes // (self.engine.stages * self.engine.C)
+        return self.engine.cache_bytes_per_device(self.B)
 
     def precompile(
         self,
@@ -216,9 +216,9 @@ class Scheduler:
         announce: bool = True,
     ) -> int:
         """Compiles every program a round can run (`ShapeRules.programs`: each prefill
-        batch and chunk, the decode chunk over each row count, greedy or sampled, with
-        log-probabilities or without, and the row moves), or those of `shapes`, so that
-        no request waits for a compile while the running ones stall (what a server does
+        batch and chunk, the decode chunk over each row count, with log-probabilities or
+        without, the row moves and the prefix cache's copies), or those of `shapes`, so
+        that no request waits for a compile while the running ones stall (what a server does
         at start-up). `workers` compiles run at once; on_compiled() after each shape;
         announce=False: the engine's on_compile is not called. Returns the number of
         shapes compiled (each with its helpers)."""
@@ -236,11 +236,12 @@ class Scheduler:
         self, shapes: list[Shape], on_done: Callable[[int, float, list[str]], None] | None = None
     ) -> None:
         """Compiles `shapes` on a background thread, one at a time in their order, while
-        rounds run; then on_done(shapes compiled, seconds, errors). A round that meets
-        one first compiles it itself, or waits for the compile under way
-        (`pipeline.programs`): never twice. Compiling runs no program and no collective,
-        so each process of a multi-process job compiles its own. close() stops it after
-        the shape it is at."""
+        rounds run; then on_done(shapes compiled, seconds, errors). Meanwhile a round
+        runs a compiled shape that does the same work where one is (`Planner.ready`);
+        one that meets a shape no other can stand in for compiles it itself, or waits
+        for the compile under way (`pipeline.programs`): never twice. Compiling runs no
+        program and no collective, so each process of a multi-process job compiles its
+        own. close() stops it after the shape it is at."""
 
         def work():
             t0, errors, n = time.perf_counter(), [], 0
@@ -252,9 +253,12 @@ class Scheduler:
                 except Exception as e:  # the round that meets it raises it again
                     errors.append(f"{shape}: {e}")
                 n += 1
+            self.planner.ready = lambda shape: True
             if on_done is not None:
                 on_done(n, time.perf_counter() - t0, errors)
 
+        # Meanwhile rounds take compiled shapes that do the same work where they can.
+        self.planner.ready = self._compiled.__contains__
         self._stop_compiling.clear()
         self._compiler = threading.Thread(target=work, name="compile-later", daemon=True)
         self._compiler.start()
@@ -282,6 +286,7 @@ class Scheduler:
                 eng.compile_copy(pool, self.rules.microbatches, into_pool=False)
         else:
             eng.compile_move(shape.rows, self.B)
+        self._compiled.add(shape)
 
     # ---- the caller's side -----------------------------------------------------------
 
@@ -430,6 +435,7 @@ class Scheduler:
             waiting = [Update(id, [], "cancelled") for id in round.cancels if id in self._gone]
             updates = self._deliver(waiting + self.executor.admit(round))
             updates += self._deliver(self.executor.decode(round))
+            self._compiled |= round.shapes(self.rules)
             self.rounds += 1
             return updates
 

@@ -7,14 +7,19 @@ decode rows, row moves) to few shapes, and `ShapeRules.programs()` lists every s
 those rules can give, by running the same rules over every input they can meet: what
 `Scheduler.precompile` compiles and what its test expects.
 
-`ShapeRules.first` splits that list for a server's start: the shapes a first light load
-meets (one request at a time, short prompts), compiled before it serves, and the rest,
-the likeliest first (`ShapeRules.weight`), compiled while it serves.
+`ShapeRules.first` splits that list for a server's start: compiled before it serves,
+the shapes a first light load meets (one request at a time, short prompts) and a few
+that can stand in for all the others (`ShapeRules.cover`); compiled while it serves, the
+rest, the likeliest first (`ShapeRules.weight`). Until a shape is compiled the planner
+runs one that does the same work (`Planner.ready`): a batch a microbatch at a time, a
+prompt padded longer (`ShapeRules.prefill_stand_ins`), a decode chunk over more rows
+(`ShapeRules.decode_stand_ins`), no row move.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from qwen3_spmd.pipeline.layout import bucket, length_bucket, whole_batch
@@ -33,8 +38,8 @@ class PrefillShape:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class DecodeShape:
-    """A decode chunk over the first `rows` rows, greedy or sampled, with or without
-    log-probabilities."""
+    """A decode chunk over the first `rows` rows, greedy only or sampled where a row
+    asks to (`decode.build_decode`), with or without log-probabilities."""
 
     rows: int
     sampled: bool
@@ -62,6 +67,22 @@ Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the
 # start in bounds; the next lengths and rows come first in the background.
 LIGHT_TOKENS = 8
+
+# Every prompt is padded to this many tokens at least. A prefill of so few tokens is
+# bound by reading the weights, not by its products (a CPU's matmuls reach their peak
+# at about ten tokens, a GPU's at a few hundred), so the padding costs little, and the
+# lengths below it would be five more compiled lengths, each at every batch size.
+MIN_PROMPT_TOKENS = 16
+
+# While programs compile in the background, a prefill may run padded longer, to a compiled
+# shape of at most this many times its tokens (`ShapeRules.prefill_stand_ins`): a short
+# prompt's padding costs less than the compile it spares, a long one's about as much.
+STAND_IN_PADDING = 4
+
+# Prompts are batched (beyond a microbatch) only while a microbatch's padded tokens stay
+# within this: past it one prompt keeps the matmuls busy on its own, and a batch would
+# save no time but add a compiled shape at each length.
+BATCHED_PREFILL_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +136,16 @@ class ShapeRules:
     # ---- the padding the planner applies ------------------------------------------
 
     def prompt_length(self, tokens: int) -> int:
-        """A short prompt's bucketed padded length (`layout.length_bucket` of 2C)."""
-        return length_bucket(tokens, 2 * self.C)
+        """A short prompt's bucketed padded length (`layout.length_bucket` of 2C), at
+        least MIN_PROMPT_TOKENS or half a row (the rest is its new tokens' room)."""
+        return length_bucket(max(tokens, min(MIN_PROMPT_TOKENS, self.max_seq_len // 2)), 2 * self.C)
 
-    def prefill_batch(self, n: int) -> int:
-        """Prompts of one length bucket prefilled together from n waiting: the most
-        that fill a bucketed batch without padding rows."""
-        return whole_batch(n, self.microbatches)
+    def prefill_batch(self, n: int, P_pad: int) -> int:
+        """Prompts of length bucket P_pad prefilled together from n waiting: the most
+        that fill a bucketed batch without padding rows, a microbatch (M prompts) or
+        as many as keep a microbatch within BATCHED_PREFILL_TOKENS."""
+        M = self.microbatches
+        return whole_batch(min(n, M * max(1, BATCHED_PREFILL_TOKENS // P_pad)), M)
 
     def prefill(self, n: int, longest: int, new_tokens: list[int]) -> PrefillShape:
         """The shape of a prefill of n prompts of at most `longest` tokens whose
@@ -158,6 +182,35 @@ class ShapeRules:
         above move down into free rows below it."""
         return bucket(live, self.groups)
 
+    def prefill_stand_ins(
+        self, shape: PrefillShape, new_tokens: list[int], offset: int = 0
+    ) -> list[PrefillShape]:
+        """The prefill shapes that can run `shape`'s prompts (or a long prompt's chunk
+        after `offset` local slots), cheapest first (`shape` itself): the declared ones
+        padded longer, up to STAND_IN_PADDING times, where each row still has room for
+        its prompt and its `new_tokens`."""
+        longer = [
+            s
+            for s in self.programs().prefills
+            if (s.B, s.with_context) == (shape.B, shape.with_context)
+            and shape.P_pad < s.P_pad <= STAND_IN_PADDING * shape.P_pad
+            and all(offset + slots_per_device(s.P_pad, n, self.C) <= self.slots for n in new_tokens)
+        ]
+        return [shape, *longer]
+
+    def decode_stand_ins(self, shape: DecodeShape) -> list[DecodeShape]:
+        """The decode shapes that can run `shape`'s chunk, cheapest first (`shape`
+        itself): over as many rows or more (the rows past the busy ones idle), with
+        log-probabilities where none are asked for."""
+        rows = sorted({self.decode_rows(b) for b in range(self.rows)})
+        flags = sorted({shape.logprobs, True})
+        return [
+            DecodeShape(n, shape.sampled, logprobs)
+            for n in rows
+            if n >= shape.rows
+            for logprobs in flags
+        ]
+
     @staticmethod
     def moved(n: int) -> int:
         """Rows a move of n rows copies (a power of two: few programs)."""
@@ -169,34 +222,34 @@ class ShapeRules:
         """Every program shape the rules above can give a round. Only a prompt whose
         bucket would leave its new tokens no room in the row (padded to its own length
         instead) still compiles a shape when met."""
+        return self._programs
+
+    @functools.cached_property
+    def _programs(self) -> Programs:
         short = min(self.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
         fewest = {}  # each length bucket a short prompt can take: its fewest tokens
         for n in range(short, 0, -1):
             fewest[self.prompt_length(n)] = n
         room = self.C * self.slots  # the longest padded prompt a row holds
         M = self.microbatches
-        batches = {bucket(self.prefill_batch(n), M) for n in range(1, self.rows + 1)}
         prefills = {
             PrefillShape(B, P)
             for P in fewest
             if P <= room
-            for B in batches
+            for B in {bucket(self.prefill_batch(n, P), M) for n in range(1, self.rows + 1)}
             if B <= M or B * fewest[P] <= self.prefill_tokens
         }
         last = {min(self.prompt_length(n), self.chunk_tokens) for n in range(1, short + 1)}
+        before = []  # the fewest tokens a chunk with context follows in its row
         if self.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks
             prefills.add(PrefillShape(M, self.chunk_tokens))
-            prefills |= {PrefillShape(M, P, with_context=True) for P in last}
-        elif self.block is not None and self.max_seq_len - 1 > self.block:
-            # what follows a prefix cache's hit: a chunk with the copied blocks as context
-            prefills |= {PrefillShape(M, P, with_context=True) for P in last}
+            before.append(self.chunk_tokens)
+        if self.block is not None and self.max_seq_len - 1 > self.block:
+            before.append(self.block)  # a prefix cache's hit: its copied blocks
+        if before:
+            prefills |= {PrefillShape(M, P, True) for P in last if P <= room - min(before)}
         rows = {self.decode_rows(b) for b in range(self.rows)}
-        decodes = {
-            DecodeShape(n, sampled, logprobs)
-            for n in rows
-            for sampled in (False, True)
-            for logprobs in (False, True)
-        }
+        decodes = {DecodeShape(n, True, logprobs) for n in rows for logprobs in (False, True)}
         moves = {
             self.moved(m)
             for live in range(1, self.rows + 1)
@@ -226,17 +279,47 @@ class ShapeRules:
             units, tokens, rare = shape.rows + 1, light, False
         return math.ceil(units) * max(tokens, light) * (4 if rare else 1)
 
+    def batched(self, shape: Shape) -> bool:
+        """Whether `shape` prefills more prompts than a microbatch: the planner can
+        prefill them a microbatch at a time while it is not compiled (`Planner.ready`)."""
+        return isinstance(shape, PrefillShape) and shape.B > self.microbatches
+
+    def cover(self) -> set[Shape]:
+        """The few shapes that, compiled, stand in for all the others (but for prompts
+        whose row has no room for a longer padding): the decode chunk over every row,
+        with log-probabilities and without; prefills of a microbatch, with context and
+        without, at a ladder of lengths each standing in for those down to
+        1/STAND_IN_PADDING of it (below the top, each leaves a quarter of a row for new
+        tokens); the prefix cache's copies."""
+        programs, room = self.programs(), self.C * self.slots
+        cover: set[Shape] = {DecodeShape(self.rows, True, lp) for lp in (False, True)}
+        cover |= set(map(CopyShape, programs.copies))
+        for context in (False, True):
+            lengths = sorted(
+                s.P_pad
+                for s in programs.prefills
+                if s.with_context == context and s.B == self.microbatches
+            )
+            while lengths:  # the longest within reach of the shortest left
+                # that leaves a quarter of a row for new tokens (or the shortest itself)
+                reach = min(STAND_IN_PADDING * lengths[0], max(lengths[0], 3 * room // 4))
+                rung = max(P for P in lengths if P <= reach)
+                cover.add(PrefillShape(self.microbatches, rung, context))
+                lengths = [P for P in lengths if P > rung]
+        return cover
+
     def first(self) -> tuple[list[Shape], list[Shape]]:
-        """`programs()` in two: (what a first light load meets: one request at a time,
-        greedy or sampled, prompts of at most LIGHT_TOKENS tokens in one prefill, each
-        prefill's batch of the fewest rows and the decode chunk over the fewest rows; the
-        rest, lightest first). A server compiles the first before it serves, the rest
-        while it serves."""
-        light = self.prompt_length(LIGHT_TOKENS)
+        """`programs()` in two: (what a server compiles before it serves: what a first
+        light load meets, one request at a time, greedy or sampled, prompts of at most
+        LIGHT_TOKENS tokens in one prefill, each prefill's batch of the fewest rows and
+        the decode chunk over the fewest rows; and the `cover`, which stands in for
+        every other shape until it compiles; the rest, compiled while it serves: the
+        shapes no other stands in for at their own cost, then the batched prefills, each
+        lightest first)."""
+        light, cover = self.prompt_length(LIGHT_TOKENS), self.cover()
         shapes = sorted(
-            self.programs().shapes(), key=lambda s: (self.weight(s), type(s).__name__, s)
+            self.programs().shapes(),
+            key=lambda s: (self.batched(s), self.weight(s), type(s).__name__, s),
         )
-        return (
-            [s for s in shapes if self.weight(s) <= light],
-            [s for s in shapes if self.weight(s) > light],
-        )
+        first = [s for s in shapes if self.weight(s) <= light or s in cover]
+        return first, [s for s in shapes if s not in first]

@@ -18,6 +18,7 @@ from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.scheduler import Scheduler
 from qwen3_spmd.pipeline.shapes import (
     LIGHT_TOKENS,
+    MIN_PROMPT_TOKENS,
     DecodeShape,
     MoveShape,
     PrefillShape,
@@ -155,7 +156,8 @@ def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_t
     stages, C, M, rows, budget
 ):
     """`ShapeRules.first`: what a server compiles before serving and what it compiles
-    after are together every declared shape, none twice, the rest lightest first; a
+    after are together every declared shape, none twice, the first with the cover of
+    stand-ins for all the others, the rest lightest first (the batched prefills last); a
     light load (one request at a time, prompts of at most LIGHT_TOKENS tokens, greedy
     or sampled) runs only first shapes."""
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
@@ -164,7 +166,18 @@ def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_t
     shapes = first + rest
     assert len(shapes) == len(set(shapes)) == len(sched.rules.programs())
     assert set(shapes) == set(sched.rules.programs().shapes())
-    assert first and [sched.rules.weight(s) for s in rest] == sorted(map(sched.rules.weight, rest))
+    rules, cover = sched.rules, sched.rules.cover()
+    order = [(rules.batched(s), rules.weight(s)) for s in rest]
+    assert first and order == sorted(order) and cover <= set(first)
+    for s in shapes:  # the cover stands in for every shape (the batches by a microbatch)
+        if isinstance(s, PrefillShape):
+            assert any(
+                (c.B, c.with_context) == (M, s.with_context) and s.P_pad <= c.P_pad <= 4 * s.P_pad
+                for c in cover
+                if isinstance(c, PrefillShape)
+            ), s
+        elif isinstance(s, DecodeShape):
+            assert DecodeShape(rules.rows, True, s.logprobs) in cover
     rng = np.random.default_rng(rows)
     light = min(LIGHT_TOKENS, sched.rules.chunk_tokens)  # prompts in one prefill
     for i in range(6):
@@ -181,7 +194,7 @@ def test_a_prompt_whose_bucket_leaves_no_room_is_padded_to_its_own_length():
     rules = ShapeRules(4, 1, 1, C=1, slots=32, max_seq_len=32, prefill_tokens=32, chunk_tokens=32)
     assert rules.prefill(1, 17, [8]) == PrefillShape(1, 24)  # bucket 24 + 7 steps fits 32
     assert rules.prefill(1, 17, [12]) == PrefillShape(1, 18)  # 24 + 11 would not
-    assert rules.prefill(3, 5, [2, 2, 2]) == PrefillShape(4, 6)
+    assert rules.prefill(3, 5, [2, 2, 2]) == PrefillShape(4, MIN_PROMPT_TOKENS)
 
 
 def _book_with(rows, groups, live: dict[int, tuple[Request, int]]) -> RowBook:
@@ -193,21 +206,63 @@ def _book_with(rows, groups, live: dict[int, tuple[Request, int]]) -> RowBook:
 
 
 def test_admission_takes_each_length_bucket_in_whole_batches_into_the_lowest_rows():
-    """Prompts of 3, 12, 4 and 3 tokens (buckets 4, 12, 4, 4): the three of bucket 4
-    make a batch of two and one of one (three rows would pad to four), then the 12."""
-    rules = ShapeRules(4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    """Prompts of 17, 40, 20 and 18 tokens (buckets 24, 48, 24, 24): the three of
+    bucket 24 make a batch of two and one of one (three rows would pad to four), then
+    the 40."""
+    rules = ShapeRules(4, 1, 1, C=1, slots=99, max_seq_len=99, prefill_tokens=99, chunk_tokens=99)
     planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
-    waiting = [Request(i, tuple(range(1, n + 1)), Params(4)) for i, n in enumerate((3, 12, 4, 3))]
+    lengths = (17, 40, 20, 18)
+    waiting = [Request(i, tuple(range(1, n + 1)), Params(4)) for i, n in enumerate(lengths)]
     book = _book_with(4, 1, {})
     plan = planner.plan(book, waiting)
     got = [
         ([r.id for r in a.requests], a.rows, (a.shape.B, a.shape.P_pad)) for a in plan.admissions
     ]
-    assert got == [([0, 2], (0, 1), (2, 4)), ([3], (2,), (1, 4)), ([1], (3,), (1, 12))]
+    assert got == [([0, 2], (0, 1), (2, 24)), ([3], (2,), (1, 24)), ([1], (3,), (1, 48))]
     # every row busy, none waiting: the long chunk, cut to the 3 steps their budgets want
     assert plan.decode.shape.rows == 4 and plan.decode.steps == 3
     assert plan.taken() == {0, 1, 2, 3}
     assert planner.plan(book, waiting) == plan and book.live() == []  # it only reads
+
+
+def test_while_programs_compile_a_round_takes_compiled_shapes_that_do_the_same_work():
+    """`Planner.ready`: with one-prompt prefills of 48 tokens and the 4- and 8-row
+    decodes compiled only, two prompts of bucket 24 go in one at a time, padded to 48;
+    the lone request in row 7 stays there (no move) and the decode runs over 8 rows; a
+    lone request in row 1 decodes over 4; with no prefill compiled, each prompt compiles
+    a microbatch's own shape. With everything compiled, the same book gets the batch,
+    the move and the 4-row chunk. A stand-in pads at most 4 times, where rows have room."""
+    rules = ShapeRules(8, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
+    waiting = [Request(i, tuple(range(1, 20 + i)), Params(4)) for i in range(2)]
+    book = _book_with(8, 1, {7: (Request(9, (6,), Params(9)), 1)})
+    want = planner.plan(book, waiting)
+    assert [(a.shape, a.rows) for a in want.admissions] == [(PrefillShape(2, 24), (0, 1))]
+    assert want.moves == ((7, 2),) and want.decode.shape == DecodeShape(4, True, False)
+    compiled = {PrefillShape(1, 48), DecodeShape(4, True, False), DecodeShape(8, True, False)}
+    planner.ready = compiled.__contains__
+    got = planner.plan(book, waiting)
+    assert [(a.shape, a.rows) for a in got.admissions] == [
+        (PrefillShape(1, 48), (0,)),  # bucket 24, padded to a compiled length
+        (PrefillShape(1, 48), (1,)),
+    ]
+    assert got.moves == () and got.decode.shape == DecodeShape(8, True, False)
+    lone = planner.plan(_book_with(8, 1, {1: (Request(9, (6,), Params(9)), 1)}), [])
+    assert lone.decode.shape == DecodeShape(4, True, False)  # 2 rows not compiled
+    planner.ready = {DecodeShape(8, True, False)}.__contains__  # no prefill: a microbatch's own
+    assert [a.shape for a in planner.plan(book, waiting).admissions] == [PrefillShape(1, 24)] * 2
+    wide = ShapeRules(
+        1, 1, 1, C=1, slots=256, max_seq_len=256, prefill_tokens=256, chunk_tokens=256
+    )
+    longer = [PrefillShape(1, P) for P in (24, 32, 48, 64, 96)]  # at most 4 x 24
+    assert wide.prefill_stand_ins(PrefillShape(1, 24), [4]) == longer
+    assert wide.prefill_stand_ins(PrefillShape(1, 24), [200]) == longer[:3]  # room for 200
+    assert rules.decode_stand_ins(DecodeShape(4, True, False)) == [
+        DecodeShape(4, True, False),
+        DecodeShape(4, True, True),
+        DecodeShape(8, True, False),
+        DecodeShape(8, True, True),
+    ]
 
 
 def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():
@@ -220,7 +275,7 @@ def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():
     )
     plan = planner.plan(book, [])
     assert plan.moves == ((3, 0),)
-    assert plan.decode.shape == DecodeShape(2, sampled=False, logprobs=False)
+    assert plan.decode.shape == DecodeShape(2, sampled=True, logprobs=False)
     assert plan.decode.steps == 2  # short: rows are free
 
 
@@ -263,19 +318,18 @@ def test_min_tokens_out_of_range_is_one_line():
 
 
 def test_a_long_prompt_is_planned_a_chunk_a_round_the_last_padded_to_its_bucket():
-    engine = FakeEngine(stages=1, C=1, M=1, max_seq_len=64, chunk=4)
-    sched = Scheduler(engine, max_batch=2, prefill_tokens=8)
-    prompt = list(range(1, 31))
+    engine = FakeEngine(stages=1, C=1, M=1, max_seq_len=128, chunk=4)
+    sched = Scheduler(engine, max_batch=2, prefill_tokens=32)
+    prompt = list(range(1, 87))
     h = sched.submit(prompt, Params(5))
     plans = []
     while not h.tokens:
         sched.step()
         plans.append(engine.prefills[-1])
     assert [(p.P_pad, p.with_context) for p in plans] == [
-        (8, False),
-        (8, True),
-        (8, True),
-        (length_bucket(6, 2), True),
+        (32, False),
+        (32, True),
+        (length_bucket(22, 2), True),
     ]
     sched.run()
     assert h.tokens == tokens_of(prompt, 5)

@@ -211,7 +211,7 @@ def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
 def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone, monkeypatch):
     """A round admits every waiting prompt a free row takes, prefilled with those of
     its length bucket only, in batches a bucketed shape fills without padding rows."""
-    prompts = _prompts(cfg, 4, seed=5, lengths=(3, 12, 4, 3))  # buckets 4, 12, 4, 4
+    prompts = _prompts(cfg, 4, seed=5, lengths=(17, 30, 20, 18))  # buckets 24, 32, 24, 24
     engine = _engine(cfg, 1, 1)
     sched = Scheduler(engine, max_batch=4)
     prefill, shapes = engine.prefill, []
@@ -224,11 +224,31 @@ def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone, monk
     handles = [sched.submit(p, Params(4)) for p in prompts]
     sched.step()
     assert all(h.tokens for h in handles) and sched.waiting == 0
-    # prompts 0, 2, 3 of bucket 4: three rows would pad to four, so two then one
-    assert shapes == [(2, 2, 4), (1, 1, 4), (1, 1, 12)]
+    # prompts 0, 2, 3 of bucket 24: three rows would pad to four, so two then one
+    assert shapes == [(2, 2, 24), (1, 1, 24), (1, 1, 32)]
     sched.run()
     for h, prompt in zip(handles, prompts):
         assert h.tokens == alone(prompt, Params(4))
+
+
+def test_stand_ins_run_while_programs_compile_and_give_the_same_tokens(cfg, alone, monkeypatch):
+    """While the background compiles (`Planner.ready` is the compiled set), two prompts
+    of bucket 24 are prefilled one at a time padded to 48, and the decode runs over both
+    rows when one is left: each request's tokens are its tokens alone."""
+    engine = _engine(cfg, 1, 1)
+    sched = Scheduler(engine, max_batch=2)
+    prefill, shapes = engine.prefill, []
+    monkeypatch.setattr(
+        engine, "prefill", lambda b, *a: shapes.append((b.B, b.P_pad)) or prefill(b, *a)
+    )
+    sched._compiled |= {PrefillShape(1, 48), DecodeShape(2, True, False)}
+    sched.planner.ready = sched._compiled.__contains__  # as compile_later sets it
+    prompts = _prompts(cfg, 2, seed=8, lengths=(17, 20))
+    handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, (3, 9))]
+    sched.run()
+    assert shapes == [(1, 48), (1, 48)]
+    for h, p, n in zip(handles, prompts, (3, 9)):
+        assert h.tokens == alone(p, Params(n))
 
 
 def test_background_loop_streams_to_async_and_blocking_readers(cfg, alone):
@@ -586,7 +606,7 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     bucket), greedy and sampled rows, log-probabilities and a row moving down compiles
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""
-    sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=16)
+    sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=32)
     declared = sched.rules.programs()
     assert sched.precompile() == len(declared)
     moves, chunks = [], []
@@ -605,7 +625,7 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(event)
 
-    prompts = _prompts(cfg, 7, lengths=(2, 2, 2, 2, 25, 6, 7))
+    prompts = _prompts(cfg, 7, lengths=(2, 2, 2, 2, 50, 3, 3))
     sampled = Sampling(0.8, 5, 0.9)
     params = [Params(2), Params(2), Params(3, logprobs=True), Params(12, sampled, seed=4)]
     params += [Params(3), Params(3, sampled, seed=1, logprobs=True), Params(2)]
@@ -616,9 +636,9 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     finally:
         jax.monitoring.unregister_event_duration_listener(heard)
     assert compiles == []
-    # the four short prompts together; the long one in chunks of 16 and 9 tokens (the
-    # last padded to its bucket, 12); then two together
-    assert chunks == [(4, 4, 0), (1, 16, 0), (1, 12, 8), (2, 8, 0)]
+    # the four short prompts together; the long one in chunks of 32 and 18 tokens (the
+    # last padded to its bucket, 24); then two together
+    assert chunks == [(4, 16, 0), (1, 32, 0), (1, 24, 16), (2, 16, 0)]
     assert moves
     for h, p, q in zip(handles, prompts, params):
         assert len(h.tokens) == q.max_new_tokens

@@ -149,6 +149,9 @@ def test_continuous_batching_on_2x1x2_gives_each_request_its_tokens():
     sched.run()
     for i, (h, n) in enumerate(zip(handles, budgets)):
         assert h.tokens == ref[f"greedy_tokens_{i}"].tolist()[:n], i
+    cache = sched.executor.cache  # each device holds a stage's layers and half the heads
+    held = [x.addressable_shards[0].data.nbytes for x in (cache.k, cache.v)]
+    assert sched.kv_bytes_per_device == sum(held) == (cache.k.nbytes + cache.v.nbytes) // 4
 
 
 def test_refusals_name_the_sizes_that_fit():

@@ -2,8 +2,8 @@
 
 Start-up binds the port first (a taken port fails at once), answers `/health` with
 503 while a background thread loads the weights, builds the scheduler, compiles the
-programs a first light load meets (`--precompile first`, the default:
-`ShapeRules.first`; `all`: every program its rounds can run; `lazy`: none, the warm-up
+programs a first light load meets and a cover of stand-ins for the others
+(`--precompile first`, the default: `ShapeRules.first`; `all`: every program its rounds can run; `lazy`: none, the warm-up
 request compiles its own) and runs one warm-up request, then serves; with `first` the
 other programs compile on a background thread meanwhile, the likeliest first. With
 several processes
@@ -130,7 +130,8 @@ def register(subparsers) -> None:
         default="first",
         choices=("first", "all", "lazy"),
         help="first: compile at start what a first light load meets (one request at a time, "
-        "short prompts), the rest on a background thread while serving, the likeliest "
+        "short prompts) and a few shapes that stand in for the others (longer padding, more "
+        "decode rows), the rest on a background thread while serving, the likeliest "
         "first; all: compile every program the server can run before serving, so no request "
         "ever waits for a compile (a slow start); lazy: compile each when first needed (a "
         "request of a new shape stalls the running ones while it compiles). Default first",
