@@ -288,8 +288,7 @@ class Planner:
         end = min(done + self.rules.chunk_tokens, len(request.prompt))
         new_tokens = request.params.max_new_tokens
         shape = self.rules.chunk(end - done, offset, new_tokens)
-        stand_ins = self.rules.prefill_stand_ins(shape, [new_tokens], offset)
-        shape = next(filter(self.ready, stand_ins), shape)
+        shape = self._stand_in(self.rules.prefill_stand_ins, shape, [new_tokens], offset) or shape
         return Chunk(row, done, end, shape, request if first else None, cached)
 
     def _admit(
@@ -335,7 +334,7 @@ class Planner:
             batch = together[:n]
             new_tokens = [r.params.max_new_tokens for r in batch]
             shape = rules.prefill(n, max(len(r.prompt) for r in batch), new_tokens)
-            ready = next(filter(self.ready, rules.prefill_stand_ins(shape, new_tokens)), None)
+            ready = self._stand_in(rules.prefill_stand_ins, shape, new_tokens)
             if ready is not None or n <= M:
                 return n, ready or shape
             n = whole_batch(n - 1, M)
@@ -392,8 +391,16 @@ class Planner:
             sampled=True,
             logprobs=any(r.params.logprobs for r, _ in busy.values()),
         )
-        shape = next(filter(self.ready, self.rules.decode_stand_ins(shape)), shape)
+        shape = self._stand_in(self.rules.decode_stand_ins, shape) or shape
         return DecodeChunk(shape, take)
+
+    def _stand_in(self, stand_ins: Callable[..., list], shape: Shape, *args) -> Shape | None:
+        """`shape` where its program is ready, else the first ready of
+        stand_ins(shape, *args) (cheapest first; a `ShapeRules` method, called only
+        then: while nothing compiles in the background every shape is ready), else None."""
+        if self.ready(shape):
+            return shape
+        return next(filter(self.ready, stand_ins(shape, *args)), None)
 
 
 def _fits(rules: ShapeRules, requests: list[Request]) -> bool:

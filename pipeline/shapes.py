@@ -202,14 +202,16 @@ class ShapeRules:
         """The decode shapes that can run `shape`'s chunk, cheapest first (`shape`
         itself): over as many rows or more (the rows past the busy ones idle), with
         log-probabilities where none are asked for."""
-        rows = sorted({self.decode_rows(b) for b in range(self.rows)})
-        flags = sorted({shape.logprobs, True})
-        return [
-            DecodeShape(n, shape.sampled, logprobs)
-            for n in rows
-            if n >= shape.rows
-            for logprobs in flags
-        ]
+        return sorted(
+            {shape}
+            | {
+                s
+                for s in self.programs().decodes
+                if s.rows >= shape.rows
+                and s.logprobs >= shape.logprobs
+                and s.sampled >= shape.sampled
+            }
+        )
 
     @staticmethod
     def moved(n: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -36,32 +37,32 @@ class Stamped(Started):
         super().__init__(argv, port, "qwen3-spmd serve")
         self.t0 = time.monotonic()
         self.lines: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self):
         for raw in self.proc.stderr:
             self.lines.append((time.monotonic() - self.t0, raw.decode(errors="replace").rstrip()))
 
 
-def requests(n: int, vocab: int, seed: int) -> list[dict]:
-    """n request bodies (without the model): see the module's docstring."""
+def requests(vocab: int, seed: int):
+    """Request bodies (without the model), drawn as the load takes them: see the
+    module's docstring."""
     rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
+    for i in itertools.count():
         length = int(np.exp(rng.uniform(np.log(16), np.log(512))))
         body = {
-            "prompt": rng.integers(1000, min(vocab, 100_000), length).tolist(),
+            "prompt": rng.integers(min(1000, vocab // 2), min(vocab, 100_000), length).tolist(),
             "max_tokens": int(rng.integers(16, 65)),
             "temperature": 0.7 if i % 2 else 0.0,
             "seed": i,
         }
         if i % 8 == 3:
             body["logprobs"] = 2
-        out.append(body)
-    return out
+        yield body
 
 
-async def steady(url: str, model: str, bodies: list[dict], concurrency: int, seconds: float):
+async def steady(url: str, model: str, bodies, concurrency: int, seconds: float):
     """The closed loop until `seconds` pass: each request's (start, end, status)
     relative to the loop's start."""
     import httpx
@@ -104,11 +105,11 @@ def main(argv=None) -> None:
         from qwen3_spmd.run.models import open_model
 
         vocab = open_model(args.model).cfg.V
-        bodies = requests(100_000, vocab, seed=0)
+        bodies = requests(vocab, seed=0)
         done = asyncio.run(steady(server.url, model, bodies, args.concurrency, args.seconds))
         end = time.monotonic() - server.t0
-        time.sleep(1)
-        lines = list(server.lines)
+    server.reader.join(timeout=60)  # the server has exited: its stderr is at its end
+    lines = list(server.lines)
     waits = [(t - up, line) for t, line in lines if t > up and line.startswith("compiling ")]
     latencies = [b - a for a, b, status in done if status == 200]
     out = {
