@@ -7,9 +7,11 @@ parameters stacked `[L, ...]`) or `("embed_vd",)`; weight sources read by that p
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 from qwen3_spmd.model.config import Qwen3Config
@@ -17,6 +19,22 @@ from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.split import TensorSplit
 
 ParamPath = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Rows `start` to `stop` of one axis of a parameter, in the checkpoint's sizes (no
+    padding or repeated heads): what a host reads when its devices hold only some of the
+    `tensor` axis (sharding.place). `axis` counts as the stored layout does: [L, ...]
+    for a layer parameter (so never 0 there), [V, D] outside the layers."""
+
+    axis: int
+    start: int
+    stop: int
+
+    def of(self, x: np.ndarray) -> np.ndarray:
+        """This part of x, an array of the whole parameter (its layer axis any subset)."""
+        return x[(slice(None),) * self.axis + (slice(self.start, self.stop),)]
 
 
 def param_path(keypath) -> ParamPath:

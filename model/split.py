@@ -15,7 +15,8 @@
   `psum`.
 
 The placed model's sizes are the checkpoint's where they divide evenly and are padded
-otherwise (`fit` makes a checkpoint array of the placed shape):
+otherwise (`TensorSplit.cut` names the checkpoint rows a host reads for its devices'
+placed rows, and `Cut.fit` makes those placed rows from them):
 - K' = K when X divides K; when K divides X, each KV head repeated X/K times
   contiguously (device i holds head i // (X/K)), so a device's query heads all read
   the one KV head it holds;
@@ -149,19 +150,42 @@ class TensorSplit:
 
     # ---- checkpoint arrays to placed shapes -----------------------------------------
 
-    def fit(self, path: tuple[str, ...], x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        """A checkpoint array x (its layer axis possibly a subset) made the placed `shape`:
-        KV heads repeated contiguously, every other axis that grew padded with zeros."""
-        for axis, (have, want) in enumerate(zip(x.shape, shape)):
-            if have == want or (path[0] == "layers" and axis == 0):
-                continue
-            if path[-1] in _KV_HEADS:
-                x = np.repeat(x, want // have, axis=axis)
-            else:
-                pad = [(0, 0)] * x.ndim
-                pad[axis] = (0, want - have)
-                x = np.pad(x, pad)
-        return x
+    def cut(self, path: tuple[str, ...], axis: int, n: int, placed: int, lo: int, hi: int) -> Cut:
+        """Placed rows lo..hi of parameter `path`'s `tensor` axis (`axis`, of `placed`
+        rows), made from the checkpoint's `n` rows: KV heads repeated, the rest padded."""
+        repeat = placed // n if path[-1] in _KV_HEADS else 1
+        return Cut(axis=axis, lo=lo, hi=hi, n=n, repeat=repeat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """Rows lo..hi of one parameter's `tensor` axis as placed (the rows a host's devices
+    hold), and the checkpoint rows they come from: each of the checkpoint's n rows
+    placed `repeat` times in a row (KV heads, device i holding head i // repeat), or once
+    with zero rows after the n-th (a width or vocabulary that X does not divide)."""
+
+    axis: int
+    lo: int
+    hi: int
+    n: int
+    repeat: int = 1
+
+    def rows(self) -> tuple[int, int]:
+        """The checkpoint rows to read."""
+        if self.repeat > 1:
+            return self.lo // self.repeat, -(-self.hi // self.repeat)
+        return min(self.lo, self.n), min(self.hi, self.n)
+
+    def fit(self, x: np.ndarray) -> np.ndarray:
+        """The placed rows lo..hi from x, which holds the checkpoint's rows `rows()` on
+        `axis` (every other axis as placed)."""
+        start = self.rows()[0] * self.repeat
+        if self.repeat > 1:
+            x = np.repeat(x, self.repeat, axis=self.axis)
+        x = x[(slice(None),) * self.axis + (slice(self.lo - start, self.hi - start),)]
+        pad = [(0, 0)] * x.ndim
+        pad[self.axis] = (0, self.hi - self.lo - x.shape[self.axis])
+        return np.pad(x, pad) if pad[self.axis][1] else x
 
 
 _KV_HEADS = ("k_khd", "v_khd", "k_bias", "v_bias")

@@ -90,8 +90,8 @@ class _Counted:
     def __getattr__(self, name):
         return getattr(self.source, name)
 
-    def read(self, path, dtype, layers=None):
-        x = self.source.read(path, dtype, layers)
+    def read(self, path, dtype, layers=None, part=None):
+        x = self.source.read(path, dtype, layers, part)
         if self.progress.bar is not None:
             bar = self.progress.bar
             bar.advance(self.task, x.nbytes)

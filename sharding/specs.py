@@ -46,12 +46,17 @@ EXPERT_AXIS = {
 }
 
 
+def tensor_axis(path: tuple[str, ...], experts: str = "tp") -> int | None:
+    """The axis of a parameter (as stored) that `tensor` splits; None for norms and the
+    router."""
+    return {**TENSOR_AXIS, **EXPERT_AXIS[experts]}.get(path[-1])
+
+
 def param_spec(path: tuple[str, ...], experts: str = "tp") -> P:
     """The spec of a parameter by its NNX state path: layers over `stage`, and the axis
     `tensor` splits (none for norms and the router)."""
-    axes = {**TENSOR_AXIS, **EXPERT_AXIS[experts]}
     names: list[str | None] = ["stage"] if path[0] == "layers" else []
-    at = axes.get(path[-1])
+    at = tensor_axis(path, experts)
     if at is not None:
         names += [None] * (at - len(names)) + ["tensor"]
     return P(*names)

@@ -56,3 +56,22 @@ def right_padded(seqs, width: int | None = None):
         tokens[b, : len(s)] = s
         positions[b, : len(s)] = np.arange(len(s))
     return tokens, positions
+
+
+def split_parts(ckpt):
+    """(path, layers, Part) for every axis of a checkpoint's parameters that `tensor`
+    may split (under both expert splits): its first half, its last two thirds, all but
+    its first and last rows (where any are left); layer parameters of layers 3 and 1."""
+    from qwen3_spmd.model.params import Part
+    from qwen3_spmd.model.split import EXPERT_SPLITS
+    from qwen3_spmd.sharding.specs import tensor_axis
+
+    for path in ckpt.table:
+        axes = {tensor_axis(path, experts) for experts in EXPERT_SPLITS} - {None}
+        layers = [3, 1] if path[0] == "layers" else None
+        shape = ckpt.read(path, np.float32, [0] if layers else None).shape
+        for axis in sorted(axes):
+            n = shape[axis]
+            for start, stop in ((0, n // 2), (n // 3, n), (1, n - 1)):
+                if start < stop:
+                    yield path, layers, Part(axis, start, stop)

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from reference import FIXTURES
+from reference import FIXTURES, split_parts
 from safetensors.numpy import load_file, save_file
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
@@ -287,6 +287,25 @@ def test_bytes_read_of_a_stage(tiny_cfg):
     for path in stacked:
         ckpt.read(path, np.float32)
     assert ckpt.bytes_read - part == part * tiny_cfg.L // 2
+
+
+@pytest.mark.parametrize("name", ["wide", "moe", "moe_fused"])
+def test_a_part_reads_only_its_rows(name):
+    """A host's rows of a split axis (heads inside q_proj's head-major rows, o_proj's
+    columns, the fused gate_up's gate or up half, whole experts): the rows of the whole
+    read, and only their bytes (none for a layer of the other MLP kind)."""
+    cfg = Qwen3Config.from_hf(FIXTURES / name)
+    ckpt = HFCheckpoint(FIXTURES / name, cfg)
+    count = 0
+    for path, layers, part in split_parts(ckpt):
+        whole = ckpt.read(path, np.float32, layers)
+        before = ckpt.bytes_read
+        got = ckpt.read(path, np.float32, layers, part)
+        np.testing.assert_array_equal(got, part.of(whole), err_msg=str((path, part)))
+        held = [ckpt.table[path].holds(cfg, i) for i in layers] if layers else [True]
+        assert ckpt.bytes_read - before == got.nbytes * sum(held) // len(held)  # float32 files
+        count += 1
+    assert count >= 25
 
 
 def test_bfloat16_checkpoint_loads_as_float32(tmp_path, tiny_cfg, tiny_tensors):

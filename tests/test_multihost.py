@@ -134,6 +134,27 @@ def test_2x1_over_two_processes_each_reads_only_its_stage():
     assert sum(expected) < 2 * _tensor_bytes(names)  # neither process read everything
 
 
+def test_1x1x2_over_two_processes_each_reads_its_tensor_rows():
+    """`tensor` spans the processes (one device each): each reads its 3 of 6 query heads,
+    1 of 2 KV heads, 52 of 104 MLP columns, its vocabulary rows (331 padded to 332: rows
+    0-165 and 166-330) and every norm; the tokens are 1x1's."""
+    report = run_two("1x1x2", 1)
+    assert tokens(report) == REFERENCE_TOKENS
+    with safe_open(TINY / "model.safetensors", framework="numpy") as f:
+        names = list(f.keys())
+        shapes = {n: f.get_slice(n).get_shape() for n in names}
+    norms = [n for n in names if n.endswith("norm.weight")]
+    vocab = [n for n in names if n in ("model.embed_tokens.weight", "lm_head.weight")]
+    split = [n for n in names if n not in norms and n not in vocab]
+    row = 4 * shapes[vocab[0]][1]  # float32 bytes of one vocabulary row
+    expected = [
+        _tensor_bytes(norms) + _tensor_bytes(split) // 2 + len(vocab) * rows * row
+        for rows in (166, 165)
+    ]
+    assert report["weight_bytes_read_per_process"] == expected
+    assert sum(expected) == _tensor_bytes(names) + _tensor_bytes(norms)
+
+
 def test_1x2_over_two_processes_ring_crosses_them():
     report = run_two("1x2", 1)
     assert tokens(report) == REFERENCE_TOKENS

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from children import child_env
 from ports import free_port
-from reference import TINY
+from reference import FIXTURES, TINY, split_parts
 
 from qwen3_spmd.model.checkpoint import orbax_io as ob
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
@@ -112,6 +112,27 @@ def test_restored_state_on_a_tensor_mesh_is_the_safetensors_state(converted, cfg
         for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True):
             assert ws.index == gs.index and np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
     assert want["embed_vd"].shape == (332, cfg.D)  # 331 rows padded to a multiple of 2
+
+
+@pytest.mark.parametrize("name", ["wide", "moe_fused"])
+def test_a_part_reads_only_the_pieces_that_hold_its_rows(tmp_path, name):
+    """Each split axis is stored in pieces (the most up to 64 that divide it, for an axis
+    of one kind): a part reads the pieces that hold its rows, nothing else."""
+    conversion.convert(FIXTURES / name, tmp_path / name, "float32")
+    cfg = Qwen3Config.from_hf(FIXTURES / name)
+    hf, orb = HFCheckpoint(FIXTURES / name, cfg), ob.OrbaxCheckpoint(tmp_path / name, cfg)
+    for path, layers, part in split_parts(hf):
+        before = orb.bytes_read
+        got = orb.read(path, np.float32, layers, part)
+        np.testing.assert_array_equal(got, hf.read(path, np.float32, layers, part))
+        read = orb.bytes_read - before
+        if cfg.has_sparse:
+            assert got.nbytes <= read, path
+            continue
+        n = orb.read(path, np.float32, [0] if layers else None).shape[part.axis]
+        rows = n // max(g for g in range(1, 65) if n % g == 0)  # a piece's
+        pieces = -(-part.stop // rows) - part.start // rows
+        assert read == got.nbytes // (part.stop - part.start) * pieces * rows, (path, part)
 
 
 def test_read_matches_safetensors(converted, cfg):
@@ -269,29 +290,34 @@ def test_wrong_format_version_is_refused(converted, tmp_path):
         open_model(str(folder))
 
 
-# ---- several processes: each reads only its own stages -----------------------------------
+# ---- several processes: each reads only its own stages and tensor rows -------------------
+
+WIDE = FIXTURES / "wide"
 
 _HOST = """
 import sys
 import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 2)
-rank, port, ckpt, tiny = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+rank, port, ckpt, hf_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+S, C, X = map(int, sys.argv[5].split("x"))
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
 import jax.numpy as jnp, numpy as np
 from qwen3_spmd.model.checkpoint import orbax_io as ob
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.params import abstract_model
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.sharding.mesh import make_mesh
 from qwen3_spmd.sharding.place import place_params
 from qwen3_spmd.sharding.plan import StagePlan
-cfg = Qwen3Config.from_hf(tiny)
-mesh = make_mesh(2, 2, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
-plan, (_, abstract) = StagePlan(cfg.L, 2), abstract_model(cfg, jnp.float32)
-hf, orb = HFCheckpoint(tiny, cfg), ob.OrbaxCheckpoint(ckpt, cfg)
-want = place_params(abstract, plan, mesh, hf)
-got = place_params(abstract, plan, mesh, orb)
+cfg = Qwen3Config.from_hf(hf_dir)
+mesh = make_mesh(S, C, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), tensor=X)
+split = TensorSplit(X)
+plan, (_, abstract) = StagePlan(cfg.L, S), abstract_model(cfg, jnp.float32, split)
+hf, orb = HFCheckpoint(hf_dir, cfg), ob.OrbaxCheckpoint(ckpt, cfg)
+want = place_params(abstract, plan, mesh, hf, split)
+got = place_params(abstract, plan, mesh, orb, split)
 same = all(ws.device == gs.device and np.array_equal(np.asarray(ws.data), np.asarray(gs.data))
            for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got))
            for ws, gs in zip(w.addressable_shards, g.addressable_shards, strict=True))
@@ -299,12 +325,14 @@ print("RESULT", same, orb.bytes_read, hf.bytes_read, flush=True)
 """
 
 
-def test_two_processes_each_restore_only_their_stages(converted, cfg):
+def _two_hosts(ckpt: Path, hf_dir: Path, mesh: str) -> list[list[str]]:
+    """[same shards, orbax bytes read, safetensors bytes read] of each of two processes
+    (two CPU devices each) placing both formats on `mesh`."""
     port = free_port()
     env = child_env()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _HOST, str(r), str(port), str(converted / "f32"), str(TINY)],
+            [sys.executable, "-c", _HOST, str(r), str(port), str(ckpt), str(hf_dir), mesh],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -319,6 +347,11 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
         assert p.returncode == 0, err[-3000:]
         (line,) = [l for l in out.splitlines() if l.startswith("RESULT")]
         results.append(line.split()[1:])
+    return results
+
+
+def test_two_processes_each_restore_only_their_stages(converted, cfg):
+    results = _two_hosts(converted / "f32", TINY, "2x2x1")
     # Stage 0 (layers 0-2) lives on process 0, stage 1 (layers 3-4) on process 1: each
     # reads its layers and the replicated tensors, exactly what the safetensors path reads.
     _, abstract = abstract_model(cfg, jnp.float32)
@@ -329,6 +362,37 @@ def test_two_processes_each_restore_only_their_stages(converted, cfg):
     assert results == [
         ["True", str(b), str(b)] for b in (3 * per_layer + shared, 2 * per_layer + shared)
     ]
+
+
+def test_two_processes_on_one_tensor_axis_each_read_their_rows(tmp_path):
+    """1x1x4 over two processes of two devices: `tensor` spans them, so each reads half
+    of every split parameter (its 4 of 8 query heads, its one KV head of 2, which its two
+    devices both hold, 50 of 100 MLP columns) and its vocabulary rows (V = 333 padded to
+    336: rows 0-167 and 168-332), and the norms whole; orbax reads whole pieces (the
+    vocabulary's 37 pieces of 9 rows: 19 each, 3 and 6 rows more than asked)."""
+    ckpt = tmp_path / "wide"
+    conversion.convert(WIDE, ckpt, "float32")
+    results = _two_hosts(ckpt, WIDE, "1x1x4")
+    cfg = Qwen3Config.from_hf(WIDE)
+    _, abstract = abstract_model(cfg, jnp.float32)
+    split, vocab, whole = 0, 0, 0
+    for path, x in _leaves(abstract):
+        if path[-1] in ("embed_vd", "lm_head_vd"):
+            vocab += x.size // cfg.V * 4  # bytes a row
+        elif path[-1] in ("scale",):
+            whole += x.size * 4
+        else:
+            split += x.size * 4
+    hf = [whole + split // 2 + vocab * rows for rows in (168, 165)]
+    orb = [whole + split // 2 + vocab * 171] * 2
+    assert results == [["True", str(o), str(h)] for o, h in zip(orb, hf)]
+    assert sum(hf) == whole * 2 + split + vocab * cfg.V  # the model once, the norms twice
+
+
+def _leaves(state) -> list:
+    out = []
+    map_params(lambda path, x: out.append((path, x)), state)
+    return out
 
 
 def test_load_measurement_runs_both_formats(converted):

@@ -154,6 +154,40 @@ def test_continuous_batching_on_2x1x2_gives_each_request_its_tokens():
     assert sched.kv_bytes_per_device == sum(held) == (cache.k.nbytes + cache.v.nbytes) // 4
 
 
+@pytest.mark.parametrize("X", [4, 8])
+def test_a_hosts_rows_are_those_of_the_whole_placed_parameter(X):
+    """What a host reads for a block of the tensor devices (one device, or 2 or 4 in a
+    row, as hosts hold them) and fits is that block of the whole parameter as placed:
+    `wide`'s KV heads repeated X/2 times, F = 100 and V = 333 padded (to 104 and 336
+    with X = 8)."""
+    from qwen3_spmd.model.params import Part, abstract_model, map_params
+    from qwen3_spmd.sharding.specs import tensor_axis
+
+    folder, cfg, _, _ = fixture("wide")
+    ckpt, split = HFCheckpoint(folder, cfg), TensorSplit(X)
+    placed, checked = {}, 0
+    map_params(
+        lambda path, x: placed.__setitem__(path, x.shape), abstract_model(cfg, np.float32, split)[1]
+    )
+    for path, shape in placed.items():
+        axis = tensor_axis(path)
+        if axis is None:
+            continue
+        layers = [2] if path[0] == "layers" else None
+        full = ckpt.read(path, np.float32, layers)
+        n, rows = full.shape[axis], shape[axis]
+        whole = split.cut(path, axis, n, rows, 0, rows).fit(full)
+        assert whole.shape[axis] == rows
+        for per_host in (1, 2, 4):
+            for lo in range(0, rows, rows // X * per_host):
+                hi = lo + rows // X * per_host
+                cut = split.cut(path, axis, n, rows, lo, hi)
+                got = cut.fit(ckpt.read(path, np.float32, layers, Part(axis, *cut.rows())))
+                np.testing.assert_array_equal(got, Part(axis, lo, hi).of(whole))
+                checked += 1
+    assert checked >= 9 * (X + X // 2 + X // 4)
+
+
 def test_refusals_name_the_sizes_that_fit():
     _, wide, _, _ = fixture("wide")  # N = 8, K = 2
     _, tiny, _, _ = fixture("tiny")  # N = 6, K = 2

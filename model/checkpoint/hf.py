@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
-from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.params import ParamPath, Part, abstract_model, map_params
 
 
 class LoadError(ValueError):
@@ -80,6 +81,28 @@ class Entry:
 
     def to_ours(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
         return x.reshape(self.our_shape(cfg))
+
+    def hf_index(
+        self, cfg: Qwen3Config, axis: int = 0, rows: tuple[int, int] | None = None
+    ) -> tuple[slice, ...]:
+        """The index into one checkpoint tensor (one expert's, for a per-expert entry)
+        that reads ours, or only rows rows[0]..rows[1] of our `axis` (an axis of one
+        layer's, one expert's tensor). Our head axes lead the checkpoint axis they are
+        merged into (q_proj's rows are head-major), so a run of heads is a run of rows."""
+        hf, ours = list(self.hf_shape(cfg)), list(self.our_shape(cfg))
+        if self.per_expert:
+            ours = ours[1:]
+        index = [slice(None)] * len(hf)
+        if self.part is not None:
+            k, n = self.part
+            hf[1] //= n
+            index[1] = slice(k * hf[1], (k + 1) * hf[1])
+        if rows is not None:
+            j = next(j for j in range(len(hf)) if math.prod(hf[:j]) == math.prod(ours[:axis]))
+            per_row = hf[j] // ours[axis]
+            base = index[j].start or 0
+            index[j] = slice(base + rows[0] * per_row, base + rows[1] * per_row)
+        return tuple(index)
 
     def to_hf(self, x: np.ndarray, cfg: Qwen3Config) -> np.ndarray:
         return x.reshape(self.hf_shape(cfg))
@@ -419,41 +442,55 @@ class HFCheckpoint:
                             "not supported"
                         )
 
-    def _read_tensor(self, name: str, part: tuple[int, int] | None = None) -> np.ndarray:
-        """The tensor `name`, or only piece k of n of its axis 1 (part = (k, n))."""
+    def _read_tensor(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Tensor `name`, or tensor[index] with only those bytes read from the file."""
         with _opened(self.files[name]) as f:
-            tensor = f.get_slice(name)
-            if part is None:
-                x = tensor[...]
-            else:
-                size = tensor.get_shape()[1] // part[1]
-                x = tensor[:, part[0] * size : (part[0] + 1) * size]
+            x = f.get_slice(name)[... if index is None else index]
         with self._lock:
             self.bytes_read += x.nbytes
         return x
 
-    def read(self, path: ParamPath, dtype, layers: Sequence[int] | None = None) -> np.ndarray:
+    def read(
+        self,
+        path: ParamPath,
+        dtype,
+        layers: Sequence[int] | None = None,
+        part: Part | None = None,
+    ) -> np.ndarray:
         """One parameter in our layout, cast to `dtype`.
 
         Args:
           path: NNX state path, e.g. ("layers", "q_nhd").
           layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
+          part: only these rows of one axis (the rest of the file is not read).
         """
         e = self.table.get(path)
         if e is None:
             raise KeyError(f"no checkpoint tensor for parameter {'.'.join(path)}")
+        shape = list(e.our_shape(self.cfg))
+        axis, rows = 0, None
+        if part is not None:
+            axis, rows = part.axis - e.stacked, (part.start, part.stop)
+            shape[axis] = part.stop - part.start
         if not e.stacked:
-            return e.to_ours(self._read_tensor(e.hf), self.cfg).astype(dtype)
+            x = self._read_tensor(e.hf, e.hf_index(self.cfg, axis, rows))
+            return x.reshape(shape).astype(dtype)
         ids = range(self.cfg.L) if layers is None else layers
-        out = np.zeros((len(ids), *e.our_shape(self.cfg)), dtype)
+        out = np.zeros((len(ids), *shape), dtype)
         for n, i in enumerate(ids):
             if not e.holds(self.cfg, i):
                 continue  # the other MLP kind's parameter of a mixed config: zeros
-            if e.per_expert:
-                for x, name in enumerate(e.names(self.cfg, i)):
-                    out[n, x] = self._read_tensor(name)
+            if not e.per_expert:
+                index = e.hf_index(self.cfg, axis, rows)
+                out[n] = self._read_tensor(e.names(self.cfg, i)[0], index).reshape(shape)
+                continue
+            names = e.names(self.cfg, i)
+            if axis == 0 and rows is not None:  # whole experts: only these experts' tensors
+                names, index = names[rows[0] : rows[1]], e.hf_index(self.cfg)
             else:
-                out[n] = e.to_ours(self._read_tensor(e.names(self.cfg, i)[0], e.part), self.cfg)
+                index = e.hf_index(self.cfg, axis - 1, rows)
+            for x, name in enumerate(names):
+                out[n, x] = self._read_tensor(name, index).reshape(shape[1:])
         return out
 
 

@@ -15,23 +15,26 @@ folder without the marker is refused here with an error that says to re-run conv
 Stored layout: one array per parameter and layer. The parameters are those of the NNX
 state of `model.layers.Qwen3` in our layout (e.g. `q_nhd` [N, H, D]); a stacked layer
 parameter `("layers", "q_nhd")` of shape [L, N, H, D] is stored as L arrays
-`layers.q_nhd.0` ... `layers.q_nhd.{L-1}` of shape [N, H, D]. Nothing in it depends on
-a stage count, so it restores onto any mesh.
+`layers.q_nhd.0` ... `layers.q_nhd.{L-1}`. Each axis that `tensor` may split (heads,
+MLP columns, vocabulary rows, experts) is stored as [pieces, rows / pieces], the most
+pieces up to 64 that divide it (`_pieces`), each piece a chunk of its own: `q_nhd` of
+16 heads is stored [16, 1, H, D], a 3072-wide `gate_fd` [64, 48, D]. Nothing in it
+depends on a mesh, so it restores onto any.
 
 Why per-layer arrays rather than one stacked [L, ...] array: the mesh wants
 [L_pad, ...] sharded P('stage'), where stage s owns a contiguous run of real layers
 followed by identity (zero) slots (`StagePlan.layer_of_slot`). A stage's run is not a
 shard of any regular sharding of [L, ...] when S does not divide L (5 layers on 2
-stages: 3 + 2), and orbax restores whole arrays, never a row range. With one array per
-layer, a host asks orbax for exactly the layers of its own stages.
+stages: 3 + 2). With one array per layer, a host reads exactly the layers of its own
+stages; with the pieces, only its rows of the split axes when `tensor` spans hosts.
 
 How a restore goes: the same placement as every weight source
-(`sharding.place.place_params`), one parameter at a time: `OrbaxCheckpoint.read` has
-orbax read the host's layers of that parameter (tensorstore, in parallel, cast to the
-target dtype on read) into host memory, stacked; each device's shard is cut from them
-by `jax.make_array_from_callback`; the host copy is dropped before the next parameter.
-The embedding, final norm and lm_head are read once per host and put on every device
-(they are replicated).
+(`sharding.place.place_params`), one parameter at a time: `OrbaxCheckpoint.read` opens
+the host's layers of that parameter through tensorstore (orbax's storage: zarr arrays
+in an OCDBT database), reads them in parallel (only the pieces that hold the host's
+rows) into host memory, stacked and cast to the target dtype; each device's shard is
+cut from them by `jax.make_array_from_callback`; the host copy is dropped before the
+next parameter.
 
 Why not restore jax.Arrays onto per-stage sub-mesh shardings and stack on device:
 orbax 0.12 cannot restore an array that has no shard on the calling
@@ -39,10 +42,11 @@ host (every host would then read every layer), and on the emulated CPU devices i
 was slower and held more memory than reading to host once and placing the blocks.
 
 How much each host reads: the bytes of the layers of the stages its devices belong
-to, plus the replicated tensors, once each (`bytes_read` counts them; a two-process
-test checks it equals what the safetensors path reads). How much it holds beyond what
-it keeps: one parameter's layers for its stages, twice (the read arrays and the
-stacked copy), at the peak.
+to, of those only the pieces that hold its devices' rows of the split axes, plus the
+norms, once each (`bytes_read` counts the bytes read; a two-process test checks it
+equals what the safetensors path reads, or is within a piece of it at each end of a
+host's rows). How much it holds beyond what it keeps: one parameter's layers for its
+stages, twice (the read arrays and the stacked copy), at the peak.
 
 Restoring into a different dtype than the stored one casts on read (float32 stored,
 bfloat16 restored, or the other way).
@@ -55,16 +59,18 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.checkpoint.hf import LoadError
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.params import ParamPath, Part, abstract_model, map_params
+from qwen3_spmd.sharding.specs import EXPERT_AXIS, TENSOR_AXIS
 
 FORMAT = "qwen3-spmd-orbax"
-VERSION = 1
+VERSION = 2  # 2: split axes stored in pieces, one chunk each (1: whole arrays)
+MAX_PIECES = 64  # pieces of one split axis
+MAX_CHUNKS = 1024  # chunks of one stored array
 METADATA_FILE = "qwen3_spmd_orbax.json"
 COMPLETE_FILE = "CONVERSION_COMPLETE"
 PARAMS_DIR = "params"
@@ -104,13 +110,44 @@ def _param_shapes(cfg: Qwen3Config) -> dict[ParamPath, tuple[int, ...]]:
     return shapes
 
 
+def _pieces(path: ParamPath, shape: Sequence[int]) -> dict[int, int]:
+    """Axis -> how many equal pieces the stored array cuts it in: each axis of one
+    array (a layer parameter's, one layer's) that `tensor` may split (heads, columns,
+    vocabulary rows, experts under either expert split), in the most pieces up to
+    MAX_PIECES that divide it, with MAX_CHUNKS an array at most."""
+    drop = path[0] == "layers"
+    at = {TENSOR_AXIS.get(path[-1]), *(axes.get(path[-1]) for axes in EXPERT_AXIS.values())}
+    out, chunks = {}, 1
+    for axis in sorted(a - drop for a in at if a is not None):
+        cap = min(MAX_PIECES, MAX_CHUNKS // chunks)
+        out[axis] = max(g for g in range(1, cap + 1) if shape[axis] % g == 0)
+        chunks *= out[axis]
+    return out
+
+
+def _stored_shape(path: ParamPath, shape: Sequence[int]) -> tuple[int, ...]:
+    """One array's shape as stored: each split axis of n rows as [pieces, n / pieces],
+    the pieces written as separate chunks, so a host reads only the pieces that hold
+    its rows (`OrbaxCheckpoint.read` with a part)."""
+    pieces = _pieces(path, shape)
+    out: list[int] = []
+    for axis, n in enumerate(shape):
+        out += [pieces[axis], n // pieces[axis]] if axis in pieces else [n]
+    return tuple(out)
+
+
+def _piece_axes(path: ParamPath, shape: Sequence[int]) -> tuple[int, ...]:
+    """The stored array's axes that count pieces (orbax's shard_axes: a chunk each)."""
+    return tuple(a + n for n, a in enumerate(sorted(_pieces(path, shape))))
+
+
 def _stored_keys(
     path: ParamPath, shape, layers: Sequence[int]
 ) -> list[tuple[tuple[str, ...], tuple]]:
     """(key path in the stored tree, stored shape) of one parameter, one per layer."""
     if path[0] != "layers":
-        return [(path, tuple(shape))]
-    return [((*path, str(i)), tuple(shape[1:])) for i in layers]
+        return [(path, _stored_shape(path, shape))]
+    return [((*path, str(i)), _stored_shape(path, shape[1:])) for i in layers]
 
 
 def _nest(flat: dict[tuple[str, ...], object]) -> dict:
@@ -135,8 +172,11 @@ def _flatten(tree, prefix=()) -> dict[tuple[str, ...], object]:
 def _checkpointer():
     import orbax.checkpoint as ocp
 
-    # Weights barely compress, and decompression would cost restore time.
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    # Weights barely compress, and decompression would cost restore time. OCDBT and
+    # zarr v2 named, since reads open the arrays through tensorstore (`_spec`).
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=True, use_zarr3=False)
+    )
 
 
 # ---- writing -----------------------------------------------------------------------
@@ -163,17 +203,19 @@ def write_params(
         for keys, shape in _stored_keys(path, full, range(cfg.L))
     ]
     total = sum(int(np.prod(s)) for _, _, s in items) * dtype.itemsize
-    flat, done = {}, 0
+    flat, save_args, done = {}, {}, 0
     for path, keys, shape in items:
         if path[0] == "layers":
             x = source.read(path, dtype, [int(keys[-1])])[0]
         else:
             x = source.read(path, dtype)
-        if tuple(x.shape) != shape:  # a source bug, not a user error
+        want = shapes[path][path[0] == "layers" :]
+        if tuple(x.shape) != want:  # a source bug, not a user error
             raise LoadError(
-                f"parameter {'.'.join(keys)} read as {list(x.shape)}, expected {list(shape)}"
+                f"parameter {'.'.join(keys)} read as {list(x.shape)}, expected {list(want)}"
             )
-        flat[keys] = np.ascontiguousarray(x)
+        flat[keys] = np.ascontiguousarray(x).reshape(shape)
+        save_args[keys] = ocp.SaveArgs(shard_axes=_piece_axes(path, x.shape))
         done += x.nbytes
         if progress:
             progress("read", done, total)
@@ -183,7 +225,9 @@ def write_params(
 
     def save():
         try:
-            _checkpointer().save(params_dir, args=ocp.args.PyTreeSave(_nest(flat)))
+            _checkpointer().save(
+                params_dir, args=ocp.args.PyTreeSave(_nest(flat), save_args=_nest(save_args))
+            )
         except BaseException as e:  # re-raised below, in the caller's thread
             error.append(e)
 
@@ -236,6 +280,9 @@ class OrbaxCheckpoint:
         self.shapes = _param_shapes(cfg)
         self.bytes_read = 0
         self._check()
+        import tensorstore as ts
+
+        self._context = ts.Context()  # one OCDBT manifest and cache for every read
 
     @property
     def dtype(self):
@@ -271,66 +318,88 @@ class OrbaxCheckpoint:
                 f"{'.'.join(unexpected[0])}{more}: not a weight of the Qwen3 its config.json "
                 "describes"
             )
-        for keys, (_, want) in expected.items():
+        for keys, (path, want) in expected.items():
             shape = tuple(stored[keys].shape)
             if shape != want:
+                ours = self.shapes[path][path[0] == "layers" :]
+                if len(shape) == len(want):  # named in our layout: pieces merged back
+                    merged = list(shape)
+                    for a in reversed(_piece_axes(path, ours)):
+                        merged[a : a + 2] = [merged[a] * merged[a + 1]]
+                    shape = tuple(merged)
                 raise LoadError(
                     f"parameter {'.'.join(keys)} in orbax checkpoint {self.folder} has shape "
-                    f"{list(shape)}, but config.json implies {list(want)}: the arrays and "
+                    f"{list(shape)}, but config.json implies {list(ours)}: the arrays and "
                     "config.json do not match"
                 )
 
-    def _restore(self, targets: dict[tuple[str, ...], tuple[tuple, object]]) -> dict:
-        """Restores the stored arrays named by `targets` (key -> (shape, restore args))."""
-        import orbax.checkpoint as ocp
+    def _spec(self, keys: tuple[str, ...]) -> dict:
+        """The tensorstore spec of one stored array (orbax's names and layout)."""
+        return {
+            "driver": "zarr",
+            "kvstore": {
+                "driver": "ocdbt",
+                "base": f"file://{self.params_dir}",
+                "path": ".".join(keys),
+            },
+        }
 
-        item = _nest(
-            {k: jax.ShapeDtypeStruct(shape, self.dtype) for k, (shape, _) in targets.items()}
-        )
-        args = _nest({k: a for k, (_, a) in targets.items()})
-        try:
-            out = _checkpointer().restore(
-                self.params_dir,
-                args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+    def read(
+        self,
+        path: ParamPath,
+        dtype,
+        layers: Sequence[int] | None = None,
+        part: Part | None = None,
+    ) -> np.ndarray:
+        """One parameter in our layout, cast to `dtype`, on the host.
+
+        Every layer's array is opened and read at once (tensorstore reads them in
+        parallel); with a part, only the pieces that hold its rows.
+
+        Args:
+          path: NNX state path, e.g. ("layers", "q_nhd").
+          layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
+          part: only these rows of one axis.
+        """
+        import tensorstore as ts
+
+        full = self.shapes.get(path)
+        if full is None:
+            raise KeyError(f"no checkpoint tensor for parameter {'.'.join(path)}")
+        stacked = path[0] == "layers"
+        ids = list(range(self.cfg.L) if layers is None else layers) if stacked else []
+        shape = list(full[stacked:])  # one stored array's, in our layout
+        pieces = _pieces(path, shape)
+        index = [slice(None)] * (len(shape) + len(pieces))  # into the stored array
+        take: tuple[slice, ...] = ()  # the part's rows of what is read
+        if part is not None:
+            axis = part.axis - stacked
+            rows = shape[axis] // pieces[axis]  # a piece's
+            first, last = part.start // rows, -(-part.stop // rows)
+            index[axis + sum(a < axis for a in pieces)] = slice(first, last)
+            shape[axis] = (last - first) * rows
+            take = (slice(None),) * axis + (
+                slice(part.start - first * rows, part.stop - first * rows),
             )
+        try:
+            keys = [k for k, _ in _stored_keys(path, full, ids)]
+            opened = [ts.open(self._spec(k), context=self._context, read=True) for k in keys]
+            reads = [f.result()[tuple(index)].read() for f in opened]
+            got = [r.result() for r in reads]
         except (ValueError, OSError) as e:  # damaged data files (tensorstore's errors)
             raise LoadError(
                 f"orbax checkpoint {self.folder} cannot be restored "
                 f"({type(e).__name__}: {_first_line(e)}): {RERUN}"
             ) from None
-        return _flatten(out)
-
-    def _read(self, path: ParamPath, dtype, layers: Sequence[int]) -> list[np.ndarray]:
-        """The stored arrays of one parameter (one per layer of `layers`, or the one
-        array of a non-layer parameter), restored to host memory in `dtype`."""
-        import orbax.checkpoint as ocp
-
-        keys = _stored_keys(path, self.shapes[path], layers)
-        if not keys:
-            return []
-        args = ocp.RestoreArgs(restore_type=np.ndarray, dtype=jnp.dtype(dtype))
-        got = self._restore({k: (shape, args) for k, shape in keys})
-        parts = [np.asarray(got[k]) for k, _ in keys]
-        self.bytes_read += sum(int(np.prod(s)) for _, s in keys) * self.dtype.itemsize
-        return parts
-
-    def read(self, path: ParamPath, dtype, layers: Sequence[int] | None = None) -> np.ndarray:
-        """One parameter in our layout, cast to `dtype`, on the host.
-
-        Args:
-          path: NNX state path, e.g. ("layers", "q_nhd").
-          layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
-        """
-        full = self.shapes.get(path)
-        if full is None:
-            raise KeyError(f"no checkpoint tensor for parameter {'.'.join(path)}")
-        if path[0] != "layers":
-            return self._read(path, dtype, ())[0]
-        parts = self._read(path, dtype, list(range(self.cfg.L) if layers is None else layers))
-        stacked = np.stack(parts) if parts else np.zeros((0, *full[1:]), dtype)
-        del parts
+        self.bytes_read += sum(x.nbytes for x in got)
+        arrays = [x.reshape(shape)[take].astype(dtype) for x in got]
+        del got
+        if not stacked:
+            return arrays[0]
+        out = np.stack(arrays) if arrays else np.zeros((0, *shape), dtype)[(slice(None), *take)]
+        del arrays
         _release_host_memory()
-        return stacked
+        return out
 
 
 def _release_host_memory() -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.params import ParamPath, abstract_model, map_params
+from qwen3_spmd.model.params import ParamPath, Part, abstract_model, map_params
 
 
 class RandomWeights:
@@ -42,7 +42,17 @@ class RandomWeights:
         else:
             out *= np.float32(self.std)
 
-    def read(self, path: ParamPath, dtype, layers: Sequence[int] | None = None) -> np.ndarray:
+    def read(
+        self,
+        path: ParamPath,
+        dtype,
+        layers: Sequence[int] | None = None,
+        part: Part | None = None,
+    ) -> np.ndarray:
+        """Like `HFCheckpoint.read`; a part is cut from the whole tensor (its values come
+        from one generator), so every host generates every row of what it reads."""
+        if part is not None:
+            return np.ascontiguousarray(part.of(self.read(path, dtype, layers)))
         shape = self.shapes[path]
         ids = [-1] if path[0] != "layers" else list(range(self.cfg.L) if layers is None else layers)
         out = np.empty((len(ids), *shape[path[0] == "layers" :]), np.float32)

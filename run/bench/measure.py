@@ -279,7 +279,7 @@ class MemoSource:
     peer see the same arrays without reading (or generating) them again."""
 
     def __init__(self, source):
-        self.source, self._full = source, {}
+        self.source, self.cfg, self._full = source, source.cfg, {}
 
     def full(self, path, dtype) -> np.ndarray:
         key = (path, np.dtype(dtype).name)
@@ -287,11 +287,11 @@ class MemoSource:
             self._full[key] = self.source.read(path, dtype)
         return self._full[key]
 
-    def read(self, path, dtype, layers=None) -> np.ndarray:
+    def read(self, path, dtype, layers=None, part=None) -> np.ndarray:
         x = self.full(path, dtype)
-        if path[0] != "layers" or layers is None:
-            return x
-        return x[list(layers)]
+        if path[0] == "layers" and layers is not None:
+            x = x[list(layers)]
+        return x if part is None else part.of(x)
 
 
 class PlacedSource:
