@@ -46,6 +46,12 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
     return {"prefill": prefill, "decode": decode, "total": prefill + decode}
 
 
+def all_reduces_per_tick(cfg: Qwen3Config, stages: int) -> int:
+    """The `tensor` all-reduces of the hidden state a device runs in one tick of a
+    program: two per layer slot of its stage and the embedding's (model.split)."""
+    return 2 * math.ceil(cfg.L / stages) + 1
+
+
 def bytes_all_reduced(
     cfg: Qwen3Config, stages: int, seq: int, tensor: int, layout: dict, itemsize: int
 ) -> dict:
@@ -57,7 +63,7 @@ def bytes_all_reduced(
     decode_per_step: a group's new tokens [B/G, 1, D] through them."""
     if tensor == 1:
         return {"prefill_per_tick": 0, "decode_per_step": 0}
-    reduces = 2 * math.ceil(cfg.L / stages) + 1
+    reduces = all_reduces_per_tick(cfg, stages)
     per_value = 2 * (tensor - 1) / tensor * itemsize * cfg.D * reduces
     B, M, G, P_len = (
         layout["batch"],

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from qwen3_spmd.model.config import PRESETS
 from qwen3_spmd.run.bench.report import add_ratios
 from qwen3_spmd.run.cli import main
 
@@ -86,6 +87,24 @@ def test_prefill_and_rooflines_on_2x2(capsys):
     assert two["prefill"][0]["idle_fraction"] == pytest.approx(0.5)  # M=1, S=2
     assert two["prefill"][0]["stage_bytes_per_token"] > 0
     assert two["prefill"][0]["ring_bytes_per_token"] > 0
+
+
+def test_decode_on_1x1x2_times_its_all_reduces(capsys):
+    """A tensor mesh reports the bytes each device sends in a step's all-reduces (two a
+    layer and the embedding's, [1, D] float32 each, a ring moving 2 (X-1)/X of it) and
+    the time of those all-reduces alone; 1x1 has none."""
+    cfg = PRESETS["tiny"]
+    argv = ["--scenario", "prefill", "--scenario", "decode", "--prompt-lens", "16"]
+    out = run_json(capsys, *argv, "--mesh", "1x1x2", "--batches", "1")
+    check_common(out, ["1x1", "1x1x2"])
+    (one,), (two,) = (m["decode"] for m in out["meshes"])
+    assert one["all_reduce_bytes_per_step"] == 0 and one["all_reduce_s_per_step"] is None
+    assert two["all_reduce_bytes_per_step"] == (2 * cfg.L + 1) * cfg.D * 4 * 2 * (2 - 1) // 2
+    check_spread(two["all_reduce_s_per_step"])
+    (prefill,) = out["meshes"][1]["prefill"]  # one tick: the prompt's padded tokens
+    rows = prefill["padded_prompt"]
+    assert prefill["all_reduce_bytes_per_tick"] == rows * two["all_reduce_bytes_per_step"]
+    check_spread(prefill["all_reduce_s_per_tick"])
 
 
 def test_decode_and_memory_on_2x1(capsys):

@@ -392,7 +392,7 @@ class OrbaxCheckpoint:
                 f"({type(e).__name__}: {_first_line(e)}): {RERUN}"
             ) from None
         self.bytes_read += sum(x.nbytes for x in got)
-        arrays = [x.reshape(shape)[take].astype(dtype) for x in got]
+        arrays = [x.reshape(shape)[take].astype(dtype, copy=False) for x in got]
         del got
         if not stacked:
             return arrays[0]

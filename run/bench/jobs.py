@@ -13,6 +13,7 @@ from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid
 from qwen3_spmd.run.bench.measure import (
     PlacedSource,
+    all_reduce_time,
     decode_bytes_per_step,
     prefill_flops,
     program_memory,
@@ -101,6 +102,9 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
         "stage_bytes": sent["prefill"],
         "stage_bytes_per_token": sent["prefill"] / (B * T),
         "all_reduce_bytes_per_tick": reduced["prefill_per_tick"],
+        "all_reduce_s_per_tick": _all_reduces(
+            engines, (B // layout["microbatches"]) * (layout["padded_prompt"] // C)
+        ),
         "ring_bytes": ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)[
             "prefill"
         ],
@@ -126,6 +130,17 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
         f"device along seq); compile {job['compile_s']:.1f} s"
     )
     return out
+
+
+def _all_reduces(engines: MeshEngines, rows: int) -> dict | None:
+    """The measured time of one tick's `tensor` all-reduces of [rows, D] alone (None
+    without a `tensor` axis): the part of a tick the all-reduces can cost at most."""
+    if engines.mesh.shape["tensor"] == 1:
+        return None
+    count = accounting.all_reduces_per_tick(engines.cfg, engines.mesh.shape["stage"])
+    return all_reduce_time(
+        engines.mesh, rows, count, engines.cfg.D, engines.dtype, engines.s["repeats"]
+    )
 
 
 def decode_cache_len(s: dict, C: int) -> int:
@@ -182,6 +197,7 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         "stage_bytes_per_token": sent["decode"] / (B * N),
         "ring_bytes_per_token": ring["decode_per_step"] * layout["decode_steps"] / (B * N),
         "all_reduce_bytes_per_step": reduced["decode_per_step"],
+        "all_reduce_s_per_step": _all_reduces(engines, layout["batch"] // layout["groups"]),
         "programs": program_memory(engine),
     }
     if roof is not None:
@@ -189,10 +205,12 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         out["bandwidth_roofline_s_per_step"] = ideal
         out["bandwidth_roofline_fraction"] = ideal / out["time_per_output_token_s"]["median"]
     tp = out["time_per_output_token_s"]
+    reduces = out["all_reduce_s_per_step"]
     say(
         f"  decode B={B}: {out['tokens_per_s']['median']:.1f} tok/s, "
         f"{tp['median'] * 1e3:.1f} ms/token (min {tp['min'] * 1e3:.1f}, max {tp['max'] * 1e3:.1f})"
-        f"; compile {job['compile_s']:.1f} s"
+        + (f", its all-reduces alone {reduces['median'] * 1e3:.1f} ms" if reduces else "")
+        + f"; compile {job['compile_s']:.1f} s"
     )
     return out, (engine, job["cache"])
 

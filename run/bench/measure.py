@@ -143,6 +143,25 @@ def link_bandwidth(devices, smoke: bool, repeats: int = 3) -> dict:
     return out
 
 
+def all_reduce_time(mesh, rows: int, count: int, width: int, dtype, repeats: int) -> dict:
+    """Seconds a program of only `count` all-reduces of a [rows, width] array over the
+    mesh's `tensor` axis takes, each waiting on the one before as a stage's layers do:
+    the all-reduces of one tick (`accounting.all_reduces_per_tick`) without the layers
+    around them."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    scale = 1 / mesh.shape["tensor"]  # keeps the values where they started
+
+    def body(x):
+        return jax.lax.fori_loop(0, count, lambda _, a: jax.lax.psum(a, "tensor") * scale, x)
+
+    # check_vma off: the sum of a replicated block is what is timed, not its type.
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    x = jax.device_put(jnp.ones((rows, width), dtype), NamedSharding(mesh, P()))
+    return spread(timed(lambda: fn(x).block_until_ready(), repeats, 1))
+
+
 # ---- model arithmetic ------------------------------------------------------------------
 
 
