@@ -64,7 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out folder")
     p.add_argument(
         "--measure",
-        metavar="SxC[,SxC...]",
+        metavar="SxC[xX][,...]",
         help="then measure load time and peak RSS of both formats on these meshes "
         "(emulated CPU devices, one fresh process per load)",
     )
