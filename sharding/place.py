@@ -99,9 +99,8 @@ def place_params(
         if c is None:
             return source.read(path, dtype, layers)
         rows = c.rows()
-        if rows == (0, c.n):
-            return c.fit(source.read(path, dtype, layers))
-        return c.fit(source.read(path, dtype, layers, part=Part(c.axis, *rows)))
+        part = None if rows == (0, c.n) else Part(c.axis, *rows)
+        return c.fit(source.read(path, dtype, layers, part=part))
 
     def local(index: tuple[slice, ...], shape, c: Cut | None) -> tuple[slice, ...]:
         """A device's index into the global array -> into this host's rows."""

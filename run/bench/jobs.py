@@ -133,8 +133,8 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
 
 
 def _all_reduces(engines: MeshEngines, rows: int) -> dict | None:
-    """The measured time of one tick's `tensor` all-reduces of [rows, D] alone (None
-    without a `tensor` axis): the part of a tick the all-reduces can cost at most."""
+    """The measured time of one tick's `tensor` all-reduces of [rows, D], alone in a
+    program without the layers around them (None without a `tensor` axis)."""
     if engines.mesh.shape["tensor"] == 1:
         return None
     count = accounting.all_reduces_per_tick(engines.cfg, engines.mesh.shape["stage"])
