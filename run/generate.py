@@ -485,30 +485,35 @@ def _generate(engine, args, prompts, sampling, eos, stream):
 
 
 def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
-    """Bytes this process reads: replicated tensors once, the layers of its stages."""
+    """Bytes this process reads (for the progress bar): the layers of its stages, and of
+    each split parameter its share of the `tensor` devices' rows; norms whole."""
     import math
 
     import jax
+    import numpy as np
 
     from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.sharding.plan import StagePlan
+    from qwen3_spmd.sharding.specs import tensor_axis
 
     plan = StagePlan(cfg.L, stages)
+    here = jax.process_index()
     mine = {
-        s
-        for s, row in enumerate(mesh.devices)
-        if any(d.process_index == jax.process_index() for d in row.flat)
+        s for s, row in enumerate(mesh.devices) if any(d.process_index == here for d in row.flat)
     }
     layers = sum(plan.counts[s] for s in mine)
+    tensor = {t for (_, _, t), d in np.ndenumerate(mesh.devices) if d.process_index == here}
+    share = len(tensor) / mesh.shape["tensor"]
     total = []
     _, abstract = abstract_model(cfg, dtype)
 
     def add(path, x):
         size = math.prod(x.shape) * x.dtype.itemsize
-        total.append(size // x.shape[0] * layers if path[0] == "layers" else size)
+        size = size // x.shape[0] * layers if path[0] == "layers" else size
+        total.append(size * share if tensor_axis(path) is not None else size)
 
     map_params(add, abstract)
-    return sum(total)
+    return int(sum(total))
 
 
 def _per_process(value: int, procs) -> list[int]:

@@ -374,7 +374,8 @@ def _precompile(scheduler, shapes: list, total: int, leader: bool) -> None:
         progress.stop()
     if leader:
         rest = (
-            f"; the other {total - len(shapes)} compile while serving"
+            f"; the other {total - len(shapes)} "
+            f"{'compiles' if total - len(shapes) == 1 else 'compile'} while serving"
             if len(shapes) < total
             else ""
         )
@@ -390,7 +391,8 @@ def _compiled_later(total: int):
             _say(f"stopped compiling in the background after {n} of {total} program shapes")
         else:
             took = f"in the background in {seconds:.0f} s{failed}"
-            _say(f"compiled the other {n} program shapes {took}")
+            shapes = "program shape" if n == 1 else f"{n} program shapes"
+            _say(f"compiled the other {shapes} {took}")
 
     return done
 
