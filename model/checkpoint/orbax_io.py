@@ -339,7 +339,7 @@ class OrbaxCheckpoint:
             "driver": "zarr",
             "kvstore": {
                 "driver": "ocdbt",
-                "base": f"file://{self.params_dir}",
+                "base": {"driver": "file", "path": str(self.params_dir)},  # not a URL: any name
                 "path": ".".join(keys),
             },
         }
