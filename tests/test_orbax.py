@@ -38,8 +38,9 @@ MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """The tiny fixture converted in float32 and in bfloat16."""
-    root = tmp_path_factory.mktemp("orbax")
+    """The tiny fixture converted in float32 and in bfloat16, in a folder whose name a
+    URL would misread (a space, # and %20)."""
+    root = tmp_path_factory.mktemp("orbax") / "a folder #2 %20"
     conversion.convert(TINY, root / "f32", "float32")
     conversion.convert(TINY, root / "bf16", "bfloat16")
     return root
