@@ -297,7 +297,8 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
     stream = None
     try:
         source = progress.loading(
-            job.spec.source, _bytes_to_read(job.spec.cfg, dtype, stage, job.mesh)
+            job.spec.source,
+            _bytes_to_read(job.spec.cfg, dtype, stage, job.mesh, args.expert_split),
         )
         engine = Engine(
             job.spec.cfg,
@@ -484,15 +485,17 @@ def _generate(engine, args, prompts, sampling, eos, stream):
         )
 
 
-def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
-    """Bytes this process reads (for the progress bar): the layers of its stages, and of
-    each split parameter its share of the `tensor` devices' rows; norms whole."""
+def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
+    """Bytes this process reads (the progress bar's total): the layers of its stages, of
+    each split parameter only the checkpoint rows behind its `tensor` devices' rows
+    (`TensorSplit.cut`, as the placement reads them), the rest whole."""
     import math
 
     import jax
     import numpy as np
 
     from qwen3_spmd.model.params import abstract_model, map_params
+    from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.sharding.plan import StagePlan
     from qwen3_spmd.sharding.specs import tensor_axis
 
@@ -502,18 +505,30 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh) -> int:
         s for s, row in enumerate(mesh.devices) if any(d.process_index == here for d in row.flat)
     }
     layers = sum(plan.counts[s] for s in mine)
-    tensor = {t for (_, _, t), d in np.ndenumerate(mesh.devices) if d.process_index == here}
-    share = len(tensor) / mesh.shape["tensor"]
+    X = mesh.shape["tensor"]
+    tensor = [t for (_, _, t), d in np.ndenumerate(mesh.devices) if d.process_index == here]
+    split = TensorSplit(X, experts)
+    placed = {}
+    map_params(
+        lambda path, x: placed.__setitem__(path, x.shape), abstract_model(cfg, dtype, split)[1]
+    )
     total = []
-    _, abstract = abstract_model(cfg, dtype)
 
     def add(path, x):
         size = math.prod(x.shape) * x.dtype.itemsize
         size = size // x.shape[0] * layers if path[0] == "layers" else size
-        total.append(size * share if tensor_axis(path) is not None else size)
+        axis = tensor_axis(path, experts)
+        if axis is not None:
+            n, rows = x.shape[axis], placed[path][axis] // X
+            cut = split.cut(
+                path, axis, n, placed[path][axis], min(tensor) * rows, (max(tensor) + 1) * rows
+            )
+            start, stop = cut.rows()
+            size = size * (stop - start) // n
+        total.append(size)
 
-    map_params(add, abstract)
-    return int(sum(total))
+    map_params(add, abstract_model(cfg, dtype)[1])
+    return sum(total)
 
 
 def _per_process(value: int, procs) -> list[int]:

@@ -3,8 +3,9 @@
 A host reads only what its devices hold: the layers of their stages and, when the
 `tensor` axis spans hosts, only their rows of each split axis (heads, columns,
 vocabulary, experts). Each device's shard is cut from those by a callback
-(`jax.make_array_from_callback`), so no host materialises more than its devices' share
-of a parameter. Identity slots of the stage plan are zeros.
+(`jax.make_array_from_callback`), so a host holds no more of a parameter than the rows
+its devices hold (orbax reads whole pieces: up to one more at each end of them).
+Identity slots of the stage plan are zeros.
 """
 
 from __future__ import annotations

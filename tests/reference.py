@@ -61,7 +61,8 @@ def right_padded(seqs, width: int | None = None):
 def split_parts(ckpt):
     """(path, layers, Part) for every axis of a checkpoint's parameters that `tensor`
     may split (under both expert splits): its first half, its last two thirds, all but
-    its first and last rows (where any are left); layer parameters of layers 3 and 1."""
+    its first and last rows (where any are left), none past its last (what a host
+    whose rows are all padding reads); layer parameters of layers 3 and 1."""
     from qwen3_spmd.model.params import Part
     from qwen3_spmd.model.split import EXPERT_SPLITS
     from qwen3_spmd.sharding.specs import tensor_axis
@@ -72,6 +73,6 @@ def split_parts(ckpt):
         shape = ckpt.read(path, np.float32, [0] if layers else None).shape
         for axis in sorted(axes):
             n = shape[axis]
-            for start, stop in ((0, n // 2), (n // 3, n), (1, n - 1)):
-                if start < stop:
+            for start, stop in ((0, n // 2), (n // 3, n), (1, n - 1), (n, n)):
+                if start < stop or start == n:
                     yield path, layers, Part(axis, start, stop)

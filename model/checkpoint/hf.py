@@ -98,7 +98,10 @@ class Entry:
             hf[1] //= n
             index[1] = slice(k * hf[1], (k + 1) * hf[1])
         if rows is not None:
-            j = next(j for j in range(len(hf)) if math.prod(hf[:j]) == math.prod(ours[:axis]))
+            # The last checkpoint axis with our axis's outer size before it (a leading
+            # size-1 axis, one expert, matches at two places: the later is ours).
+            before = math.prod(ours[:axis])
+            j = max(j for j in range(len(hf)) if math.prod(hf[:j]) == before)
             per_row = hf[j] // ours[axis]
             base = index[j].start or 0
             index[j] = slice(base + rows[0] * per_row, base + rows[1] * per_row)
@@ -443,7 +446,7 @@ class HFCheckpoint:
                         )
 
     def _read_tensor(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """Tensor `name`, or tensor[index] with only those bytes read from the file."""
+        """Tensor `name`, or tensor[index]: only those bytes copied out of the file."""
         with _opened(self.files[name]) as f:
             x = f.get_slice(name)[... if index is None else index]
         with self._lock:
@@ -462,7 +465,9 @@ class HFCheckpoint:
         Args:
           path: NNX state path, e.g. ("layers", "q_nhd").
           layers: for a stacked layer parameter, which layers (default all) -> [len, ...].
-          part: only these rows of one axis (the rest of the file is not read).
+          part: only these rows of one axis: only their bytes are copied out of the
+            files (`bytes_read` counts them); none at all for an empty part (a host whose
+            rows are all padding).
         """
         e = self.table.get(path)
         if e is None:
@@ -472,14 +477,17 @@ class HFCheckpoint:
         if part is not None:
             axis, rows = part.axis - e.stacked, (part.start, part.stop)
             shape[axis] = part.stop - part.start
+        ids = range(self.cfg.L) if layers is None else layers
+        nothing = rows is not None and rows[0] == rows[1]
         if not e.stacked:
+            if nothing:
+                return np.zeros(shape, dtype)
             x = self._read_tensor(e.hf, e.hf_index(self.cfg, axis, rows))
             return x.reshape(shape).astype(dtype)
-        ids = range(self.cfg.L) if layers is None else layers
         out = np.zeros((len(ids), *shape), dtype)
         for n, i in enumerate(ids):
-            if not e.holds(self.cfg, i):
-                continue  # the other MLP kind's parameter of a mixed config: zeros
+            if nothing or not e.holds(self.cfg, i):
+                continue  # an empty part, or the other MLP kind's parameter of a mixed config: zeros
             if not e.per_expert:
                 index = e.hf_index(self.cfg, axis, rows)
                 out[n] = self._read_tensor(e.names(self.cfg, i)[0], index).reshape(shape)

@@ -42,8 +42,8 @@ host (every host would then read every layer), and on the emulated CPU devices i
 was slower and held more memory than reading to host once and placing the blocks.
 
 How much each host reads: the bytes of the layers of the stages its devices belong
-to, of those only the pieces that hold its devices' rows of the split axes, plus the
-norms, once each (`bytes_read` counts the bytes read; a two-process test checks it
+to, of those only the pieces that hold its devices' rows of the split axes, plus what
+no axis splits (norms, the router, o_proj's bias), once each (`bytes_read` counts the bytes read; a two-process test checks it
 equals what the safetensors path reads, or is within a piece of it at each end of a
 host's rows). How much it holds beyond what it keeps: one parameter's layers for its
 stages, twice (the read arrays and the stacked copy), at the peak.
