@@ -487,17 +487,18 @@ def _generate(engine, args, prompts, sampling, eos, stream):
 
 def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
     """Bytes this process reads (the progress bar's total): the layers of its stages, of
-    each split parameter only the checkpoint rows behind its `tensor` devices' rows
-    (`TensorSplit.cut`, as the placement reads them), the rest whole."""
+    each split parameter only its rows (`sharding.place.host_cut`, as the placement
+    reads them), the rest whole."""
     import math
 
     import jax
-    import numpy as np
+    from jax.sharding import NamedSharding
 
     from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.model.split import TensorSplit
+    from qwen3_spmd.sharding.place import host_cut
     from qwen3_spmd.sharding.plan import StagePlan
-    from qwen3_spmd.sharding.specs import tensor_axis
+    from qwen3_spmd.sharding.specs import param_spec
 
     plan = StagePlan(cfg.L, stages)
     here = jax.process_index()
@@ -505,9 +506,7 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
         s for s, row in enumerate(mesh.devices) if any(d.process_index == here for d in row.flat)
     }
     layers = sum(plan.counts[s] for s in mine)
-    X = mesh.shape["tensor"]
-    tensor = [t for (_, _, t), d in np.ndenumerate(mesh.devices) if d.process_index == here]
-    split = TensorSplit(X, experts)
+    split = TensorSplit(mesh.shape["tensor"], experts)
     placed = {}
     map_params(
         lambda path, x: placed.__setitem__(path, x.shape), abstract_model(cfg, dtype, split)[1]
@@ -516,15 +515,13 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
 
     def add(path, x):
         size = math.prod(x.shape) * x.dtype.itemsize
-        size = size // x.shape[0] * layers if path[0] == "layers" else size
-        axis = tensor_axis(path, experts)
-        if axis is not None:
-            n, rows = x.shape[axis], placed[path][axis] // X
-            cut = split.cut(
-                path, axis, n, placed[path][axis], min(tensor) * rows, (max(tensor) + 1) * rows
-            )
-            start, stop = cut.rows()
-            size = size * (stop - start) // n
+        shape = placed[path]
+        if path[0] == "layers":
+            size, shape = size // x.shape[0] * layers, (stages, *shape[1:])
+        c = host_cut(path, NamedSharding(mesh, param_spec(path, experts)), shape, split, x.shape)
+        if c is not None:
+            start, stop = c.rows()
+            size = size * (stop - start) // c.n
         total.append(size)
 
     map_params(add, abstract_model(cfg, dtype)[1])

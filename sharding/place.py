@@ -39,6 +39,28 @@ class WeightSource(Protocol):
     ) -> np.ndarray: ...
 
 
+def host_cut(
+    path: tuple[str, ...],
+    sharding: NamedSharding,
+    shape: tuple[int, ...],
+    split: TensorSplit,
+    checkpoint: tuple[int, ...],
+) -> Cut | None:
+    """This process's rows of parameter `path`'s `tensor` axis, placed as `shape` under
+    `sharding`, and the rows of the `checkpoint` shape they come from (None: the
+    parameter has no `tensor` axis). What a host reads of it, here and in the load
+    bar's total (run.generate)."""
+    axis = tensor_axis(path, split.experts)
+    if axis is None:
+        return None
+    spans = [
+        index[axis].indices(shape[axis])[:2]
+        for index in sharding.addressable_devices_indices_map(shape).values()
+    ]
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return split.cut(path, axis, checkpoint[axis], shape[axis], lo, hi)
+
+
 def place_state(
     abstract_state: Any,
     plan: StagePlan,
@@ -85,16 +107,7 @@ def place_params(
     map_params(lambda path, x: sizes.__setitem__(path, x.shape), unsplit)
 
     def cut(path, sharding, shape) -> Cut | None:
-        """This host's rows of the parameter's `tensor` axis (None: it has none)."""
-        axis = tensor_axis(path, split.experts)
-        if axis is None:
-            return None
-        spans = [
-            index[axis].indices(shape[axis])[:2]
-            for index in sharding.addressable_devices_indices_map(shape).values()
-        ]
-        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-        return split.cut(path, axis, sizes[path][axis], shape[axis], lo, hi)
+        return host_cut(path, sharding, shape, split, sizes[path])
 
     def read(path, dtype, c: Cut | None, layers=None) -> np.ndarray:
         if c is None:

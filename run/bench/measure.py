@@ -151,14 +151,18 @@ def all_reduce_time(mesh, rows: int, count: int, width: int, dtype, repeats: int
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    scale = 1 / mesh.shape["tensor"]  # keeps the values where they started
+    X = mesh.shape["tensor"]
+
+    def reduce(_, a):
+        # Each device's [rows, width] block summed; scaled back and marked varying
+        # again, so every turn sums the same values as a layer's partial products.
+        return jax.lax.pcast(jax.lax.psum(a, "tensor") / X, ("tensor",), to="varying")
 
     def body(x):
-        return jax.lax.fori_loop(0, count, lambda _, a: jax.lax.psum(a, "tensor") * scale, x)
+        return jax.lax.fori_loop(0, count, reduce, x)
 
-    # check_vma off: the sum of a replicated block is what is timed, not its type.
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
-    x = jax.device_put(jnp.ones((rows, width), dtype), NamedSharding(mesh, P()))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor")))
+    x = jax.device_put(jnp.ones((X * rows, width), dtype), NamedSharding(mesh, P("tensor")))
     return spread(timed(lambda: fn(x).block_until_ready(), repeats, 1))
 
 
