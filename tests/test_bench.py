@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_spmd.model.config import PRESETS
-from qwen3_spmd.run.bench.report import add_ratios
+from qwen3_spmd.run.bench.report import add_ratios, print_table
 from qwen3_spmd.run.cli import main
 
 
@@ -87,6 +87,12 @@ def test_prefill_and_rooflines_on_2x2(capsys):
     assert two["prefill"][0]["idle_fraction"] == pytest.approx(0.5)  # M=1, S=2
     assert two["prefill"][0]["stage_bytes_per_token"] > 0
     assert two["prefill"][0]["ring_bytes_per_token"] > 0
+    # The table shows the measurements; the targets only when asked (--targets).
+    print_table(out)
+    text = capsys.readouterr().out
+    assert "prefill" in text and "compile_s_max" not in text
+    print_table(out, targets=True)
+    assert "compile_s_max" in capsys.readouterr().out
 
 
 def test_decode_on_1x1x2_times_its_all_reduces(capsys):
@@ -191,6 +197,7 @@ def test_table_and_plot(capsys, tmp_path):
                 "16",
                 "--plot",
                 str(plot),
+                "--targets",
             ]
         )
         == 0

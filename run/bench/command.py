@@ -173,6 +173,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
+        "--targets",
+        action="store_true",
+        help="also print the project's performance targets and whether this run met them "
+        "(the JSON always carries them)",
+    )
+    p.add_argument(
         "--plot",
         metavar="FILE.png",
         help="throughput against prompt length per mesh, and the pipeline timeline",
@@ -548,7 +554,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        print_table(report)
+        print_table(report, targets=args.targets)
     return 0
 
 
