@@ -41,7 +41,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # grouped kernel (it runs slower than computing every expert), so CPU loops over the
 # chosen experts for decode and over blocks of sorted rows for a prefill; other
 # platforms take the batched forms, unmeasured. The measurements: docs/benchmarks.md,
-# Qwen3-MoE (`python -m qwen3_spmd.run.moe_measure`).
+# Qwen3-MoE (`python tools/moe_measure.py`).
 DECODE = {"cpu": "looped"}
 PREFILL = {"cpu": "blocked"}
 # (row, expert) pairs per expert up to which the decode formulation runs: it reads

@@ -23,7 +23,8 @@ a comment that says what this file does with it:
 A block without one fails here, so no example is left unchecked by accident. Bash runs
 the bash blocks, with `qwen3-spmd` the package's script (pyproject's entry point) and
 `python` this interpreter; a Python block runs in a fresh `python`. Every `qwen3-spmd`
-command in a bash block, run or not, must parse, and every `python -m` module exist: a
+command in a bash block, run or not, must parse, and every `python -m` module and
+`python tools/...` script exist: a
 renamed flag or module fails even in an example that downloads.
 
 The examples run in subprocesses, two at a time beside one server, and the compiled
@@ -210,6 +211,8 @@ def test_commands_parse(block, capsys):
                 assert importlib.util.find_spec(words[i + 2]), (
                     f"{block.where}: no module {words[i + 2]}"
                 )
+            if w in ("python", "python3") and words[i + 1].startswith("tools/"):
+                assert (ROOT / words[i + 1]).is_file(), f"{block.where}: no script {words[i + 1]}"
         argv = _cli_argv(words)
         if argv is None:
             continue

@@ -1,6 +1,6 @@
 """A server's start, then a steady load on it: when does a request last wait on a compile?
 
-    python -m qwen3_spmd.run.bench.start --model 0.6B --dtype float32 --mesh 1x1 \\
+    python tools/serve_start.py --model 0.6B --dtype float32 --mesh 1x1 \\
         --max-seq-len 1024 --seconds 180 --json
 
 starts `qwen3-spmd serve` with those flags (a compile cache of its own: empty, so a cold

@@ -1,7 +1,7 @@
 """Times the expert formulations of model.moe on one sparse layer of a preset's widths,
 for the rows of a decode step and of a prefill, on this machine's default backend:
 
-    python -m qwen3_spmd.run.moe_measure --model 30B-A3B --rows 1,8,128,512
+    python tools/moe_measure.py --model 30B-A3B --rows 1,8,128,512
 
 Prints one line per (rows, formulation): median milliseconds over --repeat calls and
 the expert bytes the call must read (all E experts, or the distinct experts chosen).

@@ -1,5 +1,5 @@
 """How long a prompt fits a per-device memory budget, on one device and on C `seq`
-devices: `python -m qwen3_spmd.run.bench.capacity [--budget-mib 64] [--devices 8]`.
+devices: `python tools/capacity.py [--budget-mib 64] [--devices 8]`.
 
 For each mesh 1xC it compiles the prefill program at growing prompt lengths and reads
 XLA's per-device memory analysis (weights + KV cache + activations and temporaries),
@@ -22,7 +22,7 @@ from qwen3_spmd.run.flags import size_cpu_threads
 # One measurement read top to bottom: its flags, then per mesh the largest prompt that
 # compiles within the budget (bisection), then the table.
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwen3_spmd.run.bench.capacity")
+    p = argparse.ArgumentParser(prog="python tools/capacity.py")
     p.add_argument("--budget-mib", type=float, default=64.0)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--model", default="tiny")
