@@ -38,6 +38,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -172,6 +174,7 @@ class Scheduler:
         self.closed = False  # a follower saw process 0 close
         self.failure: Exception | None = None  # what ended the background loop
         self._compiler: threading.Thread | None = None  # compile_later's
+        self.compiles_left = 0  # shapes compile_later has still to compile
         self._stop_compiling = threading.Event()
         self._compiled: set[Shape] = set()  # shapes compiled, or run by a round
 
@@ -244,6 +247,7 @@ class Scheduler:
         own. close() stops it after the shape it is at."""
 
         def work():
+            lowest_cpu_priority()
             t0, errors, n = time.perf_counter(), [], 0
             for shape in shapes:
                 if self._stop_compiling.is_set():
@@ -253,12 +257,15 @@ class Scheduler:
                 except Exception as e:  # the round that meets it raises it again
                     errors.append(f"{shape}: {e}")
                 n += 1
+                self.compiles_left -= 1
+            self.compiles_left = 0
             self.planner.ready = lambda shape: True
             if on_done is not None:
                 on_done(n, time.perf_counter() - t0, errors)
 
         # Meanwhile rounds take compiled shapes that do the same work where they can.
         self.planner.ready = self._compiled.__contains__
+        self.compiles_left = len(shapes)
         self._stop_compiling.clear()
         self._compiler = threading.Thread(target=work, name="compile-later", daemon=True)
         self._compiler.start()
@@ -482,3 +489,16 @@ class Scheduler:
         """Rounds until no request is left (without a background thread)."""
         while not self.idle:
             self.step()
+
+
+def lowest_cpu_priority() -> None:
+    """Lowers the calling thread to the lowest CPU priority a thread can have (on Linux a
+    thread's own nice value, 19; the threads it starts, XLA's compile threads among them,
+    inherit it), so a background compile takes only the cycles the rounds leave idle
+    instead of half the cores they need. Elsewhere setpriority acts on the whole process
+    (the rounds too), so nothing changes there."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # a sandbox that refuses it: compile at the usual priority
+            pass

@@ -137,6 +137,7 @@ def test_metrics_move_by_exactly_the_load(serve, engine):
     compiled = len(engine[1].programs.compiled)
     assert after[(P + "engine_compiles_total", ())] == compiled > 0
     assert not math.isnan(after[(P + "engine_compile_wait_seconds_total", ())])
+    assert after[(P + "engine_compiles_left", ())] == 0  # no background compiles here
 
 
 def test_a_repeated_chat_reports_its_cached_tokens_and_the_metrics_count_them(serve, engine):

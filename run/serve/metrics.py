@@ -119,6 +119,11 @@ class _Now:
             "Programs compiled (prefill and decode shapes; the background's included).",
             len(scheduler.engine.programs.compiled),
         )
+        yield gauge(
+            "engine_compiles_left",
+            "Program shapes the background has still to compile after start-up.",
+            scheduler.compiles_left,
+        )
         yield counter(
             "engine_compile_wait_seconds",
             "Seconds rounds waited for a compile.",
