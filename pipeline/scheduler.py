@@ -38,8 +38,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -247,7 +245,6 @@ class Scheduler:
         own. close() stops it after the shape it is at."""
 
         def work():
-            lowest_cpu_priority()
             t0, errors, n = time.perf_counter(), [], 0
             for shape in shapes:
                 if self._stop_compiling.is_set():
@@ -489,16 +486,3 @@ class Scheduler:
         """Rounds until no request is left (without a background thread)."""
         while not self.idle:
             self.step()
-
-
-def lowest_cpu_priority() -> None:
-    """Lowers the calling thread to the lowest CPU priority a thread can have (on Linux a
-    thread's own nice value, 19; the threads it starts, XLA's compile threads among them,
-    inherit it), so a background compile takes only the cycles the rounds leave idle
-    instead of half the cores they need. Elsewhere setpriority acts on the whole process
-    (the rounds too), so nothing changes there."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # a sandbox that refuses it: compile at the usual priority
-            pass
