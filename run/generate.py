@@ -12,7 +12,6 @@ import dataclasses
 import json
 import sys
 
-from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.flags import (
     CLIError,
@@ -572,6 +571,8 @@ class _DoneStreamer:
     id, or --max-new-tokens), in the order they finish."""
 
     def __init__(self, text, progress, prompts, max_new_tokens: int, eos):
+        from qwen3_spmd.pipeline.handles import Params
+
         self.text, self.progress, self.prompts = text, progress, prompts
         self.params = Params(max_new_tokens, eos_ids=tuple(eos))
         self.printed: set[int] = set()

@@ -14,6 +14,7 @@ from reference import FIXTURES
 from qwen3_spmd.run.cli import main
 
 ROOT = Path(__file__).parent.parent
+COMMANDS = ("generate", "serve", "bench", "convert", "plan", "ring")
 
 
 def run_json(capsys, *argv) -> dict:
@@ -129,6 +130,51 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, words):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+# One child runs every line: (argv, exit status, words its output holds). The unknown
+# flag's line names the nearest real flag and the subcommand's help, not the top level's.
+ANSWERED_AT_ONCE = [
+    (["--help"], 0, "generate"),
+    *(([c, "--help"], 0, "usage: qwen3-spmd " + c) for c in COMMANDS),
+    (
+        ["generate", "--max-new-tokns", "4"],
+        2,
+        "did you mean --max-new-tokens? (see qwen3-spmd generate --help)",
+    ),
+    (["serve", "--max-batch", "0"], 2, "--max-batch 0 must be at least 1"),
+    (["bench", "--cp", "rung"], 2, "invalid choice"),
+]
+
+
+def test_help_and_flag_errors_answer_before_jax_loads():
+    """`--help`, each subcommand's, and flag errors come before JAX is imported (which
+    takes seconds): measured in a fresh process by what it imported, not by a clock."""
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from qwen3_spmd.run.cli import main\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    text = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):\n"
+        "        code = main(argv)\n"
+        "    out.append([code, text.getvalue()])\n"
+        "print(json.dumps({'runs': out, 'loaded': [m for m in ('jax', 'flax') if m in sys.modules]}))\n"
+    )
+    argvs = [argv for argv, _, _ in ANSWERED_AT_ONCE]
+    child = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    for (argv, code, words), (got, text) in zip(ANSWERED_AT_ONCE, result["runs"]):
+        assert (got, words in text) == (code, True), (argv, text)
+    assert result["loaded"] == []
 
 
 def test_folder_without_config(capsys, tmp_path):

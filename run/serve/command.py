@@ -145,12 +145,12 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from qwen3_spmd.sharding.mesh import parse_mesh
-
+    _check_flags(args)  # before JAX loads: a wrong value is answered at once
     status = distributed.supervise(args)  # a multi-process run: re-run as a child
     if status is not None:
         return status
-    _check_flags(args)
+    from qwen3_spmd.sharding.mesh import parse_mesh
+
     on_cpu = platform_is_cpu()
     mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
     shape = parse_mesh(mesh_text)
