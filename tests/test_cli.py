@@ -111,6 +111,13 @@ def test_chat_prompt_uses_template(capsys):
         (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
         (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
         (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
+        # docs/parallelism.md's Ulysses example, as printed there
+        (
+            ["--model", "0.6B", "--prompt-ids", "1,2,3", "--mesh", "1x3", "--cp", "ulysses"],
+            "error: ulysses: 16 query heads cannot be shared equally by 3 seq devices; use "
+            "--cp ring, or a seq size that divides 16 (1, 2, 4, 8, 16)",
+        ),
+        (["--prompt-ids", "1,2", "--mesh", "2x2", "-tp", "2"], "--tensor-parallel-size says 2"),
         (["--model", "tiny", "--prompt", "hello"], "tokenizer"),  # a preset: ids only
         (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
         (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
@@ -143,6 +150,8 @@ ANSWERED_AT_ONCE = [
         "did you mean --max-new-tokens? (see qwen3-spmd generate --help)",
     ),
     (["serve", "--max-batch", "0"], 2, "--max-batch 0 must be at least 1"),
+    (["serve", "--max-num-seqs", "0"], 2, "--max-batch 0 must be at least 1"),  # vLLM's name
+    (["generate", "--max-model-lenn", "9"], 2, "did you mean --max-model-len?"),
     (["bench", "--cp", "rung"], 2, "invalid choice"),
 ]
 
