@@ -1,4 +1,5 @@
-"""qwen3-spmd: Qwen3 inference in JAX as one SPMD program over a (stage, seq) mesh.
+"""qwen3-spmd: Qwen3 inference in JAX as one SPMD program over a (stage, seq, tensor)
+mesh: pipeline, context (ring and Ulysses) and tensor (and expert) parallelism.
 
 The repository root is this package (see pyproject's `package-dir`): `qwen3_spmd.model`
 (the Flax model and checkpoint IO), `.sharding` (mesh and placement), `.pipeline` (the

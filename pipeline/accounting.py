@@ -1,9 +1,9 @@
 """Traffic and memory accounting for the JSON report.
 
-bytes_between_stages counts hidden-state bytes of real tokens crossing stage
-boundaries at 2 bytes per element (what a bfloat16 deployment moves, whatever the
-compute dtype); bytes_sent counts what the compiled programs move between stages:
-every tick's payload, padding and bubbles included, at the compute dtype.
+bytes_between_stages counts the hidden-state bytes of real tokens crossing stage
+boundaries, at the run's dtype (4 bytes a value in float32, 2 in bfloat16); bytes_sent
+counts what the compiled programs move between stages: every tick's payload, padding
+and bubbles included, at the same dtype.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decode: round-robin groups along `stage`, sharded-KV attention along `seq`.
 
-One `shard_map` over the whole ('stage', 'seq') mesh runs a chunk of decode steps for
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh runs a chunk of decode steps for
 every request. The batch is cut into `groups` groups of B / groups requests. At tick t
 stage s runs group (t - s) mod period, when that is a group (`pipeline.schedule`: the
 period is max(groups, stages)). Per tick, one cyclic `ppermute` along `stage` carries
@@ -91,8 +91,9 @@ class DecodeCarry(NamedTuple):
     out: DecodeOutputs  # filled by the last stage
 
 
-# One shard_map program, read top to bottom as DESIGN.md's decode schedule: the tick
-# closure shares the group sizes, the slot placement and the sampling set up here.
+# One shard_map program, read top to bottom as the decode schedule of the module's
+# docstring: the tick closure shares the group sizes, the slot placement and the
+# sampling set up here.
 def build_decode(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,

@@ -1,6 +1,6 @@
 """The generate engine: one code path for every mesh shape, 1x1 included.
 
-`Engine` places the weights on a ('stage', 'seq') mesh once and runs the programs
+`Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the programs
 (prefill, decode chunk, in-place K/V inserts and row moves), each compiled once per
 shape. `generate` checks a static batch of prompts up front and runs it through the
 same executor and row book as continuous batching (`pipeline.executor`): one prefill
@@ -181,9 +181,18 @@ class Engine:
 
     # ---- checks and sizes ----------------------------------------------------------
 
-    def check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        """Every precondition of a request, in words, before anything compiles."""
-        check_request(self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens)
+    def check(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        min_tokens: int = 0,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        """Every precondition of a request, in words, before anything compiles
+        (`requests.check_request` on this engine's model and cache)."""
+        check_request(
+            self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids
+        )
 
     def groups_for(self, n: int) -> int:
         """Decode groups for n requests."""

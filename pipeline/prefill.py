@@ -1,6 +1,6 @@
 """Prefill: GPipe over microbatches along `stage`, ring or Ulysses attention along `seq`.
 
-One `shard_map` over the whole ('stage', 'seq') mesh. The batch is cut into M
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh. The batch is cut into M
 microbatches of B / M requests; at tick t (M + stages - 1 ticks) stage s runs
 microbatch t - s (see pipeline.schedule):
 
@@ -79,8 +79,9 @@ class PrefillCarry(NamedTuple):
     #                    this device's block of the vocabulary, model.split)
 
 
-# One shard_map program, read top to bottom as DESIGN.md's prefill schedule: its
-# closures (the tick, the microbatch slicing) share the mesh sizes and specs set here.
+# One shard_map program, read top to bottom as the prefill schedule of the module's
+# docstring: its closures (the tick, the microbatch slicing) share the mesh sizes and
+# specs set here.
 def build_prefill(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,

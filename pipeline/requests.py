@@ -26,12 +26,27 @@ class RequestError(ValueError):
         self.param = params[0] if params else None
         super().__init__(self.spelled({}))
 
+    def at_prompt(self, index: int) -> RequestError:
+        """This refusal of a prompt checked alone ("prompt 0 ...") said of prompt `index`
+        of the caller's batch."""
+        template = self.template.replace("prompt 0 ", f"prompt {index} ", 1)
+        return type(self)(template, *self.params)
+
     def spelled(self, names: Mapping[str, str]) -> str:
         """The message with each parameter named as `names` has it (else as the API)."""
         if not self.params:
             return self.template
         names = {p: names.get(p, p) for p in self.params}
         return string.Template(self.template).safe_substitute(names)
+
+
+SEEDS = 2**31  # a request's seed is taken modulo this: the sampling key's int32 seed
+
+
+def key_seed(seed: int) -> int:
+    """The sampling key's seed of a request's `seed`. Every door takes any integer (as
+    vLLM and the OpenAI API do, whose clients send 64-bit seeds) and wraps it here."""
+    return int(seed) % SEEDS
 
 
 @dataclasses.dataclass
@@ -41,11 +56,22 @@ class Completion:
     finish_reason: str  # "stop" (an EOS id was produced, and kept) or "length"
 
 
+MAX_BANNED = 8  # end ids a request may hold back with min_tokens (a row's [MAX_BANNED] ban)
+
+
 def check_request(
-    cfg: Qwen3Config, seq: int, max_seq_len: int, prompts: list[list[int]], max_new_tokens: int
+    cfg: Qwen3Config,
+    seq: int,
+    max_seq_len: int,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    min_tokens: int = 0,
+    eos_ids: tuple[int, ...] = (),
 ) -> None:
     """Every precondition of a request on C = seq devices, in words; needs no weights, so
-    a caller can check before loading them."""
+    a caller can check before loading them. The one check of a request: every door
+    calls it (through `Engine.check`) and says the parameters it names in its terms
+    (RequestError.spelled)."""
     if not prompts:
         raise RequestError("no prompt given: pass at least one", "prompts")
     if max_new_tokens < 1:
@@ -70,10 +96,20 @@ def check_request(
         if total > max_seq_len:
             raise RequestError(
                 f"prompt {n} ({len(p)} tokens) + $max_new_tokens {max_new_tokens} = {total} "
-                f"exceeds $max_seq_len {max_seq_len}: raise $max_seq_len to {total}",
+                f"exceeds $max_seq_len {max_seq_len}: shorten the prompt or lower "
+                f"$max_new_tokens (or raise $max_seq_len to {total})",
                 "max_seq_len",
                 "max_new_tokens",
             )
+    if not 0 <= min_tokens < 2**31:  # a row's ban ends at an int32 step
+        raise RequestError(f"$min_tokens {min_tokens} must be in [0, 2**31)", "min_tokens")
+    if min_tokens and len(eos_ids) > MAX_BANNED:
+        raise RequestError(
+            f"$min_tokens holds back at most {MAX_BANNED} end ids, and this request has "
+            f"{len(eos_ids)}: pass fewer $eos_ids",
+            "eos_ids",
+            "min_tokens",
+        )
     longest = max(len(p) for p in prompts)
     slots = math.ceil(max_seq_len / seq)
     need = slots_per_device(longest, max_new_tokens, seq)

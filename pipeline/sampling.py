@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.split import TensorSplit
-from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.requests import MAX_BANNED, RequestError
 
 
 class SamplingError(RequestError):
@@ -63,7 +63,6 @@ def greedy(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1).astype(jnp.int32)
 
 
-MAX_BANNED = 8  # ids a row may ban until a step (min_tokens: its EOS and stop ids)
 TOP_LOGPROBS = 5  # top log-probabilities reported per token, when asked
 
 
@@ -96,14 +95,7 @@ class RowSampling(NamedTuple):
     def stack(cls, rows: list[tuple]) -> RowSampling:
         """Host arrays from (sampling, seed, request[, Ban]) for each row."""
         bans = [Ban(*r[3]) if len(r) > 3 else Ban() for r in rows]
-        for ban in bans:
-            if len(ban.ids) > MAX_BANNED and ban.until > 0:
-                raise SamplingError(
-                    f"$min_tokens holds back at most {MAX_BANNED} end ids, and this request "
-                    f"has {len(ban.ids)}: pass fewer $eos_ids",
-                    "min_tokens",
-                    "eos_ids",
-                )
+        # A ban of more ids than MAX_BANNED was refused by requests.check_request.
         ids = np.full((len(rows), MAX_BANNED), -1, np.int32)
         for b, ban in enumerate(bans):
             ids[b, : len(ban.ids)] = ban.ids[:MAX_BANNED]

@@ -50,8 +50,7 @@ from qwen3_spmd.pipeline.planner import Accounting, Planner, Round
 from qwen3_spmd.pipeline.prefix import PrefixBook
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.rowbook import RowBook, Update, row_sampling
-from qwen3_spmd.pipeline.sampling import RowSampling
+from qwen3_spmd.pipeline.rowbook import RowBook, Update
 from qwen3_spmd.pipeline.shapes import CopyShape, DecodeShape, PrefillShape, Shape, ShapeRules
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
@@ -305,12 +304,7 @@ class Scheduler:
         if self.failure is not None:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
-        self.engine.check([list(prompt)], params.max_new_tokens)
-        if not 0 <= params.min_tokens < 2**31:  # a row's ban ends at an int32 step
-            raise RequestError(
-                f"$min_tokens {params.min_tokens} must be in [0, 2**31)", "min_tokens"
-            )
-        RowSampling.stack([row_sampling(Request(0, prompt, params))])  # the ban's end ids fit
+        self.engine.check([list(prompt)], params.max_new_tokens, params.min_tokens, params.eos_ids)
         with self._lock:
             if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(

@@ -3,8 +3,9 @@ with the same model, mesh, dtype and shapes as an earlier one reads its programs
 instead of compiling them (JAX's persistent cache; its key covers the program, the
 devices, the compile options and the JAX/XLA versions, so a change of any recompiles).
 
-Tracing still runs on a hit (the key is the traced program); XLA's compiling does not
-(CHANGELOG.md, 2026-11-30 08:10, has the measured times).
+Tracing still runs on a hit (the key is the traced program); XLA's compiling does not,
+which is most of a short run's start (0.6B, an 8-token prompt: 9.2 s -> 1.8 s on 1x1,
+7.7 s -> 2.3 s on 2x2, the same tokens).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`generate`: prompts in, tokens (and text) out, on any (stage, seq) mesh.
+"""`generate`: prompts in, tokens (and text) out, on any (stage, seq, tensor) mesh.
 
 Without --model it runs the built-in demo (the `tiny` preset's layers with Qwen3's
 vocabulary and tokenizer, seeded random weights) on an emulated 2x2 CPU mesh and says
@@ -12,22 +12,8 @@ import dataclasses
 import json
 import sys
 
-from qwen3_spmd.pipeline.handles import Params
-from qwen3_spmd.run import compile_cache, distributed
-from qwen3_spmd.run.flags import (
-    CLIError,
-    add_dtype,
-    add_expert_split,
-    add_model,
-    check_output_file,
-    check_output_folder,
-    dtype_name,
-    int_list,
-    local_cpu_devices,
-    mesh_devices,
-    platform_is_cpu,
-    use_cpu_devices,
-)
+from qwen3_spmd.run.engine_args import EngineArgs
+from qwen3_spmd.run.flags import CLIError, check_output_file, check_output_folder, int_list
 
 DEMO_PROMPTS = ["The river flows", "Why is the sky blue?"]
 
@@ -35,7 +21,7 @@ DEMO_PROMPTS = ["The river flows", "Why is the sky blue?"]
 # Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate tokens for prompts on a device mesh")
-    add_model(
+    EngineArgs.add_cli_args(
         p,
         "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
         "on first use), or a preset name (tiny, 0.6B, ..., 32B) with random weights; "
@@ -71,37 +57,12 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    add_dtype(p)
     p.add_argument(
-        "--max-seq-len",
+        "--seed",
         type=int,
-        help="KV cache capacity per request (default: just enough for the request)",
+        default=0,
+        help="sampling seed, any integer, taken modulo 2**31; a preset's weights' too (default 0)",
     )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        help="SxC or SxCxX: S pipeline stages x C sequence devices x X tensor devices "
-        "(default: 1x1, but 2x2 emulated CPU devices on a CPU without --model or with "
-        "several processes)",
-    )
-    p.add_argument(
-        "--cpu-devices",
-        type=int,
-        help="emulate this many CPU devices (default on CPU: S*C*X of --mesh)",
-    )
-    p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
-    p.add_argument(
-        "--cp",
-        default="ring",
-        choices=("ring", "ulysses", "auto"),
-        help="how prefill splits attention along seq: ring (K/V blocks around "
-        "the ring), ulysses (all-to-all to a head split; seq must divide the "
-        "query heads) or auto (the cost model's pick); default ring",
-    )
-    add_expert_split(p)
-    p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
-    p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
     p.add_argument(
         "--check",
         action="store_true",
@@ -119,8 +80,6 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="write a JAX profiler trace of the generate run into DIR (TensorBoard, Perfetto)",
     )
-    compile_cache.add_argument(p)
-    distributed.add_flags(p)
     p.set_defaults(func=main)
 
 
@@ -141,33 +100,8 @@ def _prompts(args, text) -> list[list[int]]:
 
 
 def main(args) -> int:
-    status = distributed.supervise(args)  # a multi-process run: re-run as a child
-    if status is not None:
-        return status
-    from qwen3_spmd.sharding.mesh import parse_mesh
-
-    on_cpu = platform_is_cpu()
-    # Emulated devices are for the demo and tests: a real checkpoint runs on the real ones.
-    demo_mesh = on_cpu and (args.model is None or args.num_processes is not None)
-    mesh_text = args.mesh or ("2x2" if demo_mesh else "1x1")
-    shape = parse_mesh(mesh_text)
-    distributed.check_flags(args)
-    if on_cpu and args.num_processes is not None:  # the numbers agree before anyone waits
-        local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, args.num_processes)
-    procs = distributed.start(args)  # before anything touches a JAX backend
-    try:
-        if on_cpu:
-            use_cpu_devices(
-                local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, procs.count)
-            )
-        elif args.cpu_devices is not None:
-            raise CLIError(
-                "--cpu-devices emulates CPU devices, but this run is on an "
-                "accelerator: leave it out (or set JAX_PLATFORMS=cpu)"
-            )
-        return _run(args, procs, mesh_text, shape, compile_cache.use(args.compile_cache))
-    finally:
-        distributed.finish(procs)
+    engine_args = EngineArgs.from_cli(args, weights_seed=args.seed)
+    return engine_args.launch(args, lambda runtime: _run(args, engine_args, runtime))
 
 
 @dataclasses.dataclass
@@ -186,16 +120,17 @@ class _Job:
     unused_devices: int  # devices this process sees that the mesh leaves out
 
 
-def _run(args, procs, mesh_text: str, shape, cache) -> int:
+def _run(args, engine_args: EngineArgs, runtime) -> int:
     """Checks the job, loads and generates (a progress bar meanwhile), then reports."""
-    job = _job(args, procs, mesh_text, shape)
+    procs = runtime.procs
+    job = _job(args, engine_args, runtime)
     show = procs.leader  # only process 0 prints results; the others stay quiet
-    out, engine, stream = _load_and_generate(args, job, procs, show)
-    report = _report(args, job, engine, out, procs, cache)
+    out, engine, stream = _load_and_generate(args, engine_args, job, procs, show)
+    report = _report(args, job, engine, out, procs, runtime.cache)
     if not show:
         return 0
     if args.check:
-        report.update(_check_single_device(args, job, out))
+        report.update(_check_single_device(args, engine_args, job, out))
     if args.logits_out:
         _write_logits(args.logits_out, out.first_logits)
     if args.json:
@@ -216,22 +151,18 @@ def _run(args, procs, mesh_text: str, shape, cache) -> int:
 
 # Every check of generate's flags before anything loads, in the order a user meets
 # them; each failure is one CLIError line.
-def _job(args, procs, mesh_text: str, shape) -> _Job:
+def _job(args, engine_args: EngineArgs, runtime) -> _Job:
     import jax
 
     from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
     from qwen3_spmd.pipeline.sampling import Sampling
-    from qwen3_spmd.run.models import demo_model, open_model
-    from qwen3_spmd.sharding.mesh import make_mesh
 
-    dtype = dtype_name(args.dtype)
+    procs, shape = runtime.procs, runtime.shape
+    dtype = engine_args.dtype_name()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.model is None:  # the demo
-        spec = demo_model(args.seed, args.revision)
-    else:
-        spec = open_model(args.model, args.seed, args.revision)
+    spec = engine_args.open_model()
     text = spec.text()
     prompts = _prompts(args, text)
     demo = args.model is None and not prompts
@@ -248,17 +179,12 @@ def _job(args, procs, mesh_text: str, shape) -> _Job:
     seq = shape.seq
     split = TensorSplit(shape.tensor, args.expert_split)
     split.check(spec.cfg)
-    devices = mesh_devices(shape.devices, procs, mesh_text)
-    mesh = make_mesh(shape.stage, seq, devices, tensor=shape.tensor)
-    if args.max_seq_len is not None and args.max_seq_len < 1:
-        raise CLIError(f"--max-seq-len {args.max_seq_len} must be positive")
+    mesh = runtime.mesh()
     if args.check and procs.many:
         raise CLIError(
             "--check reruns the requests on one device of one process, which a "
             "multi-process job cannot wait for: compare with a one-process run instead"
         )
-    if not 0 <= args.seed < 2**31:
-        raise CLIError(f"--seed {args.seed} must be in [0, 2**31)")
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
@@ -279,16 +205,15 @@ def _job(args, procs, mesh_text: str, shape) -> _Job:
         max_seq_len=max_seq_len,
         eos=spec.eos_ids(),
         mesh=mesh,
-        unused_devices=len(jax.devices()) - len(devices),
+        unused_devices=len(jax.devices()) - mesh.devices.size,
     )
 
 
-def _load_and_generate(args, job: _Job, procs, show: bool):
+def _load_and_generate(args, engine_args: EngineArgs, job: _Job, procs, show: bool):
     """(Generation, Engine, the streamer or None): loads the weights onto the mesh and
     generates, streaming text when a person reads it."""
     import jax.numpy as jnp
 
-    from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.run.progress import Progress
 
     dtype = jnp.dtype(job.dtype_name)
@@ -300,18 +225,8 @@ def _load_and_generate(args, job: _Job, procs, show: bool):
             job.spec.source,
             _bytes_to_read(job.spec.cfg, dtype, stage, job.mesh, args.expert_split),
         )
-        engine = Engine(
-            job.spec.cfg,
-            source,
-            job.mesh,
-            dtype=dtype,
-            max_seq_len=job.max_seq_len,
-            microbatches=args.microbatches,
-            groups=args.groups,
-            chunk=args.chunk,
-            on_compile=progress.compiling,
-            cp=args.cp,
-            experts=args.expert_split,
+        engine = engine_args.engine(
+            job.spec.cfg, source, job.mesh, job.max_seq_len, on_compile=progress.compiling
         )
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
@@ -403,26 +318,25 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     }
 
 
-def _check_single_device(args, job: _Job, out) -> dict:
+def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
     """--check: the same requests on one device; do the tokens and logits agree?"""
     import jax
-    import jax.numpy as jnp
 
     from qwen3_spmd.pipeline import accounting
-    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.requests import key_seed
     from qwen3_spmd.sharding.mesh import make_mesh
 
-    single = Engine(
-        job.spec.cfg,
-        job.spec.source,
-        make_mesh(1, 1, jax.local_devices()[:1]),
-        dtype=jnp.dtype(job.dtype_name),
-        max_seq_len=job.max_seq_len,
-        groups=1,
-        chunk=args.chunk,
+    # The same settings on one device: one microbatch and group, ring (nothing to split).
+    one = dataclasses.replace(engine_args, microbatches=1, groups=1, cp="ring")
+    single = one.engine(
+        job.spec.cfg, job.spec.source, make_mesh(1, 1, jax.local_devices()[:1]), job.max_seq_len
     )
     ref = single.generate(
-        job.prompts, args.max_new_tokens, sampling=job.sampling, seed=args.seed, eos_ids=job.eos
+        job.prompts,
+        args.max_new_tokens,
+        sampling=job.sampling,
+        seed=key_seed(args.seed),
+        eos_ids=job.eos,
     )
     return {
         "matches_single_device": all(
@@ -470,6 +384,8 @@ def _generate(engine, args, prompts, sampling, eos, stream):
 
     import jax
 
+    from qwen3_spmd.pipeline.requests import key_seed
+
     # Per-step logits only when something reads them (--logits-out, --check).
     with_logits = bool(args.logits_out or args.check)
     profile = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
@@ -478,7 +394,7 @@ def _generate(engine, args, prompts, sampling, eos, stream):
             prompts,
             args.max_new_tokens,
             sampling=sampling,
-            seed=args.seed,
+            seed=key_seed(args.seed),
             eos_ids=eos,
             on_tokens=stream,
             with_logits=with_logits,
@@ -572,6 +488,8 @@ class _DoneStreamer:
     id, or --max-new-tokens), in the order they finish."""
 
     def __init__(self, text, progress, prompts, max_new_tokens: int, eos):
+        from qwen3_spmd.pipeline.handles import Params
+
         self.text, self.progress, self.prompts = text, progress, prompts
         self.params = Params(max_new_tokens, eos_ids=tuple(eos))
         self.printed: set[int] = set()

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import numbers
 import re
 import string
 
 from qwen3_spmd.pipeline.handles import Handle, Params
-from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.requests import RequestError, key_seed
 from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.run.engine_args import EngineArgs
+from qwen3_spmd.run.flags import CLIError
 
 __all__ = ["LLM", "Output", "SamplingParams"]
 
@@ -37,13 +40,18 @@ _NAMES = {"max_new_tokens": "max_tokens"}
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks besides its prompt (vLLM's names).
+    """What a request asks besides its prompt: vLLM's names, and vLLM's defaults but two.
 
-    max_tokens counts every generated token. temperature 0 is greedy; top_k 0 and top_p
-    1 are off. Sampled tokens depend on (seed, the prompt's index in its `generate`
-    call, step) only. A request stops at the model's EOS ids (unless ignore_eos) or at
-    stop_token_ids, keeping that id as its last token; not before min_tokens tokens.
-    skip_special_tokens leaves special tokens (<|im_end|>, ...) out of `Output.text`.
+    max_tokens counts every generated token. temperature 0 is greedy; top_k 0 (or -1)
+    and top_p 1 are off. Sampled tokens depend on (seed, the prompt's index in its
+    `generate` call, step) only; a seed is any integer, taken modulo 2**31 (as by every
+    door: pipeline.requests.key_seed). A request stops at the model's EOS ids (unless
+    ignore_eos) or at stop_token_ids, keeping that id as its last token; not before
+    min_tokens tokens. skip_special_tokens leaves special tokens (<|im_end|>, ...) out
+    of `Output.text`.
+
+    Where vLLM differs: temperature 0.0 here, 1.0 there; seed 0 here, None (a fresh one
+    each request) there. So a call that names neither repeats its tokens.
     """
 
     max_tokens: int = 16
@@ -59,8 +67,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise RequestError(f"$max_tokens {self.max_tokens} must be at least 1", "max_tokens")
-        if not 0 <= self.seed < 2**31:
-            raise RequestError(f"$seed {self.seed} must be in [0, 2**31)", "seed")
+        if self.top_k == -1:  # vLLM's older spelling of off
+            object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         Sampling(self.temperature, self.top_k, self.top_p)  # its range checks, now
 
@@ -70,7 +78,7 @@ class SamplingParams:
         return Params(
             max_new_tokens=self.max_tokens,
             sampling=Sampling(self.temperature, self.top_k, self.top_p),
-            seed=self.seed,
+            seed=key_seed(self.seed),
             eos_ids=tuple(dict.fromkeys(stop)),
             min_tokens=self.min_tokens,
         )
@@ -94,60 +102,34 @@ class LLM:
 
     Args:
       model: a Hugging Face checkpoint folder, an orbax folder written by `qwen3-spmd
-        convert`, or a preset name (tiny, 0.6B, ..., 32B: seeded random weights);
-        None is the tiny preset. Text needs the folder's tokenizer.json.
+        convert`, a hub id, or a preset name (tiny, 0.6B, ..., 32B: seeded random
+        weights); None: the demo (the tiny preset's layers with Qwen3's tokenizer). Text
+        needs the folder's tokenizer.json.
       mesh: "SxC" or "SxCxX" (S pipeline stages x C sequence devices x X tensor
-        devices), or a jax Mesh with axes ('stage', 'seq', 'tensor'). On CPU, a mesh of several devices is emulated when JAX has
-        not started yet (else JAX must already see them).
-      dtype: "float32" or "bfloat16" (default: float32 on CPU, bfloat16 elsewhere).
-      max_seq_len: KV cache capacity per request (prompt + max_tokens).
-      max_batch: decode rows: requests decoded at once (more wait for a row).
-      weights_seed: the random weights' seed for a preset.
-      chunk, microbatches, cp, experts: as `pipeline.engine.Engine`'s.
+        devices), or a jax Mesh with axes ('stage', 'seq', 'tensor'). On CPU, a mesh of
+        several devices is emulated when JAX has not started yet (else JAX must already
+        see them).
+      **settings: any other field of `run.engine_args.EngineArgs` (dtype, max_seq_len,
+        max_batch, chunk, microbatches, cp, expert_split, weights_seed, prefill_tokens,
+        enable_prefix_caching, compile_cache, ...), with the default and meaning it has
+        for every door; vLLM's names too (max_model_len, max_num_seqs,
+        max_num_batched_tokens, tensor_parallel_size, pipeline_parallel_size).
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        mesh="1x1",
-        dtype=None,
-        max_seq_len: int = 2048,
-        max_batch: int = 8,
-        weights_seed: int = 0,
-        chunk: int = 16,
-        microbatches: int = 1,
-        cp: str = "ring",
-        experts: str = "tp",
-    ):
-        import jax.numpy as jnp
+    def __init__(self, model: str | None = None, mesh=None, **settings):
+        from jax.sharding import Mesh
 
-        from qwen3_spmd.pipeline.engine import Engine
-        from qwen3_spmd.pipeline.scheduler import Scheduler
-        from qwen3_spmd.run.flags import DTYPES, dtype_name
-        from qwen3_spmd.run.models import open_model
+        from qwen3_spmd.sharding.mesh import MeshShape
 
+        given = mesh if isinstance(mesh, Mesh) else None
+        text = str(MeshShape(*given.devices.shape)) if given is not None else mesh
+        args = engine_args(model=model, mesh=text, **settings)
         with _as_arguments():
-            self.spec = open_model(model, weights_seed)
-            self.mesh = _mesh(mesh)
-        name = dtype_name(None) if dtype is None else jnp.dtype(dtype).name
-        if name not in DTYPES:
-            raise RequestError(
-                f"$dtype {name} is not supported: use {' or '.join(DTYPES)}", "dtype"
-            )
+            built = args.build(given)
+        self.args, self.spec, self.mesh = args, built.spec, built.engine.mesh
         self.text = self.spec.text()
         self.eos_ids = self.spec.eos_ids()
-        self.engine = Engine(
-            self.spec.cfg,
-            self.spec.source,
-            self.mesh,
-            dtype=jnp.dtype(name),
-            max_seq_len=max_seq_len,
-            microbatches=microbatches,
-            chunk=chunk,
-            cp=cp,
-            experts=experts,
-        )
-        self.scheduler = Scheduler(self.engine, max_batch=max_batch)
+        self.engine, self.scheduler = built.engine, built.scheduler
 
     # ---- text ------------------------------------------------------------------------
 
@@ -195,23 +177,25 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | list[str | list[int]],
-        sampling: SamplingParams | list[SamplingParams] | None = None,
+        prompts: str | list[int] | dict | list[str | list[int] | dict],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
         enable_thinking: bool = True,
     ) -> list[Output]:
-        """Completes each prompt (text, or a list of token ids; one or a list of them),
-        in the order given. chat=True wraps text prompts in the chat template.
-        sampling: one SamplingParams for all, or one per prompt. Every prompt is checked
-        before any runs."""
+        """Completes each prompt, in the order given: one prompt or a list of them, each
+        text, a list of token ids, or vLLM's forms `{"prompt": text}` and
+        `{"prompt_token_ids": ids}`. chat=True wraps text prompts in the chat template.
+        sampling_params: one SamplingParams for all, or one per prompt. Every prompt is
+        checked before any runs."""
+        sampling = sampling_params
         batch = _as_batch(prompts)
         given = [self._prompt_ids(p, chat, enable_thinking) for p in batch]
         if isinstance(sampling, (list, tuple)):
             if len(sampling) != len(batch):
                 raise RequestError(
-                    f"{len(sampling)} $sampling params for {len(batch)} prompts: give one "
+                    f"{len(sampling)} $sampling_params for {len(batch)} prompts: give one "
                     "SamplingParams, or one per prompt",
-                    "sampling",
+                    "sampling_params",
                 )
             each = list(sampling)
         else:
@@ -255,6 +239,20 @@ class LLM:
         self, prompt, chat: bool, enable_thinking: bool
     ) -> tuple[list[int], str | None]:
         """(token ids, the text they came from or None)."""
+        if isinstance(prompt, dict):  # vLLM's TextPrompt and TokensPrompt
+            if set(prompt) == {"prompt"}:
+                prompt = prompt["prompt"]
+            elif set(prompt) == {"prompt_token_ids"}:
+                prompt = prompt["prompt_token_ids"]
+            else:
+                raise RequestError(
+                    f"a prompt as a dict has one key, prompt (text) or prompt_token_ids, "
+                    f"not {sorted(prompt)}",
+                    "prompts",
+                )
+            if isinstance(prompt, dict):
+                raise RequestError("a prompt's text or ids are not a dict", "prompts")
+            return self._prompt_ids(prompt, chat, enable_thinking)
         if isinstance(prompt, str):
             t = self._need_text()
             shown = t.chat(prompt, enable_thinking) if chat else prompt
@@ -285,8 +283,8 @@ class LLM:
 
 
 def _as_batch(prompts) -> list:
-    """One prompt (text, or ids) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (text, ids, or vLLM's dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if not prompts:
@@ -299,46 +297,59 @@ def _as_batch(prompts) -> list:
 def _renamed(e: RequestError, index: int = 0) -> RequestError:
     """The engine's error with its parameters named as this API names them (and, for a
     check of one prompt of several, that prompt's index)."""
+    e = e.at_prompt(index)
     template = string.Template(e.template).safe_substitute({k: f"${v}" for k, v in _NAMES.items()})
-    if index:
-        template = template.replace("prompt 0 ", f"prompt {index} ", 1)
     return type(e)(template, *(_NAMES.get(p, p) for p in e.params))
+
+
+# vLLM's names of EngineArgs' fields (and `experts`, expert_split's name here before).
+ALIASES = {
+    "max_model_len": "max_seq_len",
+    "max_num_seqs": "max_batch",
+    "max_num_batched_tokens": "prefill_tokens",
+    "experts": "expert_split",
+}
+
+
+def engine_args(**settings) -> EngineArgs:
+    """LLM's arguments as the EngineArgs every door builds from (vLLM's names accepted;
+    a name that is neither is refused with the nearest one)."""
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    given = {}
+    for name, value in settings.items():
+        field = ALIASES.get(name, name)
+        if field not in fields:
+            near = difflib.get_close_matches(name, [*fields, *ALIASES], n=1)
+            hint = f": did you mean {near[0]}?" if near else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+        if field in given:
+            raise TypeError(f"LLM() got {field!r} twice (once as {name!r}): give one")
+        given[field] = value
+    if given.get("dtype") is not None and not isinstance(given["dtype"], str):
+        import jax.numpy as jnp
+
+        given["dtype"] = jnp.dtype(given["dtype"]).name  # jnp.float32 as "float32"
+    args = EngineArgs(**given)
+    with _as_arguments():
+        args.check()
+    return args
 
 
 @contextlib.contextmanager
 def _as_arguments():
-    """The command line's model and mesh errors ("--model x: ...") said as this API's
-    arguments ("model x: ...")."""
+    """The command line's errors ("--model x: ...", "--chunk 0 must ...") said as this
+    API's arguments ("model x: ...", "chunk 0 must ..."); the command line's own
+    (CLIError) as RequestError, this API's error for bad input."""
     from qwen3_spmd.model.config import ConfigError
     from qwen3_spmd.model.split import TensorError
     from qwen3_spmd.sharding.mesh import MeshError
 
+    def said(e) -> str:
+        return re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(e))
+
     try:
         yield
     except (ConfigError, MeshError, TensorError) as e:
-        raise type(e)(re.sub(r"--(model|mesh)\b", r"\1", str(e))) from None
-
-
-def _mesh(mesh):
-    """A ('stage', 'seq', 'tensor') Mesh from "SxC" or "SxCxX" over the first S*C*X
-    devices (emulated on CPU when JAX has not started), or the Mesh given."""
-    from jax.sharding import Mesh
-
-    if isinstance(mesh, Mesh):
-        return mesh
-    import jax
-
-    from qwen3_spmd.run.flags import platform_is_cpu, use_cpu_devices
-    from qwen3_spmd.sharding.mesh import make_mesh, parse_mesh
-
-    shape = parse_mesh(mesh)
-    n = shape.devices
-    if platform_is_cpu() and n > 1:
-        try:
-            use_cpu_devices(n)
-        except RuntimeError:  # JAX has started: the devices it has are the ones
-            pass
-    devices = jax.devices()
-    return make_mesh(
-        shape.stage, shape.seq, devices[:n] if len(devices) > n else devices, tensor=shape.tensor
-    )
+        raise type(e)(said(e)) from None
+    except CLIError as e:
+        raise RequestError(said(e)) from None

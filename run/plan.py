@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 
+from qwen3_spmd.pipeline.machines import GPUS, TARGETS
 from qwen3_spmd.run.flags import CLIError, add_expert_split, add_model
 
 
 def register(subparsers) -> None:
-    from qwen3_spmd.pipeline.mesh_cost import GPUS, TARGETS
-
     p = subparsers.add_parser("plan", help="rank the meshes a model can run on (no devices needed)")
     add_model(p, "checkpoint folder, hub id or preset name (only its config is read)")
     p.add_argument("--devices", type=int, default=8, help="devices in all (default 8)")
@@ -54,7 +53,7 @@ def main(args) -> int:
             f"--devices {args.devices} cannot be spread evenly over --hosts {args.hosts}"
         )
     cfg = open_model(args.model or "tiny").cfg
-    machine = mesh_cost.GPUS[args.gpu]
+    machine = GPUS[args.gpu]
     load = mesh_cost.Load(args.batch, args.prompt_len, args.max_seq_len, args.dtype)
     rows = [
         mesh_cost.predict(cfg, shape, machine, load, args.hosts)

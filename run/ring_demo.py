@@ -13,15 +13,6 @@ import json
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from qwen3_spmd import ring
-from qwen3_spmd.model.attention import dense_attention
-
 PARTITIONS = ("contiguous", "zigzag")
 
 
@@ -56,6 +47,8 @@ def _devices(n: int):
     break the tests after this one. Asking works only before any backend starts;
     once one has, the devices there must do.
     """
+    import jax  # here, not above: `qwen3-spmd --help` loads this module without JAX
+
     chosen = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
     if not chosen and jax.config.jax_num_cpu_devices < 0:
         try:
@@ -72,6 +65,15 @@ def _devices(n: int):
 
 
 def _run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from qwen3_spmd import ring
+    from qwen3_spmd.model.attention import dense_attention
+
     for flag in ("heads", "seq", "dim", "devices", "batch"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag} must be at least 1, got {getattr(args, flag)}")

@@ -14,6 +14,7 @@ from reference import FIXTURES
 from qwen3_spmd.run.cli import main
 
 ROOT = Path(__file__).parent.parent
+COMMANDS = ("generate", "serve", "bench", "convert", "plan", "ring")
 
 
 def run_json(capsys, *argv) -> dict:
@@ -110,6 +111,13 @@ def test_chat_prompt_uses_template(capsys):
         (["--prompt-ids", "1,2", "--mesh", "3"], "SxC"),
         (["--prompt-ids", "1,2", "--mesh", "3x3"], "9 devices"),
         (["--prompt-ids", "1,2", "--mesh", "8x1"], "stages"),
+        # docs/parallelism.md's Ulysses example, as printed there
+        (
+            ["--model", "0.6B", "--prompt-ids", "1,2,3", "--mesh", "1x3", "--cp", "ulysses"],
+            "error: ulysses: 16 query heads cannot be shared equally by 3 seq devices; use "
+            "--cp ring, or a seq size that divides 16 (1, 2, 4, 8, 16)",
+        ),
+        (["--prompt-ids", "1,2", "--mesh", "2x2", "-tp", "2"], "--tensor-parallel-size says 2"),
         (["--model", "tiny", "--prompt", "hello"], "tokenizer"),  # a preset: ids only
         (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
         (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),
@@ -129,6 +137,53 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, words):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+# One child runs every line: (argv, exit status, words its output holds). The unknown
+# flag's line names the nearest real flag and the subcommand's help, not the top level's.
+ANSWERED_AT_ONCE = [
+    (["--help"], 0, "generate"),
+    *(([c, "--help"], 0, "usage: qwen3-spmd " + c) for c in COMMANDS),
+    (
+        ["generate", "--max-new-tokns", "4"],
+        2,
+        "did you mean --max-new-tokens? (see qwen3-spmd generate --help)",
+    ),
+    (["serve", "--max-batch", "0"], 2, "--max-batch 0 must be at least 1"),
+    (["serve", "--max-num-seqs", "0"], 2, "--max-batch 0 must be at least 1"),  # vLLM's name
+    (["generate", "--max-model-lenn", "9"], 2, "did you mean --max-model-len?"),
+    (["bench", "--cp", "rung"], 2, "invalid choice"),
+]
+
+
+def test_help_and_flag_errors_answer_before_jax_loads():
+    """`--help`, each subcommand's, and flag errors come before JAX is imported (which
+    takes seconds): measured in a fresh process by what it imported, not by a clock."""
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from qwen3_spmd.run.cli import main\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    text = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):\n"
+        "        code = main(argv)\n"
+        "    out.append([code, text.getvalue()])\n"
+        "print(json.dumps({'runs': out, 'loaded': [m for m in ('jax', 'flax') if m in sys.modules]}))\n"
+    )
+    argvs = [argv for argv, _, _ in ANSWERED_AT_ONCE]
+    child = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout)
+    for (argv, code, words), (got, text) in zip(ANSWERED_AT_ONCE, result["runs"]):
+        assert (got, words in text) == (code, True), (argv, text)
+    assert result["loaded"] == []
 
 
 def test_folder_without_config(capsys, tmp_path):

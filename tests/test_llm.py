@@ -49,6 +49,19 @@ def test_text_and_ids_match_engine_generate(llm):
     assert outs[1].text == llm.text.decode(outs[1].token_ids, skip_special=True)
 
 
+def test_vllm_prompt_forms_and_sampling_params_keyword(llm):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids}, and its keyword: the
+    tokens of the plain forms (the prompts and programs of the test above)."""
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=3)
+    plain = llm.generate([TEXT, IDS], params)
+    forms = llm.generate([{"prompt": TEXT}, {"prompt_token_ids": IDS}], sampling_params=params)
+    assert forms == plain
+    alone = llm.generate({"prompt_token_ids": IDS}, params)  # one prompt, index 0
+    assert alone == llm.generate([IDS], params)
+    with pytest.raises(RequestError, match="one key, prompt"):
+        llm.generate({"prompt": TEXT, "prompt_token_ids": IDS})
+
+
 def test_budgets_and_stop_ids(llm):
     free = SamplingParams(max_tokens=6, temperature=0.9, seed=1, ignore_eos=True)
     base = llm.generate([IDS, IDS], free)  # prompt i samples with key (seed, i, step)
@@ -103,7 +116,7 @@ def test_chat_template(llm):
         (lambda llm: llm.generate(IDS, chat=True), "chat applies to text prompts"),
         (lambda llm: llm.generate([[1.5, 2]]), "text (str) or token ids"),
         (lambda llm: llm.generate([]), "no prompt given"),
-        (lambda llm: llm.generate([IDS], [SamplingParams()] * 2), "2 sampling params"),
+        (lambda llm: llm.generate([IDS], [SamplingParams()] * 2), "2 sampling_params"),
     ],
 )
 def test_bad_input_is_one_line(llm, call, words):
@@ -111,6 +124,13 @@ def test_bad_input_is_one_line(llm, call, words):
         call(llm)
     assert words in str(e.value) and "\n" not in str(e.value)
     assert "max_new_tokens" not in str(e.value) and "--" not in str(e.value)
+
+
+def test_sampling_params_take_vllm_spellings():
+    """Any integer seed, wrapped as every door wraps it; top_k -1 is off, as in vLLM."""
+    assert SamplingParams(seed=2**31 + 5).params(()).seed == 5
+    assert SamplingParams(seed=-1).params(()).seed == 2**31 - 1
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
 def test_sampling_params_checked_on_construction():
@@ -121,7 +141,7 @@ def test_sampling_params_checked_on_construction():
 
 
 def test_preset_has_no_text_but_runs_ids_on_2x2():
-    llm = LLM(mesh="2x2", max_seq_len=32, max_batch=2, chunk=1)
+    llm = LLM("tiny", mesh="2x2", max_seq_len=32, max_batch=2, chunk=1)
     with pytest.raises(RequestError, match="pass token ids") as e:
         llm.generate("hello")
     assert "\n" not in str(e.value)

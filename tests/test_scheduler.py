@@ -18,7 +18,7 @@ from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import bucket, lay_out, length_bucket
 from qwen3_spmd.pipeline.planner import Admission, Chunk, DecodeChunk, Round, chunk_while_waiting
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
+from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -596,8 +596,10 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
         assert banned.tokens[-1] == end and len(banned.tokens) > 3
     else:
         assert len(banned.tokens) == n
-    with pytest.raises(SamplingError, match="at most 8 end ids"):
+    # The one request check (requests.check_request) refuses it, naming both parameters.
+    with pytest.raises(RequestError, match="min_tokens holds back at most 8 end ids") as e:
         sched.submit(prompt, Params(n, eos_ids=tuple(range(9)), min_tokens=1))
+    assert e.value.params == ("eos_ids", "min_tokens")
 
 
 def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monkeypatch):

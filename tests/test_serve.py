@@ -311,7 +311,7 @@ def test_chat_with_tools_reaches_the_parsers(server, client, text):
     )
     prompt = len(text.encode(text.render(messages, True, tools=tools)))
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    assert f"the prompt's {prompt} tokens plus max_tokens 512" in r.json()["error"]["message"]
+    assert f"prompt 0 ({prompt} tokens) + max_tokens 512" in r.json()["error"]["message"]
 
 
 def test_seeded_sampling_same_alone_and_under_load(server, client):

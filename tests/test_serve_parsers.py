@@ -12,6 +12,7 @@ hermes`) against their rules written out for a whole reply (`_expected`):
   production) and on the Qwen3 template the package ships.
 """
 
+import functools
 import itertools
 import json
 import re
@@ -20,9 +21,12 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from qwen3_spmd.model.config import PRESETS
 from qwen3_spmd.pipeline.handles import Handle, Request
+from qwen3_spmd.pipeline.requests import check_request
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.run import qwen_tokenizer
+from qwen3_spmd.run.models import with_qwen_vocab
 from qwen3_spmd.run.serve.app import ServerState, make_app
 from qwen3_spmd.run.serve.detok import Detokenizer
 from qwen3_spmd.run.serve.message import ChatReply, fold
@@ -202,7 +206,12 @@ class Scripted:
 
 def _client(qwen, scheduler, text=None, reasoning="qwen3", tools="hermes") -> openai.OpenAI:
     settings = Settings(
-        "qwen3", 4096, qwen_tokenizer.QWEN_VOCAB, qwen_tokenizer.EOS_IDS, Sampling()
+        "qwen3",
+        4096,
+        qwen_tokenizer.QWEN_VOCAB,
+        qwen_tokenizer.EOS_IDS,
+        Sampling(),
+        check=functools.partial(check_request, with_qwen_vocab(PRESETS["tiny"]), 1, 4096),
     )
     service = Service(scheduler, lambda ids: qwen.decode(ids, skip_special=True), settings)
     state = ServerState(

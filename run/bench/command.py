@@ -28,11 +28,9 @@ import platform
 import sys
 from functools import partial
 
+from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import (
     CLIError,
-    add_dtype,
-    add_expert_split,
-    add_model,
     check_output_file,
     dtype_name,
     in_flags,
@@ -60,25 +58,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark prefill and decode against rooflines and transformers"
     )
-    add_model(
+    EngineArgs.add_cli_args(
         p,
         "checkpoint folder, hub id (Qwen/Qwen3-0.6B: downloaded on first use) or preset "
         "(tiny, 0.6B, ...; random weights); default: tiny",
+        bench=True,
     )
-    p.add_argument(
-        "--mesh",
-        action="append",
-        default=[],
-        metavar="SxC[xX]",
-        help="a mesh shape to run (repeatable); 1x1 always runs as the baseline",
-    )
-    p.add_argument(
-        "--cpu-devices",
-        type=int,
-        help="emulate this many CPU devices (default on CPU: the largest mesh)",
-    )
-    add_dtype(p)
-    add_expert_split(p)
     p.add_argument(
         "--scenario",
         action="append",
@@ -102,16 +87,6 @@ def register(subparsers) -> None:
         help="KV cache slots per request in decode jobs, as a server sized for "
         "long requests has (default: just enough for the prompt and steps)",
     )
-    p.add_argument("--chunk", type=int, help="decode steps per on-device chunk (default 16)")
-    p.add_argument("--microbatches", type=int, default=1, help="prefill microbatches M")
-    p.add_argument(
-        "--cp",
-        action="append",
-        choices=("ring", "ulysses", "auto"),
-        default=[],
-        help="seq attention of prefill (repeatable: each mesh with C > 1 runs each); default ring",
-    )
-    p.add_argument("--groups", type=int, help="decode groups G (default: S)")
     p.add_argument("--repeats", type=int, help="timed runs per job (default 5)")
     p.add_argument(
         "--warmup",

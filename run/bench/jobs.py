@@ -22,6 +22,7 @@ from qwen3_spmd.run.bench.measure import (
     run_once,
     spread,
 )
+from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.sharding.mesh import MeshShape
 
@@ -39,22 +40,25 @@ class MeshEngines:
         """The engine for this cache size, made (and placed) on first use."""
         if max_seq_len not in self.engines:
             src = self.source if self.state is None else PlacedSource(self.state)
-            e = Engine(
-                self.cfg,
-                src,
-                self.mesh,
-                dtype=self.dtype,
-                max_seq_len=max_seq_len,
-                microbatches=self.s["microbatches"],
-                groups=self.s["groups"],
-                chunk=self.s["chunk"],
-                cp=self.cp,
-                experts=self.s["expert_split"],
-                **measured_rates(self.roof, self.mesh.shape["seq"]),
+            rates = measured_rates(self.roof, self.mesh.shape["seq"])
+            e = engine_args(self.s, self.cp, self.dtype.name).engine(
+                self.cfg, src, self.mesh, max_seq_len, **rates
             )
             self.state = e.weights.state
             self.engines[max_seq_len] = e
         return self.engines[max_seq_len]
+
+
+def engine_args(settings: dict, cp: str, dtype: str) -> EngineArgs:
+    """The engine's settings of bench's jobs (a mesh's and a cp strategy's runs)."""
+    return EngineArgs(
+        dtype=dtype,
+        microbatches=settings["microbatches"],
+        groups=settings["groups"],
+        chunk=settings["chunk"],
+        cp=cp,
+        expert_split=settings["expert_split"],
+    )
 
 
 def time_job(engine, prompts, new_tokens: int, settings) -> dict:

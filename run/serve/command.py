@@ -23,21 +23,9 @@ import sys
 import threading
 import time
 
-from qwen3_spmd.run import compile_cache, distributed
-from qwen3_spmd.run.flags import (
-    CLIError,
-    add_dtype,
-    add_expert_split,
-    add_model,
-    dtype_name,
-    in_flags,
-    local_cpu_devices,
-    mesh_devices,
-    platform_is_cpu,
-    use_cpu_devices,
-)
+from qwen3_spmd.run.engine_args import EngineArgs
+from qwen3_spmd.run.flags import CLIError, in_flags
 
-DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 # A server that closes an idle connection while a client reuses it fails that request
 # ("server disconnected without a response"): the server must wait longer than clients
 # keep idle connections (httpx 5 s, aiohttp 15 s). uvicorn's own default is 5 s.
@@ -47,40 +35,12 @@ KEEP_ALIVE_S = 30.0
 # Long because it is the flag list, one add_argument per flag in --help's order.
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    add_model(
+    EngineArgs.add_cli_args(
         p,
         "Hugging Face checkpoint folder, orbax folder, hub id (Qwen/Qwen3-0.6B: downloaded "
         "on first use, served under that name), or a preset name (random weights); "
         "default: the demo, tiny with Qwen3's tokenizer and random weights",
-    )
-    p.add_argument(
-        "--mesh",
-        help="SxC or SxCxX: stages x seq devices x tensor devices (default: 1x1, or 2x2 "
-        "emulated CPU devices without --model)",
-    )
-    p.add_argument("--cpu-devices", type=int, help="emulate this many CPU devices")
-    add_expert_split(p)
-    add_dtype(p)
-    p.add_argument(
-        "--max-seq-len",
-        type=int,
-        help=f"prompt + new tokens per request at most (default: the model's positions, "
-        f"at most {DEFAULT_MAX_SEQ_LEN})",
-    )
-    p.add_argument(
-        "--max-batch", type=int, default=8, help="decode rows: requests running at once (default 8)"
-    )
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=256,
-        help="requests waiting for a row at most; more get 503 (default 256)",
-    )
-    p.add_argument(
-        "--prefill-tokens",
-        type=int,
-        default=4096,
-        help="prompt tokens prefilled per round; longer prompts go in chunks (default 4096)",
+        scheduler=True,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0: any)")
@@ -116,16 +76,6 @@ def register(subparsers) -> None:
         "refused unless tool_choice is none)",
     )
     p.add_argument(
-        "--prefix-cache-mib",
-        type=float,
-        help="MiB of each device for the prefix cache's pool of prompt blocks, whose K/V a "
-        "later prompt that begins alike copies instead of computing; 0 turns it off "
-        "(default: half the device memory free after weights and rows on one process with "
-        "a GPU, else as much as the rows' own KV cache; none with several seq devices)",
-    )
-    p.add_argument("--groups", type=int, help="decode request groups G (default: S)")
-    p.add_argument("--chunk", type=int, default=16, help="decode steps per on-device chunk")
-    p.add_argument(
         "--precompile",
         default="first",
         choices=("first", "all", "lazy"),
@@ -136,79 +86,41 @@ def register(subparsers) -> None:
         "ever waits for a compile (a slow start); lazy: compile each when first needed (a "
         "request of a new shape stalls the running ones while it compiles). Default first",
     )
-    p.add_argument(
-        "--cp", default="ring", choices=("ring", "ulysses", "auto"), help="prefill split along seq"
-    )
-    compile_cache.add_argument(p)
-    distributed.add_flags(p)
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    from qwen3_spmd.sharding.mesh import parse_mesh
-
-    status = distributed.supervise(args)  # a multi-process run: re-run as a child
-    if status is not None:
-        return status
-    _check_flags(args)
-    on_cpu = platform_is_cpu()
-    mesh_text = args.mesh or ("2x2" if on_cpu and args.model is None else "1x1")
-    shape = parse_mesh(mesh_text)
-    distributed.check_flags(args)
-    procs = distributed.start(args)
-    try:
-        if on_cpu:
-            use_cpu_devices(
-                local_cpu_devices(args.cpu_devices, mesh_text, shape.devices, procs.count)
-            )
-        compile_cache.use(args.compile_cache)
-        return _serve(args, procs, mesh_text, shape)
-    finally:
-        distributed.finish(procs)
+    _check_flags(args)  # before JAX loads: a wrong value is answered at once
+    engine_args = EngineArgs.from_cli(args)
+    return engine_args.launch(args, lambda runtime: _serve(args, engine_args, runtime))
 
 
 def _check_flags(args) -> None:
-    for flag, value, least in (
-        ("--max-batch", args.max_batch, 1),
-        ("--max-queue", args.max_queue, 1),
-        ("--prefill-tokens", args.prefill_tokens, 1),
-        ("--port", args.port, 0),
-    ):
-        if value < least:
-            raise CLIError(f"{flag} {value} must be at least {least}")
-    if args.port > 65535:
-        raise CLIError(f"--port {args.port} must be at most 65535")
+    """serve's own flags (EngineArgs.check has the engine's)."""
+    if not 0 <= args.port <= 65535:
+        raise CLIError(f"--port {args.port} must be in [0, 65535]")
     if not args.shutdown_timeout >= 0:
         raise CLIError(f"--shutdown-timeout {args.shutdown_timeout} must be >= 0 seconds")
     if not args.keep_alive > 0:
         raise CLIError(f"--keep-alive {args.keep_alive} must be > 0 seconds")
-    if args.prefix_cache_mib is not None and not args.prefix_cache_mib >= 0:
-        raise CLIError(f"--prefix-cache-mib {args.prefix_cache_mib} must be >= 0 (0: no cache)")
-    if args.max_seq_len is not None and args.max_seq_len < 2:
-        raise CLIError(f"--max-seq-len {args.max_seq_len} must be at least 2")
 
 
-def _serve(args, procs, mesh_text: str, shape) -> int:
+def _serve(args, engine_args: EngineArgs, runtime) -> int:
     from qwen3_spmd.model.split import TensorSplit
-    from qwen3_spmd.run.models import demo_model, open_model
     from qwen3_spmd.run.serve.app import ServerState
 
-    # No --model: the demo, which speaks text through Qwen3's tokenizer.
-    if args.model is None:
-        spec = demo_model(revision=args.revision)
-    else:
-        spec = open_model(args.model, revision=args.revision)
+    procs, shape = runtime.procs, runtime.shape
+    spec = engine_args.open_model()  # no --model: the demo, which speaks through a tokenizer
     text = spec.text()
     name = (
         args.served_model_name
         or spec.hub_id
         or (spec.folder.name if spec.folder else (args.model or "tiny"))
     )
-    max_seq_len = args.max_seq_len or min(spec.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    max_seq_len = -(-max_seq_len // shape.seq) * shape.seq
+    max_seq_len = engine_args.seq_len(spec.cfg, shape.seq)
     TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)  # before the port is taken
     if not procs.leader:
-        scheduler = _load(args, spec, procs, mesh_text, shape, max_seq_len)
+        scheduler = _load(args, engine_args, spec, runtime, max_seq_len)
         _follow_signals()
         scheduler.follow()
         scheduler.close()  # waits for a background compile under way
@@ -224,13 +136,13 @@ def _serve(args, procs, mesh_text: str, shape) -> int:
 
     def load():
         try:
-            scheduler = _load(args, spec, procs, mesh_text, shape, max_seq_len)
+            scheduler = _load(args, engine_args, spec, runtime, max_seq_len)
             state.service = _service(scheduler, spec, text, name, max_seq_len)
             state.status = "ready"
             host, port = sock.getsockname()[:2]
             _say(
-                f"serving {name} on http://{host}:{port}/v1 (mesh {mesh_text}, {max_seq_len} "
-                f"tokens per request, {scheduler.B} rows)"
+                f"serving {name} on http://{host}:{port}/v1 (mesh {runtime.mesh_text}, "
+                f"{max_seq_len} tokens per request, {scheduler.B} rows)"
             )
         except Exception as e:  # the server ends, saying why
             state.status = "failed"
@@ -282,46 +194,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
+def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
-    import jax.numpy as jnp
-
     from qwen3_spmd.pipeline.decisions import SharedDecisions
-    from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.handles import Params
-    from qwen3_spmd.pipeline.requests import RequestError
-    from qwen3_spmd.pipeline.scheduler import Scheduler
-    from qwen3_spmd.sharding.mesh import make_mesh
 
-    dtype = dtype_name(args.dtype)
-    devices = mesh_devices(shape.devices, procs, mesh_text)
-    mesh = make_mesh(shape.stage, shape.seq, devices, tensor=shape.tensor)
+    procs = runtime.procs
+    mesh = runtime.mesh()
     if procs.leader:
-        _say(f"loading {spec.label} onto mesh {mesh_text} ({dtype})")
-    engine = Engine(
-        spec.cfg,
-        spec.source,
-        mesh,
-        dtype=jnp.dtype(dtype),
-        max_seq_len=max_seq_len,
-        groups=args.groups,
-        chunk=args.chunk,
-        on_compile=_compiling if procs.leader else None,
-        cp=args.cp,
-        experts=args.expert_split,
+        _say(f"loading {spec.label} onto mesh {runtime.mesh_text} ({engine_args.dtype_name()})")
+    engine = engine_args.engine(
+        spec.cfg, spec.source, mesh, max_seq_len, on_compile=_compiling if procs.leader else None
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
-    try:
-        scheduler = Scheduler(
-            engine,
-            args.max_batch,
-            prefill_tokens=args.prefill_tokens,
-            max_queue=args.max_queue,
-            decisions=decisions,
-            prefix_cache_bytes=_prefix_cache_bytes(args, engine, procs.many),
-        )
-    except RequestError as e:  # a --prefix-cache-mib under one block
-        raise CLIError(f"--prefix-cache-mib {args.prefix_cache_mib}: {e}") from None
+    scheduler = engine_args.scheduler(engine, procs.many, decisions)
     # Every process compiles the same programs, each its own (compiling is local).
     first, rest = scheduler.rules.first()
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
@@ -336,25 +222,6 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
     if later:
         scheduler.compile_later(later, _compiled_later(len(later)) if procs.leader else None)
     return scheduler
-
-
-def _prefix_cache_bytes(args, engine, many: bool) -> int:
-    """Each device's bytes for the prefix cache's pool: --prefix-cache-mib, or half of
-    what the device says is free after the weights and the rows' KV cache. Where it
-    says nothing (CPU), or with several processes (whose pools must hold the same
-    blocks, and whose free memory may differ), as much as the rows' own KV cache. None
-    by default with several `seq` devices: prompts would be laid out block by block,
-    and the ring skips fewer pairs of such a layout (a mesh for long prompts pays that
-    on every prompt for what a repeated prefix saves)."""
-    if args.prefix_cache_mib is not None:
-        return int(args.prefix_cache_mib * 2**20)
-    if engine.C > 1:  # long prompts: the block layout would cost the ring's skipped pairs
-        return 0
-    rows = engine.cache_bytes_per_device(args.max_batch)
-    stats = None if many else engine.mesh.devices.flat[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows) // 2)
-    return rows
 
 
 def _precompile(scheduler, shapes: list, total: int, leader: bool) -> None:
@@ -416,6 +283,7 @@ def _service(scheduler, spec, text, name: str, max_seq_len: int):
         vocab=spec.cfg.V,
         eos_ids=spec.eos_ids(),
         defaults=_default_sampling(spec),
+        check=scheduler.engine.check,
     )
     return Service(scheduler, decode, settings)
 

@@ -16,22 +16,28 @@ import collections
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
-from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
+from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
+from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
 from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
 from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics
 from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
 
-SEEDS = 2**31  # a request's seed is taken modulo this (the sampling key's int32 seed)
 # The library's parameter names (RequestError.params) as the API's fields; the rest
-# (temperature, top_k, top_p, min_tokens) are the same in both.
-FIELDS = {"max_new_tokens": "max_tokens", "prompts": "prompt", "eos_ids": "stop_token_ids"}
+# (temperature, top_k, top_p, min_tokens) are the same in both. max_seq_len is no field:
+# the server's setting, named as its flag (a refusal's field is then the next one named).
+FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "prompts": "prompt",
+    "eos_ids": "stop_token_ids",
+    "max_seq_len": "the server's --max-seq-len",
+}
+SETTINGS = ("max_seq_len",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +46,12 @@ class Settings:
 
     model_name: str
     max_seq_len: int
-    vocab: int  # the model's vocabulary: prompt ids must be below it
+    vocab: int  # the model's vocabulary: stop token ids must be below it
     eos_ids: tuple[int, ...]
     defaults: Sampling  # a request's sampling when it names none (generation_config.json)
+    # The one request check (Engine.check: requests.check_request), called with
+    # (prompts, max_new_tokens, min_tokens, eos_ids); RequestError when it refuses.
+    check: Callable[..., None]
     retry_after_s: int = 1
 
 
@@ -81,9 +90,14 @@ class Job:
 
 
 def _invalid(e: RequestError) -> APIError:
-    """A 400 for the library's refusal, naming its parameter as the API's field."""
-    code = "invalid_value" if e.param else None
-    return APIError(400, e.spelled(FIELDS), FIELDS.get(e.param, e.param), code)
+    """A 400 for the library's refusal, naming its parameters as the API's fields; a
+    prompt too long for the server's --max-seq-len is context_length_exceeded."""
+    field = next((FIELDS.get(p, p) for p in e.params if p not in SETTINGS), None)
+    if "max_seq_len" in e.params:
+        code = "context_length_exceeded"
+    else:
+        code = "invalid_value" if field else None
+    return APIError(400, e.spelled(FIELDS), field, code)
 
 
 class TokenInfo(NamedTuple):
@@ -168,17 +182,6 @@ class Service:
         s, n, max_tokens, min_tokens = self.settings, ask.n, ask.max_tokens, ask.min_tokens
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"n {n} must be between 1 and {MAX_N}", "n", "invalid_value")
-        for p in prompts:
-            if not p:
-                raise APIError(400, "a prompt is empty: send at least one token", "prompt")
-            bad = next((t for t in p if not 0 <= t < s.vocab), None)
-            if bad is not None:
-                raise APIError(
-                    400,
-                    f"prompt token id {bad} is outside the vocabulary [0, {s.vocab})",
-                    "prompt",
-                    "invalid_value",
-                )
         budgets = [
             max_tokens
             if max_tokens is not None
@@ -194,19 +197,6 @@ class Service:
                     "messages",
                     "context_length_exceeded",
                 )
-            if budget < 1:
-                raise APIError(
-                    400, f"max_tokens {budget} must be at least 1", "max_tokens", "invalid_value"
-                )
-            if len(p) + budget > s.max_seq_len:
-                raise APIError(
-                    400,
-                    f"the prompt's {len(p)} tokens plus max_tokens {budget} exceed the "
-                    f"server's --max-seq-len {s.max_seq_len}: shorten the prompt or lower "
-                    "max_tokens",
-                    "max_tokens",
-                    "context_length_exceeded",
-                )
         d = s.defaults
         try:
             sampling = Sampling(
@@ -218,7 +208,7 @@ class Service:
             )
         except SamplingError as e:
             raise _invalid(e) from None
-        if min_tokens < 0:
+        if min_tokens < 0:  # before it is capped below
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
         min_tokens = min(min_tokens, max(budgets))  # past the budget it holds back nothing more
         if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
@@ -234,19 +224,17 @@ class Service:
         if any(not isinstance(x, str) or not x for x in ask.stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
         stop_ids = tuple(dict.fromkeys((() if ask.ignore_eos else s.eos_ids) + extra))
-        if min_tokens and len(stop_ids) > MAX_BANNED:
-            raise APIError(
-                400,
-                f"min_tokens holds back at most {MAX_BANNED} end ids (EOS and "
-                f"stop_token_ids), and this request has {len(stop_ids)}",
-                "stop_token_ids",
-            )
+        for i, (p, budget) in enumerate(zip(prompts, budgets)):
+            try:  # prompts, lengths, end ids: the check every door calls
+                s.check([p], budget, min_tokens, stop_ids)
+            except RequestError as e:
+                raise _invalid(e.at_prompt(i)) from None
         return Job(
             prompts=prompts,
             n=n,
             max_tokens=budgets,
             sampling=sampling,
-            seed=secrets.randbelow(SEEDS) if ask.seed is None else ask.seed % SEEDS,
+            seed=secrets.randbelow(SEEDS) if ask.seed is None else key_seed(ask.seed),
             stops=list(ask.stops),
             stop_ids=stop_ids,
             min_tokens=min_tokens,
@@ -266,7 +254,7 @@ class Service:
                     params = Params(
                         max_new_tokens=job.max_tokens[p],
                         sampling=job.sampling,
-                        seed=(job.seed + j) % SEEDS,
+                        seed=key_seed(job.seed + j),
                         eos_ids=job.stop_ids,
                         min_tokens=job.min_tokens,
                         logprobs=job.logprobs is not None,

@@ -1,0 +1,127 @@
+"""run.engine_args: one set of engine arguments behind generate, serve, bench and LLM.
+The same settings give the same engine through each door, each setting has one default,
+and vLLM's names are aliases. Nothing here loads weights or compiles."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from qwen3_spmd.run import llm
+from qwen3_spmd.run.bench.command import _settings
+from qwen3_spmd.run.bench.jobs import engine_args as bench_engine_args
+from qwen3_spmd.run.cli import build_parser
+from qwen3_spmd.run.engine_args import EngineArgs
+from qwen3_spmd.run.flags import CLIError
+
+# The engine's settings, as flags and as LLM's keyword arguments.
+FLAGS = [
+    "--dtype", "float32", "--chunk", "4", "--groups", "2", "--microbatches", "3",
+    "--cp", "ulysses", "--expert-split", "ep",
+]  # fmt: skip
+KWARGS = dict(dtype="float32", chunk=4, groups=2, microbatches=3, cp="ulysses", expert_split="ep")
+
+
+def _cli(command: str, *argv: str) -> EngineArgs:
+    args = build_parser().parse_args([command, *argv])
+    return EngineArgs.from_cli(args)
+
+
+def _bench(*argv: str) -> EngineArgs:
+    """bench's engine for its one --cp (its jobs build it per mesh and strategy)."""
+    args = build_parser().parse_args(["bench", *argv])
+    cp = args.cp[0] if args.cp else EngineArgs.cp
+    return bench_engine_args(_settings(args), cp, args.dtype)
+
+
+def test_the_same_arguments_give_the_same_engine_through_each_door():
+    doors = {
+        "generate": _cli("generate", *FLAGS, "--mesh", "2x2", "--max-seq-len", "64"),
+        "serve": _cli("serve", *FLAGS, "--mesh", "2x2", "--max-seq-len", "64"),
+        "LLM": llm.engine_args(mesh="2x2", max_seq_len=64, **KWARGS),
+        "bench": _bench(*FLAGS),  # bench's lengths are its jobs' own
+    }
+    kwargs = {door: args.engine_kwargs(64) for door, args in doors.items()}
+    assert kwargs["LLM"] == dict(
+        dtype="float32", max_seq_len=64, microbatches=3, groups=2, chunk=4, cp="ulysses",
+        experts="ep",
+    )  # fmt: skip
+    for door in doors:
+        assert kwargs[door] == kwargs["LLM"], door
+    for door in ("generate", "serve"):
+        assert doors[door].mesh_text(on_cpu=True) == "2x2" and doors[door].max_seq_len == 64
+
+
+def test_each_setting_has_one_default():
+    """A door that leaves a setting out gets the dataclass's default (bench's chunk is
+    None until --smoke or its default fills it: the same 16)."""
+    default = EngineArgs()
+    for door in ("generate", "serve"):
+        assert _cli(door) == default, door
+    assert llm.engine_args() == default
+    assert _bench().engine_kwargs(1) == default.engine_kwargs(1)
+
+
+@pytest.mark.parametrize(
+    "command, alias, canonical",
+    [
+        ("serve", ["--max-model-len", "96"], ["--max-seq-len", "96"]),
+        ("generate", ["--max-model-len", "96"], ["--max-seq-len", "96"]),
+        ("serve", ["--max-num-seqs", "3"], ["--max-batch", "3"]),
+        ("serve", ["--max-num-batched-tokens", "128"], ["--prefill-tokens", "128"]),
+        (
+            "serve",
+            ["-tp", "2", "-pp", "4"],
+            ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "4"],
+        ),
+        ("generate", ["-tp", "2"], ["--tensor-parallel-size", "2"]),
+    ],
+)
+def test_vllm_flags_are_aliases(command, alias, canonical):
+    assert _cli(command, *alias) == _cli(command, *canonical) != _cli(command)
+
+
+def test_parallel_sizes_build_the_mesh():
+    assert _cli("serve", "-tp", "2", "-pp", "4").mesh_text(on_cpu=False) == "4x1x2"
+    assert _cli("generate", "-pp", "2").mesh_text(on_cpu=True) == "2x1x1"
+    assert _cli("generate", "--mesh", "2x1x2", "-tp", "2").mesh_shape(on_cpu=False).tensor == 2
+    with pytest.raises(CLIError, match="--mesh 2x2 has 1 where --tensor-parallel-size says 2"):
+        _cli("generate", "--mesh", "2x2", "-tp", "2").mesh_shape(on_cpu=False)
+
+
+def _engine(C: int):
+    """What prefix_cache_bytes reads of an Engine: C, the rows' KV bytes (1000 a row)
+    and its device's memory, of which a CPU says nothing."""
+    device = SimpleNamespace(memory_stats=lambda: None)
+    return SimpleNamespace(
+        C=C,
+        cache_bytes_per_device=lambda rows: 1000 * rows,
+        mesh=SimpleNamespace(devices=SimpleNamespace(flat=[device])),
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, C, expected",
+    [
+        ([], 1, 8000),  # the rows' own KV cache (a CPU says nothing of its memory)
+        ([], 2, 0),  # several seq devices: none by default
+        (["--enable-prefix-caching"], 2, 8000),
+        (["--no-enable-prefix-caching"], 1, 0),
+        (["--prefix-cache-mib", "0"], 1, 0),
+        (["--prefix-cache-mib", "1"], 2, 2**20),
+    ],
+)
+def test_prefix_caching_switch(flags, C, expected):
+    assert _cli("serve", *flags).prefix_cache_bytes(_engine(C), many=False) == expected
+
+
+def test_llm_takes_vllm_names_and_refuses_unknown_ones():
+    assert llm.engine_args(max_model_len=96) == EngineArgs(max_seq_len=96)
+    assert llm.engine_args(max_num_seqs=3, tensor_parallel_size=2) == EngineArgs(
+        max_batch=3, tensor_parallel_size=2
+    )
+    with pytest.raises(TypeError, match="'max_model_length': did you mean max_model_len"):
+        llm.engine_args(max_model_length=96)
+    with pytest.raises(TypeError, match="'max_seq_len' twice"):
+        llm.engine_args(max_seq_len=96, max_model_len=96)
+    with pytest.raises(llm.RequestError, match=r"^chunk 0 must be at least 1$"):
+        llm.engine_args(chunk=0)  # said as LLM's argument, not as the flag
