@@ -462,7 +462,9 @@ def test_echo_logprobs_score_every_prompt_token(server, text, reference):
 
 def test_prompt_logprobs_field_in_completions_and_chat(server, text, reference):
     """vLLM's prompt_logprobs: k: a list beside the choices, null first, then per token
-    {id: {logprob, rank, decoded_token}} of the token and its position's k most likely."""
+    {id: {logprob, rank, decoded_token}} of the token and its position's k most likely;
+    streamed, with the first token."""
+    lp_fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
     ref = np.load(FIXTURE / "reference.npz")
     prompt = reference[0][0]
     out = _post(server, "/v1/completions", _greedy(prompt, 1, prompt_logprobs=2)).json()
@@ -476,6 +478,17 @@ def test_prompt_logprobs_field_in_completions_and_chat(server, text, reference):
         best = int(np.argmax(want[p]))
         assert position[str(best)]["rank"] == 1
         assert position[str(best)]["logprob"] == pytest.approx(want[p, best], abs=1e-4)
+    # Streamed: the prompt's come with the choice's first token, and add up to the whole.
+    body = _greedy(prompt, 2, echo=True, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    chunks, _ = _sse(server, "/v1/completions", {**body, "stream": True})
+    parts = [c["choices"][0] for c in chunks]
+    assert "".join(p["text"] for p in parts) == whole["text"]
+    assert {f: sum((p["logprobs"][f] for p in parts), []) for f in lp_fields} == {
+        f: whole["logprobs"][f] for f in lp_fields
+    }
+    sent = [p["prompt_logprobs"] for p in parts if "prompt_logprobs" in p]
+    assert sent == [whole["prompt_logprobs"]]
     chat = _post(
         server,
         "/v1/chat/completions",
