@@ -39,6 +39,7 @@ from qwen3_spmd.pipeline.programs import Clock, OnCompile, Programs
 from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import (
+    PromptLogprobs,
     RowSampling,
     Sampling,
     TokenLogprobs,
@@ -421,8 +422,14 @@ class Engine:
 
     # ---- the programs --------------------------------------------------------------
 
-    def _prefill_fn(self, strategy: str, with_context: bool = False, block: int | None = None):
-        key = (strategy, with_context, block)
+    def _prefill_fn(
+        self,
+        strategy: str,
+        with_context: bool = False,
+        block: int | None = None,
+        prompt_logprobs: bool = False,
+    ):
+        key = (strategy, with_context, block, prompt_logprobs)
         return self._jitted(
             self._prefill,
             key,
@@ -438,6 +445,7 @@ class Engine:
                     strategy,
                     with_context,
                     block,
+                    prompt_logprobs,
                 ),
                 donate_argnames="cache",
             ),
@@ -462,12 +470,15 @@ class Engine:
         )
 
     @staticmethod
-    def prefill_name(strategy: str, with_context: bool, block: int | None = None) -> tuple:
-        """The prefill program's name: its cp strategy, whether it continues a cache, and
-        the block of a prefix cache's layout."""
+    def prefill_name(
+        strategy: str, with_context: bool, block: int | None = None, prompt_logprobs: bool = False
+    ) -> tuple:
+        """The prefill program's name: its cp strategy, whether it continues a cache, the
+        block of a prefix cache's layout, and whether it scores every prompt token."""
         name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
         name += ("context",) if with_context else ()
-        return name + (("blocks", block) if block is not None else ())
+        name += ("blocks", block) if block is not None else ()
+        return name + (("prompt_logprobs",) if prompt_logprobs else ())
 
     @staticmethod
     def decode_name(
@@ -619,22 +630,26 @@ class Engine:
         """Runs the prefill of `batch` into a new cache and samples each row's first token
         with its `params` (host arrays [B]; sampled=False: every row is greedy).
         A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
-        must list the earlier chunks' slots; its prefill attends to them too.
-        Returns (first tokens [B] numpy, logits [B, V], the cache)."""
+        must list the earlier chunks' slots; its prefill attends to them too. A batch
+        laid out with targets (`layout.lay_out`) scores its prompts' tokens too.
+        Returns (first tokens [B] numpy, logits [B, V], the cache, PromptLogprobs of
+        numpy arrays [B, P_pad, ...] in the batch's device order, or None without
+        targets)."""
         with_context = batch.offset > 0
+        scored = batch.prefill.targets is not None
         if cache is None:
             cache = self.new_cache(batch)
-        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs())
-        fn = self._prefill_fn(strategy, with_context, batch.block)
+        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
+        fn = self._prefill_fn(strategy, with_context, batch.block, scored)
+        name = self.prefill_name(strategy, with_context, batch.block, scored)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache = self._run(
-            self.prefill_name(strategy, with_context, batch.block), fn, clock, cache, inputs
-        )
+        logits, cache, *prompt = self._run(name, fn, clock, cache, inputs)
         first = self._sample(logits, params, np.int32(0), sampled=sampled)
         first = np.asarray(first)
+        prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
-        return first, logits, cache
+        return first, logits, cache, prompt
 
     def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
         """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
@@ -680,25 +695,30 @@ class Engine:
         with_context: bool,
         announce: bool = True,
         block: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
-        P_pad runs (with_context: later chunks of prompts, continuing a cache): a new
-        cache's zeros, the prefill program, the first tokens' sampling (greedy and
-        sampled) and log-probabilities, and `insert` of its rows into a cache of
-        `cache_rows` rows. Nothing runs (compiling is local to this process: no
-        collective, so a background thread may compile while rounds run).
-        announce=False: no on_compile for the program. block: a prefix cache's layout."""
-        laid = lay_out([[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block)
+        P_pad runs (with_context: later chunks of prompts, continuing a cache;
+        prompt_logprobs: scoring every prompt token): a new cache's zeros, the prefill
+        program, the first tokens' sampling (greedy and sampled) and log-probabilities,
+        and `insert` of its rows into a cache of `cache_rows` rows. Nothing runs
+        (compiling is local to this process: no collective, so a background thread may
+        compile while rounds run). announce=False: no on_compile for the program.
+        block: a prefix cache's layout."""
+        targets = [[0] * P_pad] * B if prompt_logprobs else None
+        laid = lay_out(
+            [[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block, targets=targets
+        )
         strategy = self.cp_plan(B, P_pad)[0]
         program, _ = self.programs.get(
-            self.prefill_name(strategy, with_context, block),
-            self._prefill_fn(strategy, with_context, block),
+            self.prefill_name(strategy, with_context, block, prompt_logprobs),
+            self._prefill_fn(strategy, with_context, block, prompt_logprobs),
             self.weights,
             self._abstract_cache(B),
-            self._abstract(laid.prefill, PrefillInputs.specs()),
+            self._abstract(laid.prefill, PrefillInputs.specs(prompt_logprobs)),
             announce,
         )
-        logits, new = (
+        logits, new, *_ = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
             for out in program.out_info
         )

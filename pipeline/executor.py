@@ -15,12 +15,12 @@ import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.handles import Logprob, Request
-from qwen3_spmd.pipeline.layout import lay_out
+from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefix import BlockPool, PrefixBook, block_slot_pos, block_slots
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, TokenLogprobs
+from qwen3_spmd.pipeline.sampling import PromptLogprobs, RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
 
 if TYPE_CHECKING:  # the engine runs generate through an executor
@@ -53,6 +53,7 @@ class Executor:
         self.cache = cache
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
         self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
+        self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
         # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
         self.logits = None
@@ -75,7 +76,7 @@ class Executor:
                 updates.append(Update(id, [], "cancelled"))
                 self.accounting.early_ends += in_row  # a row freed before its budget
                 if not in_row:  # the long prompt being chunked
-                    self._chunk_cache = None
+                    self._chunk_cache, self._chunk_prompt = None, []
         if round.chunk is not None:
             updates += self._chunk(round.chunk)
         for admission in round.admissions:
@@ -108,6 +109,9 @@ class Executor:
             held = book.hold(chunk.request, chunk.row)
             self._count(chunk.request, ())
         request = held.request
+        if chunk.request is not None:  # its first chunk
+            self._chunk_prompt = []
+        scored = chunk.shape.prompt_logprobs
         batch = lay_out(
             [list(request.prompt[chunk.start : chunk.end])],
             eng.M,
@@ -119,6 +123,7 @@ class Executor:
             P_pad=chunk.shape.P_pad,
             rows=chunk.shape.B,
             block=self.block_layout,
+            targets=[_targets(request.prompt, chunk.start, chunk.end)] if scored else None,
         )
         book.chunk_prefilled(batch, chunk.end)
         cache = self._chunk_cache
@@ -127,7 +132,11 @@ class Executor:
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, logits, cache = eng.prefill(batch, strategy, params, sampled, self.clock, cache)
+        first, logits, cache, prompt = eng.prefill(
+            batch, strategy, params, sampled, self.clock, cache
+        )
+        if scored:
+            self._chunk_prompt += _prompt_rows(batch, prompt, 0)
         if chunk.end < len(request.prompt):
             self._chunk_cache = cache
             return []
@@ -138,6 +147,8 @@ class Executor:
         self._insert(cache, rows)
         update = book.start(held.row, request, int(first[0]), held.offset, held.slot_pos)
         update.cached_tokens = held.cached_tokens
+        if scored:
+            update.prompt_logprobs, self._chunk_prompt = self._chunk_prompt, []
         if request.params.logprobs:
             update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
         return [update]
@@ -169,6 +180,8 @@ class Executor:
     def _prefill(self, admission: Admission) -> list[Update]:
         """Short prompts prefilled together into their rows; their first tokens."""
         eng, book, requests = self.engine, self.book, admission.requests
+        scored = admission.shape.prompt_logprobs
+        targets = [_targets(r.prompt, 0, len(r.prompt)) for r in requests] if scored else None
         batch = lay_out(
             [list(r.prompt) for r in requests],
             eng.M,
@@ -178,6 +191,7 @@ class Executor:
             P_pad=admission.shape.P_pad,
             rows=admission.shape.B,
             block=self.block_layout,
+            targets=targets,
         )
         for r in requests:
             self._count(r, ())
@@ -186,7 +200,7 @@ class Executor:
         )
         sampled = any(r.params.sampling.temperature > 0 for r in requests)
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, self.logits, new = eng.prefill(batch, strategy, params, sampled, self.clock)
+        first, self.logits, new, prompt = eng.prefill(batch, strategy, params, sampled, self.clock)
         into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
         into[: len(requests)] = admission.rows
         self._insert(new, into)
@@ -197,6 +211,8 @@ class Executor:
             update = book.start(b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i])
             if r.params.logprobs:
                 update.logprobs = [_logprob(lp, i)]
+            if r.params.prompt_logprobs:
+                update.prompt_logprobs = _prompt_rows(batch, prompt, i)
             updates.append(update)
         return updates
 
@@ -250,3 +266,24 @@ def _logprob(lp: TokenLogprobs, r: int) -> Logprob:
     """Row r of TokenLogprobs (numpy) as the handle keeps it."""
     top = [(int(i), float(v)) for i, v in zip(lp.top_ids[r], lp.top[r])]
     return Logprob(float(lp.chosen[r]), top)
+
+
+def _targets(prompt: tuple[int, ...], start: int, end: int) -> list[int]:
+    """The next prompt token after each of prompt[start:end] (-1 after the last)."""
+    return list(prompt[start + 1 : end + 1]) + [-1] * (end == len(prompt))
+
+
+def _prompt_rows(batch: Batch, lp: PromptLogprobs, b: int) -> list[Logprob]:
+    """Row b's PromptLogprobs (numpy, the batch's device order) as Logprobs in position
+    order, one per token that has a next prompt token (its log-probability's)."""
+    positions, targets = batch.prefill.positions[b], batch.prefill.targets[b]
+    at = np.flatnonzero(targets >= 0)
+    at = at[np.argsort(positions[at])]
+    return [
+        Logprob(
+            float(lp.chosen[b, i]),
+            [(int(t), float(v)) for t, v in zip(lp.top_ids[b, i], lp.top[b, i])],
+            int(lp.rank[b, i]),
+        )
+        for i in at
+    ]

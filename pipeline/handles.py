@@ -24,7 +24,10 @@ class Params:
     """max_new_tokens counts every generated token (the first comes from the prefill);
     an EOS id ends the request and is kept as its last token. min_tokens: no EOS id
     before that many tokens (they are banned from sampling until then). logprobs: each
-    token's log-probability and the top ones come with it (Handle.logprobs)."""
+    token's log-probability and the top ones come with it (Handle.logprobs).
+    prompt_logprobs: the prompt's too, each token's after the first under the tokens
+    before it (Handle.prompt_logprobs); such a prompt is prefilled whole, never from the
+    prefix cache (a hit would skip the positions it asks for)."""
 
     max_new_tokens: int = 16
     sampling: Sampling = Sampling()
@@ -32,6 +35,7 @@ class Params:
     eos_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: bool = False
+    prompt_logprobs: bool = False
 
     def finish_reason(self, tokens: list[int]) -> str | None:
         """Why a request that has generated `tokens` ends: "stop" (the last is an EOS
@@ -56,11 +60,13 @@ class Request:
 
 
 class Logprob(NamedTuple):
-    """A generated token's log-probability under the model (the raw logits) and the
-    sampling.TOP_LOGPROBS most likely (id, log-probability), in decreasing order."""
+    """A token's log-probability under the model (the raw logits) and the
+    sampling.TOP_LOGPROBS most likely (id, log-probability), in decreasing order; a
+    prompt token's also its rank among all (1: the most likely)."""
 
     chosen: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 class Handle:
@@ -76,6 +82,9 @@ class Handle:
         self.id, self.prompt, self.params = request.id, request.prompt, request.params
         self.tokens: list[int] = []
         self.logprobs: list[Logprob] = []  # one per token, when params.logprobs
+        # One per prompt token after the first, when params.prompt_logprobs (set with
+        # the first token).
+        self.prompt_logprobs: list[Logprob] | None = None
         self.finish_reason: str | None = None
         self.token_times_s: list[float] = []  # when each token reached the host
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
@@ -103,12 +112,18 @@ class Handle:
         return self.token_times_s[0] if self.token_times_s else None
 
     def _deliver(
-        self, tokens: list[int], finish_reason: str | None, logprobs: list[Logprob] | None = None
+        self,
+        tokens: list[int],
+        finish_reason: str | None,
+        logprobs: list[Logprob] | None = None,
+        prompt_logprobs: list[Logprob] | None = None,
     ) -> None:
-        """The scheduler's side: new tokens (and their Logprobs) and, at the end, the
-        finish reason."""
+        """The scheduler's side: new tokens (and their Logprobs; with the first, the
+        prompt's) and, at the end, the finish reason."""
         now = time.perf_counter() - self._submitted
         with self._changed:
+            if prompt_logprobs is not None:
+                self.prompt_logprobs = prompt_logprobs
             self.logprobs += logprobs or []
             self.tokens += tokens
             self.token_times_s += [now] * len(tokens)

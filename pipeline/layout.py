@@ -76,6 +76,7 @@ def lay_out(
     P_pad: int | None = None,
     rows: int | None = None,
     block: int | None = None,
+    targets: list[list[int]] | None = None,
 ) -> Batch:
     """`prompts` as rows of a batch of B = a multiple of lcm(microbatches, groups).
     bucketed: B rounded up further, to that multiple times a power of two (`bucket`),
@@ -86,7 +87,10 @@ def lay_out(
     the batch's rows (a multiple of that unit, at least the prompts), instead of the
     ones chosen here (`pipeline.shapes` decides them for a scheduler). block: each block
     of that many tokens zigzagged on its own (`ring.zigzag_blocks`, a prefix cache's
-    layout; `start` is then a multiple of it), None: the whole P_pad at once."""
+    layout; `start` is then a multiple of it), None: the whole P_pad at once.
+    targets: for a prefill with the prompt's log-probabilities, each prompt's next
+    prompt token after each of its tokens (-1 where none: its last), laid out as the
+    tokens (`PrefillInputs.targets`); None: none asked."""
     n_req = len(prompts)
     unit = math.lcm(microbatches, groups)
     B = bucket(n_req, unit) if bucketed else math.ceil(n_req / unit) * unit
@@ -108,6 +112,12 @@ def lay_out(
         positions[b, : len(p)] = start + np.arange(len(p))
     part = zigzag(P_pad, C) if block is None else zigzag_blocks(P_pad, C, block)
     tokens, positions = to_device_order(tokens, part), to_device_order(positions, part)
+    if targets is not None:
+        nexts = np.full((B, P_pad), -1, np.int32)
+        for b, t in enumerate(list(targets) + [targets[0]] * (B - n_req)):
+            nexts[b, : len(t)] = t
+        # Padding gathers to_device_order's zero row: mark it as no target.
+        targets = np.where(positions >= 0, to_device_order(nexts, part), -1).astype(np.int32)
     slot_pos = np.full((B, C, slots_per_device), -1, np.int32)
     slot_pos[:, :, offset : offset + P_pad // C] = positions.reshape(B, C, P_pad // C)
     request = np.arange(B, dtype=np.int32)
@@ -117,7 +127,7 @@ def lay_out(
         groups,
         lengths,
         P_pad,
-        PrefillInputs(tokens, positions, start + lengths - 1, np.int32(offset)),
+        PrefillInputs(tokens, positions, start + lengths - 1, np.int32(offset), targets),
         slot_pos,
         request,
         offset,

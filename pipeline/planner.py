@@ -194,8 +194,12 @@ class Planner:
     def cached(self, request: Request, prefix: PrefixBook | None) -> tuple[int, ...]:
         """The pool slots of the prompt's first blocks `prefix` (the prefix cache's book
         as the round will read it) holds: a hit is prefilled from its first uncached
-        token on, as a long prompt's later chunks."""
-        return prefix.lookup(request.prompt) if prefix is not None else ()
+        token on, as a long prompt's later chunks. None for a request that asks for its
+        prompt's log-probabilities: a hit would skip the positions it asks for (vLLM
+        bypasses the cache for it too)."""
+        if prefix is None or request.params.prompt_logprobs:
+            return ()
+        return prefix.lookup(request.prompt)
 
     def plan(
         self,
@@ -288,6 +292,7 @@ class Planner:
         end = min(done + self.rules.chunk_tokens, len(request.prompt))
         new_tokens = request.params.max_new_tokens
         shape = self.rules.chunk(end - done, offset, new_tokens)
+        shape = dataclasses.replace(shape, prompt_logprobs=request.params.prompt_logprobs)
         shape = self._stand_in(self.rules.prefill_stand_ins, shape, [new_tokens], offset) or shape
         return Chunk(row, done, end, shape, request if first else None, cached)
 
@@ -334,6 +339,9 @@ class Planner:
             batch = together[:n]
             new_tokens = [r.params.max_new_tokens for r in batch]
             shape = rules.prefill(n, max(len(r.prompt) for r in batch), new_tokens)
+            # One row that asks makes the program score every row's prompt.
+            scored = any(r.params.prompt_logprobs for r in batch)
+            shape = dataclasses.replace(shape, prompt_logprobs=scored)
             ready = self._stand_in(rules.prefill_stand_ins, shape, new_tokens)
             if ready is not None or n <= M:
                 return n, ready or shape

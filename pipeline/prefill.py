@@ -9,7 +9,12 @@ microbatch t - s (see pipeline.schedule):
     attention over the `seq` devices, as `cp` says), writes its layers' K/V for the microbatch into its cache slots
     0 .. P_pad/C - 1, and sends its [B/M, P_pad/C, D] share of the hidden state to
     stage s + 1. The last stage picks each request's last prompt token (wherever along
-    `seq` it lies) and applies the final norm and lm_head to it alone.
+    `seq` it lies) and applies the final norm and lm_head to it alone. A program built
+    with prompt_logprobs=True also applies them to every token of the microbatch, each
+    `seq` device to its own, and keeps per token the log-probability of the next prompt
+    token and the top ones (`sampling.split_logprobs`, a vocabulary-parallel
+    log-softmax under `tensor`): one microbatch's [B/M, P_pad/C, V'/X] logits at a time,
+    never the vocabulary on the host.
 
 Every device sends only its own 1/C of the hidden state between stages.
 """
@@ -27,13 +32,19 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.sampling import gather_vocab
+from qwen3_spmd.pipeline.sampling import (
+    PromptLogprobs,
+    gather_vocab,
+    prompt_logprob_shapes,
+    split_logprobs,
+)
 from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
     StageCache,
     Weights,
     cache_attend,
     from_device,
+    from_last_stage,
     on_last_stage,
     put_rows,
     rows,
@@ -64,10 +75,19 @@ class PrefillInputs(NamedTuple):
     last_pos: jax.Array  # [B] int32, P(): each request's last prompt position
     offset: jax.Array  # [] int32, P(): the first local cache slot the tokens' K/V go to
     #                    (0, or after the earlier chunks of a chunked prompt)
+    # [B, P_pad] int32, P(None, 'seq'), zigzag order as tokens: each token's next prompt
+    # token, -1 where none; only in a program with prompt_logprobs (else None).
+    targets: jax.Array | None = None
 
     @classmethod
-    def specs(cls) -> PrefillInputs:
-        return cls(SPECS.tokens_bt, SPECS.tokens_bt, SPECS.replicated, SPECS.replicated)
+    def specs(cls, targets: bool = False) -> PrefillInputs:
+        return cls(
+            SPECS.tokens_bt,
+            SPECS.tokens_bt,
+            SPECS.replicated,
+            SPECS.replicated,
+            SPECS.tokens_bt if targets else None,
+        )
 
 
 class PrefillCarry(NamedTuple):
@@ -77,6 +97,8 @@ class PrefillCarry(NamedTuple):
     cache: StageCache  # this stage's cache slice
     logits: jax.Array  # [B, V'/X] float32: the last prompt token's logits (last stage;
     #                    this device's block of the vocabulary, model.split)
+    prompt: PromptLogprobs | None = None  # [B, P_pad/C, ...] with prompt_logprobs: this
+    #                    device's tokens' (last stage)
 
 
 # One shard_map program, read top to bottom as the prefill schedule of the module's
@@ -93,6 +115,7 @@ def build_prefill(
     cp: str = "ring",
     with_context: bool = False,
     block: int | None = None,
+    prompt_logprobs: bool = False,
 ):
     """The prefill program (not yet jitted).
 
@@ -202,24 +225,46 @@ def build_prefill(
                 h_last,
             )
             logits = jnp.where(on_last, put_rows(carry.logits, logits, row0), carry.logits)
-            return PrefillCarry(shift(x, cyclic=False), kv, logits)
+            prompt = carry.prompt
+            if prompt_logprobs:
+                targets = rows(inputs.targets, row0, Bm)
+                on_last, lp = on_last_stage(
+                    active,
+                    lambda x: split_logprobs(model.logits(x), targets, model.split),
+                    prompt_logprob_shapes(Bm, T),
+                    x,
+                )
+                prompt = jax.tree.map(
+                    lambda buf, new: jnp.where(on_last, put_rows(buf, new, row0), buf), prompt, lp
+                )
+            return PrefillCarry(shift(x, cyclic=False), kv, logits, prompt)
 
         carry = PrefillCarry(
             vary(jnp.full((Bm, T, cfg.D), jnp.nan if poison else 0.0, cache.k.dtype)),
             StageCache(cache.k, cache.v),
             vary(jnp.zeros((B, V_local), jnp.float32)),
+            jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), prompt_logprob_shapes(B, T))
+            if prompt_logprobs
+            else None,
         )
         carry = jax.lax.fori_loop(0, M + stages - 1, tick, carry)
-        return (
+        out = (
             from_device(gather_vocab(carry.logits, model.split, cfg.V), stages - 1, 0),
             KVCache(carry.cache.k, carry.cache.v, cache.pos),
         )
+        if prompt_logprobs:  # each seq device keeps its own tokens'
+            out += (jax.tree.map(from_last_stage, carry.prompt),)
+        return out
 
+    out_specs = (P(), CACHE_SPECS)
+    if prompt_logprobs:
+        along = SPECS.tokens_bt
+        out_specs += (PromptLogprobs(along, along, P(*along, None), P(*along, None)),)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs()),
-        out_specs=(P(), CACHE_SPECS),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(prompt_logprobs)),
+        out_specs=out_specs,
     )
 
     def prefill(weights: Weights, cache: KVCache, inputs: PrefillInputs):

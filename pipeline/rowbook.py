@@ -31,6 +31,8 @@ class Update:
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None  # one per token, when the request asks
     cached_tokens: int = 0  # with its first token: prompt tokens the prefix cache gave
+    # with its first token, when the request asks: each prompt token's after the first
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclasses.dataclass

@@ -235,3 +235,71 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     top, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
     return TokenLogprobs(chosen, top, top_ids.astype(jnp.int32))
+
+
+# ---- the prompt's log-probabilities (vocabulary-parallel) ------------------------------
+
+
+class PromptLogprobs(NamedTuple):
+    """Per prompt token (the prefill's [B, T] layout: zigzag device order): the
+    log-probability of the next prompt token under the model (the raw logits), its rank
+    (1 = the most likely), and the TOP_LOGPROBS most likely, in decreasing order. Where
+    a token has no next one (a prompt's last, padding) the fields hold zeros."""
+
+    chosen: jax.Array  # [B, T] float32
+    rank: jax.Array  # [B, T] int32
+    top: jax.Array  # [B, T, TOP_LOGPROBS] float32
+    top_ids: jax.Array  # [B, T, TOP_LOGPROBS] int32
+
+
+def split_logprobs(local: jax.Array, targets: jax.Array, split: TensorSplit) -> PromptLogprobs:
+    """Log-probabilities of `targets` [B, T] (-1: none) under logits split by vocabulary,
+    local [B, T, V'/X] (this device's block, padding ids at -inf), and the top ones:
+    a log-softmax whose max, sum of exponentials, chosen logit, rank and top candidates
+    are reduced over `tensor` (never the vocabulary gathered). X = 1: plain log_softmax.
+
+    The chosen and the top values are one expression, (logit - max) - log(sum), so a
+    token that is its position's most likely has its top-1 value bit for bit (harnesses
+    decide "greedy" by equality)."""
+    rows = local.shape[-1]
+    first = split.first(rows)
+    m = jnp.max(local, axis=-1)
+    if split.size > 1:
+        m = jax.lax.pmax(m, split.axis)
+    log_sum = jnp.log(split.sum(jnp.sum(jnp.exp(local - m[..., None]), axis=-1)))
+
+    def normed(logit):  # [B, T] or [B, T, k] logits -> log-probabilities
+        shape = (*m.shape, *([1] * (logit.ndim - m.ndim)))
+        return (logit - m.reshape(shape)) - log_sum.reshape(shape)
+
+    here = targets - first
+    mine = (here >= 0) & (here < rows)
+    picked = jnp.take_along_axis(local, jnp.clip(here, 0, rows - 1)[..., None], axis=-1)[..., 0]
+    logit = split.sum(jnp.where(mine, picked, 0.0))  # one device adds it, the rest zeros
+    rank = split.sum(jnp.sum(local > logit[..., None], axis=-1, dtype=jnp.int32)) + 1
+    top, ids = jax.lax.top_k(local, TOP_LOGPROBS)
+    ids = ids.astype(jnp.int32) + first
+    if split.size > 1:
+        # Each device's k best, gathered in device order (ascending ids), then the k
+        # best of those: ties go to the lowest id, as top_k over the whole row.
+        top = jax.lax.all_gather(top, split.axis, axis=-1, tiled=True)
+        ids = jax.lax.all_gather(ids, split.axis, axis=-1, tiled=True)
+        top, at = jax.lax.top_k(top, TOP_LOGPROBS)
+        ids = jnp.take_along_axis(ids, at, axis=-1)
+    some = targets >= 0
+    return PromptLogprobs(
+        jnp.where(some, normed(logit), 0.0),
+        jnp.where(some, rank, 0),
+        normed(top),
+        ids,
+    )
+
+
+def prompt_logprob_shapes(B: int, T: int) -> PromptLogprobs:
+    """PromptLogprobs' shapes for B rows of T tokens."""
+    return PromptLogprobs(
+        jax.ShapeDtypeStruct((B, T), jnp.float32),
+        jax.ShapeDtypeStruct((B, T), jnp.int32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.int32),
+    )

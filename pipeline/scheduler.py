@@ -276,6 +276,7 @@ class Scheduler:
                 shape.with_context,
                 announce,
                 block=self.rules.layout_block,
+                prompt_logprobs=shape.prompt_logprobs,
             )
         elif isinstance(shape, DecodeShape):
             eng.compile_decode(
@@ -473,7 +474,7 @@ class Scheduler:
         for u, handle in zip(updates, handles):
             if handle is not None:  # a follower's rounds have no handles
                 handle.cached_tokens = max(handle.cached_tokens, u.cached_tokens)
-                handle._deliver(u.tokens, u.finish_reason, u.logprobs)
+                handle._deliver(u.tokens, u.finish_reason, u.logprobs, u.prompt_logprobs)
         return updates
 
     def run(self) -> None:

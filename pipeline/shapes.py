@@ -29,11 +29,15 @@ from qwen3_spmd.ring import padded_length, slots_per_device
 @dataclasses.dataclass(frozen=True, order=True)
 class PrefillShape:
     """A prefill program: B prompts (rows, padding included) padded to P_pad tokens;
-    with_context: later chunks of a long prompt, attending to its cached earlier ones."""
+    with_context: later chunks of a long prompt, attending to its cached earlier ones;
+    prompt_logprobs: scoring every prompt token (`prefill.build_prefill`). Those are
+    not among `ShapeRules.programs()`: few requests ask (evaluation harnesses), and a
+    server would compile every prefill twice for them; the first to meet one compiles it."""
 
     B: int
     P_pad: int
     with_context: bool = False
+    prompt_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -190,7 +194,7 @@ class ShapeRules:
         padded longer, up to STAND_IN_PADDING times, where each row still has room for
         its prompt and its `new_tokens`."""
         longer = [
-            s
+            dataclasses.replace(s, prompt_logprobs=shape.prompt_logprobs)
             for s in self.programs().prefills
             if (s.B, s.with_context) == (shape.B, shape.with_context)
             and shape.P_pad < s.P_pad <= STAND_IN_PADDING * shape.P_pad

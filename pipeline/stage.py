@@ -64,6 +64,16 @@ def from_device(x: jax.Array, stage, seq) -> jax.Array:
     return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), AXES)
 
 
+def from_last_stage(x: jax.Array) -> jax.Array:
+    """x as the last stage holds it (its first `tensor` device), made the same on every
+    stage and `tensor` device; each `seq` device keeps its own (its share of the
+    tokens). Exact: the other devices add zeros."""
+    here = (jax.lax.axis_index("stage") == jax.lax.axis_size("stage") - 1) & (
+        jax.lax.axis_index("tensor") == 0
+    )
+    return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), ("stage", "tensor"))
+
+
 def shift(x, cyclic: bool):
     """Sends x from stage s to stage s + 1 (and the last back to stage 0 when cyclic);
     a stage that receives nothing gets zeros."""

@@ -27,12 +27,13 @@ import re
 import string
 
 from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.handles import Logprob as TokenLogprob
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
-from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
 
-__all__ = ["LLM", "Output", "SamplingParams"]
+__all__ = ["LLM", "Logprob", "Output", "SamplingParams"]
 
 # The engine's parameter names that this API spells its own way (vLLM's).
 _NAMES = {"max_new_tokens": "max_tokens"}
@@ -48,7 +49,10 @@ class SamplingParams:
     door: pipeline.requests.key_seed). A request stops at the model's EOS ids (unless
     ignore_eos) or at stop_token_ids, keeping that id as its last token; not before
     min_tokens tokens. skip_special_tokens leaves special tokens (<|im_end|>, ...) out
-    of `Output.text`.
+    of `Output.text`. prompt_logprobs: k (0 to sampling.TOP_LOGPROBS) asks for the
+    prompt's log-probabilities (`Output.prompt_logprobs`): each prompt token's and its
+    position's k most likely; None asks for none. Such a prompt is prefilled whole
+    (never from a prefix cache).
 
     Where vLLM differs: temperature 0.0 here, 1.0 there; seed 0 here, None (a fresh one
     each request) there. So a call that names neither repeats its tokens.
@@ -63,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -70,6 +75,12 @@ class SamplingParams:
         if self.top_k == -1:  # vLLM's older spelling of off
             object.__setattr__(self, "top_k", 0)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        k = self.prompt_logprobs
+        if k is not None and not (isinstance(k, int) and 0 <= k <= TOP_LOGPROBS):
+            raise RequestError(
+                f"$prompt_logprobs {k!r} must be None or between 0 and {TOP_LOGPROBS}",
+                "prompt_logprobs",
+            )
         Sampling(self.temperature, self.top_k, self.top_p)  # its range checks, now
 
     def params(self, eos_ids: tuple[int, ...]) -> Params:
@@ -81,20 +92,35 @@ class SamplingParams:
             seed=key_seed(self.seed),
             eos_ids=tuple(dict.fromkeys(stop)),
             min_tokens=self.min_tokens,
+            prompt_logprobs=self.prompt_logprobs is not None,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model (vLLM's): its rank among all tokens
+    (1: the most likely) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Output:
     """One prompt's completion. prompt: the text given (after the chat template, with
     chat=True), None for token ids; text: None when the model has no tokenizer.
-    finish_reason: "stop" (an EOS or stop id, kept as the last token) or "length"."""
+    finish_reason: "stop" (an EOS or stop id, kept as the last token) or "length".
+    prompt_logprobs (with SamplingParams.prompt_logprobs = k, vLLM's shape): None for
+    the first prompt token, then for each token a dict id -> Logprob of the token
+    itself and its position's k most likely."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     text: str | None
     token_ids: list[int]
     finish_reason: str
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -220,9 +246,31 @@ class LLM:
                 ),
                 token_ids=list(h.tokens),
                 finish_reason=h.finish_reason,
+                prompt_logprobs=self._prompt_logprobs(ids, h.prompt_logprobs, s.prompt_logprobs),
             )
             for (ids, text), s, h in zip(given, each, handles)
         ]
+
+    def _prompt_logprobs(
+        self, ids: list[int], scored: list[TokenLogprob] | None, k: int | None
+    ) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs from a handle's: per token after the first, the token's
+        own and the k most likely (ranks 1..k), the token first."""
+        if k is None or scored is None:
+            return None
+        text = self.text
+
+        def entry(id: int, logprob: float, rank: int) -> Logprob:
+            shown = text.decode([id]) if text is not None else None
+            return Logprob(logprob, rank, shown)
+
+        out: list[dict[int, Logprob] | None] = [None]
+        for id, lp in zip(ids[1:], scored):
+            position = {id: entry(id, lp.chosen, lp.rank)}
+            for rank, (top_id, value) in enumerate(lp.top[:k], start=1):
+                position.setdefault(top_id, entry(top_id, value, rank))
+            out.append(position)
+        return out
 
     def _queue(self, ids: list[int], sampling: SamplingParams, index: int) -> Handle:
         """submit, running rounds while the scheduler's queue is full: a batch larger

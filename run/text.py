@@ -56,8 +56,11 @@ class Text:
             return None
         return cls(folder)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of text (special tokens written in it are read as such);
+        add_special_tokens: also those the tokenizer's post-processor adds (none for
+        Qwen's)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of ids; an id past the tokenizer's vocabulary (a random model can emit

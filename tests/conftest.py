@@ -67,6 +67,7 @@ LONGEST_FIRST = [
     "test_tensor.py",
     "test_moe.py",
     "test_engine_ulysses.py",
+    "test_prompt_logprobs.py",
     "test_multihost.py",
     "test_bench.py",
     "test_doc_examples.py",

@@ -484,3 +484,14 @@ def test_serve_over_http_beside_transformers_serve(capsys):
 def test_url_goes_with_the_serve_scenario_only(capsys):
     assert main(["bench", "--url", "local", "--scenario", "decode"]) == 2
     assert "only --scenario serve" in capsys.readouterr().err
+
+
+def test_prompt_logprobs_scenario_times_a_prefill_with_and_without(capsys):
+    """--scenario prompt_logprobs: each prompt length's prefill scored and plain, in one
+    run, and their ratio."""
+    out = run_json(capsys, "--scenario", "prompt_logprobs", "--prompt-lens", "16")
+    (job,) = out["meshes"][0]["prompt_logprobs"]
+    assert (job["prompt_len"], job["batch"]) == (16, 1)
+    check_spread(job["plain_s"])
+    check_spread(job["scored_s"])
+    assert job["ratio"] == job["scored_s"]["median"] / job["plain_s"]["median"] > 0

@@ -140,6 +140,26 @@ def test_sampling_params_checked_on_construction():
         SamplingParams(max_tokens=0)
 
 
+def test_prompt_logprobs_in_vllms_shape(llm):
+    """SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
+    a dict id -> Logprob of the token itself and its position's k most likely (the
+    numbers: tests/test_prompt_logprobs.py); out of range is one line naming it."""
+    (out,) = llm.generate([IDS], SamplingParams(max_tokens=1, prompt_logprobs=2))
+    scored = out.prompt_logprobs
+    assert len(scored) == len(IDS) and scored[0] is None
+    for token, position in zip(IDS[1:], scored[1:]):
+        assert token in position and 2 <= len(position) <= 3
+        ranks = sorted(lp.rank for lp in position.values())
+        assert ranks[:2] == [1, 2] and position[token].rank >= 1
+        assert position[token].decoded_token == llm.text.decode([token])
+        assert all(lp.logprob <= 0 for lp in position.values())
+    (plain,) = llm.generate([IDS], SamplingParams(max_tokens=1))
+    assert plain.prompt_logprobs is None and plain.token_ids == out.token_ids
+    for k in (-1, 6):
+        with pytest.raises(RequestError, match=rf"^prompt_logprobs {k} must be"):
+            SamplingParams(prompt_logprobs=k)
+
+
 def test_preset_has_no_text_but_runs_ids_on_2x2():
     llm = LLM("tiny", mesh="2x2", max_seq_len=32, max_batch=2, chunk=1)
     with pytest.raises(RequestError, match="pass token ids") as e:

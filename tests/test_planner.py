@@ -81,7 +81,7 @@ class FakeEngine:
             inputs.tokens[b][list(inputs.positions[b]).index(inputs.last_pos[b])]
             for b in range(batch.B)
         ]
-        return np.array(first) % V, None, cache
+        return np.array(first) % V, None, cache, None
 
     def logprobs(self, logits, tokens):
         return _no_logprobs(len(tokens))
@@ -223,6 +223,29 @@ def test_admission_takes_each_length_bucket_in_whole_batches_into_the_lowest_row
     assert plan.decode.shape.rows == 4 and plan.decode.steps == 3
     assert plan.taken() == {0, 1, 2, 3}
     assert planner.plan(book, waiting) == plan and book.live() == []  # it only reads
+
+
+def test_a_request_for_its_prompts_logprobs_is_prefilled_whole_past_a_prefix_hit():
+    """With the prompt's first two 8-token blocks in the prefix cache, a request that
+    does not ask for its prompt's log-probabilities is a hit (a chunk after the cached
+    blocks); one that asks is admitted whole, in a prefill shape that scores."""
+    from qwen3_spmd.pipeline.prefix import PrefixBook, plan_saves
+
+    rules = ShapeRules(
+        4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=32, chunk_tokens=32, block=8
+    )
+    prefix = PrefixBook(slots=4, block=8)
+    prompt = tuple(range(1, 21))
+    for save in plan_saves(prefix, [(0, prompt)], keep=set()):
+        prefix.store(save)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4, prefix=prefix)
+    book = _book_with(4, 1, {})
+    plain = planner.plan(book, [Request(0, prompt, Params(4))])
+    assert plain.chunk.cached and plain.chunk.start == 16 and not plain.admissions
+    asked = planner.plan(book, [Request(0, prompt, Params(4, prompt_logprobs=True))])
+    assert asked.chunk is None and [a.shape for a in asked.admissions] == [
+        PrefillShape(1, 24, prompt_logprobs=True)
+    ]
 
 
 def test_while_programs_compile_a_round_takes_compiled_shapes_that_do_the_same_work():

@@ -428,11 +428,14 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
 def test_a_round_survives_its_json():
     """What process 0 sends its followers: every part of a round, requests and shapes
     included, comes back equal."""
-    sampled = Params(5, Sampling(0.7, 3, 0.9), 11, (2, 9), min_tokens=2, logprobs=True)
+    sampled = Params(
+        5, Sampling(0.7, 3, 0.9), 11, (2, 9), min_tokens=2, logprobs=True, prompt_logprobs=True
+    )
     first = Request(7, (1, 2, 3), sampled)
+    scored = PrefillShape(1, 8, prompt_logprobs=True)
     plan = Round(
         cancels=(3, 5),
-        chunk=Chunk(row=1, start=0, end=8, shape=PrefillShape(1, 8), request=first),
+        chunk=Chunk(row=1, start=0, end=8, shape=scored, request=first),
         admissions=(Admission((Request(8, (4,), Params()),), (0,), PrefillShape(1, 2)),),
         moves=((3, 2),),
         decode=DecodeChunk(DecodeShape(4, sampled=True, logprobs=False), steps=3),

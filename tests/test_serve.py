@@ -409,6 +409,149 @@ def test_logprobs_equal_transformers(server, client, reference):
         assert entry.bytes == list(entry.token.encode()) or entry.token.startswith("bytes:\\x")
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    top = x.max(-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
+def test_echo_logprobs_score_every_prompt_token(server, text, reference):
+    """lm-evaluation-harness's log-likelihood request, two id prompts of different
+    lengths: one choice each, in order, whose tokens, token_logprobs, top_logprobs and
+    text_offset cover every prompt token (the first null) and then the generated one;
+    the prompt's log-probabilities equal log_softmax of transformers' logits. With
+    max_tokens 0: the same, without the generated token."""
+    ref = np.load(FIXTURE / "reference.npz")
+    which = [2, 0]  # 11 and 7 tokens
+    prompts = [reference[i][0] for i in which]
+    body = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    out = _post(server, "/v1/completions", {**body, "seed": 1234}).json()
+    bare = _post(server, "/v1/completions", {**body, "max_tokens": 0}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1] == [c["index"] for c in bare["choices"]]
+    assert bare["usage"]["completion_tokens"] == 0 and out["usage"]["completion_tokens"] == 2
+    for i, p, c, b in zip(which, prompts, out["choices"], bare["choices"]):
+        lp = c["logprobs"]
+        assert [len(lp[f]) for f in lp] == [len(p) + 1] * 4
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = _log_softmax(ref[f"prefill_logits_{i}"])
+        np.testing.assert_allclose(
+            lp["token_logprobs"][1 : len(p)], want[np.arange(len(p) - 1), p[1:]], atol=1e-4
+        )
+        for chosen, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            # the token itself and the most likely (one entry when it is the most likely)
+            assert chosen in top.values() and 1 <= len(top) <= 2
+            assert max(top.values()) >= chosen
+        # the generated token, transformers' greedy one, is the most likely
+        assert lp["top_logprobs"][-1][lp["tokens"][-1]] == max(lp["top_logprobs"][-1].values())
+        shown = text.decode(p, skip_special=True)
+        assert c["text"].startswith(shown) and b["text"] == shown
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert lp["text_offset"][-1] == len(shown)
+        # The same numbers (to rounding: the two requests may be batched apart)
+        bare_lp = b["logprobs"]
+        for field in ("tokens", "text_offset"):
+            assert bare_lp[field] == lp[field][: len(p)]
+        np.testing.assert_allclose(
+            bare_lp["token_logprobs"][1:], lp["token_logprobs"][1 : len(p)], atol=1e-6
+        )
+        assert [list(t) for t in bare_lp["top_logprobs"][1:]] == [
+            list(t) for t in lp["top_logprobs"][1 : len(p)]
+        ]
+        assert b["finish_reason"] == "length"
+
+
+def test_prompt_logprobs_field_in_completions_and_chat(server, text, reference):
+    """vLLM's prompt_logprobs: k: a list beside the choices, null first, then per token
+    {id: {logprob, rank, decoded_token}} of the token and its position's k most likely;
+    streamed, with the first token."""
+    lp_fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    ref = np.load(FIXTURE / "reference.npz")
+    prompt = reference[0][0]
+    out = _post(server, "/v1/completions", _greedy(prompt, 1, prompt_logprobs=2)).json()
+    got = out["choices"][0]["prompt_logprobs"]
+    want = _log_softmax(ref["prefill_logits_0"])
+    assert len(got) == len(prompt) and got[0] is None
+    for p, (token, position) in enumerate(zip(prompt[1:], got[1:])):
+        assert str(token) in position and 2 <= len(position) <= 3
+        assert position[str(token)]["logprob"] == pytest.approx(want[p, token], abs=1e-4)
+        assert position[str(token)]["decoded_token"] == text.decode([token])
+        best = int(np.argmax(want[p]))
+        assert position[str(best)]["rank"] == 1
+        assert position[str(best)]["logprob"] == pytest.approx(want[p, best], abs=1e-4)
+    # Streamed: the prompt's come with the choice's first token, and add up to the whole.
+    body = _greedy(prompt, 2, echo=True, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    whole = _post(server, "/v1/completions", body).json()["choices"][0]
+    chunks, _ = _sse(server, "/v1/completions", {**body, "stream": True})
+    parts = [c["choices"][0] for c in chunks]
+    assert "".join(p["text"] for p in parts) == whole["text"]
+    assert {f: sum((p["logprobs"][f] for p in parts), []) for f in lp_fields} == {
+        f: whole["logprobs"][f] for f in lp_fields
+    }
+    sent = [p["prompt_logprobs"] for p in parts if "prompt_logprobs" in p]
+    assert sent == [whole["prompt_logprobs"]]
+    chat = _post(
+        server,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    scored = chat["prompt_logprobs"]
+    assert len(scored) == chat["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(position) == 1 for position in scored[1:])  # the token itself
+
+
+LM_EVAL_TASK = """\
+task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: question
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def test_lm_eval_scores_as_transformers(server, tmp_path):
+    """lm-evaluation-harness's `local-completions` (its own process, offline, the
+    server's tokenizer endpoints for its tokenizer) on a tiny
+    multiple-choice task: each choice's log-likelihood equals transformers' within 1e-4
+    a token, and its greedy flag is the same (tests/fixtures/make_lm_eval_reference.py)."""
+    folder = ROOT / "tests" / "fixtures" / "lm_eval"
+    reference = json.loads((folder / "reference.json").read_text())["docs"]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_mc.yaml").write_text(LM_EVAL_TASK.format(data=folder / "tiny_mc.json"))
+    env = child_env() | {
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "OPENAI_API_KEY": KEY,
+    }
+    args = f"base_url={server['url']}/v1/completions,model=tiny,tokenizer_backend=remote"
+    args += ",num_concurrent=1,max_retries=1,timeout=120"
+    argv = [sys.executable, "-m", "lm_eval", "--model", "local-completions"]
+    argv += ["--model_args", args, "--tasks", "tiny_mc", "--include_path", str(tasks)]
+    argv += ["--batch_size", "1", "--log_samples", "--output_path", str(tmp_path / "out")]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (samples,) = (tmp_path / "out").rglob("samples_tiny_mc_*.jsonl")
+    seen = 0
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        items = reference[sample["doc_id"]]["items"]
+        assert len(sample["filtered_resps"]) == len(items)
+        for (loglikelihood, greedy), item in zip(sample["filtered_resps"], items):
+            n = len(item["tokens"]) - item["ctxlen"]
+            assert float(loglikelihood) == pytest.approx(item["loglikelihood"], abs=1e-4 * n)
+            assert str(greedy) == str(item["greedy"])
+            seen += 1
+    assert seen == sum(len(d["items"]) for d in reference)
+
+
 def test_min_tokens_holds_back_the_end(server, reference):
     prompt, tokens = reference[0]
     end = tokens[2]
@@ -438,6 +581,8 @@ def test_min_tokens_holds_back_the_end(server, reference):
         ({"prompt": [1], "n": 0}, "n"),
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": [1], "logprobs": 6}, "logprobs"),
+        ({"prompt": [1], "prompt_logprobs": 6}, "prompt_logprobs"),
+        ({"prompt": [1], "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": [1], "min_tokens": -1}, "min_tokens"),
         ({"prompt": [1], "min_tokens": 1, "stop_token_ids": list(range(9))}, "stop_token_ids"),
     ],

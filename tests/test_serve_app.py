@@ -182,6 +182,43 @@ def test_metrics_wait_for_the_model():
     assert r.status_code == 503 and r.json() == {"status": "loading"}
 
 
+# ---- the tokenizer endpoints ---------------------------------------------------------------
+
+
+def test_tokenizer_endpoints_as_vllm_and_lm_eval_read_them(serve, engine):
+    """POST /tokenize (a prompt, or messages in the chat template), POST /detokenize and
+    GET /tokenizer_info with vLLM's bodies; outside /v1, so no API key is asked (the app
+    here has none either way). Bad bodies are a 400 naming the field."""
+    spec, _ = engine
+    text = spec.text()
+    client = serve(max_queue=1)
+    r = client.post(
+        "/tokenize", json={"prompt": "The quick brown fox", "add_special_tokens": False}
+    )
+    ids = text.encode("The quick brown fox")
+    assert r.status_code == 200
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_SEQ, "tokens": ids}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.post("/tokenize", json={"model": "tiny", "messages": messages}).json()
+    assert chat["tokens"] == text.encode(text.render(messages, True))
+    back = client.post("/detokenize", json={"tokens": ids + [302]}).json()
+    assert back == {"prompt": "The quick brown fox<|im_end|>"}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and info["pad_token"] == "<|endoftext|>"
+    assert "{%" in info["chat_template"]
+    for path, body, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/tokenize", {"prompt": 3}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = client.post("/tokenize", json={"prompt": "a", "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from qwen3_spmd.model.split import TensorError, TensorSplit
 from qwen3_spmd.pipeline import accounting
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.layout import lay_out
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, greedy_split, sample_rows
 from qwen3_spmd.pipeline.scheduler import Scheduler
 from qwen3_spmd.sharding.footprint import bytes_per_device
@@ -254,6 +255,35 @@ def test_per_device_bytes_are_the_footprints():
     pad = 2 * (336 - 333) * cfg.D * 4  # embedding and lm_head rows
     k_v = 2 * cfg.L * (4 - 2) * cfg.H * cfg.D * 4  # k and v projections of the repeated heads
     assert four["weights"] * 4 == one["weights"] - norms + 4 * norms + pad + k_v
+
+
+def test_the_prompts_logprobs_never_gather_the_vocabulary():
+    """A prefill that scores every prompt token under tensor 4 (sampling.split_logprobs):
+    no collective moves a [B, T, V] array, only each device's reductions and top
+    candidates (the one gather of the vocabulary is the last token's logits [B, V],
+    as without scoring)."""
+    engine = _engine("wide", 1, 1, 4)
+    _, cfg, _, prompts = fixture("wide")
+    prompt = prompts[0]
+    laid = lay_out([prompt], 1, 1, 1, engine.slots_per_device, targets=[prompt[1:] + [-1]])
+    from qwen3_spmd.pipeline.prefill import PrefillInputs
+
+    inputs = engine._abstract(laid.prefill, PrefillInputs.specs(targets=True))
+    hlo = (
+        engine._prefill_fn("ring", prompt_logprobs=True)
+        .lower(engine.weights, engine._abstract_cache(laid.B), inputs)
+        .compile()
+        .as_text()
+    )
+    ops = ("all-gather(", "all-reduce(", "collective-permute(", "all-to-all(")
+    moved = [
+        [int(d) for d in dims.split(",")]
+        for line in hlo.splitlines()
+        if any(op in line for op in ops)
+        for dims in re.findall(r"\w+\[([\d,]+)\]", line.split("=", 1)[1].split("(")[0])
+    ]
+    assert [1, laid.P_pad, 4 * 5] in moved  # the devices' top candidates, gathered
+    assert not [s for s in moved if len(s) == 3 and s[-1] >= cfg.V // 4]
 
 
 def test_two_all_reduces_of_the_hidden_state_per_layer():

@@ -9,7 +9,10 @@ Scenarios (--scenario, repeatable; default all but peer):
   memory    per-device weights and KV cache (addressable shards) and XLA's buffers
             (memory_analysis() of every compiled program);
   roofline  memory bandwidth and matmul throughput measured on this machine;
-  peer      the same prompts through transformers' Qwen3ForCausalLM (--peer).
+  peer      the same prompts through transformers' Qwen3ForCausalLM (--peer);
+  prompt_logprobs  each prompt length's prefill with the prompt's log-probabilities
+            (every token scored, as evaluation harnesses ask) against without, and the
+            ratio (run.bench.scoring).
 Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
 ring, ulysses or auto; each prefill job then reports the bytes each device received
 along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
@@ -39,7 +42,7 @@ from qwen3_spmd.run.flags import (
     use_cpu_devices,
 )
 
-SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer", "serve")
+SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer", "serve", "prompt_logprobs")
 SMOKE = {
     "prompt_lens": "16,32",
     "batches": "1,2",

@@ -282,6 +282,12 @@ def run_mesh(
         for B in settings["batches"]:
             job, last = decode_job(engines, B, roof, say)
             entry["decode"].append(job)
+    if "prompt_logprobs" in scenarios:
+        from qwen3_spmd.run.bench.scoring import prompt_logprobs_job
+
+        entry["prompt_logprobs"] = [
+            prompt_logprobs_job(engines, T, say) for T in settings["prompt_lens"]
+        ]
     if "serve" in scenarios:
         from qwen3_spmd.run.bench.serve import serve_job
 

@@ -6,6 +6,15 @@ disconnects. Everything about generating lives in `service`.
     GET  /v1/models            the one served model
     POST /v1/completions       prompt: text, texts, token ids, or lists of token ids
     POST /v1/chat/completions  messages rendered with the checkpoint's chat template
+    POST /tokenize             vLLM's: a prompt or chat messages -> token ids
+    POST /detokenize           vLLM's: token ids -> text
+    GET  /tokenizer_info       the tokenizer's settings (lm-evaluation-harness reads it)
+
+The prompt's log-probabilities (echo with logprobs; vLLM's prompt_logprobs) come from
+the prefill (`pipeline.prefill`), which scores every prompt token for such a request.
+In a top_logprobs dict each token id has its own key: a token whose text another id of
+the same dict already has is keyed "token_id:N" (vLLM's return_tokens_as_token_ids
+spelling), so harnesses that read "greedy" off those dicts lose no id.
 
 A stream is `data: <json>\\n\\n` chunks ending with `data: [DONE]\\n\\n`. A client that
 goes away mid-request (streamed or not) cancels its choices, which frees their rows.
@@ -29,7 +38,13 @@ from starlette.requests import ClientDisconnect
 
 from qwen3_spmd.run.serve import protocol, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
-from qwen3_spmd.run.serve.protocol import APIError, ChatRequest, CompletionRequest
+from qwen3_spmd.run.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
@@ -109,23 +124,31 @@ def make_app(state: ServerState) -> FastAPI:
         body = protocol.parse(CompletionRequest, await request.body())
         _check_model(state, body.model)
         prompts = _prompt_ids(state, body.prompt)
-        job = service.job(prompts, _ask(body, 16, logprobs=body.logprobs))
+        job = service.job(prompts, _ask(body, 16, logprobs=body.logprobs, echo=body.echo))
         meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
         echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
         events = service.run(service.submit(job))
         prompt_tokens = sum(len(p) for p in prompts)
+        as_ids = body.return_tokens_as_token_ids
 
-        def choice(i, text, reason, tokens):
+        def choice(i, text, reason, tokens, prompt=None):
             logprobs = None
             if job.logprobs is not None:
-                logprobs = _completion_logprobs(state, tokens, job.logprobs, len(echo[i]))
-            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                logprobs = _completion_logprobs(state, tokens, job.logprobs, as_ids)
+            out = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            if prompt is not None and job.prompt_logprobs is not None:
+                ids = job.prompts[i // job.n]
+                out["prompt_logprobs"] = _prompt_logprobs(state, ids, prompt, job.prompt_logprobs)
+            return out
 
         if body.stream:
             pieces = lambda e, reason: ([e.text] if e.text else [], reason)
             return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces, job.n))
         out = await _collect(request, events, len(echo))
-        choices = [choice(i, echo[i] + t, r, ts) for i, (t, r, ts) in enumerate(zip(*out[:3]))]
+        choices = [
+            choice(i, echo[i] + t, r, ts, p)
+            for i, (t, r, ts, p) in enumerate(zip(*out[:3], out[5]))
+        ]
         cached = _cached_tokens(out[4], job.n)
         usage = protocol.usage(prompt_tokens, out[3], cached)
         return {**meta.head(), "choices": choices, "usage": usage}
@@ -145,9 +168,14 @@ def make_app(state: ServerState) -> FastAPI:
         meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
         events = service.run(service.submit(job))
 
-        def choice(i, piece, reason, tokens, key="delta"):
+        def choice(i, piece, reason, tokens, prompt=None, key="delta"):
             logprobs = _chat_logprobs(state, tokens, top) if top is not None else None
-            return {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
+            out = {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
+            if prompt is not None and job.prompt_logprobs is not None:  # a stream's chunk
+                out["prompt_logprobs"] = _prompt_logprobs(
+                    state, job.prompts[0], prompt, job.prompt_logprobs
+                )
+            return out
 
         def reply() -> ChatReply:  # one per choice
             reasoning = Qwen3Reasoning.for_prompt(rendered) if state.reasoning_parser else None
@@ -169,7 +197,60 @@ def make_app(state: ServerState) -> FastAPI:
             message = fold(whole.add(t) + whole.end(), reasoning=bool(state.reasoning_parser))
             choices.append(choice(i, message, whole.finish_reason(r), ts, key="message"))
         usage = protocol.usage(len(prompt), out[3], _cached_tokens(out[4], job.n))
-        return {**meta.head(), "choices": choices, "usage": usage}
+        reply_body = {**meta.head(), "choices": choices, "usage": usage}
+        scored = next((p for p in out[5] if p is not None), None)
+        if job.prompt_logprobs is not None and scored is not None:  # vLLM's: beside the
+            # choices (one prompt, the same for each)
+            reply_body["prompt_logprobs"] = _prompt_logprobs(
+                state, prompt, scored, job.prompt_logprobs
+            )
+        return reply_body
+
+    # ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as
+    # vLLM's): what an evaluation harness needs instead of tokenizer files of its own
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        text = _tokenizer(state)
+        body = protocol.parse(TokenizeRequest, await request.body())
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send one of prompt or messages", "prompt", "invalid_value")
+        if body.messages is not None:
+            chat = ChatRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+            tokens = _render_chat(state, chat)[1]
+        else:
+            tokens = text.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        max_len = state.service.settings.max_seq_len if state.service is not None else None
+        return {"count": len(tokens), "max_model_len": max_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        text = _tokenizer(state)
+        body = protocol.parse(DetokenizeRequest, await request.body())
+        _check_model(state, body.model)
+        bad = next((t for t in body.tokens if t < 0), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is negative", "tokens", "invalid_value")
+        return {"prompt": text.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        text = _tokenizer(state)
+        config = text.config
+        info = {
+            "tokenizer_class": config.get("tokenizer_class"),
+            "model_max_length": config.get("model_max_length"),
+            "chat_template": config.get("chat_template"),
+        }
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            token = config.get(name)
+            info[name] = token.get("content") if isinstance(token, dict) else token
+        return info
 
     return app
 
@@ -200,6 +281,15 @@ def _ready(state: ServerState, request: Request) -> Service:
         message = why.get(state.status, "the server is shutting down")
         raise APIError(503, message, None, state.status, {"Retry-After": "5"})
     return state.service
+
+
+def _tokenizer(state: ServerState):
+    """The checkpoint's Text (a 503 while loading, a 400 without tokenizer.json)."""
+    if state.text is not None:
+        return state.text
+    if state.status == "loading":
+        raise APIError(503, "the server is still loading the model", None, "loading")
+    raise APIError(400, "this checkpoint has no tokenizer.json: send and read token ids")
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -268,7 +358,7 @@ def _render_chat(state: ServerState, body: ChatRequest) -> tuple[str, list[int]]
     return rendered, state.text.encode(rendered)
 
 
-def _ask(body, default_max_tokens: int | None, logprobs: int | None) -> Ask:
+def _ask(body, default_max_tokens: int | None, logprobs: int | None, echo: bool = False) -> Ask:
     """What the body asks of each choice (the fields both endpoints share)."""
     return Ask(
         n=body.n,
@@ -283,6 +373,8 @@ def _ask(body, default_max_tokens: int | None, logprobs: int | None) -> Ask:
         min_tokens=body.min_tokens,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logprobs=logprobs,
+        echo=echo,
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -303,16 +395,19 @@ class _Meta:
 
 async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     """Every choice's whole text, finish reason and tokens (with logprobs), the tokens
-    generated in all, and each choice's prompt tokens from the prefix cache; cancels
+    generated in all, each choice's prompt tokens from the prefix cache and its
+    prompt's log-probabilities (None unless asked); cancels
     them if the client goes away meanwhile (FastAPI would not notice it)."""
     texts, reasons, tokens, used = [""] * n, [None] * n, [[] for _ in range(n)], [0]
-    cached = [0] * n
+    cached, prompts = [0] * n, [None] * n
 
     async def read():
         async with contextlib.aclosing(events):
             async for e in events:
                 texts[e.index] += e.text
                 tokens[e.index] += e.tokens
+                if e.prompt_logprobs is not None:
+                    prompts[e.index] = e.prompt_logprobs
                 if e.finish_reason:
                     reasons[e.index] = e.finish_reason
                     used[0] += e.completion_tokens
@@ -328,7 +423,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     task.result()
     if "error" in reasons:
         raise SHUTDOWN
-    return texts, reasons, tokens, used[0], cached
+    return texts, reasons, tokens, used[0], cached, prompts
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -346,7 +441,7 @@ async def _chunks(
     meta: _Meta,
     prompt_tokens: int,
     body,
-    choice: Callable[[int, object, str | None, list], dict],
+    choice: Callable[..., dict],
     first: list,
     pieces: Callable[[Event, str | None], tuple[list, str | None]],
     n: int,
@@ -356,24 +451,28 @@ async def _chunks(
     server ended the request, an error. pieces(event, finish reason): what to send for
     an event (texts, or chat deltas: several, or none while a parser holds text back)
     and the finish reason to send; an event's tokens (logprobs) go with the next chunk
-    of their choice. n: choices per prompt."""
+    of their choice, and its prompt's log-probabilities (prompt_logprobs) with the
+    first. n: choices per prompt."""
     chat = meta.object.startswith("chat")
     for i, piece in enumerate(first):
         if piece:
             yield {**meta.head(chat), "choices": [choice(i, piece, None, [])]}
     used, failed, tokens, cached = 0, False, [[] for _ in first], [0] * len(first)
+    prompts: list = [None] * len(first)
     async with contextlib.aclosing(events):
         async for e in events:
             failed |= e.finish_reason == "error"
             sent, reason = pieces(e, None if e.finish_reason == "error" else e.finish_reason)
             tokens[e.index] += e.tokens
+            if e.prompt_logprobs is not None:
+                prompts[e.index] = e.prompt_logprobs
             if reason and not sent:
                 sent = [{} if chat else ""]
             for k, piece in enumerate(sent):
                 last = reason if k == len(sent) - 1 else None
-                out = choice(e.index, piece, last, tokens[e.index])
+                out = choice(e.index, piece, last, tokens[e.index], prompts[e.index])
                 yield {**meta.head(chat), "choices": [out]}
-                tokens[e.index] = []
+                tokens[e.index], prompts[e.index] = [], None
             used += e.completion_tokens if e.finish_reason else 0
             cached[e.index] = e.cached_tokens
     if failed:
@@ -389,16 +488,52 @@ def _cached_tokens(per_choice: list[int], n: int) -> int:
     return sum(max(per_choice[i : i + n]) for i in range(0, len(per_choice), n))
 
 
-def _completion_logprobs(state: ServerState, tokens, k: int, offset: int) -> dict:
-    """The completions API's (legacy) logprobs object; offsets count the echo too."""
-    return {
-        "tokens": [_token(state, t.id)[0] for t in tokens],
-        "token_logprobs": [_finite(t.logprob.chosen) for t in tokens],
-        "top_logprobs": [
-            {_token(state, i)[0]: _finite(v) for i, v in t.logprob.top[:k]} for t in tokens
-        ],
-        "text_offset": [offset + t.offset for t in tokens],
-    }
+def _completion_logprobs(state: ServerState, tokens, k: int, as_ids: bool = False) -> dict:
+    """The completions API's (legacy) logprobs object, as vLLM writes it: per token its
+    text, log-probability and a dict of the token itself and the k most likely (an
+    echoed prompt's first token has none: null), and its offset into the text (the
+    echo's included). as_ids: every token spelled "token_id:N"."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(_key(state, t.id, as_ids))
+        out["text_offset"].append(t.offset)
+        if t.logprob is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(t.logprob.chosen))
+        top: dict[str, float] = {}
+        seen = set()
+        for id, value in [(t.id, t.logprob.chosen), *t.logprob.top[:k]]:
+            if id in seen:
+                continue
+            seen.add(id)
+            key = _key(state, id, as_ids)
+            top[f"token_id:{id}" if key in top else key] = _finite(value)  # one key an id
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _key(state: ServerState, id: int, as_ids: bool) -> str:
+    """A token as the completions API names it: its text, or "token_id:N"."""
+    return f"token_id:{id}" if as_ids else _token(state, id)[0]
+
+
+def _prompt_logprobs(state: ServerState, ids: list[int], scored, k: int) -> list:
+    """vLLM's prompt_logprobs: null for the first token, then per token {id: {logprob,
+    rank, decoded_token}} of the token itself and its position's k most likely."""
+
+    def entry(id: int, logprob: float, rank: int) -> dict:
+        shown = state.text.decode([id]) if state.text is not None else f"<|id:{id}|>"
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": shown}
+
+    out: list = [None]
+    for id, lp in zip(ids[1:], scored):
+        position = {id: entry(id, lp.chosen, lp.rank)}
+        for rank, (top_id, value) in enumerate(lp.top[:k], start=1):
+            position.setdefault(top_id, entry(top_id, value, rank))
+        out.append(position)
+    return out
 
 
 def _chat_logprobs(state: ServerState, tokens, k: int) -> dict:

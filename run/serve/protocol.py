@@ -81,6 +81,7 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, k top
 
     @property
     def include_usage(self) -> bool:
@@ -95,8 +96,10 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool = False  # with logprobs, the prompt's tokens and log-probabilities first
     logprobs: int | None = None  # top log-probabilities per token (0..5)
+    # vLLM's: every token and top_logprobs key spelled "token_id:N"
+    return_tokens_as_token_ids: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -114,6 +117,26 @@ class ChatRequest(_Request):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # as sent: the template renders them
     tool_choice: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a text prompt, or chat messages in the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(model: type[BaseModel], raw: bytes) -> BaseModel:

@@ -72,6 +72,8 @@ class Ask:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top log-probabilities per token; None: none
+    echo: bool = False  # completions: the prompt comes first (with logprobs, its tokens too)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's, with k top; None: none
 
 
 @dataclasses.dataclass
@@ -87,6 +89,16 @@ class Job:
     stop_ids: tuple[int, ...]  # the scheduler's end ids: EOS (unless ignored) + stop_token_ids
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities per token; None: none
+    echo: bool = False  # the answer's text and logprobs start with the prompt's
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities, k top; None: none
+    # max_tokens 0 with echo: the prompt (and its log-probabilities) only; the one token
+    # each choice's request runs for is not shown
+    prompt_only: bool = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its requests need their prompts' log-probabilities."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
 def _invalid(e: RequestError) -> APIError:
@@ -101,11 +113,12 @@ def _invalid(e: RequestError) -> APIError:
 
 
 class TokenInfo(NamedTuple):
-    """A generated token with its log-probabilities (requests that ask for them)."""
+    """A token with its log-probabilities (requests that ask for them): a generated one,
+    or with echo a prompt token (the first has none: None)."""
 
     id: int
-    logprob: Logprob
-    offset: int  # characters of the choice's text before this token's
+    logprob: Logprob | None
+    offset: int  # characters of the choice's text (with echo, the prompt's first) before it
 
 
 @dataclasses.dataclass
@@ -119,6 +132,8 @@ class Event:
     completion_tokens: int = 0  # at the end: tokens the choice generated
     tokens: list[TokenInfo] = dataclasses.field(default_factory=list)  # with logprobs only
     cached_tokens: int = 0  # at the end: its prompt's tokens the prefix cache gave
+    # with the choice's first event, when its job asks: each prompt token's after the first
+    prompt_logprobs: list[Logprob] | None = None
 
 
 class Choice:
@@ -130,11 +145,19 @@ class Choice:
         self.detok = Detokenizer(decode)
         self.stop = StopText(job.stops)
         self.count = 0  # tokens taken (the one that ended the choice included)
-        self.chars = 0  # characters decoded so far (held back ones included)
+        # characters decoded so far (held back ones included), after the echoed prompt
+        self.chars = len(decode(handle.prompt)) if job.echo else 0
         self.pending: list[TokenInfo] = []  # tokens not yet sent with an event
+        self.prompt: list[Logprob] | None = None  # the prompt's, until an event sends them
 
     def feed(self, token: int) -> tuple[str, str | None]:
         """(text to show, finish reason or None) after one more token."""
+        if self.count == 0 and self.job.scores_prompt:  # they came with the first token
+            self.prompt = self.handle.prompt_logprobs
+            if self.job.echo and self.job.logprobs is not None:
+                self.pending += self._prompt_tokens()
+        if self.job.prompt_only:  # the token is not part of the answer
+            return "", "length"
         if self.job.logprobs is not None:
             lp = self.handle.logprobs[self.count]
             self.pending.append(TokenInfo(token, lp, self.chars))
@@ -149,6 +172,15 @@ class Choice:
             return text, "stop"
         return text, None
 
+    def _prompt_tokens(self) -> list[TokenInfo]:
+        """The echoed prompt's tokens with their log-probabilities (the first: None) and
+        offsets into its text, in whole characters as the answer's."""
+        detok, chars, infos = Detokenizer(self.detok.decode), 0, []
+        for id, lp in zip(self.handle.prompt, [None, *self.prompt]):
+            infos.append(TokenInfo(id, lp, chars))
+            chars += len(detok.add(id))
+        return infos
+
     def end(self, reason: str) -> tuple[str, str]:
         """(the last text, the finish reason) when the choice ends: a stop token, its
         budget, or the server; text held back for a stop string goes out, unless the
@@ -160,8 +192,9 @@ class Choice:
 
     def event(self, text: str, reason: str | None) -> Event:
         tokens, self.pending = self.pending, []
+        prompt, self.prompt = self.prompt, None
         cached = self.handle.cached_tokens if reason else 0
-        return Event(self.index, text, reason, self.count, tokens, cached_tokens=cached)
+        return Event(self.index, text, reason, self.count, tokens, cached, prompt)
 
 
 class Service:
@@ -188,6 +221,17 @@ class Service:
             else ask.default_max_tokens or s.max_seq_len - len(p)
             for p in prompts
         ]
+        prompt_only = max_tokens == 0 and ask.echo
+        if prompt_only:  # each request runs for one token, which no one is shown
+            budgets = [1] * len(prompts)
+        if max_tokens == 0 and not ask.echo:
+            raise APIError(
+                400,
+                "max_tokens 0 generates nothing: it needs echo true (the prompt and, with "
+                "logprobs, its log-probabilities only)",
+                "max_tokens",
+                "invalid_value",
+            )
         for p, budget in zip(prompts, budgets):
             if budget < 1 and max_tokens is None:
                 raise APIError(
@@ -211,10 +255,11 @@ class Service:
         if min_tokens < 0:  # before it is capped below
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
         min_tokens = min(min_tokens, max(budgets))  # past the budget it holds back nothing more
-        if ask.logprobs is not None and not 0 <= ask.logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                400, f"logprobs {ask.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs"
-            )
+        for field, k in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise APIError(
+                    400, f"{field} {k} must be between 0 and {MAX_LOGPROBS}", field, "invalid_value"
+                )
         extra = tuple(ask.stop_token_ids)
         for t in extra:
             if not 0 <= t < s.vocab:
@@ -239,6 +284,9 @@ class Service:
             stop_ids=stop_ids,
             min_tokens=min_tokens,
             logprobs=ask.logprobs,
+            echo=ask.echo,
+            prompt_logprobs=ask.prompt_logprobs,
+            prompt_only=prompt_only,
         )
 
     # ---- running -----------------------------------------------------------------------
@@ -258,6 +306,7 @@ class Service:
                         eos_ids=job.stop_ids,
                         min_tokens=job.min_tokens,
                         logprobs=job.logprobs is not None,
+                        prompt_logprobs=job.scores_prompt,
                     )
                     handle = self.scheduler.submit(prompt, params)
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
