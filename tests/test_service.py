@@ -36,7 +36,8 @@ def _refused(ask: Ask) -> APIError:
         (Ask(temperature=-1.0), "temperature", "temperature -1.0 must be a finite number >= 0"),
         (Ask(n=0), "n", "n 0 must be between 1"),
         (Ask(max_tokens=63), "max_tokens", "prompt 0 (2 tokens) + max_tokens 63 = 65 exceeds"),
-        (Ask(max_tokens=0), "max_tokens", "max_tokens 0 must be at least 1"),
+        (Ask(max_tokens=0), "max_tokens", "max_tokens 0 generates nothing: it needs echo true"),
+        (Ask(max_tokens=-1), "max_tokens", "max_tokens -1 must be at least 1"),
         (Ask(stop_token_ids=(100,)), "stop_token_ids", "stop token id 100 is outside"),
         (
             Ask(min_tokens=1, stop_token_ids=tuple(range(1, 9))),
