@@ -3,7 +3,8 @@ the strict loader's one-line refusals, and logits of an FP8 checkpoint equal to 
 run of its dequantized weights (numpy) on every mesh kind, where a tensor share cuts a
 block.
 
-Fixtures: `wide` quantized with 16 x 16 blocks (its D = 32 and F = 100 are smaller than
+Fixtures: `moe` quantized with 8 x 8 blocks (experts and the dense layer 2), `wide`
+quantized with 16 x 16 blocks (its D = 32 and F = 100 are smaller than
 128: at tensor 2 each device holds 50 MLP columns, so a share ends inside a 16-block), and
 a random config with Qwen's 128 x 128 blocks whose MLP width 384 splits 192 a device at
 tensor 2 (inside the second block). Our float32 path on the dequantized checkpoint is the
@@ -57,7 +58,12 @@ def folders(tmp_path_factory):
     src, _, _, _ = fixture("wide")
     write_random_hf(WIDE128, root / "w128-src", seed=5)
     out = {}
-    for name, source, block in (("wide16", src, (16, 16)), ("w128", root / "w128-src", None)):
+    moe, _, _, _ = fixture("moe")
+    for name, source, block in (
+        ("wide16", src, (16, 16)),
+        ("w128", root / "w128-src", None),
+        ("moe8", moe, (8, 8)),
+    ):
         q = root / name
         quantize_fp8(source, q, *([block] if block else []))
         dequantize_fp8(q, root / f"{name}-f32")
@@ -144,6 +150,8 @@ def _header(file):
         ("wide16", (1, 1, 2)),  # 50 MLP columns a device: a share ends inside a 16-block
         ("wide16", (2, 2, 2)),
         ("w128", (1, 1, 2)),  # 192 MLP columns a device: inside the second 128-block
+        ("moe8", (1, 1, 1)),  # experts quantized (8-blocks; a dense layer among them)
+        ("moe8", (1, 1, 2)),  # each expert's 10 columns split 5 a device: inside an 8-block
     ],
     ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)),
 )
@@ -282,3 +290,22 @@ def test_convert_quantize_writes_an_fp8_folder_and_refuses_one(tmp_path, capsys)
     assert "is already quantized" in capsys.readouterr().err
     assert main(["convert", "--model", str(out), "--out", str(tmp_path / "o")]) == 2
     assert "FP8 checkpoint, which convert does not write to orbax yet" in capsys.readouterr().err
+
+
+def test_a_part_of_fp8_weights_and_scales_is_those_rows(folders):
+    """What a host whose devices hold some of the `tensor` rows reads (sharding.place):
+    the float8 rows and their scales' rows, equal to those rows of the whole, including
+    parts that start or end inside a block."""
+    from reference import split_parts
+
+    q, _ = folders["wide16"]
+    ckpt = HFCheckpoint(q, Qwen3Config.from_hf(q))
+    checked = set()
+    for path, layers, part in split_parts(ckpt):
+        dtype = fp8.FP8 if path[-1] in fp8.D_AXIS else np.float32
+        got = ckpt.read(path, dtype, layers, part)
+        want = part.of(ckpt.read(path, dtype, layers))
+        assert got.dtype == want.dtype == dtype, path
+        assert np.array_equal(got.astype(np.float32), want.astype(np.float32)), (path, part)
+        checked.add(path[-1])
+    assert {"gate_fd_scale", "down_df_scale", "o_dnh_scale", "k_khd_scale"} <= checked
