@@ -72,10 +72,16 @@ def quantize_fp8(src: str | Path, dst: str | Path, block: tuple[int, int] = BLOC
     (dst / "config.json").write_text(
         json.dumps({**raw, "quantization_config": quantization_config(block)}, indent=2) + "\n"
     )
+    _copy_side_files(src, dst)
+    return {"quantized": quantized, "bytes": sum(t.nbytes for t in tensors.values())}
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """The tokenizer, generation_config.json and the like: every file but the weights
+    and config.json."""
     for f in src.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
             shutil.copy2(f, dst / f.name)
-    return {"quantized": quantized, "bytes": sum(t.nbytes for t in tensors.values())}
 
 
 def dequantize_fp8(src: str | Path, dst: str | Path) -> None:
@@ -104,3 +110,4 @@ def dequantize_fp8(src: str | Path, dst: str | Path) -> None:
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     plain = {k: v for k, v in raw.items() if k != "quantization_config"}
     (dst / "config.json").write_text(json.dumps({**plain, "dtype": "float32"}, indent=2) + "\n")
+    _copy_side_files(src, dst)
