@@ -401,14 +401,16 @@ def _quantization(q: Any) -> tuple[int, int] | None:
             "positive integers (published FP8 checkpoints: [128, 128]); per-tensor FP8 "
             "is not supported"
         )
-    for module in q.get("modules_to_not_convert") or ():
-        if not _unquantized(module):
-            raise ConfigError(
-                f"config field quantization_config.modules_to_not_convert names {module!r}: "
-                "this engine reads every attention and MLP projection of an FP8 checkpoint "
-                "as FP8 (only the embedding, norms, lm_head and router unquantized): "
-                "dequantize that checkpoint to bfloat16 instead"
-            )
+    # transformers names the unquantized modules modules_to_not_convert, vLLM ignored_layers.
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        for module in q.get(field) or ():
+            if not _unquantized(module):
+                raise ConfigError(
+                    f"config field quantization_config.{field} names {module!r}: "
+                    "this engine reads every attention and MLP projection of an FP8 "
+                    "checkpoint as FP8 (only the embedding, norms, lm_head and router "
+                    "unquantized): dequantize that checkpoint to bfloat16 instead"
+                )
     return int(block[0]), int(block[1])
 
 

@@ -203,6 +203,7 @@ FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
         ({"weight_block_size": None}, "weight_block_size=None"),
         ({"weight_block_size": [128]}, "weight_block_size=[128]"),
         ({"modules_to_not_convert": ["model.layers.0.mlp.gate_proj"]}, "modules_to_not_convert"),
+        ({"ignored_layers": ["model.layers.1.self_attn.q_proj"]}, "ignored_layers"),
     ],
 )
 def test_quantization_configs_the_engine_does_not_take(change, field):
