@@ -149,6 +149,6 @@ def dequantize(w: jax.Array, scale: jax.Array, name: str, blocks: FP8Blocks, dty
     its scales repeated over their D-blocks, computed in float32, returned in `dtype`
     (the activations'). Inside a jitted program, so XLA can fold it into the dot."""
     axis = D_AXIS[name][0] + w.ndim - _rank(name)
-    full = jnp.repeat(scale, blocks.along_d(name), axis=axis, total_repeat_length=None)
+    full = jnp.repeat(scale, blocks.along_d(name), axis=axis)
     full = jax.lax.slice_in_dim(full, 0, w.shape[axis], axis=axis)
     return (w.astype(jnp.float32) * full).astype(dtype)
