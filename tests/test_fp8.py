@@ -310,3 +310,20 @@ def test_a_part_of_fp8_weights_and_scales_is_those_rows(folders):
         assert np.array_equal(got.astype(np.float32), want.astype(np.float32)), (path, part)
         checked.add(path[-1])
     assert {"gate_fd_scale", "down_df_scale", "o_dnh_scale", "k_khd_scale"} <= checked
+
+
+def test_bfloat16_scales_read_as_their_float32_values(folders, tmp_path):
+    """Qwen's dense FP8 releases store weight_scale_inv in bfloat16: read and expanded
+    exactly (bfloat16 -> float32 is exact)."""
+    import ml_dtypes
+
+    def to_bf16(t):
+        for n in [n for n in t if n.endswith("_scale_inv")]:
+            t[n] = t[n].astype(ml_dtypes.bfloat16)
+
+    bad = _tamper(folders, tmp_path, to_bf16)
+    q, _ = folders["wide16"]
+    got = HFCheckpoint(bad, Qwen3Config.from_hf(bad)).read(("layers", "o_dnh_scale"), np.float32)
+    whole = HFCheckpoint(q, Qwen3Config.from_hf(q)).read(("layers", "o_dnh_scale"), np.float32)
+    assert got.dtype == np.float32 and got.shape == whole.shape == (5, 2, 8, 8)
+    np.testing.assert_array_equal(got, whole.astype(ml_dtypes.bfloat16).astype(np.float32))
