@@ -148,6 +148,7 @@ def _header(file):
         ("wide16", (2, 1, 1)),
         ("wide16", (1, 2, 1)),
         ("wide16", (1, 1, 2)),  # 50 MLP columns a device: a share ends inside a 16-block
+        ("wide16", (1, 1, 4)),  # K = 2 < X: KV heads and their scales repeated
         ("wide16", (2, 2, 2)),
         ("w128", (1, 1, 2)),  # 192 MLP columns a device: inside the second 128-block
         ("moe8", (1, 1, 1)),  # experts quantized (8-blocks; a dense layer among them)
