@@ -69,6 +69,9 @@ class Qwen3Config:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # An FP8 checkpoint's weight_block_size (rows, columns) from its quantization_config:
+    # linear weights float8 with block scales (model.fp8); None: unquantized.
+    fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in (
@@ -318,6 +321,7 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
             "is not supported: Qwen3 rotates whole heads (1.0)"
         )
     theta, scaling = _rope(raw)
+    fp8_block = _quantization(raw.get("quantization_config"))
     n_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -342,8 +346,72 @@ def _from_dict(raw: dict[str, Any]) -> Qwen3Config:
         attention_bias=raw.get("attention_bias", False),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        fp8_block=fp8_block,
         **moe,
     )
+
+
+# The modules an FP8 checkpoint keeps unquantized (transformers and vLLM: the embedding,
+# norms, lm_head and the router `mlp.gate`), by a name's last part: `gate_proj` is not
+# `gate`.
+_UNQUANTIZED = ("lm_head", "embed_tokens", "gate")  # and any *norm
+
+
+def _unquantized(module: Any) -> bool:
+    last = module.split(".")[-1] if isinstance(module, str) else ""
+    return last in _UNQUANTIZED or last.endswith("norm")
+
+
+def _quantization(q: Any) -> tuple[int, int] | None:
+    """The block size of an FP8 checkpoint's quantization_config (None: no such field).
+    Refuses, naming the field and the fix, whatever this engine does not run: another
+    quant_method, fmt or activation scheme, a block size that is not two positive
+    integers, or modules_to_not_convert naming a quantized projection."""
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(
+            f"config field quantization_config={q!r} must be an object: fix config.json"
+        )
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ConfigError(
+            f"config field quantization_config.quant_method={method!r} is not supported: "
+            "this engine reads block-wise FP8 checkpoints ('fp8') and unquantized ones "
+            "(no quantization_config)"
+        )
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(
+            f"config field quantization_config.fmt={fmt!r} is not supported: FP8 weights "
+            "must be float8_e4m3fn ('e4m3')"
+        )
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ConfigError(
+            f"config field quantization_config.activation_scheme={scheme!r} is not "
+            "supported: this engine keeps activations unquantized, as 'dynamic' allows"
+        )
+    block = q.get("weight_block_size")
+    if not (
+        isinstance(block, list) and len(block) == 2 and all(_integer(b) and b > 0 for b in block)
+    ):
+        raise ConfigError(
+            f"config field quantization_config.weight_block_size={block!r} must be two "
+            "positive integers (published FP8 checkpoints: [128, 128]); per-tensor FP8 "
+            "is not supported"
+        )
+    # transformers names the unquantized modules modules_to_not_convert, vLLM ignored_layers.
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        for module in q.get(field) or ():
+            if not _unquantized(module):
+                raise ConfigError(
+                    f"config field quantization_config.{field} names {module!r}: "
+                    "this engine reads every attention and MLP projection of an FP8 "
+                    "checkpoint as FP8 (only the embedding, norms, lm_head and router "
+                    "unquantized): dequantize that checkpoint to bfloat16 instead"
+                )
+    return int(block[0]), int(block[1])
 
 
 def _moe(raw: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ under a mesh; the layer is the same Flax code in every case.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.linear import Linear
 from qwen3_spmd.model.moe import MoE
 from qwen3_spmd.model.rope import apply_rope
 from qwen3_spmd.model.split import TensorSplit, masked_vocab
@@ -86,10 +88,11 @@ class DecoderLayer(nnx.Module):
         # Projections are stored [out, in], as the checkpoint has them: a decode step
         # (one token against the weights) then reads each row contiguously, which is
         # what XLA's CPU matrix-vector product runs fastest on; prefill does not mind.
-        self.q_nhd = _param(rngs, (N, H, D), dtype)
-        self.k_khd = _param(rngs, (K, H, D), dtype)
-        self.v_khd = _param(rngs, (K, H, D), dtype)
-        self.o_dnh = _param(rngs, (D, N, H), dtype)
+        self.linear = linear = Linear.of(cfg, dtype)
+        linear.make(self, "q_nhd", rngs, (N, H, D))
+        linear.make(self, "k_khd", rngs, (K, H, D))
+        linear.make(self, "v_khd", rngs, (K, H, D))
+        linear.make(self, "o_dnh", rngs, (D, N, H))
         if cfg.attention_bias:
             self.q_bias = nnx.Param(jnp.zeros((N, H), dtype))
             self.k_bias = nnx.Param(jnp.zeros((K, H), dtype))
@@ -101,9 +104,9 @@ class DecoderLayer(nnx.Module):
         self.post_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
         self.dense_mlp, self.sparse_mlp = cfg.has_dense, cfg.has_sparse
         if self.dense_mlp:
-            self.gate_fd = _param(rngs, (F, D), dtype)
-            self.up_fd = _param(rngs, (F, D), dtype)
-            self.down_df = _param(rngs, (D, F), dtype)
+            linear.make(self, "gate_fd", rngs, (F, D))
+            linear.make(self, "up_fd", rngs, (F, D))
+            linear.make(self, "down_df", rngs, (D, F))
         if self.sparse_mlp:
             self.moe = MoE(cfg, dtype=dtype, rngs=rngs, split=split)
 
@@ -128,7 +131,7 @@ class DecoderLayer(nnx.Module):
         The layer's work before attention; with `finish`, all of its work that needs no
         other device (so a pipeline bubble can skip both and still join the ring)."""
         h = self.input_norm(x)
-        q, k, v = (_project(h, w[...]) for w in (self.q_nhd, self.k_khd, self.v_khd))
+        q, k, v = (_project(h, self.linear.read(self, w)) for w in ("q_nhd", "k_khd", "v_khd"))
         if self.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(self.q_norm(q), *rope)
@@ -139,7 +142,8 @@ class DecoderLayer(nnx.Module):
         """The residual x [B, T, D] and attention output o [B, T, N, H] -> the layer's
         output [B, T, D] (output projection, then the MLP; sparse as in __call__)."""
         # As one [D, N*H] matrix: with the head axes apart XLA transposes the weight.
-        o_2d = self.o_dnh[...].reshape(self.o_dnh.shape[0], -1)
+        o_dnh = self.linear.read(self, "o_dnh")
+        o_2d = o_dnh.reshape(o_dnh.shape[0], -1)
         attn = self.split.sum(dense(o.reshape(*o.shape[:2], -1), o_2d))
         if self.attention_bias:
             attn = attn + self.o_bias[...]
@@ -157,8 +161,9 @@ class DecoderLayer(nnx.Module):
         return jax.lax.cond(sparse, lambda h: self.moe(h), self._dense, h)
 
     def _dense(self, h: jax.Array) -> jax.Array:
-        gate, up = dense(h, self.gate_fd[...]), dense(h, self.up_fd[...])
-        return dense(jax.nn.silu(gate) * up, self.down_df[...])
+        w = functools.partial(self.linear.read, self)
+        gate, up = dense(h, w("gate_fd")), dense(h, w("up_fd"))
+        return dense(jax.nn.silu(gate) * up, w("down_df"))
 
 
 class Qwen3(nnx.Module):

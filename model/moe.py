@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.linear import Linear
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.ring.attention import make_varying, varying_axes
 
@@ -256,10 +257,11 @@ class MoE(nnx.Module):
                 (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
             )
 
-        self.router_ed = param((E, D))
-        self.gate_efd = param((E, F, D))
-        self.up_efd = param((E, F, D))
-        self.down_edf = param((E, D, F))
+        self.router_ed = param((E, D))  # the router stays unquantized in FP8 checkpoints
+        self.linear = linear = Linear.of(cfg, dtype)
+        linear.make(self, "gate_efd", rngs, (E, F, D))
+        linear.make(self, "up_efd", rngs, (E, F, D))
+        linear.make(self, "down_edf", rngs, (E, D, F))
         self.top = cfg.A
         self.normalize = cfg.norm_topk_prob
 
@@ -278,7 +280,8 @@ class MoE(nnx.Module):
         how = how or formulation(B * T, experts, self.top)
         ep = self.split.size > 1 and self.split.experts == "ep"
         extra = {"skip_zero": True} if ep and how == "looped" else {}
-        y = FORMULATIONS[how](
-            x, weights, ids, self.gate_efd[...], self.up_efd[...], self.down_edf[...], **extra
-        )
+        # FP8: every expert dequantized in the operand (a first increment: gathering
+        # the chosen experts' float8 rows before dequantizing would read fewer bytes).
+        gate, up, down = (self.linear.read(self, w) for w in ("gate_efd", "up_efd", "down_edf"))
+        y = FORMULATIONS[how](x, weights, ids, gate, up, down, **extra)
         return y.astype(h.dtype).reshape(B, T, D)

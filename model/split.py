@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.fp8 import weight_name
 
 EXPERT_SPLITS = ("ep", "tp")
 
@@ -153,7 +154,7 @@ class TensorSplit:
     def cut(self, path: tuple[str, ...], axis: int, n: int, placed: int, lo: int, hi: int) -> Cut:
         """Placed rows lo..hi of parameter `path`'s `tensor` axis (`axis`, of `placed`
         rows), made from the checkpoint's `n` rows: KV heads repeated, the rest padded."""
-        repeat = placed // n if path[-1] in _KV_HEADS else 1
+        repeat = placed // n if weight_name(path[-1]) in _KV_HEADS else 1
         return Cut(axis=axis, lo=lo, hi=hi, n=n, repeat=repeat)
 
 

@@ -3,6 +3,11 @@ random checkpoint of a preset's shape.
 
     qwen3-spmd convert --model HF_DIR --out DIR [--dtype float32|bfloat16] [--force]
     qwen3-spmd convert --random-preset NAME --out DIR [--force]
+    qwen3-spmd convert --model HF_DIR --out DIR --quantize fp8
+
+The third writes `DIR` as a Hugging Face checkpoint folder in Qwen3's published FP8
+format (float8_e4m3fn linear weights with 128x128 block scales, `quantization_config` in
+config.json: model.checkpoint.quantize), which loads like the hub's FP8 releases.
 
 The first writes `DIR` (see `model.checkpoint.orbax_io` for the layout and the restore),
 which `generate`/`bench --model DIR` then restore onto any mesh. A killed conversion
@@ -80,6 +85,12 @@ def register(subparsers) -> None:
         "random weights and Qwen3's tokenizer into --out; with --model: into --model (if "
         "absent), then convert it",
     )
+    p.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help="write --out as a Hugging Face FP8 checkpoint (block-wise float8_e4m3fn "
+        "weights with 128x128 scales, as Qwen publishes them) instead of orbax",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
@@ -124,6 +135,8 @@ def main(args) -> int:
             return 0
     report: dict = {"model": args.model, "out": args.out}
     hf_folder = models.local_folder(args.model, args.revision)  # a hub id: its snapshot
+    if args.quantize:
+        return _quantize(hf_folder, Path(args.out), args, report, say)
     out = Path(args.out)
     if (
         meshes
@@ -147,6 +160,28 @@ def main(args) -> int:
         )
     if meshes:
         report["loads"] = measure(hf_folder, args.out, meshes, args.measure_dtype, say)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _quantize(hf_folder, out: Path, args, report: dict, say) -> int:
+    """--quantize fp8: the FP8 form of an unquantized checkpoint folder."""
+    from qwen3_spmd.model.checkpoint.quantize import quantize_fp8
+
+    if args.measure:
+        raise CLIError("--measure compares orbax with safetensors: drop --quantize")
+    _clear_out(out, args.force)
+    t0 = time.perf_counter()
+    try:
+        made = quantize_fp8(hf_folder, out)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    report["quantize"] = {**made, "seconds": round(time.perf_counter() - t0, 2)}
+    say(
+        f"wrote {out}: FP8 checkpoint, {made['quantized']} weights quantized, "
+        f"{made['bytes'] / 1e6:.1f} MB in {report['quantize']['seconds']} s"
+    )
     if args.json:
         print(json.dumps(report))
     return 0

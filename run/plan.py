@@ -11,6 +11,7 @@ free memory holds: the longest prompts). Needs no devices: only the model's conf
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from qwen3_spmd.pipeline.machines import GPUS, TARGETS
@@ -30,6 +31,12 @@ def register(subparsers) -> None:
         "--max-seq-len", type=int, default=4096, help="cache slots per request (default 4096)"
     )
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help="count the model's projections as an FP8 checkpoint holds them (one byte a "
+        "weight plus 128x128 block scales); an FP8 folder is counted so without it",
+    )
     add_expert_split(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(func=main)
@@ -53,6 +60,8 @@ def main(args) -> int:
             f"--devices {args.devices} cannot be spread evenly over --hosts {args.hosts}"
         )
     cfg = open_model(args.model or "tiny").cfg
+    if args.quantize and cfg.fp8_block is None:
+        cfg = dataclasses.replace(cfg, fp8_block=(128, 128))  # Qwen's published blocks
     machine = GPUS[args.gpu]
     load = mesh_cost.Load(args.batch, args.prompt_len, args.max_seq_len, args.dtype)
     rows = [

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.fp8 import D_AXIS, weight_name
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.sharding.mesh import AXES, parse_mesh
@@ -40,13 +41,15 @@ def bytes_per_device(
     tensor: int = 1,
     experts: str = "tp",
 ) -> dict[str, int]:
-    """{'weights', 'kv', 'total'}: bytes on one device (every device holds the same)."""
+    """{'weights', 'linear', 'kv', 'total'}: bytes on one device (every device holds the
+    same); 'linear' is the part of 'weights' in the attention and MLP projections (the
+    weights an FP8 config, `cfg.fp8_block`, holds in one byte plus scales: model.fp8)."""
     mesh = AbstractMesh((stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
     split = TensorSplit(tensor, experts)
     split.check(cfg)
     _, abstract = abstract_model(cfg, dtype, split)
-    sizes = []
+    sizes, linear = [], []
 
     def leaf(path, x):
         spec = param_spec(path, experts)
@@ -55,13 +58,15 @@ def bytes_per_device(
             sizes.append(plan.per_stage * one)
         else:
             sizes.append(_shard_bytes(mesh, spec, x.shape, x.dtype))
+        if weight_name(path[-1]) in D_AXIS:
+            linear.append(sizes[-1])
         return x
 
     map_params(leaf, abstract)
     kv_shape = (plan.padded_layers, batch, split.kv_heads(cfg), max_seq_len, cfg.H)
     kv = 2 * _shard_bytes(mesh, SPECS.cache_lbksh, kv_shape, dtype) if max_seq_len else 0
     weights = sum(sizes)
-    return {"weights": weights, "kv": kv, "total": weights + kv}
+    return {"weights": weights, "linear": sum(linear), "kv": kv, "total": weights + kv}
 
 
 def _cli():

@@ -10,6 +10,8 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
+from qwen3_spmd.model.fp8 import weight_name
+
 
 @dataclasses.dataclass(frozen=True)
 class Specs:
@@ -48,8 +50,9 @@ EXPERT_AXIS = {
 
 def tensor_axis(path: tuple[str, ...], experts: str = "tp") -> int | None:
     """The axis of a parameter (as stored) that `tensor` splits; None for norms and the
-    router."""
-    return {**TENSOR_AXIS, **EXPERT_AXIS[experts]}.get(path[-1])
+    router. An FP8 weight's scales split on its weight's axis (model.fp8 keeps that axis
+    whole in them)."""
+    return {**TENSOR_AXIS, **EXPERT_AXIS[experts]}.get(weight_name(path[-1]))
 
 
 def param_spec(path: tuple[str, ...], experts: str = "tp") -> P:

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, safe_open
 
+from qwen3_spmd.model import fp8
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.params import ParamPath, Part, abstract_model, map_params
@@ -34,8 +35,10 @@ class LoadError(ValueError):
     """A checkpoint that does not match its config: the message names the tensor."""
 
 
-# safetensors dtype names of the weights a Qwen3 checkpoint may hold.
+# safetensors dtype names of the weights a Qwen3 checkpoint may hold (an FP8 one's
+# linear weights: FP8_DTYPE, float8_e4m3fn).
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+FP8_DTYPE = "F8_E4M3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Entry:
     our_shape: Callable[[Qwen3Config], tuple[int, ...]]
     kind: str = "all"
     part: tuple[int, int] | None = None
+    weight: Entry | None = None  # an FP8 weight's scales: the weight's entry (model.fp8)
 
     @property
     def stacked(self) -> bool:
@@ -299,7 +303,8 @@ _HEAD = Entry(("lm_head_vd",), "lm_head.weight", lambda c: (c.V, c.D), lambda c:
 
 def name_table(cfg: Qwen3Config, fused: bool = False) -> list[Entry]:
     """Every tensor a checkpoint of this config holds, in one place; fused: the experts
-    as transformers 5.x holds them (else the hub's per-expert tensors)."""
+    as transformers 5.x holds them (else the hub's per-expert tensors). An FP8 config
+    (`cfg.fp8_block`) adds each linear weight's `weight_scale_inv` (`_scales`)."""
     table = [_EMBED, *_LAYER, *(_BIAS if cfg.attention_bias else []), _NORM]
     if cfg.has_dense:
         table += _DENSE
@@ -307,7 +312,33 @@ def name_table(cfg: Qwen3Config, fused: bool = False) -> list[Entry]:
         table += [_ROUTER, *(_FUSED if fused else _EXPERTS)]
     if not cfg.tie_word_embeddings:
         table.append(_HEAD)
+    if cfg.fp8_block is not None:
+        table += [_scales(e, cfg) for e in table if e.path[-1] in fp8.D_AXIS]
     return table
+
+
+def _scales(e: Entry, cfg: Qwen3Config) -> Entry:
+    """The entry of FP8 weight e's `weight_scale_inv` [ceil(O/b0), ceil(I/b1)]: ours is
+    one per row along every axis but D, blocked along D (model.fp8)."""
+    if e.part is not None or not e.hf.endswith(".weight"):
+        raise LoadError(
+            f"FP8 checkpoints with fused experts ({e.hf}) are not supported: write the "
+            "experts one tensor each (the hub's layout)"
+        )
+    blocks, name = fp8.FP8Blocks(*cfg.fp8_block), e.path[-1]
+
+    def hf_shape(c: Qwen3Config) -> tuple[int, ...]:
+        O, I = e.hf_shape(c)
+        return -(-O // blocks.rows), -(-I // blocks.cols)
+
+    return Entry(
+        (*e.path[:-1], name + fp8.SCALE_SUFFIX),
+        e.hf + "_scale_inv",
+        hf_shape,
+        lambda c: fp8.scale_shape(name, e.our_shape(c), blocks),
+        kind=e.kind,
+        weight=e,
+    )
 
 
 @contextlib.contextmanager
@@ -322,6 +353,26 @@ def _opened(file: Path):
             f"{file} is not a readable safetensors file, or lacks a tensor its "
             f"index puts there ({e}): re-download it"
         ) from None
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    """(offset of the data, JSON header) of a safetensors file: the format is an 8-byte
+    little-endian header length, the header, then the tensors' bytes."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
+def _read_fp8(file: Path, name: str, index) -> np.ndarray:
+    """tensor[index] of an F8_E4M3 tensor, which safetensors' numpy reader cannot make
+    (numpy has no float8): the file mapped, viewed as ml_dtypes' float8_e4m3fn, and only
+    the indexed bytes copied out."""
+    start, header = _header(file)
+    meta = header[name]
+    lo, hi = meta["data_offsets"]
+    raw = np.memmap(file, np.uint8, "r", offset=start + lo, shape=(hi - lo,))
+    x = raw.view(fp8.FP8).reshape(meta["shape"])
+    return np.array(x[... if index is None else index])
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -398,6 +449,12 @@ class HFCheckpoint:
         missing = [n for n in expected if n not in present]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            if missing[0].endswith("weight_scale_inv"):
+                raise LoadError(
+                    f"checkpoint {self.folder} lacks tensor {missing[0]}{more}, the FP8 "
+                    "scales that config.json's quantization_config implies: re-export the "
+                    "checkpoint (convert --quantize fp8) or re-download it"
+                )
             raise LoadError(
                 f"checkpoint {self.folder} lacks tensor {missing[0]}{more}, which config.json "
                 "implies: the weights and config.json do not belong together"
@@ -408,6 +465,12 @@ class HFCheckpoint:
         unexpected = sorted(present - set(expected) - ignorable)
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            if unexpected[0].endswith("weight_scale_inv"):
+                raise LoadError(
+                    f"checkpoint {self.folder} has FP8 scales {unexpected[0]}{more}, but "
+                    "config.json has no quantization_config: restore the checkpoint's own "
+                    "config.json (quant_method fp8)"
+                )
             raise LoadError(
                 f"checkpoint {self.folder} has unexpected tensor {unexpected[0]}{more}: not a "
                 "weight of the Qwen3 that config.json describes"
@@ -433,12 +496,26 @@ class HFCheckpoint:
                             f"config.json says num_experts={self.cfg.E}: the weights and "
                             "config.json do not belong together"
                         )
+                    if shape != want and e.weight is not None:
+                        raise LoadError(
+                            f"tensor {name} in {file.name} has shape {list(shape)}, but "
+                            f"config.json's weight_block_size {list(self.cfg.fp8_block)} "
+                            f"implies {list(want)}: the scales and quantization_config do "
+                            "not match"
+                        )
                     if shape != want:
                         raise LoadError(
                             f"tensor {name} in {file.name} has shape {list(shape)}, but config.json "
                             f"implies {list(want)}: the weights and config.json do not match"
                         )
-                    if tensor.get_dtype() not in FLOAT_DTYPES:
+                    quantized = self.cfg.fp8_block is not None and e.path[-1] in fp8.D_AXIS
+                    if quantized and tensor.get_dtype() != FP8_DTYPE:
+                        raise LoadError(
+                            f"tensor {name} in {file.name} holds {tensor.get_dtype()}, but "
+                            f"config.json's quantization_config says FP8 ({FP8_DTYPE}): "
+                            "quantize it (convert --quantize fp8) or drop quantization_config"
+                        )
+                    if not quantized and tensor.get_dtype() not in FLOAT_DTYPES:
                         raise LoadError(
                             f"tensor {name} in {file.name} holds {tensor.get_dtype()}, not floating "
                             f"point ({', '.join(FLOAT_DTYPES)}): quantized or foreign weights are "
@@ -448,7 +525,11 @@ class HFCheckpoint:
     def _read_tensor(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """Tensor `name`, or tensor[index]: only those bytes copied out of the file."""
         with _opened(self.files[name]) as f:
-            x = f.get_slice(name)[... if index is None else index]
+            tensor = f.get_slice(name)
+            if tensor.get_dtype() == FP8_DTYPE:
+                x = _read_fp8(self.files[name], name, index)
+            else:
+                x = tensor[... if index is None else index]
         with self._lock:
             self.bytes_read += x.nbytes
         return x
@@ -472,6 +553,8 @@ class HFCheckpoint:
         e = self.table.get(path)
         if e is None:
             raise KeyError(f"no checkpoint tensor for parameter {'.'.join(path)}")
+        if e.weight is not None:
+            return self._read_scales(e, dtype, layers, part)
         shape = list(e.our_shape(self.cfg))
         axis, rows = 0, None
         if part is not None:
@@ -500,6 +583,34 @@ class HFCheckpoint:
             for x, name in enumerate(names):
                 out[n, x] = self._read_tensor(name, index).reshape(shape[1:])
         return out
+
+    def _read_scales(
+        self, e: Entry, dtype, layers: Sequence[int] | None, part: Part | None
+    ) -> np.ndarray:
+        """An FP8 weight's scales in our layout [len(layers), (E,) ...] (model.fp8), or
+        `part`'s rows of them. Each scale tensor is read whole: it is 1/16384 of its
+        weight's values (128 x 128 blocks), so a host reading a part of it costs nothing
+        worth cutting, and cutting our expanded rows is exact at any row."""
+        cfg = self.cfg
+        blocks = fp8.FP8Blocks(*cfg.fp8_block)
+        weight = e.weight.hf_shape(cfg)
+        one = e.our_shape(cfg)[1:] if e.per_expert else e.our_shape(cfg)
+
+        def ours(tensor: str) -> np.ndarray:
+            x = fp8.expand_scales(self._read_tensor(tensor), weight, e.weight.path[-1], blocks)
+            return x.reshape(one)
+
+        ids = range(cfg.L) if layers is None else layers
+        out = []
+        for i in ids:
+            if not e.holds(cfg, i):
+                out.append(np.zeros(e.our_shape(cfg), dtype))
+                continue
+            names = e.names(cfg, i)
+            x = np.stack([ours(n) for n in names]) if e.per_expert else ours(names[0])
+            out.append(x.astype(dtype))
+        x = np.stack(out)
+        return x if part is None else part.of(x)
 
 
 def load_model(folder: str | Path, cfg: Qwen3Config, dtype) -> Qwen3:
