@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NamedTuple
 
+from qwen3_spmd.pipeline.constraints import Constraint
 from qwen3_spmd.pipeline.sampling import Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -24,7 +25,9 @@ class Params:
     """max_new_tokens counts every generated token (the first comes from the prefill);
     an EOS id ends the request and is kept as its last token. min_tokens: no EOS id
     before that many tokens (they are banned from sampling until then). logprobs: each
-    token's log-probability and the top ones come with it (Handle.logprobs)."""
+    token's log-probability and the top ones come with it (Handle.logprobs).
+    constraint: what the answer must follow (a structured output); it ends with "stop"
+    where its grammar admits nothing more."""
 
     max_new_tokens: int = 16
     sampling: Sampling = Sampling()
@@ -32,6 +35,7 @@ class Params:
     eos_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     logprobs: bool = False
+    constraint: Constraint | None = None
 
     def finish_reason(self, tokens: list[int]) -> str | None:
         """Why a request that has generated `tokens` ends: "stop" (the last is an EOS

@@ -29,10 +29,52 @@ from qwen3_spmd.pipeline.handles import Handle, Params
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling
 
-__all__ = ["LLM", "Output", "SamplingParams"]
+__all__ = ["LLM", "Output", "SamplingParams", "StructuredOutputsParams"]
 
 # The engine's parameter names that this API spells its own way (vLLM's).
 _NAMES = {"max_new_tokens": "max_tokens"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the answer must follow (vLLM's names): one of a JSON Schema (`json`, a dict
+    or its text), a regular expression the whole answer matches (`regex`), one of a list
+    of strings (`choice`), a Lark or GBNF grammar (`grammar`), or any JSON object
+    (`json_object=True`). The answer ends ("stop") where the grammar admits nothing
+    more; JSON is compact (no whitespace between tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None,)]
+        if self.json_object is False:
+            given.remove("json_object")
+        if len(given) != 1:
+            raise RequestError(
+                "$structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object ({', '.join(given) or 'none'} given)",
+                "structured_outputs",
+            )
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def constraint(self):
+        """The engine's `Constraint` (from the first token)."""
+        from qwen3_spmd.pipeline.constraints import Constraint
+
+        if self.json_object:
+            return Constraint.json_schema({"type": "object"})
+        if self.json is not None:
+            return Constraint.json_schema(self.json)
+        if self.choice is not None:
+            return Constraint.choice(self.choice)
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        return Constraint("grammar", self.grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +86,7 @@ class SamplingParams:
     call, step) only. A request stops at the model's EOS ids (unless ignore_eos) or at
     stop_token_ids, keeping that id as its last token; not before min_tokens tokens.
     skip_special_tokens leaves special tokens (<|im_end|>, ...) out of `Output.text`.
+    structured_outputs: what the answer must follow (`StructuredOutputsParams`).
     """
 
     max_tokens: int = 16
@@ -55,6 +98,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -73,6 +117,7 @@ class SamplingParams:
             seed=self.seed,
             eos_ids=tuple(dict.fromkeys(stop)),
             min_tokens=self.min_tokens,
+            constraint=(self.structured_outputs.constraint() if self.structured_outputs else None),
         )
 
 
@@ -121,6 +166,7 @@ class LLM:
     ):
         import jax.numpy as jnp
 
+        from qwen3_spmd.pipeline.constraints import Grammars
         from qwen3_spmd.pipeline.engine import Engine
         from qwen3_spmd.pipeline.scheduler import Scheduler
         from qwen3_spmd.run.flags import DTYPES, dtype_name
@@ -147,7 +193,8 @@ class LLM:
             cp=cp,
             experts=experts,
         )
-        self.scheduler = Scheduler(self.engine, max_batch=max_batch)
+        grammars = Grammars.of_text(self.text, self.spec.cfg.V, self.eos_ids)
+        self.scheduler = Scheduler(self.engine, max_batch=max_batch, grammars=grammars)
 
     # ---- text ------------------------------------------------------------------------
 
@@ -219,6 +266,8 @@ class LLM:
         for i, ((ids, _), s) in enumerate(zip(given, each)):  # all checked before any runs
             try:
                 self.engine.check([ids], s.max_tokens)
+                if s.structured_outputs is not None:
+                    self.scheduler.compile_constraint(s.structured_outputs.constraint())
             except RequestError as e:
                 raise _renamed(e, i) from None
         handles = [self._queue(ids, s, i) for i, ((ids, _), s) in enumerate(zip(given, each))]

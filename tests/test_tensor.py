@@ -108,6 +108,52 @@ def test_seeded_sampling_is_the_single_devices():
     assert one[0] != ref["greedy_tokens_0"].tolist()  # it sampled, not a greedy rerun
 
 
+def test_constrained_tokens_are_the_same_on_every_mesh():
+    """A bounded JSON Schema's answers, greedy and seeded sampling, through
+    `Engine.generate` on 1x1x1, 2x1x2, 2x2x2 and 1x1x4 (V = 333 padded to 336: each
+    device's 84 ids start inside a mask word): every mesh masks and picks the tokens
+    of 1x1x1, and each answer validates, ended by its grammar."""
+    import jsonschema
+
+    from qwen3_spmd.pipeline.constraints import Constraint, Grammars
+    from qwen3_spmd.run.text import Text
+
+    folder, cfg, _, _ = fixture("wide")
+    grammars = Grammars.of_text(Text(folder), cfg.V, (302, 300))
+    schema = {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tag": {"enum": ["a", "bc"]},
+        },
+        "required": ["ok", "n", "tag"],
+        "additionalProperties": False,
+    }
+    constraint = Constraint.json_schema(schema)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    for sampling in (Sampling(), SAMPLED):
+        runs = [
+            _engine("wide", *mesh).generate(
+                prompts,
+                40,
+                sampling=sampling,
+                seed=3,
+                eos_ids=(302,),
+                with_logits=False,
+                constraint=constraint,
+                grammars=grammars,
+            )
+            for mesh in ((1, 1, 1), (2, 1, 2), (2, 2, 2), (1, 1, 4))
+        ]
+        tokens = [[c.token_ids for c in g.completions] for g in runs]
+        assert all(t == tokens[0] for t in tokens[1:]), (sampling, tokens)
+        for c in runs[0].completions:
+            assert c.finish_reason == "stop"
+            answer = Text(folder).decode(c.token_ids, skip_special=True)
+            jsonschema.validate(json.loads(answer), schema)
+
+
 def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
     """`greedy_split` gathers each device's best (value, id) only: the token is the
     lowest id of the largest value, as greedy over the whole row, bans applied."""

@@ -286,6 +286,7 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
     import jax.numpy as jnp
 
+    from qwen3_spmd.pipeline.constraints import Grammars
     from qwen3_spmd.pipeline.decisions import SharedDecisions
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.handles import Params
@@ -311,6 +312,9 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
         experts=args.expert_split,
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
+    grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
+    if grammars is not None:  # its tokenizer (seconds for Qwen3's) made while compiling
+        threading.Thread(target=lambda: grammars.tokenizer, daemon=True).start()
     try:
         scheduler = Scheduler(
             engine,
@@ -319,6 +323,8 @@ def _load(args, spec, procs, mesh_text: str, shape, max_seq_len: int):
             max_queue=args.max_queue,
             decisions=decisions,
             prefix_cache_bytes=_prefix_cache_bytes(args, engine, procs.many),
+            # Structured outputs: every process runs the same matchers on the same tokens.
+            grammars=grammars,
         )
     except RequestError as e:  # a --prefix-cache-mib under one block
         raise CLIError(f"--prefix-cache-mib {args.prefix_cache_mib}: {e}") from None

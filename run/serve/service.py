@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+from qwen3_spmd.pipeline.constraints import Constraint
 from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import MAX_BANNED, Sampling, SamplingError
@@ -63,6 +64,8 @@ class Ask:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # top log-probabilities per token; None: none
+    constraint: Constraint | None = None  # what the answer must follow (structured outputs)
+    constraint_field: str | None = None  # the request's field it came from (for errors)
 
 
 @dataclasses.dataclass
@@ -78,6 +81,8 @@ class Job:
     stop_ids: tuple[int, ...]  # the scheduler's end ids: EOS (unless ignored) + stop_token_ids
     min_tokens: int = 0
     logprobs: int | None = None  # top log-probabilities per token; None: none
+    constraint: Constraint | None = None
+    constraint_field: str | None = None
 
 
 def _invalid(e: RequestError) -> APIError:
@@ -251,7 +256,21 @@ class Service:
             stop_ids=stop_ids,
             min_tokens=min_tokens,
             logprobs=ask.logprobs,
+            constraint=ask.constraint,
+            constraint_field=ask.constraint_field,
         )
+
+    async def compile(self, job: Job) -> None:
+        """Compiles the job's constraint on a thread (the grammar engine's cache then
+        has it when `submit` asks): a 400 naming its field when the engine refuses it
+        or it takes too long to compile."""
+        if job.constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.scheduler.compile_constraint, job.constraint)
+        except RequestError as e:
+            field = job.constraint_field
+            raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
 
     # ---- running -----------------------------------------------------------------------
 
@@ -270,6 +289,7 @@ class Service:
                         eos_ids=job.stop_ids,
                         min_tokens=job.min_tokens,
                         logprobs=job.logprobs is not None,
+                        constraint=job.constraint,
                     )
                     handle = self.scheduler.submit(prompt, params)
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))
