@@ -222,10 +222,11 @@ def only_allowed(logits: jax.Array, allowed: jax.Array | None, first=0) -> jax.A
     if allowed is None:
         return logits
     B, V = logits.shape
-    W = allowed.shape[-1]
-    ids = first + jnp.arange(V, dtype=jnp.int32)
-    word = jnp.take(allowed, jnp.minimum(ids // 32, W - 1), axis=1)  # [B, V]
-    on = ((word >> (ids % 32)) & 1).astype(jnp.bool_) & (ids < 32 * W)
+    # Unpacked by shifts and a reshape, not a gather of words per id (an order of
+    # magnitude slower on XLA's CPU over a 150K vocabulary): bit i of the row is id i.
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    bits = jnp.pad(bits.reshape(B, -1).astype(jnp.bool_), ((0, 0), (0, V)))  # past 32 W: off
+    on = jax.lax.dynamic_slice_in_dim(bits, first, V, axis=1)
     return jnp.where(on, logits, -jnp.inf)
 
 

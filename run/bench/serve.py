@@ -70,6 +70,7 @@ def closed_loop(
         **sched.decode_use(since=counts),
         "before_drain": before_drain,
     }
+    out["completion_tokens"] = [h.completion_tokens for h in sorted(finished, key=lambda h: h.id)]
     if constraint is not None:
         masks = sched.accounting.masks
         out["mask_s_per_token"] = sched.clock.mask_s / masks if masks else None
@@ -194,10 +195,13 @@ STRUCTURED_SCHEMA = {
 def structured_job(engine, s: dict, B_max: int, rows: int, say) -> dict:
     """A structured load against the same load unconstrained, closed loops at
     concurrency `rows` (compiled by a first pass each): every request following
-    STRUCTURED_SCHEMA, and half of them; output tokens/s and the host's mask time per
-    token, and with half constrained the others' time per output token. Qwen3's
-    tokenizer (shipped with the package) reads the model's vocabulary: a model with
-    fewer ids than it is skipped."""
+    STRUCTURED_SCHEMA, then the same prompts unconstrained with the budgets the
+    constrained answers took (a grammar ends an answer early: the same tokens to make,
+    the same prefills), and the loop with every other request constrained; output
+    tokens/s and the host's mask time per token, and with half constrained the others'
+    time per output token against the unconstrained loop. Qwen3's tokenizer (shipped
+    with the package) reads the model's vocabulary: a model with fewer ids than it is
+    skipped."""
     from qwen3_spmd.pipeline.constraints import Constraint, Grammars
     from qwen3_spmd.run import qwen_tokenizer
     from qwen3_spmd.run.text import Text
@@ -208,8 +212,10 @@ def structured_job(engine, s: dict, B_max: int, rows: int, say) -> dict:
     constraint = Constraint.json_schema(STRUCTURED_SCHEMA)
     reqs = _loop_requests(engine.cfg, s, rows)
     runs = {}
-    for name, every in (("unconstrained", None), ("constrained", 1), ("half", 2)):
+    for name, every in (("constrained", 1), ("unconstrained", None), ("half", 2)):
         held = None if every is None else constraint
+        if name == "unconstrained":  # the constrained answers' lengths
+            reqs = [(p, n) for (p, _), n in zip(reqs, runs["constrained"]["completion_tokens"])]
         for _ in range(2):  # the first pass compiles
             sched = Scheduler(engine, B_max, grammars=grammars)
             runs[name] = closed_loop(sched, reqs, rows, held, every or 1)
