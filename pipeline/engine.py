@@ -732,8 +732,8 @@ class Engine:
         params = RowSampling.of(Sampling(), 0, laid.request)
         tokens = jax.ShapeDtypeStruct((B,), jnp.int32)
         step = jax.ShapeDtypeStruct((), jnp.int32)
-        for sampled in (False, True):
-            self._sample.lower(logits, params, step, sampled=sampled).compile()
+        for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
+            self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
         self._logprobs.lower(logits, tokens).compile()
         if not with_context:
             self._zeros(B).lower().compile()
