@@ -8,7 +8,7 @@ attention, decode context parallelism) and `.run` (the command line, and `run.ll
 `LLM` and `SamplingParams`, the Python door, re-exported here).
 """
 
-__all__ = ["LLM", "Output", "SamplingParams"]
+__all__ = ["LLM", "Output", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

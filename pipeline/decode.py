@@ -66,11 +66,21 @@ class DecodeInputs(NamedTuple):
     prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took (P_pad / C)
     sampling: RowSampling  # [B] each: the row's sampling parameters and key
     run_steps: jax.Array  # [] int32: steps of the chunk that run (the last chunk may need fewer)
+    # [B, ceil(V/32)] int32: each row's allowed next tokens as packed bits
+    # (`sampling.only_allowed`; all ones for a row under no constraint), for a chunk of
+    # one step; None (no input at all, today's program) when no row is constrained.
+    allowed: jax.Array | None = None
 
     @classmethod
-    def specs(cls) -> DecodeInputs:
+    def specs(cls, constrained: bool = False) -> DecodeInputs:
         fields = {name: P() for name in cls._fields}
-        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+        return cls(
+            **{
+                **fields,
+                "sampling": RowSampling(*[P()] * len(RowSampling._fields)),
+                "allowed": P() if constrained else None,
+            }
+        )
 
 
 class DecodeOutputs(NamedTuple):
@@ -104,6 +114,7 @@ def build_decode(
     sampled: bool,
     with_logits: bool = True,
     logprobs: bool = False,
+    constrained: bool = False,
 ):
     """The decode program for a chunk of `steps` steps (not yet jitted).
 
@@ -116,6 +127,11 @@ def build_decode(
     gather over `tensor`, at run time). with_logits=False leaves row 0's per-step
     logits out, sparing a [steps, V] buffer per chunk. logprobs=True also reports each
     new token's log-probability and the top TOP_LOGPROBS (`sampling.token_logprobs`).
+    constrained=True: `inputs.allowed` masks each row's choice (a structured output's
+    grammar); its bits are those of the row's next token, so such a chunk runs one step
+    (`run_steps` 1: the host advances the grammar between tokens). The whole mask is
+    on every device (a row's is V/8 bytes); under `tensor` each device reads its
+    vocabulary block's bits.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     # One stage has no bubbles (period = groups): no cond is needed around its layers.
@@ -182,12 +198,13 @@ def build_decode(
                 """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
                 local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
                 params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
 
                 def whole():
                     # Sampling's filters and the log-probabilities need a row's whole
                     # distribution: the rows' logits, gathered (small beside the weights).
                     logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
-                    tok = sample_rows(logits, params, j + 1, sampled)
+                    tok = sample_rows(logits, params, j + 1, sampled, allowed)
                     return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
 
                 if split.size == 1 or logprobs:
@@ -195,7 +212,7 @@ def build_decode(
 
                 def best_pairs():
                     # Greedy rows need each device's best pair only (sampling.greedy_split).
-                    tok = greedy_split(local, params, j + 1, split)
+                    tok = greedy_split(local, params, j + 1, split, allowed)
                     row0_logits = (
                         gather_vocab(local[:1], split, cfg.V)
                         if with_logits
@@ -260,7 +277,7 @@ def build_decode(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs()),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs(constrained)),
         out_specs=(DecodeOutputs(P(), P(), TokenLogprobs(P(), P(), P())), CACHE_SPECS),
     )
 

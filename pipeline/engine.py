@@ -28,6 +28,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline import cp_cost
+from qwen3_spmd.pipeline.constraints import Constraint, Grammars
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
 from qwen3_spmd.pipeline.executor import Executor
 from qwen3_spmd.pipeline.handles import Params, Request
@@ -482,16 +483,27 @@ class Engine:
 
     @staticmethod
     def decode_name(
-        groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
+        groups: int,
+        steps: int,
+        sampled: bool,
+        with_logits: bool,
+        logprobs: bool = False,
+        constrained: bool = False,
     ) -> tuple:
         """The decode program's name: every static choice that shapes it."""
         name = ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
-        return name + (("logprobs",) if logprobs else ())
+        return name + (("logprobs",) if logprobs else ()) + (("allowed",) if constrained else ())
 
     def _decode_fn(
-        self, groups: int, steps: int, sampled: bool, with_logits: bool, logprobs: bool = False
+        self,
+        groups: int,
+        steps: int,
+        sampled: bool,
+        with_logits: bool,
+        logprobs: bool = False,
+        constrained: bool = False,
     ):
-        key = (groups, steps, sampled, with_logits, logprobs)
+        key = (groups, steps, sampled, with_logits, logprobs, constrained)
         return self._jitted(
             self._decode,
             key,
@@ -506,16 +518,24 @@ class Engine:
                     sampled,
                     with_logits,
                     logprobs,
+                    constrained,
                 ),
                 donate_argnames="cache",
             ),
         )
 
-    def _abstract_decode_inputs(self, rows: int) -> DecodeInputs:
+    def _abstract_decode_inputs(self, rows: int, constrained: bool = False) -> DecodeInputs:
         """A decode chunk's inputs over `rows` rows as shapes on the mesh (for lowering
-        ahead)."""
+        ahead); constrained: with each row's allowed tokens."""
         inputs = RowBook(rows, 1, self.C, self.slots_per_device).decode_inputs(rows, 0)
-        return self._abstract(inputs, DecodeInputs.specs())
+        if constrained:
+            inputs = inputs._replace(allowed=np.zeros((rows, self.mask_words), np.int32))
+        return self._abstract(inputs, DecodeInputs.specs(constrained))
+
+    @property
+    def mask_words(self) -> int:
+        """W: int32 words of a row's allowed tokens, ceil(V / 32) (`sampling.only_allowed`)."""
+        return -(-self.cfg.V // 32)
 
     def _compile_decode_ahead(self, B: int, groups: int, sampled: bool, with_logits: bool):
         """Starts compiling a decode chunk's program over B rows while the prefill
@@ -550,6 +570,8 @@ class Engine:
         eos_ids: tuple[int, ...] = (),
         on_tokens: Callable[[list[list[int]]], None] | None = None,
         with_logits: bool = True,
+        constraint: Constraint | None = None,
+        grammars: Grammars | None = None,
     ) -> Generation:
         """Generates up to max_new_tokens tokens for each prompt: one prefill of the whole
         batch, then decode chunks until every request has ended, run by the same
@@ -562,20 +584,28 @@ class Engine:
 
         on_tokens, if given, is called after the prefill and after each decode chunk with
         every request's tokens so far (for streaming).
+
+        constraint: what every answer must follow (a structured output), with `grammars`
+        over the model's tokenizer: chunks of one step, each row's choice masked.
         """
         self.check(prompts, max_new_tokens)
+        if constraint is not None:
+            if grammars is None:
+                raise RequestError("a $constraint needs the model's grammars", "constraint")
+            grammars.compile(constraint)
         n, groups = len(prompts), self.groups_for(len(prompts))
         unit = math.lcm(self.M, groups)
         shape = PrefillShape(-(-n // unit) * unit, padded_length(max(map(len, prompts)), self.C))
-        params = Params(max_new_tokens, sampling, seed, tuple(eos_ids))
+        params = Params(max_new_tokens, sampling, seed, tuple(eos_ids), constraint=constraint)
         requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
         # Rows past the prompts are copies of request 0 (its key too), dropped at the end.
         requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
         book = RowBook(shape.B, groups, self.C, self.slots_per_device)
         clock, accounting = Clock(), Accounting()
-        executor = Executor(self, book, accounting, clock, cache=None)
+        executor = Executor(self, book, accounting, clock, cache=None, grammars=grammars)
         sampled = sampling.temperature > 0
-        if max_new_tokens > 1:
+        constrained = constraint is not None
+        if max_new_tokens > 1 and not constrained:
             self._compile_decode_ahead(shape.B, groups, sampled, with_logits)
         tokens: list[list[int]] = [[] for _ in requests]
         finish = ["length"] * shape.B
@@ -591,9 +621,10 @@ class Engine:
         take(executor.admit(Round(admissions=(admission,))))
         step_logits = [np.asarray(executor.logits[:1])]
         steps_run = chunks = 0
-        decode = DecodeShape(shape.B, sampled, logprobs=False)
+        decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
         while book.live():
             steps = min(self.chunk, max(book.rows[b].steps_left for b in book.live()))
+            steps = 1 if constrained else steps  # the host between a row's tokens
             take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
             if with_logits:
                 step_logits.append(np.asarray(executor.logits)[:steps])
@@ -626,9 +657,12 @@ class Engine:
         sampled: bool,
         clock: Clock,
         cache: KVCache | None = None,
+        allowed: np.ndarray | None = None,
     ):
         """Runs the prefill of `batch` into a new cache and samples each row's first token
-        with its `params` (host arrays [B]; sampled=False: every row is greedy).
+        with its `params` (host arrays [B]; sampled=False: every row is greedy) within
+        its `allowed` tokens ([B, ceil(V/32)] packed bits, `sampling.only_allowed`;
+        None: no row is constrained).
         A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
         must list the earlier chunks' slots; its prefill attends to them too. A batch
         laid out with targets (`layout.lay_out`) scores its prompts' tokens too.
@@ -645,7 +679,7 @@ class Engine:
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         logits, cache, *prompt = self._run(name, fn, clock, cache, inputs)
-        first = self._sample(logits, params, np.int32(0), sampled=sampled)
+        first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
         first = np.asarray(first)
         prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
         clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
@@ -671,13 +705,15 @@ class Engine:
         """One decode chunk (the program of `self.chunk` steps, `inputs.run_steps` of
         them run) on `cache`, donated, with its slot positions replaced by the host's
         slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
-        `layout.list_decode_slots`). inputs: host arrays. logprobs: also each new
-        token's log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on
-        device, the cache)."""
+        `layout.list_decode_slots`). inputs: host arrays (with `allowed`: the program
+        that masks each row's choice). logprobs: also each new token's
+        log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on device,
+        the cache)."""
+        constrained = inputs.allowed is not None
         cache = self.with_slot_pos(cache, slot_pos)
-        inputs = self._place_inputs(inputs, DecodeInputs.specs())
-        name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs)
-        fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs)
+        inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
+        name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs, constrained)
+        fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
         out, cache = self._run(name, fn, clock, cache, inputs)
@@ -725,8 +761,8 @@ class Engine:
         params = RowSampling.of(Sampling(), 0, laid.request)
         tokens = jax.ShapeDtypeStruct((B,), jnp.int32)
         step = jax.ShapeDtypeStruct((), jnp.int32)
-        for sampled in (False, True):
-            self._sample.lower(logits, params, step, sampled=sampled).compile()
+        for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
+            self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
         self._logprobs.lower(logits, tokens).compile()
         if not with_context:
             self._zeros(B).lower().compile()
@@ -740,16 +776,17 @@ class Engine:
         sampled: bool,
         logprobs: bool,
         announce: bool = True,
+        constrained: bool = False,
     ) -> None:
         """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
-        logits) over `rows` rows of a cache of `cache_rows` rows. Nothing runs.
-        announce=False: no on_compile."""
+        logits) over `rows` rows of a cache of `cache_rows` rows (constrained: with each
+        row's allowed tokens). Nothing runs. announce=False: no on_compile."""
         self.programs.get(
-            self.decode_name(groups, self.chunk, sampled, False, logprobs),
-            self._decode_fn(groups, self.chunk, sampled, False, logprobs),
+            self.decode_name(groups, self.chunk, sampled, False, logprobs, constrained),
+            self._decode_fn(groups, self.chunk, sampled, False, logprobs, constrained),
             self.weights,
             self._abstract_cache(cache_rows),
-            self._abstract_decode_inputs(rows),
+            self._abstract_decode_inputs(rows, constrained),
             announce,
         )
 

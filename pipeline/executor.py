@@ -9,11 +9,13 @@ process of a job executes the same `Round` alike, and gets the same tokens.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline.constraints import Grammars, RowMatcher
 from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
@@ -35,7 +37,8 @@ class Executor:
     first admission makes it (an admission that fills every row, as a static batch's,
     becomes it without a copy). prefix, pool: the prefix cache's book and blocks
     (`pipeline.prefix`), None without one; block_layout: the block prompts are laid out
-    by (`ShapeRules.layout_block`).
+    by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
+    constraint (`pipeline.constraints`), None when none can have one.
     """
 
     def __init__(
@@ -48,10 +51,15 @@ class Executor:
         prefix: PrefixBook | None = None,
         pool: BlockPool | None = None,
         block_layout: int | None = None,
+        grammars: Grammars | None = None,
     ):
         self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
         self.cache = cache
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
+        self.grammars = grammars
+        # Each constrained request's grammar state, by request id, from its first token's
+        # sampling to its end: every process advances its own on the same tokens.
+        self.matchers: dict[int, RowMatcher] = {}
         self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
         self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
@@ -72,6 +80,7 @@ class Executor:
         self.book.ended.clear()
         for id in round.cancels:
             in_row = self.book.row_of(id) is not None
+            self.matchers.pop(id, None)
             if self.book.cancel(id):
                 updates.append(Update(id, [], "cancelled"))
                 self.accounting.early_ends += in_row  # a row freed before its budget
@@ -83,7 +92,7 @@ class Executor:
             updates += self._prefill(admission)
         if round.saves:  # before any later write to the rows they read
             self._save(round.saves)
-        return updates
+        return self._forget(updates)
 
     def decode(self, round: Round) -> list[Update]:
         """The round's row moves and decode chunk: every busy row's new tokens."""
@@ -94,7 +103,7 @@ class Executor:
                 self.book.move(a, b)
         if round.decode is None:
             return []
-        return self._decode(round.decode)
+        return self._forget(self._decode(round.decode))
 
     # ---- the parts of a round ------------------------------------------------------
 
@@ -132,12 +141,14 @@ class Executor:
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
+        last = chunk.end == len(request.prompt)  # its sampled token is the request's first
+        allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
         first, logits, cache, prompt = eng.prefill(
-            batch, strategy, params, sampled, self.clock, cache
+            batch, strategy, params, sampled, self.clock, cache, allowed
         )
         if scored:
             self._chunk_prompt += _prompt_rows(batch, prompt, 0)
-        if chunk.end < len(request.prompt):
+        if not last:
             self._chunk_cache = cache
             return []
         self._chunk_cache = None
@@ -145,7 +156,10 @@ class Executor:
         rows = np.full(batch.B, book.B, np.int32)  # the copies past the first: dropped
         rows[0] = held.row
         self._insert(cache, rows)
-        update = book.start(held.row, request, int(first[0]), held.offset, held.slot_pos)
+        done = self._advance({request.id: int(first[0])})
+        update = book.start(
+            held.row, request, int(first[0]), held.offset, held.slot_pos, request.id in done
+        )
         update.cached_tokens = held.cached_tokens
         if scored:
             update.prompt_logprobs, self._chunk_prompt = self._chunk_prompt, []
@@ -200,15 +214,21 @@ class Executor:
         )
         sampled = any(r.params.sampling.temperature > 0 for r in requests)
         strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
-        first, self.logits, new, prompt = eng.prefill(batch, strategy, params, sampled, self.clock)
+        allowed = self._masks(list(requests) + [None] * (batch.B - len(requests)))
+        first, self.logits, new, prompt = eng.prefill(
+            batch, strategy, params, sampled, self.clock, None, allowed
+        )
         into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
         into[: len(requests)] = admission.rows
         self._insert(new, into)
         logits = self.logits
         lp = eng.logprobs(logits, first) if any(r.params.logprobs for r in requests) else None
+        done = self._advance({r.id: int(first[i]) for i, r in enumerate(requests)})
         updates = []
         for i, (b, r) in enumerate(zip(admission.rows, requests)):
-            update = book.start(b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i])
+            update = book.start(
+                b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i], r.id in done
+            )
             if r.params.logprobs:
                 update.logprobs = [_logprob(lp, i)]
             if r.params.prompt_logprobs:
@@ -222,6 +242,9 @@ class Executor:
         eng, book, acc = self.engine, self.book, self.accounting
         n, take = chunk.shape.rows, chunk.steps
         inputs = book.decode_inputs(n, take)
+        if chunk.shape.constrained:  # a chunk of one step (the planner's rule)
+            held = [book.rows[b].request if book.rows[b] else None for b in range(n)]
+            inputs = inputs._replace(allowed=self._masks(held, always=True))
         out, self.cache = eng.decode(
             self.cache,
             book.slot_pos,
@@ -237,18 +260,54 @@ class Executor:
         lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if chunk.shape.logprobs else None
         acc.row_steps += book.B * take
         acc.decode_ticks += decode_ticks(book.groups, eng.stages, take)
+        live = [b for b in book.live() if b < n]
+        done = self._advance({book.rows[b].request.id: int(tokens[b, 0]) for b in live})
         updates = []
-        for b in book.live():
-            if b >= n:
-                continue
+        for b in live:
             request = book.rows[b].request
-            update = book.extend(b, tokens[b, :take])
+            update = book.extend(b, tokens[b, :take], request.id in done)
             acc.busy_row_steps += len(update.tokens)
             acc.early_ends += update.finish_reason == "stop"
             if request.params.logprobs:
                 at_step = TokenLogprobs(*(x[b] for x in lp))
                 update.logprobs = [_logprob(at_step, k) for k in range(len(update.tokens))]
             updates.append(update)
+        return updates
+
+    # ---- constraints (structured outputs) -------------------------------------------
+
+    def _masks(self, requests: list[Request | None], always: bool = False) -> np.ndarray | None:
+        """Each row's allowed tokens [len(requests), W] (`sampling.only_allowed`; all for
+        a row of no constrained request, or of none), starting the matcher of a request
+        met for the first time; None when no row is constrained (the programs of old),
+        unless `always`."""
+        if not any(r is not None and r.params.constraint is not None for r in requests):
+            return self.grammars.masks(len(requests)) if always and self.grammars else None
+        t0 = time.perf_counter()
+        masks = self.grammars.masks(len(requests))
+        for i, r in enumerate(requests):
+            if r is None or r.params.constraint is None:
+                continue
+            if r.id not in self.matchers:
+                self.matchers[r.id] = self.grammars.matcher(r.params.constraint)
+            self.matchers[r.id].fill(masks, i)
+            self.accounting.masks += 1
+        self.clock.mask_s += time.perf_counter() - t0
+        return masks
+
+    def _advance(self, tokens: dict[int, int]) -> set[int]:
+        """Each constrained request's matcher takes its new token ({request id: token});
+        returns the ids whose answers are done (their grammar admits nothing more)."""
+        t0 = time.perf_counter()
+        done = {id for id, t in tokens.items() if id in self.matchers and self.matchers[id].take(t)}
+        self.clock.mask_s += time.perf_counter() - t0
+        return done
+
+    def _forget(self, updates: list[Update]) -> list[Update]:
+        """The matchers of the requests that ended are dropped."""
+        for u in updates:
+            if u.finish_reason:
+                self.matchers.pop(u.id, None)
         return updates
 
     def _insert(self, new: KVCache, rows: np.ndarray) -> None:

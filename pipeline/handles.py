@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import NamedTuple
 
+from qwen3_spmd.pipeline.constraints import Constraint
 from qwen3_spmd.pipeline.sampling import Sampling
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -27,7 +28,9 @@ class Params:
     token's log-probability and the top ones come with it (Handle.logprobs).
     prompt_logprobs: the prompt's too, each token's after the first under the tokens
     before it (Handle.prompt_logprobs); such a prompt is prefilled whole, never from the
-    prefix cache (a hit would skip the positions it asks for)."""
+    prefix cache (a hit would skip the positions it asks for). constraint: what the
+    answer must follow (a structured output); it ends with "stop" where its grammar
+    admits nothing more."""
 
     max_new_tokens: int = 16
     sampling: Sampling = Sampling()
@@ -36,6 +39,7 @@ class Params:
     min_tokens: int = 0
     logprobs: bool = False
     prompt_logprobs: bool = False
+    constraint: Constraint | None = None
 
     def finish_reason(self, tokens: list[int]) -> str | None:
         """Why a request that has generated `tokens` ends: "stop" (the last is an EOS

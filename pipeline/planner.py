@@ -35,6 +35,7 @@ import json
 import math
 from collections.abc import Callable, Iterable
 
+from qwen3_spmd.pipeline.constraints import Constraint
 from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import whole_batch
 from qwen3_spmd.pipeline.prefix import PrefixBook, Save, plan_saves
@@ -147,7 +148,15 @@ def _request(d: dict | None) -> Request | None:
     if d is None:
         return None
     p = d["params"]
-    params = Params(**{**p, "sampling": Sampling(**p["sampling"]), "eos_ids": tuple(p["eos_ids"])})
+    constraint = Constraint(**p["constraint"]) if p.get("constraint") else None
+    params = Params(
+        **{
+            **p,
+            "sampling": Sampling(**p["sampling"]),
+            "eos_ids": tuple(p["eos_ids"]),
+            "constraint": constraint,
+        }
+    )
     return Request(d["id"], tuple(d["prompt"]), params, d["sample_index"])
 
 
@@ -162,6 +171,7 @@ class Accounting:
     busy_row_steps: int = 0
     decode_ticks: int = 0
     early_ends: int = 0
+    masks: int = 0  # constrained rows' allowed-token masks filled (one per token)
 
 
 class Planner:
@@ -392,12 +402,18 @@ class Planner:
         # one stage, always).
         if (take - first) * groups > (self.stages - 1) * rows:
             take = first
+        # A row under a constraint needs the host between its tokens (its grammar's
+        # matcher takes each and gives the next mask): the chunk runs one step.
+        constrained = any(r.params.constraint is not None for r, _ in busy.values())
+        if constrained:
+            take = 1
         # One program samples or not (all-greedy rows skip the sort at run time), so a
         # server compiles one per row count where it would two.
         shape = DecodeShape(
             self.rules.decode_rows(max(busy)),
             sampled=True,
             logprobs=any(r.params.logprobs for r, _ in busy.values()),
+            constrained=constrained,
         )
         shape = self._stand_in(self.rules.decode_stand_ins, shape) or shape
         return DecodeChunk(shape, take)

@@ -35,6 +35,7 @@ class Clock:
     compile_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    mask_s: float = 0.0  # the host filling constrained rows' allowed tokens (and advancing them)
 
 
 class Programs:

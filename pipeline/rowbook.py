@@ -104,21 +104,30 @@ class RowBook:
     # ---- writing -----------------------------------------------------------------
 
     def start(
-        self, b: int, request: Request, token: int, prompt_slots: int, slot_pos: np.ndarray
+        self,
+        b: int,
+        request: Request,
+        token: int,
+        prompt_slots: int,
+        slot_pos: np.ndarray,
+        done: bool = False,
     ) -> Update:
         """Request `request`, prefilled (its first token `token`, its slots' positions
-        slot_pos [C, S_loc]), decodes in row b from now on, unless that token ends it."""
+        slot_pos [C, S_loc]), decodes in row b from now on, unless that token ends it
+        (done: its constraint admits nothing more, an end for "stop")."""
         self.rows[b] = Row(request, [token], prompt_slots)
         self.slot_pos[b] = slot_pos
         self.lengths[b] = len(request.prompt)
-        update = Update(request.id, [token], request.params.finish_reason([token]))
+        reason = request.params.finish_reason([token]) or ("stop" if done else None)
+        update = Update(request.id, [token], reason)
         if update.finish_reason:
             self.free(b)
         return update
 
-    def extend(self, b: int, tokens) -> Update:
+    def extend(self, b: int, tokens, done: bool = False) -> Update:
         """Row b's new tokens from a decode chunk, up to the first that ends it (the
-        rest were never asked for); the row is freed when it ends."""
+        rest were never asked for); the row is freed when it ends. done: after these
+        tokens the row's constraint admits nothing more (an end for "stop")."""
         row = self.rows[b]
         params, got, reason = row.request.params, [], None
         for t in tokens:
@@ -127,6 +136,7 @@ class RowBook:
             reason = params.finish_reason(row.generated)
             if reason:
                 break
+        reason = reason or ("stop" if done else None)
         if reason:
             tokens = row.request.prompt + tuple(row.generated[:-1])
             self.ended.append(Ended(b, tokens, self.slot_pos[b].copy()))

@@ -134,7 +134,13 @@ def sample(
     return sample_rows(logits, rows, step, sampled=cfg.temperature > 0)
 
 
-def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True) -> jax.Array:
+def sample_rows(
+    logits: jax.Array,
+    rows: RowSampling,
+    step,
+    sampled: bool = True,
+    allowed: jax.Array | None = None,
+) -> jax.Array:
     """Next tokens, each row with its own parameters; a row samples with the key
     (seed, request, step) and nothing else, so it draws the same token whatever its
     place in the batch, its group, the mesh or the tick it runs at.
@@ -142,11 +148,13 @@ def sample_rows(logits: jax.Array, rows: RowSampling, step, sampled: bool = True
     Args:
       logits: [B, V] float32; rows: RowSampling of [B] arrays; step: [B] or scalar int32,
         the index of the token being produced. sampled=False (static) promises every row
-        is greedy and skips the filters.
+        is greedy and skips the filters. allowed: [B, ceil(V/32)] int32, each row's
+        allowed tokens as packed bits (`only_allowed`; a structured output's grammar),
+        None when no row is constrained.
     Returns:
       tokens [B] int32.
     """
-    logits = ban(logits, rows, step)
+    logits = only_allowed(ban(logits, rows, step), allowed)
     argmax = greedy(logits)
     if not sampled:
         return argmax
@@ -194,6 +202,26 @@ def ban(logits: jax.Array, rows: RowSampling, step, first=0) -> jax.Array:
     return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")
 
 
+def only_allowed(logits: jax.Array, allowed: jax.Array | None, first=0) -> jax.Array:
+    """logits [B, V] with each row's tokens outside `allowed` at -inf (before greedy or
+    sampled choice, so both pick within the grammar).
+
+    allowed: [B, W] int32, bit i % 32 of word i // 32 set where id i may come next (the
+    layout of llguidance's bitmasks, W = ceil(V_model / 32)); an unconstrained row's
+    words are all ones (-1). Ids past 32 W (a vocabulary padded for `tensor`) are never
+    allowed. None: logits unchanged. first: the id of column 0 (a device's block of a
+    vocabulary split over `tensor`: each device reads its block's bits only)."""
+    if allowed is None:
+        return logits
+    B, V = logits.shape
+    # Unpacked by shifts and a reshape, not a gather of words per id (an order of
+    # magnitude slower on XLA's CPU over a 150K vocabulary): bit i of the row is id i.
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    bits = jnp.pad(bits.reshape(B, -1).astype(jnp.bool_), ((0, 0), (0, V)))  # past 32 W: off
+    on = jax.lax.dynamic_slice_in_dim(bits, first, V, axis=1)
+    return jnp.where(on, logits, -jnp.inf)
+
+
 # ---- logits split by vocabulary over `tensor` (model.split) ----------------------------
 
 
@@ -205,13 +233,20 @@ def gather_vocab(local: jax.Array, split: TensorSplit, vocab: int) -> jax.Array:
     return jax.lax.all_gather(local, split.axis, axis=1, tiled=True)[:, :vocab]
 
 
-def greedy_split(local: jax.Array, rows: RowSampling, step, split: TensorSplit) -> jax.Array:
+def greedy_split(
+    local: jax.Array,
+    rows: RowSampling,
+    step,
+    split: TensorSplit,
+    allowed: jax.Array | None = None,
+) -> jax.Array:
     """`sample_rows`' greedy tokens [B] from logits split by vocabulary, local
-    [B, V'/X]: each device's best value and id (its bans applied), then only those X
-    pairs gathered, never the vocabulary. The first device holding the largest value
-    wins, which is the lowest id, as `greedy` breaks ties."""
+    [B, V'/X]: each device's best value and id (its bans and its block's part of the
+    `allowed` bits applied), then only those X pairs gathered, never the vocabulary.
+    The first device holding the largest value wins, which is the lowest id, as
+    `greedy` breaks ties."""
     first = split.first(local.shape[-1])
-    local = ban(local, rows, step, first)
+    local = only_allowed(ban(local, rows, step, first), allowed, first)
     best = greedy(local)
     value = jnp.take_along_axis(local, best[:, None], axis=-1)[:, 0]
     values = jax.lax.all_gather(value, split.axis)  # [X, B]

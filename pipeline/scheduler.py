@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from qwen3_spmd.pipeline.constraints import Constraint, Grammars
 from qwen3_spmd.pipeline.decisions import SharedDecisions
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.executor import Executor
@@ -81,6 +82,9 @@ class Scheduler:
         hold could hit: max_seq_len under a block and two tokens).
       prefix_block: the prefix cache's block in tokens (rounded down to a multiple of
         2C, at most the chunk, which is then rounded down to a multiple of it).
+      grammars: the grammar engine over the model's tokenizer
+        (`pipeline.constraints.Grammars`) for requests with a constraint (structured
+        outputs); None: such requests are refused. Every process needs its own.
     """
 
     def __init__(
@@ -93,6 +97,7 @@ class Scheduler:
         decisions: SharedDecisions | None = None,
         prefix_cache_bytes: int = 0,
         prefix_block: int = 256,
+        grammars: Grammars | None = None,
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -147,7 +152,9 @@ class Scheduler:
             prefix=self.prefix,
             pool=pool,
             block_layout=self.rules.layout_block,
+            grammars=grammars,
         )
+        self.grammars = grammars
         self.max_queue = max_queue
         self.rounds = 0
         self._ids = itertools.count()
@@ -280,7 +287,13 @@ class Scheduler:
             )
         elif isinstance(shape, DecodeShape):
             eng.compile_decode(
-                shape.rows, self.B, self.groups, shape.sampled, shape.logprobs, announce
+                shape.rows,
+                self.B,
+                self.groups,
+                shape.sampled,
+                shape.logprobs,
+                announce,
+                shape.constrained,
             )
         elif isinstance(shape, CopyShape):
             pool = self.executor.pool
@@ -306,6 +319,8 @@ class Scheduler:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
         prompt = tuple(int(t) for t in prompt_ids)
         self.engine.check([list(prompt)], params.max_new_tokens, params.min_tokens, params.eos_ids)
+        if params.constraint is not None:
+            self.compile_constraint(params.constraint)
         with self._lock:
             if self._queued >= self.max_queue + self._free_count:
                 raise QueueFull(
@@ -319,6 +334,18 @@ class Scheduler:
             self._queued += 1
             self._wake.notify_all()
         return handle
+
+    def compile_constraint(self, constraint: Constraint) -> None:
+        """Compiles a request's constraint (cached by its text; ConstraintError, a
+        RequestError, when the grammar engine refuses it or takes too long). A caller
+        on an event loop runs it on a thread before `submit`, which then finds it."""
+        if self.grammars is None:
+            raise RequestError(
+                "structured outputs need the model's tokenizer (tokenizer.json), and this "
+                "model has none",
+                "constraint",
+            )
+        self.grammars.compile(constraint)
 
     def cancel(self, handle: Handle) -> None:
         """Ends a request at the next round (its row is freed then). A handle this

@@ -43,11 +43,16 @@ class PrefillShape:
 @dataclasses.dataclass(frozen=True, order=True)
 class DecodeShape:
     """A decode chunk over the first `rows` rows, greedy only or sampled where a row
-    asks to (`decode.build_decode`), with or without log-probabilities."""
+    asks to (`decode.build_decode`), with or without log-probabilities; constrained:
+    with each row's allowed tokens (a structured output's grammar: a chunk of one step).
+    Constrained shapes are compiled when a round first meets them, not declared in
+    `ShapeRules.programs` (a server that serves no structured output never pays for
+    them)."""
 
     rows: int
     sampled: bool
     logprobs: bool
+    constrained: bool = False
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -214,6 +219,7 @@ class ShapeRules:
                 if s.rows >= shape.rows
                 and s.logprobs >= shape.logprobs
                 and s.sampled >= shape.sampled
+                and s.constrained >= shape.constrained
             }
         )
 

@@ -392,11 +392,15 @@ class EngineArgs:
     def build(self, mesh=None) -> Built:
         """Everything at once, in one process: started, the model opened, its weights on
         the mesh (or on `mesh`, a jax Mesh given as it is), the scheduler over them."""
+        from qwen3_spmd.pipeline.constraints import Grammars
+
         runtime = self.start()
         spec = self.open_model()
         mesh = mesh if mesh is not None else runtime.mesh()
         engine = self.engine(spec.cfg, spec.source, mesh, self.seq_len(spec.cfg, runtime.shape.seq))
-        return Built(runtime, spec, engine, self.scheduler(engine))
+        # Structured outputs: a grammar engine over the model's tokenizer (none without one).
+        grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
+        return Built(runtime, spec, engine, self.scheduler(engine, grammars=grammars))
 
 
 @dataclasses.dataclass(frozen=True)

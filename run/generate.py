@@ -58,6 +58,15 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="structured output: each answer is JSON that follows this JSON Schema",
+    )
+    p.add_argument("--regex", help="structured output: each answer matches this regex")
+    p.add_argument(
+        "--choice", metavar="A,B,...", help="structured output: each answer is one of these"
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -118,6 +127,8 @@ class _Job:
     eos: tuple[int, ...]
     mesh: object  # jax.sharding.Mesh
     unused_devices: int  # devices this process sees that the mesh leaves out
+    constraint: object = None  # pipeline.constraints.Constraint: --json-schema, --regex, --choice
+    grammars: object = None  # pipeline.constraints.Grammars, with a constraint
 
 
 def _run(args, engine_args: EngineArgs, runtime) -> int:
@@ -188,6 +199,8 @@ def _job(args, engine_args: EngineArgs, runtime) -> _Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
+    constraint = _constraint(args)
+    grammars = _grammars(constraint, text, spec.cfg.V, spec.eos_ids())
     cp_cost.check_cp(split.local(spec.cfg), seq, args.cp)
     if procs.leader and max_seq_len % seq:
         print(
@@ -206,6 +219,8 @@ def _job(args, engine_args: EngineArgs, runtime) -> _Job:
         eos=spec.eos_ids(),
         mesh=mesh,
         unused_devices=len(jax.devices()) - mesh.devices.size,
+        constraint=constraint,
+        grammars=grammars,
     )
 
 
@@ -237,7 +252,7 @@ def _load_and_generate(args, engine_args: EngineArgs, job: _Job, procs, show: bo
                 if len(job.prompts) == 1
                 else _DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens, job.eos)
             )
-        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream)
+        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream, job)
     finally:
         progress.stop()
     if stream:
@@ -337,6 +352,8 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
         sampling=job.sampling,
         seed=key_seed(args.seed),
         eos_ids=job.eos,
+        constraint=job.constraint,
+        grammars=job.grammars,
     )
     return {
         "matches_single_device": all(
@@ -378,8 +395,50 @@ def _cp_report(layout: dict, timing: dict) -> dict:
     }
 
 
-def _generate(engine, args, prompts, sampling, eos, stream):
-    """engine.generate, under the JAX profiler if --profile DIR."""
+def _constraint(args):
+    """The structured output --json-schema, --regex or --choice asks for (one at most),
+    or None."""
+    from qwen3_spmd.pipeline.constraints import Constraint
+
+    given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f) is not None]
+    if len(given) > 1:
+        raise CLIError(f"{' and '.join('--' + f.replace('_', '-') for f in given)}: give one")
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema) as f:
+                return Constraint.json_schema(json.load(f))
+        except (OSError, ValueError) as e:
+            raise CLIError(f"--json-schema {args.json_schema}: cannot read it ({e})") from None
+    if args.regex is not None:
+        return Constraint("regex", args.regex)
+    if args.choice is not None:
+        options = [c for c in args.choice.split(",") if c]
+        if not options:
+            raise CLIError("--choice: give at least one option (A,B,...)")
+        return Constraint.choice(options)
+    return None
+
+
+def _grammars(constraint, text, vocab: int, eos: tuple[int, ...]):
+    """The grammar engine for `constraint` (compiled now, before any weight is loaded),
+    or None without one."""
+    from qwen3_spmd.pipeline.constraints import ConstraintError, Grammars
+
+    if constraint is None:
+        return None
+    grammars = Grammars.of_text(text, vocab, eos)
+    if grammars is None:
+        raise CLIError("--json-schema, --regex and --choice need the model's tokenizer.json")
+    try:
+        grammars.compile(constraint)
+    except ConstraintError as e:
+        raise CLIError(f"the structured output is refused: {e}") from None
+    return grammars
+
+
+def _generate(engine, args, prompts, sampling, eos, stream, job=None):
+    """engine.generate, under the JAX profiler if --profile DIR; with the job's
+    constraint, if any."""
     import contextlib
 
     import jax
@@ -398,6 +457,8 @@ def _generate(engine, args, prompts, sampling, eos, stream):
             eos_ids=eos,
             on_tokens=stream,
             with_logits=with_logits,
+            constraint=job.constraint if job else None,
+            grammars=job.grammars if job else None,
         )
 
 

@@ -33,10 +33,52 @@ from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
 
-__all__ = ["LLM", "Logprob", "Output", "SamplingParams"]
+__all__ = ["LLM", "Logprob", "Output", "SamplingParams", "StructuredOutputsParams"]
 
 # The engine's parameter names that this API spells its own way (vLLM's).
 _NAMES = {"max_new_tokens": "max_tokens"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the answer must follow (vLLM's names): one of a JSON Schema (`json`, a dict
+    or its text), a regular expression the whole answer matches (`regex`), one of a list
+    of strings (`choice`), a Lark or GBNF grammar (`grammar`), or any JSON object
+    (`json_object=True`). The answer ends ("stop") where the grammar admits nothing
+    more; JSON is compact (no whitespace between tokens)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None,)]
+        if self.json_object is False:
+            given.remove("json_object")
+        if len(given) != 1:
+            raise RequestError(
+                "$structured_outputs takes exactly one of json, regex, choice, grammar or "
+                f"json_object ({', '.join(given) or 'none'} given)",
+                "structured_outputs",
+            )
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    def constraint(self):
+        """The engine's `Constraint` (from the first token)."""
+        from qwen3_spmd.pipeline.constraints import Constraint
+
+        if self.json_object:
+            return Constraint.json_schema({"type": "object"})
+        if self.json is not None:
+            return Constraint.json_schema(self.json)
+        if self.choice is not None:
+            return Constraint.choice(self.choice)
+        if self.regex is not None:
+            return Constraint("regex", self.regex)
+        return Constraint("grammar", self.grammar)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +94,8 @@ class SamplingParams:
     of `Output.text`. prompt_logprobs: k (0 to sampling.TOP_LOGPROBS) asks for the
     prompt's log-probabilities (`Output.prompt_logprobs`): each prompt token's and its
     position's k most likely; None asks for none. Such a prompt is prefilled whole
-    (never from a prefix cache).
+    (never from a prefix cache). structured_outputs: what the answer must follow
+    (`StructuredOutputsParams`).
 
     Where vLLM differs: temperature 0.0 here, 1.0 there; seed 0 here, None (a fresh one
     each request) there. So a call that names neither repeats its tokens.
@@ -68,6 +111,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -93,6 +137,7 @@ class SamplingParams:
             eos_ids=tuple(dict.fromkeys(stop)),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs is not None,
+            constraint=(self.structured_outputs.constraint() if self.structured_outputs else None),
         )
 
 
@@ -229,6 +274,8 @@ class LLM:
         for i, ((ids, _), s) in enumerate(zip(given, each)):  # all checked before any runs
             try:
                 self.engine.check([ids], s.max_tokens)
+                if s.structured_outputs is not None:
+                    self.scheduler.compile_constraint(s.structured_outputs.constraint())
             except RequestError as e:
                 raise _renamed(e, i) from None
         handles = [self._queue(ids, s, i) for i, ((ids, _), s) in enumerate(zip(given, each))]

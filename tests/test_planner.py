@@ -73,7 +73,7 @@ class FakeEngine:
         self.moves.append(len(src))
         return cache
 
-    def prefill(self, batch, strategy, params, sampled, clock, cache=None):
+    def prefill(self, batch, strategy, params, sampled, clock, cache=None, allowed=None):
         """The first token of each row: its prompt's last id."""
         self.prefills.append(PrefillShape(batch.B, batch.P_pad, batch.offset > 0))
         inputs = batch.prefill
@@ -89,7 +89,8 @@ class FakeEngine:
     def decode(self, cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs):
         """Each row's next `chunk` tokens: one more than the last, each step."""
         n = len(inputs.step)
-        self.decodes.append((DecodeShape(n, sampled, logprobs), int(inputs.run_steps)))
+        constrained = inputs.allowed is not None
+        self.decodes.append((DecodeShape(n, sampled, logprobs, constrained), int(inputs.run_steps)))
         tokens = (inputs.tokens[:, None] + 1 + np.arange(self.chunk)[None]) % V
         out = types.SimpleNamespace(
             tokens=tokens, logits=None, logprobs=_no_logprobs(n, self.chunk)
@@ -356,3 +357,57 @@ def test_a_long_prompt_is_planned_a_chunk_a_round_the_last_padded_to_its_bucket(
     ]
     sched.run()
     assert h.tokens == tokens_of(prompt, 5)
+
+
+# ---- constrained requests (structured outputs) ------------------------------------------
+
+
+class _Counting:
+    """A stand-in for a row's grammar matcher: every token allowed, the answer done
+    after `n` tokens."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def fill(self, masks, row):
+        masks[row] = -1
+
+    def take(self, token) -> bool:
+        self.n -= 1
+        return self.n == 0
+
+
+class _AnyGrammar:
+    """`Grammars`' face to the scheduler: a constraint's answer is done after as many
+    tokens as its spec has characters."""
+
+    def compile(self, constraint, bounded=True):
+        pass
+
+    def masks(self, rows):
+        return np.full((rows, -(-V // 32)), -1, np.int32)
+
+    def matcher(self, constraint):
+        return _Counting(len(constraint.spec))
+
+
+def test_a_constrained_request_makes_each_chunk_one_step_until_it_ends():
+    """While a row holds a constrained request, every decode chunk runs one step with the
+    rows' masks (the host advances its grammar between tokens); its grammar's end is a
+    "stop"; then chunks run long again, without masks. The Round carries the constraint
+    (other processes run the same matcher)."""
+    from qwen3_spmd.pipeline.constraints import Constraint
+    from qwen3_spmd.pipeline.planner import Round
+
+    engine = FakeEngine(chunk=4)
+    sched = Scheduler(engine, max_batch=2, short_chunk=4, grammars=_AnyGrammar())
+    free = sched.submit([5, 6], Params(12))
+    held = sched.submit([7, 8], Params(12, constraint=Constraint("regex", "abcd")))
+    plan = sched.planner.plan(sched.book, [free.request, held.request])
+    assert Round.from_json(plan.to_json()) == plan
+    sched.run()
+    assert (held.tokens, held.finish_reason) == (tokens_of([7, 8], 4), "stop")
+    assert (free.tokens, free.finish_reason) == (tokens_of([5, 6], 12), "length")
+    # three one-step chunks while the constrained request runs (its tokens 2-4)
+    steps = [(shape.constrained, run) for shape, run in engine.decodes]
+    assert steps[:3] == [(True, 1)] * 3 and all(not c and run > 1 for c, run in steps[3:])

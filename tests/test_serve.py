@@ -746,6 +746,16 @@ def test_two_processes_serve_as_one(reference, text):
         }
         assert value["qwen3_spmd:prompt_tokens_total"] == sum(len(p) for p, _ in reference[:3])
         assert value["qwen3_spmd:generation_tokens_total"] == sum(len(t) for _, t in reference[:3])
+        # A constrained answer: the Round carries its constraint, each process runs the
+        # same matcher on the same tokens.
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+        schema |= {"required": ["ok"], "additionalProperties": False}
+        body = _greedy(reference[0][0], 20, structured_outputs={"json": schema})
+        r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]
+        assert r["finish_reason"] == "stop" and json.loads(r["text"]) in (
+            {"ok": True},
+            {"ok": False},
+        )
         for p in procs:
             p.send_signal(signal.SIGTERM)
         assert [p.wait(timeout=120) for p in procs] == [0, 0], [p.stderr.read() for p in procs]

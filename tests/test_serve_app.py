@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from qwen3_spmd.pipeline.constraints import Grammars
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.scheduler import Scheduler
 from qwen3_spmd.run.models import open_model
@@ -58,7 +59,12 @@ def serve(engine):
 
     def make(max_queue: int, prefix_cache_bytes: int = 0) -> TestClient:
         scheduler = Scheduler(
-            eng, 1, max_queue=max_queue, prefix_cache_bytes=prefix_cache_bytes, prefix_block=8
+            eng,
+            1,
+            max_queue=max_queue,
+            prefix_cache_bytes=prefix_cache_bytes,
+            prefix_block=8,
+            grammars=Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids()),
         )
         scheduler.start()
         schedulers.append(scheduler)
@@ -350,6 +356,18 @@ TEMPLATE_KWARGS = st.fixed_dictionaries({"enable_thinking": st.booleans()}) | st
     ANY,
     max_size=2,
 )
+SCHEMA = st.sampled_from(
+    [
+        {"type": "boolean"},
+        {"enum": ["a", "b"]},
+        {"type": "object", "properties": {"x": {"type": "integer"}}},
+        {"type": "nonsense"},
+        {"not": {}},
+        {"$ref": "#/missing"},
+    ]
+)
+REGEX = st.sampled_from(["[ab]{1,2}", "x|y", "(", "[0-9]+"])
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # Each field's values of the right type and in range: a drawn request mostly runs.
 # Values out of range, of other types, and text that is not text come from ANY.
 SHARED = {
@@ -365,6 +383,22 @@ SHARED = {
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 3),
     "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+    # Structured outputs (small answers: a few tokens of budget end most of them).
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+        optional={"json_schema": st.fixed_dictionaries({"name": TEXT, "schema": SCHEMA})},
+    ),
+    "structured_outputs": st.dictionaries(
+        st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "structural_tag"]),
+        SCHEMA | REGEX | st.lists(TEXT, max_size=2) | st.booleans(),
+        max_size=2,
+    ),
+    "guided_json": SCHEMA,
+    "guided_regex": REGEX,
+    "guided_choice": st.lists(TEXT, max_size=2),
+    "guided_grammar": st.sampled_from(['start: "a" | "b"', "root ::= [0-9]", "start: ("]),
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "x"]), st.integers(-2, 2), max_size=1),
+    "presence_penalty": st.sampled_from([0, 0.5]),
 }
 ENDPOINTS = {
     "/v1/completions": (
@@ -386,6 +420,11 @@ ENDPOINTS = {
             "top_logprobs": st.integers(0, 5),
             "chat_template_kwargs": TEMPLATE_KWARGS,
             "add_generation_prompt": st.booleans(),
+            "tools": st.lists(st.just(TOOL), max_size=1),
+            "tool_choice": st.sampled_from(
+                ["none", "auto", "required", "any", {"type": "function", "function": {"name": "f"}}]
+            ),
+            "parallel_tool_calls": st.booleans(),
         },
     ),
 }

@@ -187,10 +187,15 @@ class Scripted:
     def __init__(self):
         self.reply: list[int] = []
         self.prompts: list[list[int]] = []
+        self.params = []
         self._ids = itertools.count()
+
+    def compile_constraint(self, constraint):
+        pass  # the reply is scripted: any constraint is taken
 
     def submit(self, prompt, params):
         self.prompts.append(list(prompt))
+        self.params.append(params)
         handle = Handle(Request(next(self._ids), tuple(prompt), params), drive=lambda: False)
         tokens = []
         for t in self.reply + [IM_END]:
@@ -351,7 +356,7 @@ def test_tools_the_server_cannot_serve_are_400(qwen):
     create = _client(qwen, scheduler).chat.completions.create
     named = {"type": "function", "function": {"name": "book_flight"}}
     for kw, param in [
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "required", "tools": []}, "tool_choice"),
         ({"tool_choice": named}, "tool_choice"),
         (
             {"tools": [{"type": "function", "function": {"description": "x"}}]},
@@ -366,7 +371,28 @@ def test_tools_the_server_cannot_serve_are_400(qwen):
         without(model="qwen3", messages=ASK, tools=TOOLS)
     named = {"type": "function", "function": {"name": "now"}}
     create(model="qwen3", messages=ASK, tools=TOOLS, tool_choice=named)  # served
-    assert len(scheduler.prompts) == 1  # the refused ones never reached the scheduler
+    create(model="qwen3", messages=ASK, tools=TOOLS, tool_choice="required")  # served
+    assert len(scheduler.prompts) == 2  # the refused ones never reached the scheduler
+    assert all(p.constraint.kind == "grammar" for p in scheduler.params)
+
+
+def test_with_thinking_on_the_constraint_starts_after_the_thinking(qwen):
+    """The reasoning parser and thinking on: the answer's constraint starts at Qwen3's
+    `</think>` token (the thinking is free), its content is the answer; with
+    enable_thinking false it holds from the first token."""
+    scheduler = Scripted()
+    create = _client(qwen, scheduler).chat.completions.create
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    scheduler.reply = qwen.encode('<think>\nHmm.\n</think>\n\n{"ok":true}')
+    out = create(model="qwen3", messages=ASK, response_format=fmt).choices[0]
+    assert scheduler.params[-1].constraint.after == qwen.tokenizer.token_to_id("</think>")
+    assert json.loads(out.message.content) == {"ok": True}
+    assert out.message.model_extra["reasoning_content"] == "Hmm."
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    create(model="qwen3", messages=ASK, response_format=fmt, extra_body=off)
+    assert scheduler.params[-1].constraint.after is None
+    assert json.loads(scheduler.params[-1].constraint.spec) == schema
 
 
 # ---- tools and tool results through the template ----------------------------------------
@@ -446,3 +472,29 @@ def test_tools_and_results_render_as_transformers_renders_them(qwen, template):
         assert piece in rendered
     assert scheduler.prompts[-1] == qwen.encode(rendered)
     assert out.usage.prompt_tokens == len(scheduler.prompts[-1])
+
+
+def test_a_forced_call_names_qwen3s_tags_as_their_tokens(qwen):
+    """tool_choice required through the app, its grammar on Qwen3's tokenizer: the first
+    token allowed is the added `<tool_call>` alone (llguidance never spells an added
+    token with text), and Qwen3's call, compact, is taken whole and ends the grammar."""
+    import numpy as np
+
+    from qwen3_spmd.pipeline.constraints import Grammars
+
+    scheduler = Scripted()
+    create = _client(qwen, scheduler).chat.completions.create
+    create(
+        model="qwen3", messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False
+    )
+    grammars = Grammars.of_text(qwen, qwen_tokenizer.QWEN_VOCAB, qwen_tokenizer.EOS_IDS)
+    row = grammars.matcher(scheduler.params[-1].constraint)
+    assert row.after is None or row.waiting  # thinking on: it starts after </think>
+    row.waiting = False
+    masks = grammars.masks(1)
+    row.fill(masks, 0)
+    bits = np.unpackbits(masks.view(np.uint8), bitorder="little")
+    assert bits.nonzero()[0].tolist() == [TOOL_CALL]
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Zürich"}}\n</tool_call>'
+    done = [row.take(t) for t in qwen.encode(call)]
+    assert done[-1] and not any(done[:-1])

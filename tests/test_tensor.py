@@ -109,6 +109,45 @@ def test_seeded_sampling_is_the_single_devices():
     assert one[0] != ref["greedy_tokens_0"].tolist()  # it sampled, not a greedy rerun
 
 
+def test_constrained_tokens_are_the_same_on_every_mesh():
+    """A bounded JSON Schema's greedy answers through `Engine.generate` on 2x1x4 (V =
+    333 padded to 336: each device's 84 ids start inside a mask word, and greedy reads
+    its block's bits before the (value, id) pairs are gathered) and on 1x1x1: the same
+    tokens, and each answer validates, ended by its grammar. (Sampling masks the
+    gathered vocabulary with the 1x1 code: test_structured's mask test.) The engines and
+    prompts of the seeded sampling test above (its prefills)."""
+    import jsonschema
+
+    from qwen3_spmd.pipeline.constraints import Constraint, Grammars
+    from qwen3_spmd.run.text import Text
+
+    folder, cfg, _, prompts = fixture("wide")
+    text = Text(folder)
+    grammars = Grammars.of_text(text, cfg.V, (302, 300))
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [7, "bc"]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    runs = [
+        _engine("wide", *mesh).generate(
+            prompts[:2],
+            24,
+            eos_ids=(302,),
+            with_logits=False,
+            constraint=Constraint.json_schema(schema),
+            grammars=grammars,
+        )
+        for mesh in ((1, 1, 1), (2, 1, 4))
+    ]
+    one, split = ([c.token_ids for c in g.completions] for g in runs)
+    assert one == split
+    for c in runs[0].completions:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(text.decode(c.token_ids, skip_special=True)), schema)
+
+
 def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
     """`greedy_split` gathers each device's best (value, id) only: the token is the
     lowest id of the largest value, as greedy over the whole row, bans applied."""

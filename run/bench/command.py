@@ -130,6 +130,12 @@ def register(subparsers) -> None:
         "(default 0: not run)",
     )
     p.add_argument(
+        "--serve-structured",
+        action="store_true",
+        help="serve: also a structured load, bounded-JSON-Schema requests against the same "
+        "load unconstrained and half of it constrained (needs Qwen3's vocabulary)",
+    )
+    p.add_argument(
         "--url",
         metavar="URL|local",
         help="serve: load this OpenAI-compatible endpoint over HTTP instead of the "
@@ -215,6 +221,7 @@ def _settings(args) -> dict:
         ),
         "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
         "serve_shared_prefix": args.serve_shared_prefix,
+        "serve_structured": bool(getattr(args, "serve_structured", False)),
     }
     s["decode_prompt_len"] = (
         args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])

@@ -37,19 +37,27 @@ def _percentiles(xs) -> dict:
     return {"p50": float(np.percentile(xs, 50)), "p90": float(np.percentile(xs, 90))}
 
 
-def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
+def closed_loop(
+    sched: Scheduler, requests, concurrency: int, constraint=None, every: int = 1
+) -> dict:
     """Every request through `sched` with `concurrency` in flight (greedy). The decode
     use (`Scheduler.decode_use`) is given over the whole loop, and over its steady part
     before the drain: until the last request goes in, each one that finishes has a
-    successor (None when no decode round ran before it)."""
-    pending, live, finished = list(requests), [], []
+    successor (None when no decode round ran before it). constraint: request i follows
+    it where i % every == 0 (a structured load; "unconstrained" gives the others'
+    figures apart)."""
+    pending, live, finished = list(enumerate(requests)), [], []
+    free = set()  # the handles of the requests under no constraint
     compile_before, counts = sched.clock.compile_s, sched.decode_counts()
     before_drain = None
     t0 = time.perf_counter()
     while pending or live:
         while pending and len(live) < concurrency:
-            prompt, n = pending.pop(0)
-            live.append(sched.submit(prompt, Params(n)))
+            i, (prompt, n) = pending.pop(0)
+            held = constraint if constraint is not None and i % every == 0 else None
+            live.append(sched.submit(prompt, Params(n, constraint=held)))
+            if held is None:
+                free.add(live[-1])
             if not pending and sched.decode_counts()[0] > counts[0]:
                 before_drain = sched.decode_use(since=counts)
         sched.step()
@@ -57,11 +65,17 @@ def closed_loop(sched: Scheduler, requests, concurrency: int) -> dict:
         live = [h for h in live if not h.done]
     compile_s = sched.clock.compile_s - compile_before
     wall = time.perf_counter() - t0 - compile_s
-    return {
+    out = {
         **finished_figures(finished, wall, compile_s),
         **sched.decode_use(since=counts),
         "before_drain": before_drain,
     }
+    out["completion_tokens"] = [h.completion_tokens for h in sorted(finished, key=lambda h: h.id)]
+    if constraint is not None:
+        masks = sched.accounting.masks
+        out["mask_s_per_token"] = sched.clock.mask_s / masks if masks else None
+        out["unconstrained"] = finished_figures([h for h in finished if h in free], wall, 0.0)
+    return out
 
 
 def finished_figures(finished, wall: float, compile_s: float) -> dict:
@@ -153,6 +167,8 @@ def serve_job(engines, settings: dict, say) -> dict:
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),
     }
+    if s.get("serve_structured"):
+        out["structured"] = structured_job(engine, s, B_max, sched_rows, say)
     if s.get("serve_shared_prefix"):
         from qwen3_spmd.run.bench.prefix import longest_prompt, prefix_job
 
@@ -160,6 +176,65 @@ def serve_job(engines, settings: dict, say) -> dict:
         prefixed = engines.get(fitting_seq_len(2 * longest, longest_output, C))
         out["prefix_cache"] = prefix_job(prefixed, s, B_max, say)
     return out
+
+
+# A bounded schema (every answer ends by its grammar, in about 30 of Qwen3's tokens).
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["order", "refund", "question", "complaint"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["id", "ok", "kind", "tags"],
+    "additionalProperties": False,
+}
+
+
+def structured_job(engine, s: dict, B_max: int, rows: int, say) -> dict:
+    """A structured load against the same load unconstrained, closed loops at
+    concurrency `rows` (compiled by a first pass each): every request following
+    STRUCTURED_SCHEMA, then the same prompts unconstrained with the budgets the
+    constrained answers took (a grammar ends an answer early: the same tokens to make,
+    the same prefills), and the loop with every other request constrained; output
+    tokens/s and the host's mask time per token, and with half constrained the others'
+    time per output token against the unconstrained loop. Qwen3's tokenizer (shipped
+    with the package) reads the model's vocabulary: a model with fewer ids than it is
+    skipped."""
+    from qwen3_spmd.pipeline.constraints import Constraint, Grammars
+    from qwen3_spmd.run import qwen_tokenizer
+    from qwen3_spmd.run.text import Text
+
+    if engine.cfg.V < qwen_tokenizer.QWEN_VOCAB:
+        return {"skipped": f"the model's {engine.cfg.V} ids are fewer than Qwen3's tokenizer's"}
+    grammars = Grammars.of_text(Text.qwen(), engine.cfg.V, qwen_tokenizer.EOS_IDS)
+    constraint = Constraint.json_schema(STRUCTURED_SCHEMA)
+    reqs = _loop_requests(engine.cfg, s, rows)
+    runs = {}
+    for name, every in (("constrained", 1), ("unconstrained", None), ("half", 2)):
+        held = None if every is None else constraint
+        if name == "unconstrained":  # the constrained answers' lengths
+            reqs = [(p, n) for (p, _), n in zip(reqs, runs["constrained"]["completion_tokens"])]
+        for _ in range(2):  # the first pass compiles
+            sched = Scheduler(engine, B_max, grammars=grammars)
+            runs[name] = closed_loop(sched, reqs, rows, held, every or 1)
+    free, full, half = runs["unconstrained"], runs["constrained"], runs["half"]
+    ratio = full["output_tokens_per_s"] / free["output_tokens_per_s"]
+    tpot = half["unconstrained"]["time_per_output_token_s"]["p50"]
+    tpot_ratio = tpot / free["time_per_output_token_s"]["p50"] if tpot else None
+    say(
+        f"  serve structured c={rows}: {full['output_tokens_per_s']:.1f} tok/s "
+        f"({ratio:.2f}x unconstrained), mask {1e6 * (full['mask_s_per_token'] or 0):.0f} us "
+        f"per token; half constrained: the others' TPOT {tpot_ratio or 0:.2f}x"
+    )
+    return {
+        "concurrency": rows,
+        "schema": STRUCTURED_SCHEMA,
+        **runs,
+        "constrained_vs_unconstrained_tokens_per_s": ratio,
+        "half_others_tpot_vs_unconstrained": tpot_ratio,
+    }
 
 
 def _loop_requests(cfg, s: dict, c: int):

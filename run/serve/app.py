@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.run.serve import protocol, tools
+from qwen3_spmd.run.serve import protocol, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
     APIError,
@@ -45,6 +45,7 @@ from qwen3_spmd.run.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from qwen3_spmd.run.serve.reasoning import END as THINK_END
 from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
@@ -124,7 +125,10 @@ def make_app(state: ServerState) -> FastAPI:
         body = protocol.parse(CompletionRequest, await request.body())
         _check_model(state, body.model)
         prompts = _prompt_ids(state, body.prompt)
-        job = service.job(prompts, _ask(body, 16, logprobs=body.logprobs, echo=body.echo))
+        constraint = structured.constraint_of(body)
+        ask = _ask(body, 16, logprobs=body.logprobs, echo=body.echo, constraint=constraint)
+        job = service.job(prompts, ask)
+        await service.compile(job)
         meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
         echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
         events = service.run(service.submit(job))
@@ -160,11 +164,15 @@ def make_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         read_tools = tools.check_request(body.tools, body.tool_choice, state.tool_call_parser)
         rendered, prompt = _render_chat(state, body)
+        constraint = structured.constraint_of(
+            body, read_tools, _think_end(state, rendered), _tag_tokens(state)
+        )
         top = (body.top_logprobs or 0) if body.logprobs else None
-        ask = _ask(body, None, logprobs=top)
+        ask = _ask(body, None, logprobs=top, constraint=constraint)
         if body.max_completion_tokens is not None:  # the newer name wins
             ask = dataclasses.replace(ask, max_tokens=body.max_completion_tokens)
         job = service.job([prompt], ask)
+        await service.compile(job)
         meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
         events = service.run(service.submit(job))
 
@@ -358,9 +366,35 @@ def _render_chat(state: ServerState, body: ChatRequest) -> tuple[str, list[int]]
     return rendered, state.text.encode(rendered)
 
 
-def _ask(body, default_max_tokens: int | None, logprobs: int | None, echo: bool = False) -> Ask:
-    """What the body asks of each choice (the fields both endpoints share)."""
+def _think_end(state: ServerState, rendered: str) -> int | None:
+    """The token that starts a reply's constraint: with the reasoning parser and
+    thinking on, Qwen3's `</think>` (the thinking stays free text); None (from the
+    first token) without, or where the prompt has closed the thinking already
+    (enable_thinking false)."""
+    if not state.reasoning_parser or Qwen3Reasoning.for_prompt(rendered).state == "answer":
+        return None
+    return state.text.tokenizer.token_to_id(THINK_END)
+
+
+def _tag_tokens(state: ServerState) -> bool:
+    """Whether the tokenizer has `<tool_call>` and `</tool_call>` as added tokens (Qwen3's
+    has), which a forced call's grammar then names as tokens."""
+    added = {t.content for t in state.text.tokenizer.get_added_tokens_decoder().values()}
+    return tools.OPEN in added and tools.CLOSE in added
+
+
+def _ask(
+    body,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    echo: bool = False,
+    constraint: tuple = (None, None),
+) -> Ask:
+    """What the body asks of each choice (the fields both endpoints share); constraint:
+    (Constraint, its field) or (None, None)."""
     return Ask(
+        constraint=constraint[0],
+        constraint_field=constraint[1],
         n=body.n,
         max_tokens=body.max_tokens,
         default_max_tokens=default_max_tokens,

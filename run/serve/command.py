@@ -196,6 +196,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
+    from qwen3_spmd.pipeline.constraints import Grammars
     from qwen3_spmd.pipeline.decisions import SharedDecisions
     from qwen3_spmd.pipeline.handles import Params
 
@@ -207,7 +208,11 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
         spec.cfg, spec.source, mesh, max_seq_len, on_compile=_compiling if procs.leader else None
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
-    scheduler = engine_args.scheduler(engine, procs.many, decisions)
+    grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
+    if grammars is not None:  # its tokenizer (seconds for Qwen3's) made while compiling
+        threading.Thread(target=lambda: grammars.tokenizer, daemon=True).start()
+    # Structured outputs: every process runs the same matchers on the same tokens.
+    scheduler = engine_args.scheduler(engine, procs.many, decisions, grammars=grammars)
     # Every process compiles the same programs, each its own (compiling is local).
     first, rest = scheduler.rules.first()
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]

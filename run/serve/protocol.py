@@ -3,7 +3,8 @@ error body, and the response and stream-chunk objects.
 
 Only what the server reads is modelled; a field of the wrong type is a 400 that names
 it (`APIError.from_validation`), a field the server does not know is ignored, as the
-OpenAI API and vLLM do.
+OpenAI API and vLLM do, but for the known fields that would change the answer and are
+not served (`NEUTRAL`), which are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -63,6 +64,73 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format (an unknown type is a 400 naming response_format.type)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object
+    (`run.serve.structured`); a key it does not know is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: dict[str, Any] | str | bool | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    # JSON is compact here whatever these say (no whitespace between tokens).
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+# Fields of OpenAI's or vLLM's requests that change the answer and that this server does
+# not serve: each is refused with a 400 naming it (`unserved`) unless it holds the value
+# that changes nothing, rather than dropped as an unknown field would be.
+NEUTRAL = {
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "min_p": lambda v: v in (None, 0),
+    "best_of": lambda v: v in (None, 1),
+    "use_beam_search": lambda v: not v,
+    "length_penalty": lambda v: v in (None, 1),
+    "bad_words": lambda v: not v,
+    "allowed_token_ids": lambda v: v is None,
+    "suffix": lambda v: not v,
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none", "auto"),
+}
+
+
+def unserved(body: dict) -> None:
+    """A 400 naming the first field of a body that would change the answer and is not
+    served."""
+    for field, neutral in NEUTRAL.items():
+        if field in body and not neutral(body[field]):
+            raise APIError(
+                400,
+                f"{field} is not served by this server: leave it out",
+                field,
+                "unsupported_parameter",
+            )
+
+
 class _Request(BaseModel):
     """The fields both endpoints share. None: the server's default."""
 
@@ -82,6 +150,13 @@ class _Request(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's log-probabilities, k top
+    # Structured outputs (`run.serve.structured`).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -117,6 +192,7 @@ class ChatRequest(_Request):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # as sent: the template renders them
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: a forced call is one call
 
 
 class TokenizeRequest(BaseModel):
@@ -150,6 +226,7 @@ def parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise APIError(400, "the body is nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the body must be a JSON object", None, "invalid_json")
+    unserved(body)
     if where is not None:
         param = ".".join(where)
         raise APIError(

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
+from qwen3_spmd.pipeline.constraints import Constraint
 from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
 from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
 from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
@@ -74,6 +75,8 @@ class Ask:
     logprobs: int | None = None  # top log-probabilities per token; None: none
     echo: bool = False  # completions: the prompt comes first (with logprobs, its tokens too)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's, with k top; None: none
+    constraint: Constraint | None = None  # what the answer must follow (structured outputs)
+    constraint_field: str | None = None  # the request's field it came from (for errors)
 
 
 @dataclasses.dataclass
@@ -94,6 +97,8 @@ class Job:
     # max_tokens 0 with echo: the prompt (and its log-probabilities) only; the one token
     # each choice's request runs for is not shown
     prompt_only: bool = False
+    constraint: Constraint | None = None
+    constraint_field: str | None = None
 
     @property
     def scores_prompt(self) -> bool:
@@ -287,7 +292,21 @@ class Service:
             echo=ask.echo,
             prompt_logprobs=ask.prompt_logprobs,
             prompt_only=prompt_only,
+            constraint=ask.constraint,
+            constraint_field=ask.constraint_field,
         )
+
+    async def compile(self, job: Job) -> None:
+        """Compiles the job's constraint on a thread (the grammar engine's cache then
+        has it when `submit` asks): a 400 naming its field when the engine refuses it
+        or it takes too long to compile."""
+        if job.constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.scheduler.compile_constraint, job.constraint)
+        except RequestError as e:
+            field = job.constraint_field
+            raise APIError(400, f"{field}: {e}", field, "invalid_value") from None
 
     # ---- running -----------------------------------------------------------------------
 
@@ -307,6 +326,7 @@ class Service:
                         min_tokens=job.min_tokens,
                         logprobs=job.logprobs is not None,
                         prompt_logprobs=job.scores_prompt,
+                        constraint=job.constraint,
                     )
                     handle = self.scheduler.submit(prompt, params)
                     choices.append(Choice(p * job.n + j, handle, job, self.decode))

@@ -27,7 +27,7 @@ from qwen3_spmd.run.serve.protocol import APIError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)
-CHOICES = ("none", "auto")  # "required" would need constrained decoding, which serve lacks
+CHOICES = ("none", "auto", "required")  # required, or a named function: a forced call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +135,9 @@ def _parse(body: str) -> tuple[str, str] | None:
 def check_request(tools: list | None, tool_choice, parser: str | None) -> bool:
     """Whether a chat request's reply is read for tool calls: it sends `tools` and does
     not say tool_choice "none". A 400 for tools the template cannot take, a choice
-    serve does not offer, or tools to a server that reads no calls."""
+    serve does not offer, a function the tools do not have, or tools to a server that
+    reads no calls. (A forced call, "required" or named, is a constraint:
+    `run.serve.structured`.)"""
     names = []
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -154,6 +156,13 @@ def check_request(tools: list | None, tool_choice, parser: str | None) -> bool:
     if isinstance(tool_choice, dict):
         function = tool_choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError(
+                400,
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+                "invalid_value",
+            )
         if name not in names:
             raise APIError(
                 400,
@@ -165,12 +174,14 @@ def check_request(tools: list | None, tool_choice, parser: str | None) -> bool:
     elif tool_choice not in CHOICES:
         raise APIError(
             400,
-            f"tool_choice {tool_choice!r} is not served here: send 'auto', 'none' or "
-            '{"type": "function", "function": {"name": ...}} (the server has no '
-            "constrained decoding to force a call)",
+            f"tool_choice {tool_choice!r} is not served here: send 'auto', 'none', "
+            "'required' or "
+            '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
             "invalid_value",
         )
+    if tool_choice == "required" and not names:
+        raise APIError(400, "tool_choice 'required' needs tools", "tool_choice", "invalid_value")
     if tool_choice == "none" or not names:
         return False
     if parser is None:
