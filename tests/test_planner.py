@@ -12,7 +12,7 @@ import pytest
 from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import length_bucket
 from qwen3_spmd.pipeline.planner import Planner
-from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.scheduler import Scheduler
@@ -54,8 +54,10 @@ class FakeEngine:
     def groups_for(self, n):
         return min(self.stages, n)
 
-    def check(self, prompts, max_new_tokens):
-        assert len(prompts[0]) + max_new_tokens <= self.max_seq_len
+    def check(self, prompts, max_new_tokens, min_tokens=0, eos_ids=()):
+        """The one request check (`requests.check_request`), on the fake's vocabulary."""
+        cfg = types.SimpleNamespace(V=V, max_position_embeddings=self.max_seq_len)
+        check_request(cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids)
 
     def empty_cache(self, B):
         return None
