@@ -73,6 +73,19 @@ class Logprob(NamedTuple):
     rank: int | None = None
 
 
+def prompt_positions(ids: list[int], scored: list[Logprob], k: int, entry) -> list:
+    """vLLM's prompt_logprobs layout, each door writing its own entries: None for the
+    first prompt token, then per later token {id: entry(id, logprob, rank)} of the token
+    itself first and its position's k most likely (ranks 1..k) after it."""
+    out: list = [None]
+    for id, lp in zip(ids[1:], scored):
+        position = {id: entry(id, lp.chosen, lp.rank)}
+        for rank, (top_id, value) in enumerate(lp.top[:k], start=1):
+            position.setdefault(top_id, entry(top_id, value, rank))
+        out.append(position)
+    return out
+
+
 class Handle:
     """One submitted request. Read it from any thread; the scheduler writes it.
 

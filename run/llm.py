@@ -26,7 +26,7 @@ import numbers
 import re
 import string
 
-from qwen3_spmd.pipeline.handles import Handle, Params
+from qwen3_spmd.pipeline.handles import Handle, Params, prompt_positions
 from qwen3_spmd.pipeline.handles import Logprob as TokenLogprob
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
 from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling
@@ -311,13 +311,7 @@ class LLM:
             shown = text.decode([id]) if text is not None else None
             return Logprob(logprob, rank, shown)
 
-        out: list[dict[int, Logprob] | None] = [None]
-        for id, lp in zip(ids[1:], scored):
-            position = {id: entry(id, lp.chosen, lp.rank)}
-            for rank, (top_id, value) in enumerate(lp.top[:k], start=1):
-                position.setdefault(top_id, entry(top_id, value, rank))
-            out.append(position)
-        return out
+        return prompt_positions(ids, scored, k, entry)
 
     def _queue(self, ids: list[int], sampling: SamplingParams, index: int) -> Handle:
         """submit, running rounds while the scheduler's queue is full: a batch larger

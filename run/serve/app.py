@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from qwen3_spmd.pipeline.handles import prompt_positions
 from qwen3_spmd.run.serve import protocol, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
@@ -561,13 +562,7 @@ def _prompt_logprobs(state: ServerState, ids: list[int], scored, k: int) -> list
         shown = state.text.decode([id]) if state.text is not None else f"<|id:{id}|>"
         return {"logprob": _finite(logprob), "rank": rank, "decoded_token": shown}
 
-    out: list = [None]
-    for id, lp in zip(ids[1:], scored):
-        position = {id: entry(id, lp.chosen, lp.rank)}
-        for rank, (top_id, value) in enumerate(lp.top[:k], start=1):
-            position.setdefault(top_id, entry(top_id, value, rank))
-        out.append(position)
-    return out
+    return prompt_positions(ids, scored, k, entry)
 
 
 def _chat_logprobs(state: ServerState, tokens, k: int) -> dict:
