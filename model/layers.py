@@ -31,7 +31,7 @@ from qwen3_spmd.model.linear import Linear
 from qwen3_spmd.model.moe import MoE
 from qwen3_spmd.model.rope import apply_rope
 from qwen3_spmd.model.split import TensorSplit, masked_vocab
-from qwen3_spmd.ring.matmul import few_rows, turned_product
+from qwen3_spmd.ops.matmul import few_rows, turned_product
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -42,7 +42,7 @@ def _param(rngs: nnx.Rngs, shape, dtype, std: float = 0.02) -> nnx.Param:
 
 def dense(h: jax.Array, w: jax.Array) -> jax.Array:
     """h [B, T, I] times w [O, I] (stored [out, in]) -> [B, T, O]; a decode step's few
-    rows as w @ h^T on CPU (`ring.matmul`)."""
+    rows as w @ h^T on CPU (`ops.matmul`)."""
     B, T, I = h.shape
     if not few_rows(B * T):
         return jnp.einsum("BTI,OI->BTO", h, w)

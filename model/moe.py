@@ -33,7 +33,7 @@ from flax import nnx
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.linear import Linear
 from qwen3_spmd.model.split import TensorSplit
-from qwen3_spmd.ring.attention import make_varying, varying_axes
+from qwen3_spmd.ops.varying import make_varying, varying_axes
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

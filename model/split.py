@@ -40,6 +40,29 @@ from qwen3_spmd.model.fp8 import weight_name
 
 EXPERT_SPLITS = ("ep", "tp")
 
+# The axis of each parameter that `tensor` splits (Megatron's split, above), counted in the array
+# as stored: [V, D] outside the layers, [L, ...] inside them.
+TENSOR_AXIS = {
+    "embed_vd": 0,
+    "lm_head_vd": 0,
+    "q_nhd": 1,
+    "k_khd": 1,
+    "v_khd": 1,
+    "q_bias": 1,
+    "k_bias": 1,
+    "v_bias": 1,
+    "o_dnh": 2,
+    "gate_fd": 1,
+    "up_fd": 1,
+    "down_df": 2,
+}
+# Qwen3-MoE's experts [L, E, F, D] and [L, E, D, F]: whole experts ("ep"), or every
+# expert's columns ("tp").
+EXPERT_AXIS = {
+    "ep": {"gate_efd": 1, "up_efd": 1, "down_edf": 1},
+    "tp": {"gate_efd": 2, "up_efd": 2, "down_edf": 3},
+}
+
 
 class TensorError(ValueError):
     """A model that cannot be split over the tensor size asked for: the message names

@@ -18,7 +18,8 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.rope import rope_tables
-from qwen3_spmd.ring.attention import heads_major, make_varying
+from qwen3_spmd.ops.varying import make_varying
+from qwen3_spmd.ring.attention import heads_major
 from qwen3_spmd.sharding.mesh import AXES
 from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS

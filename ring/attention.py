@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qwen3_spmd.ring.matmul import few_rows, turned_product
+from qwen3_spmd.ops.matmul import few_rows, turned_product
+from qwen3_spmd.ops.varying import make_varying, varying_axes
 from qwen3_spmd.ring.merge import finite_or_zero, merge
 
 
@@ -121,7 +122,7 @@ def partial_attention(q, k, v, q_pos, k_pos, scale):
 
 def _scores(qr, k):
     """qr [B, K, R, H] against k [B, K, S, H] -> scores [B, K, R, S] float32 (decode's
-    few rows as k @ q^T on CPU: `ring.matmul`)."""
+    few rows as k @ q^T on CPU: `ops.matmul`)."""
     if few_rows(qr.shape[2]):
         return turned_product("BKSH,BKRH->BKSR", k, qr, preferred_element_type=jnp.float32)
     return jnp.einsum("BKRH,BKSH->BKRS", qr, k, preferred_element_type=jnp.float32)
@@ -206,21 +207,6 @@ def prompt_attention(q, k, v, *, scale: float, implementation: str = "cudnn"):
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True, implementation=implementation
     )
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes along which `x` varies inside shard_map (its vma type)."""
-    aval = jax.typeof(x)
-    # jax 0.10 keeps it in manual_axis_type.varying; earlier releases called it vma.
-    if hasattr(aval, "manual_axis_type"):
-        return aval.manual_axis_type.varying
-    return aval.vma
-
-
-def make_varying(x, axes: frozenset):
-    """`x` cast to vary along `axes` (a superset of its own): a type change, no data moves."""
-    missing = tuple(sorted(axes - varying_axes(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 class RingCarry(NamedTuple):

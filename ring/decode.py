@@ -21,12 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qwen3_spmd.ops.varying import make_varying, varying_axes
 from qwen3_spmd.ring.attention import (
     check_attention_shapes,
     check_axis,
-    make_varying,
     partial_attention,
-    varying_axes,
 )
 from qwen3_spmd.ring.merge import finite_or_zero, merge
 

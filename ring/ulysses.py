@@ -44,15 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from qwen3_spmd.ops.varying import make_varying, varying_axes
 from qwen3_spmd.ring.attention import (
     _any_visible,
     check_attention_shapes,
     check_axis,
     heads_major,
-    make_varying,
     partial_attention,
     prompt_attention,
-    varying_axes,
 )
 from qwen3_spmd.ring.merge import merge
 

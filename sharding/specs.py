@@ -11,6 +11,7 @@ import dataclasses
 from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.fp8 import weight_name
+from qwen3_spmd.model.split import EXPERT_AXIS, TENSOR_AXIS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,29 +24,6 @@ class Specs:
 
 
 SPECS = Specs()
-
-# The axis of each parameter that `tensor` splits (model.split), counted in the array
-# as stored: [V, D] outside the layers, [L, ...] inside them.
-TENSOR_AXIS = {
-    "embed_vd": 0,
-    "lm_head_vd": 0,
-    "q_nhd": 1,
-    "k_khd": 1,
-    "v_khd": 1,
-    "q_bias": 1,
-    "k_bias": 1,
-    "v_bias": 1,
-    "o_dnh": 2,
-    "gate_fd": 1,
-    "up_fd": 1,
-    "down_df": 2,
-}
-# Qwen3-MoE's experts [L, E, F, D] and [L, E, D, F]: whole experts ("ep"), or every
-# expert's columns ("tp").
-EXPERT_AXIS = {
-    "ep": {"gate_efd": 1, "up_efd": 1, "down_edf": 1},
-    "tp": {"gate_efd": 2, "up_efd": 2, "down_edf": 3},
-}
 
 
 def tensor_axis(path: tuple[str, ...], experts: str = "tp") -> int | None:

@@ -225,7 +225,7 @@ def test_dense_is_the_plain_product_for_any_row_count(B, T):
     """`dense` takes the w @ h^T form up to FEW_ROWS rows on CPU (B * T = 1, 3, 32) and
     the plain form past them (34): each must be h @ w^T, laid out [B, T, O]."""
     from qwen3_spmd.model.layers import dense
-    from qwen3_spmd.ring.matmul import FEW_ROWS
+    from qwen3_spmd.ops.matmul import FEW_ROWS
 
     rng = np.random.default_rng(B * 100 + T)
     h = rng.standard_normal((B, T, 48), dtype=np.float32)

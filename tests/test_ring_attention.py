@@ -286,8 +286,8 @@ def test_long_query_blocks_run_in_chunks_with_the_same_result():
 def test_scores_in_either_product_order_are_q_dot_k(rows):
     """Up to FEW_ROWS rows the scores are computed as k @ q^T on CPU (33: the plain
     order); either way score [b, k, r, s] is q[b, k, r] . k[b, k, s]."""
+    from qwen3_spmd.ops.matmul import FEW_ROWS
     from qwen3_spmd.ring.attention import _scores
-    from qwen3_spmd.ring.matmul import FEW_ROWS
 
     assert FEW_ROWS == 32
     rng = np.random.default_rng(rows)

@@ -65,7 +65,7 @@ import numpy as np
 from qwen3_spmd.model.checkpoint.hf import LoadError
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import ParamPath, Part, abstract_model, map_params
-from qwen3_spmd.sharding.specs import EXPERT_AXIS, TENSOR_AXIS
+from qwen3_spmd.model.split import EXPERT_AXIS, TENSOR_AXIS
 
 FORMAT = "qwen3-spmd-orbax"
 VERSION = 2  # 2: split axes stored in pieces, one chunk each (1: whole arrays)

@@ -5,7 +5,8 @@ head) by a large operand (a weight, or a head's cached keys). XLA's CPU dot read
 large operand about twice as fast when it is the left operand and the result comes out
 [large, rows], turned after; the optimization barrier keeps XLA from folding the turn
 back into the product. GPUs, and products with many rows, take the plain form. Both
-`model.layers.dense` and the attention scores of `ring.attention` use it.
+`model.layers.dense` and the attention scores of `ring.attention` use it: it sits
+below both (`ops/`), since the model knows no mesh and the ring no model.
 """
 
 import jax
