@@ -53,8 +53,8 @@ from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
 from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import AXES, MeshError
 from qwen3_spmd.sharding.place import WeightSource, place_state
-from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
+from qwen3_spmd.sharding.stages import StagePlan
 
 
 @dataclasses.dataclass

@@ -230,7 +230,7 @@ class Scheduler:
         announce=False: the engine's on_compile is not called. Returns the number of
         shapes compiled (each with its helpers)."""
         if shapes is None:
-            shapes = self.rules.programs().shapes()
+            shapes = self.rules.declared().shapes()
         # XLA compiles outside the GIL: several at once use the host's cores.
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             for done in [pool.submit(self._compile, s, announce) for s in shapes]:

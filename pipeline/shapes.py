@@ -3,7 +3,7 @@
 A server meets requests of every length and count; each new shape of a program is a
 compile that stalls every running request. `ShapeRules` is the one place that says how
 the planner pads what it plans (prompt batches, prompt lengths, long-prompt chunks,
-decode rows, row moves) to few shapes, and `ShapeRules.programs()` lists every shape
+decode rows, row moves) to few shapes, and `ShapeRules.declared()` lists every shape
 those rules can give, by running the same rules over every input they can meet: what
 `Scheduler.precompile` compiles and what its test expects.
 
@@ -31,7 +31,7 @@ class PrefillShape:
     """A prefill program: B prompts (rows, padding included) padded to P_pad tokens;
     with_context: later chunks of a long prompt, attending to its cached earlier ones;
     prompt_logprobs: scoring every prompt token (`prefill.build_prefill`). Those are
-    not among `ShapeRules.programs()`: few requests ask (evaluation harnesses), and a
+    not among `ShapeRules.declared()`: few requests ask (evaluation harnesses), and a
     server would compile every prefill twice for them; the first to meet one compiles it."""
 
     B: int
@@ -95,7 +95,7 @@ BATCHED_PREFILL_TOKENS = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class Programs:
+class DeclaredShapes:
     """Every shape a scheduler's rounds can run (each compiled with its helpers)."""
 
     prefills: tuple[PrefillShape, ...]
@@ -200,7 +200,7 @@ class ShapeRules:
         its prompt and its `new_tokens`."""
         longer = [
             dataclasses.replace(s, prompt_logprobs=shape.prompt_logprobs)
-            for s in self.programs().prefills
+            for s in self.declared().prefills
             if (s.B, s.with_context) == (shape.B, shape.with_context)
             and shape.P_pad < s.P_pad <= STAND_IN_PADDING * shape.P_pad
             and all(offset + slots_per_device(s.P_pad, n, self.C) <= self.slots for n in new_tokens)
@@ -215,7 +215,7 @@ class ShapeRules:
             {shape}
             | {
                 s
-                for s in self.programs().decodes
+                for s in self.declared().decodes
                 if s.rows >= shape.rows
                 and s.logprobs >= shape.logprobs
                 and s.sampled >= shape.sampled
@@ -230,14 +230,14 @@ class ShapeRules:
 
     # ---- every shape those rules give --------------------------------------------
 
-    def programs(self) -> Programs:
+    def declared(self) -> DeclaredShapes:
         """Every program shape the rules above can give a round. Only a prompt whose
         bucket would leave its new tokens no room in the row (padded to its own length
         instead) still compiles a shape when met."""
-        return self._programs
+        return self._declared
 
     @functools.cached_property
-    def _programs(self) -> Programs:
+    def _declared(self) -> DeclaredShapes:
         short = min(self.max_seq_len - 1, self.chunk_tokens)  # a short prompt's tokens at most
         fewest = {}  # each length bucket a short prompt can take: its fewest tokens
         for n in range(short, 0, -1):
@@ -268,7 +268,7 @@ class ShapeRules:
             for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
         }
         copies = ("load", "save") if self.block is not None else ()
-        return Programs(
+        return DeclaredShapes(
             tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)), copies
         )
 
@@ -303,7 +303,7 @@ class ShapeRules:
         without, at a ladder of lengths each standing in for those down to
         1/STAND_IN_PADDING of it (below the top, each leaves a quarter of a row for new
         tokens); the prefix cache's copies."""
-        programs, room = self.programs(), self.C * self.slots
+        programs, room = self.declared(), self.C * self.slots
         cover: set[Shape] = {DecodeShape(self.rows, True, lp) for lp in (False, True)}
         cover |= set(map(CopyShape, programs.copies))
         for context in (False, True):
@@ -321,7 +321,7 @@ class ShapeRules:
         return cover
 
     def first(self) -> tuple[list[Shape], list[Shape]]:
-        """`programs()` in two: (what a server compiles before it serves: what a first
+        """`declared()` in two: (what a server compiles before it serves: what a first
         light load meets, one request at a time, greedy or sampled, prompts of at most
         LIGHT_TOKENS tokens in one prefill, each prefill's batch of the fewest rows and
         the decode chunk over the fewest rows; and the `cover`, which stands in for
@@ -330,7 +330,7 @@ class ShapeRules:
         lightest first)."""
         light, cover = self.prompt_length(LIGHT_TOKENS), self.cover()
         shapes = sorted(
-            self.programs().shapes(),
+            self.declared().shapes(),
             key=lambda s: (self.batched(s), self.weight(s), type(s).__name__, s),
         )
         first = [s for s in shapes if self.weight(s) <= light or s in cover]

@@ -21,8 +21,8 @@ from qwen3_spmd.model.rope import rope_tables
 from qwen3_spmd.ops.varying import make_varying
 from qwen3_spmd.ring.attention import heads_major
 from qwen3_spmd.sharding.mesh import AXES
-from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS
+from qwen3_spmd.sharding.stages import StagePlan
 
 
 class Weights(NamedTuple):

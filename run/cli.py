@@ -71,7 +71,7 @@ KNOWN_ERRORS = (
     ("qwen3_spmd.pipeline.requests", "RequestError"),  # SamplingError too
     ("qwen3_spmd.run.text", "TextError"),
     ("qwen3_spmd.sharding.mesh", "MeshError"),
-    ("qwen3_spmd.sharding.plan", "PlanError"),
+    ("qwen3_spmd.sharding.stages", "PlanError"),
     ("qwen3_spmd.model.split", "TensorError"),
 )
 

@@ -357,7 +357,7 @@ def measure_load(
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
     from qwen3_spmd.sharding.place import place_state
-    from qwen3_spmd.sharding.plan import StagePlan
+    from qwen3_spmd.sharding.stages import StagePlan
 
     mesh = make_mesh(stage, seq, jax.devices()[: stage * seq * tensor], tensor=tensor)
     jnp.zeros(1).block_until_ready()  # start the backend before measuring

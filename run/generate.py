@@ -282,7 +282,7 @@ def _mesh_line(job: _Job, procs) -> str:
 
 def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
-    from qwen3_spmd.pipeline import accounting
+    from qwen3_spmd.pipeline import traffic
 
     cfg, mesh = job.spec.cfg, job.mesh
     S, C, X = mesh.shape["stage"], mesh.shape["seq"], mesh.shape["tensor"]
@@ -312,20 +312,20 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         "timing": out.timing,
         "compile_cache": cache.report(),
         "max_seq_len": job.max_seq_len,
-        "bytes_between_stages": accounting.bytes_between_stages(
+        "bytes_between_stages": traffic.bytes_between_stages(
             cfg,
             S,
             [len(p) for p in job.prompts],
             [len(c.token_ids) - 1 for c in out.completions],
             engine.dtype.itemsize,
         ),
-        "bytes_sent": accounting.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
-        "bytes_all_reduced_per_device": accounting.bytes_all_reduced(
+        "bytes_sent": traffic.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
+        "bytes_all_reduced_per_device": traffic.bytes_all_reduced(
             cfg, S, C, X, out.layout, engine.dtype.itemsize
         ),
         "schedule": engine.schedules(out.layout),
-        "kv_bytes_per_device": max(accounting.bytes_per_device((out.cache.k, out.cache.v))),
-        "weight_bytes_per_device": max(accounting.bytes_per_device(engine.weights.state)),
+        "kv_bytes_per_device": max(traffic.bytes_per_device((out.cache.k, out.cache.v))),
+        "weight_bytes_per_device": max(traffic.bytes_per_device(engine.weights.state)),
         # what each process read from the checkpoint (0 for random weights)
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
@@ -337,7 +337,7 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
     """--check: the same requests on one device; do the tokens and logits agree?"""
     import jax
 
-    from qwen3_spmd.pipeline import accounting
+    from qwen3_spmd.pipeline import traffic
     from qwen3_spmd.pipeline.requests import key_seed
     from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -359,7 +359,7 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
         "matches_single_device": all(
             a.token_ids == b.token_ids for a, b in zip(out.completions, ref.completions)
         ),
-        "max_error_vs_single_device": accounting.max_abs_error(out.first_logits, ref.first_logits),
+        "max_error_vs_single_device": traffic.max_abs_error(out.first_logits, ref.first_logits),
     }
 
 
@@ -474,8 +474,8 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
     from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.sharding.place import host_cut
-    from qwen3_spmd.sharding.plan import StagePlan
     from qwen3_spmd.sharding.specs import param_spec
+    from qwen3_spmd.sharding.stages import StagePlan
 
     plan = StagePlan(cfg.L, stages)
     here = jax.process_index()

@@ -23,8 +23,8 @@ from qwen3_spmd.model.fp8 import D_AXIS, weight_name
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.sharding.mesh import AXES, parse_mesh
-from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import SPECS, param_spec
+from qwen3_spmd.sharding.stages import StagePlan
 
 
 def _shard_bytes(mesh: AbstractMesh, spec, shape, dtype) -> int:

@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import Part, abstract_model, map_params
 from qwen3_spmd.model.split import Cut, TensorSplit
-from qwen3_spmd.sharding.plan import StagePlan
 from qwen3_spmd.sharding.specs import param_spec, tensor_axis
+from qwen3_spmd.sharding.stages import StagePlan
 
 
 class WeightSource(Protocol):

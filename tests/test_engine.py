@@ -16,7 +16,7 @@ from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import make_mesh
-from qwen3_spmd.sharding.plan import PlanError
+from qwen3_spmd.sharding.stages import PlanError
 
 # ---- bad requests ------------------------------------------------------------
 # Engine.check: every request precondition refused in words before anything compiles.

@@ -27,7 +27,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
 from qwen3_spmd.model.checkpoint.quantize import dequantize_fp8, quantize_fp8
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import param_path
-from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.pipeline import traffic
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -176,7 +176,7 @@ def test_fp8_weights_are_one_byte_on_the_devices(folders):
         if fp8.weight_name(param_path(k)[-1]) in fp8.D_AXIS
     ]
     assert {x.dtype for x in linear} == {jnp.dtype(fp8.FP8), jnp.dtype(jnp.float32)}
-    measured = max(accounting.bytes_per_device(linear))
+    measured = max(traffic.bytes_per_device(linear))
     mine = bytes_per_device(cfg, 1, 1, jnp.float32, tensor=2)
     plain = Qwen3Config(**{**cfg.__dict__, "fp8_block": None})
     bf16 = bytes_per_device(plain, 1, 1, jnp.bfloat16, tensor=2)

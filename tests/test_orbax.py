@@ -30,7 +30,7 @@ from qwen3_spmd.run.convert import measure, to_hf
 from qwen3_spmd.run.models import open_model
 from qwen3_spmd.sharding.mesh import make_mesh
 from qwen3_spmd.sharding.place import place_params
-from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.stages import StagePlan
 
 ROOT = Path(__file__).parent.parent
 MESHES = [(1, 1), (2, 2), (4, 1), (1, 4)]
@@ -312,7 +312,7 @@ from qwen3_spmd.model.params import abstract_model
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.sharding.mesh import make_mesh
 from qwen3_spmd.sharding.place import place_params
-from qwen3_spmd.sharding.plan import StagePlan
+from qwen3_spmd.sharding.stages import StagePlan
 cfg = Qwen3Config.from_hf(hf_dir)
 mesh = make_mesh(S, C, sorted(jax.devices(), key=lambda d: (d.process_index, d.id)), tensor=X)
 split = TensorSplit(X)

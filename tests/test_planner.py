@@ -120,7 +120,7 @@ CONFIGS = [  # (stages, C, M, max_batch, prefill_tokens)
 def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget):
     """A random load (staggered arrivals, short and long prompts, end ids, cancels,
     sampled rows and log-probabilities) over a fake engine: every prefill, decode and
-    move the rounds run has a shape `ShapeRules.programs()` lists (what precompile
+    move the rounds run has a shape `ShapeRules.declared()` lists (what precompile
     compiles), each request gets its tokens, and every row is free at the end."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
@@ -141,7 +141,7 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, b
             cancelled.add(running[-1])
         sched.step()
     sched.run()
-    declared = sched.rules.programs()
+    declared = sched.rules.declared()
     assert set(engine.prefills) <= set(declared.prefills)
     assert {shape for shape, _ in engine.decodes} <= set(declared.decodes)
     assert {1 << (n - 1).bit_length() for n in engine.moves} <= set(declared.moves)
@@ -167,8 +167,8 @@ def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_t
     sched = Scheduler(engine, max_batch=rows, prefill_tokens=budget, short_chunk=2)
     first, rest = sched.rules.first()
     shapes = first + rest
-    assert len(shapes) == len(set(shapes)) == len(sched.rules.programs())
-    assert set(shapes) == set(sched.rules.programs().shapes())
+    assert len(shapes) == len(set(shapes)) == len(sched.rules.declared())
+    assert set(shapes) == set(sched.rules.declared().shapes())
     rules, cover = sched.rules, sched.rules.cover()
     order = [(rules.batched(s), rules.weight(s)) for s in rest]
     assert first and order == sorted(order) and cover <= set(first)

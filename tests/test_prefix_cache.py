@@ -173,7 +173,7 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
         engine, max_batch=4, prefill_tokens=32, prefix_cache_bytes=pool, prefix_block=BLOCK
     )
     assert (scheduler.prefix.slots, scheduler.prefix.block) == (3, BLOCK)
-    copies = [s for s in scheduler.rules.programs().shapes() if isinstance(s, CopyShape)]
+    copies = [s for s in scheduler.rules.declared().shapes() if isinstance(s, CopyShape)]
     assert copies == [CopyShape("load"), CopyShape("save")]
     assert scheduler.precompile(copies) == 2  # what a server compiles before it serves
     rng = np.random.default_rng(1)

@@ -8,7 +8,7 @@ import pytest
 
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats, timeline
 from qwen3_spmd.sharding.mesh import MeshError, make_mesh, parse_mesh
-from qwen3_spmd.sharding.plan import PlanError, StagePlan
+from qwen3_spmd.sharding.stages import PlanError, StagePlan
 
 # ---- StagePlan ---------------------------------------------------------------------------
 

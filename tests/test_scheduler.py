@@ -612,7 +612,7 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""
     sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=32)
-    declared = sched.rules.programs()
+    declared = sched.rules.declared()
     assert sched.precompile() == len(declared)
     moves, chunks = [], []
     move_rows, prefill = sched.engine.move_rows, sched.engine.prefill

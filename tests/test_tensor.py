@@ -23,7 +23,7 @@ from reference import FIXTURES, fixture
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.split import TensorError, TensorSplit
-from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.pipeline import traffic
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import lay_out
@@ -281,9 +281,9 @@ def test_per_device_bytes_are_the_footprints():
     for mesh in ((1, 1, 1), (1, 1, 4), (2, 1, 4)):
         S, C, X = mesh
         engine = _engine("wide", *mesh)
-        measured = max(accounting.bytes_per_device(engine.weights.state))
+        measured = max(traffic.bytes_per_device(engine.weights.state))
         cache = engine.empty_cache(2)
-        kv = max(accounting.bytes_per_device((cache.k, cache.v)))
+        kv = max(traffic.bytes_per_device((cache.k, cache.v)))
         want = bytes_per_device(cfg, S, C, jnp.float32, batch=2, max_seq_len=64, tensor=X)
         assert (measured, kv) == (want["weights"], want["kv"]), mesh
         sizes[mesh] = want

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 
 from qwen3_spmd.model.cache import KVCache
-from qwen3_spmd.pipeline import accounting
+from qwen3_spmd.pipeline import traffic
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid
@@ -89,9 +89,9 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
     job = time_job(engine, prompts_for(cfg, B, T, s["seed"]), 1, s)
     t = spread([r["prefill_s"] for r in job["runs"]])
     layout = job["layout"]
-    sent = accounting.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
+    sent = traffic.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
     X = engines.mesh.shape["tensor"]
-    reduced = accounting.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
+    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
     flops = prefill_flops(cfg, T, B)
     out = {
         "prompt_len": T,
@@ -141,7 +141,7 @@ def _all_reduces(engines: MeshEngines, rows: int) -> dict | None:
     program without the layers around them (None without a `tensor` axis)."""
     if engines.mesh.shape["tensor"] == 1:
         return None
-    count = accounting.all_reduces_per_tick(engines.cfg, engines.mesh.shape["stage"])
+    count = traffic.all_reduces_per_tick(engines.cfg, engines.mesh.shape["stage"])
     return all_reduce_time(
         engines.mesh, rows, count, engines.cfg.D, engines.dtype, engines.s["repeats"]
     )
@@ -172,9 +172,9 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     job = time_job(engine, prompts_for(cfg, B, T, s["seed"]), N + 1, s)
     t = spread([r["decode_s"] for r in job["runs"]])
     layout = job["layout"]
-    sent = accounting.bytes_sent(cfg, S, C, layout, dtype.itemsize)
+    sent = traffic.bytes_sent(cfg, S, C, layout, dtype.itemsize)
     X = engines.mesh.shape["tensor"]
-    reduced = accounting.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
+    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
     ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
@@ -221,8 +221,8 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
 
 def memory_of(engine: Engine, cache: KVCache) -> dict:
     """Bytes per device of the weights and of a cache the engine left, and of its programs."""
-    weights = accounting.bytes_per_device(engine.weights.state)
-    kv = accounting.bytes_per_device((cache.k, cache.v))
+    weights = traffic.bytes_per_device(engine.weights.state)
+    kv = traffic.bytes_per_device((cache.k, cache.v))
     return {
         "weight_bytes_per_device": weights,
         "kv_bytes_per_device": kv,

@@ -1,4 +1,4 @@
-"""Traffic and memory accounting for the JSON report.
+"""Traffic and memory for the JSON report: bytes sent between devices, bytes per device.
 
 bytes_between_stages counts the hidden-state bytes of real tokens crossing stage
 boundaries, at the run's dtype (4 bytes a value in float32, 2 in bfloat16); bytes_sent
