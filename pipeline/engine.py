@@ -617,7 +617,8 @@ class Engine:
             if on_tokens:
                 on_tokens(tokens[:n])
 
-        admission = Admission(tuple(requests), tuple(range(shape.B)), shape)
+        strategy, predictions = self.cp_plan(shape.B, shape.P_pad)
+        admission = Admission(tuple(requests), tuple(range(shape.B)), shape, strategy)
         take(executor.admit(Round(admissions=(admission,))))
         step_logits = [np.asarray(executor.logits[:1])]
         steps_run = chunks = 0
@@ -632,7 +633,6 @@ class Engine:
         completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
         n_new = sum(len(c.token_ids) - 1 for c in completions)
         timing = _timing(clock, sum(map(len, prompts)), n_new)
-        strategy, predictions = self.cp_plan(shape.B, shape.P_pad)
         layout = {
             "batch": shape.B,
             "requests": n,

@@ -140,11 +140,10 @@ class Executor:
             cache = eng.with_slot_pos(cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape))
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
-        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
         last = chunk.end == len(request.prompt)  # its sampled token is the request's first
         allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
         first, logits, cache, prompt = eng.prefill(
-            batch, strategy, params, sampled, self.clock, cache, allowed
+            batch, chunk.cp, params, sampled, self.clock, cache, allowed
         )
         if scored:
             self._chunk_prompt += _prompt_rows(batch, prompt, 0)
@@ -213,10 +212,9 @@ class Executor:
             [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
         )
         sampled = any(r.params.sampling.temperature > 0 for r in requests)
-        strategy, _ = eng.cp_plan(batch.B, batch.P_pad)
         allowed = self._masks(list(requests) + [None] * (batch.B - len(requests)))
         first, self.logits, new, prompt = eng.prefill(
-            batch, strategy, params, sampled, self.clock, None, allowed
+            batch, admission.cp, params, sampled, self.clock, None, allowed
         )
         into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
         into[: len(requests)] = admission.rows

@@ -57,6 +57,7 @@ class Chunk:
     request: Request | None = None
     cached: tuple[int, ...] = ()  # a first chunk's prefix-cache hit: the pool slots of
     # its first blocks, in order (its tokens before `start`)
+    cp: str = "ring"  # how its prompt attention splits along seq (Engine.cp_plan's choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Admission:
     requests: tuple[Request, ...]
     rows: tuple[int, ...]
     shape: PrefillShape
+    cp: str = "ring"  # how their prompt attention splits along seq (Engine.cp_plan's choice)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,7 @@ class Round:
                     tuple(_request(r) for r in a["requests"]),
                     tuple(a["rows"]),
                     PrefillShape(**a["shape"]),
+                    a["cp"],
                 )
                 for a in d["admissions"]
             ),
@@ -178,7 +181,9 @@ class Planner:
     """Plans rounds for a row book padded by `rules`, on `stages` pipeline stages.
     short_chunk: decode steps a round runs while a row is free; long_chunk: the
     engine's chunk, the most a round runs. prefix: the prefix cache's book (read only),
-    None without a cache."""
+    None without a cache. cp: a prefill shape's CP strategy, "ring" or "ulysses"
+    (`Engine.cp_plan`): chosen here, on process 0, so that every process runs the same
+    program even where their measured rates would choose differently."""
 
     def __init__(
         self,
@@ -187,8 +192,10 @@ class Planner:
         short_chunk: int,
         long_chunk: int,
         prefix: PrefixBook | None = None,
+        cp: Callable[[PrefillShape], str] = lambda shape: "ring",
     ):
         self.rules, self.stages = rules, stages
+        self.cp = cp
         self.short_chunk, self.long_chunk = short_chunk, long_chunk
         self.prefix = prefix
         # Whether a shape's program is compiled; while the rest compile in the
@@ -304,7 +311,7 @@ class Planner:
         shape = self.rules.chunk(end - done, offset, new_tokens)
         shape = dataclasses.replace(shape, prompt_logprobs=request.params.prompt_logprobs)
         shape = self._stand_in(self.rules.prefill_stand_ins, shape, [new_tokens], offset) or shape
-        return Chunk(row, done, end, shape, request if first else None, cached)
+        return Chunk(row, done, end, shape, request if first else None, cached, self.cp(shape))
 
     def _admit(
         self, queue: list[Request], free: list[int], budget: int, prefix: PrefixBook | None
@@ -335,7 +342,8 @@ class Planner:
             while together:
                 k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
                 batch, together = together[:k], together[k:]
-                admissions.append(Admission(tuple(batch), tuple(next(rows) for _ in batch), shape))
+                into = tuple(next(rows) for _ in batch)
+                admissions.append(Admission(tuple(batch), into, shape, self.cp(shape)))
         return admissions, queue[n:]
 
     def _batch(self, together: list[Request], k: int) -> tuple[int, PrefillShape]:

@@ -139,6 +139,7 @@ class Scheduler:
             short_chunk=short_chunk or max(1, engine.chunk // 4),
             long_chunk=engine.chunk,
             prefix=self.prefix,
+            cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
         )
         self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
         self.accounting = Accounting()

@@ -11,7 +11,7 @@ import pytest
 
 from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import length_bucket
-from qwen3_spmd.pipeline.planner import Planner
+from qwen3_spmd.pipeline.planner import Planner, Round
 from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
@@ -226,6 +226,33 @@ def test_admission_takes_each_length_bucket_in_whole_batches_into_the_lowest_row
     assert plan.decode.shape.rows == 4 and plan.decode.steps == 3
     assert plan.taken() == {0, 1, 2, 3}
     assert planner.plan(book, waiting) == plan and book.live() == []  # it only reads
+
+
+def test_the_round_carries_each_prefills_cp_strategy_as_the_planner_chose_it():
+    """The CP strategy of each admission and chunk is chosen on process 0 by the planner's
+    `cp` (the engine's cost model) and travels in the Round, so the executor of every
+    process runs the same program; without a `cp` it is the ring."""
+    rules = ShapeRules(4, 1, 1, C=1, slots=99, max_seq_len=99, prefill_tokens=99, chunk_tokens=32)
+    asked = []
+
+    def cp(shape):
+        asked.append(shape)
+        return "ulysses" if shape.P_pad == 24 else "ring"
+
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4, cp=cp)
+    waiting = [
+        Request(0, tuple(range(1, 41)), Params(4)),  # long: a chunk of 32, then 8
+        Request(1, tuple(range(1, 18)), Params(4)),
+    ]
+    plan = planner.plan(_book_with(4, 1, {}), waiting)
+    assert [(a.shape.P_pad, a.cp) for a in plan.admissions] == [(24, "ulysses")]
+    assert (plan.chunk.shape.P_pad, plan.chunk.cp) == (32, "ring")
+    assert set(asked) == {plan.admissions[0].shape, plan.chunk.shape}
+    assert Round.from_json(plan.to_json()) == plan
+    plain = Planner(rules, stages=1, short_chunk=2, long_chunk=4).plan(
+        _book_with(4, 1, {}), waiting
+    )
+    assert {a.cp for a in plain.admissions} | {plain.chunk.cp} == {"ring"}
 
 
 def test_a_request_for_its_prompts_logprobs_is_prefilled_whole_past_a_prefix_hit():
