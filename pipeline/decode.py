@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -30,6 +31,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.sampling import (
     TOP_LOGPROBS,
     RowSampling,
+    Sampling,
     TokenLogprobs,
     gather_vocab,
     greedy_split,
@@ -70,6 +72,22 @@ class DecodeInputs(NamedTuple):
     # (`sampling.only_allowed`; all ones for a row under no constraint), for a chunk of
     # one step; None (no input at all, today's program) when no row is constrained.
     allowed: jax.Array | None = None
+
+    @classmethod
+    def empty(cls, rows: int) -> DecodeInputs:
+        """A chunk's inputs over `rows` empty rows (no step writes), as host arrays: the
+        shapes a decode program is lowered for ahead (`RowBook.decode_inputs` of an empty
+        book gives the same)."""
+        zeros = lambda: np.zeros(rows, np.int32)  # noqa: E731
+        return cls(
+            tokens=zeros(),
+            positions=zeros(),
+            step=zeros(),
+            limit=zeros(),
+            prompt_slots=zeros(),
+            sampling=RowSampling.stack([(Sampling(), 0, 0)] * rows),
+            run_steps=np.int32(0),
+        )
 
     @classmethod
     def specs(cls, constrained: bool = False) -> DecodeInputs:

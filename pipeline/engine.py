@@ -1,17 +1,14 @@
-"""The generate engine: one code path for every mesh shape, 1x1 included.
+"""The engine: one code path for every mesh shape, 1x1 included.
 
 `Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the programs
-(prefill, decode chunk, in-place K/V inserts and row moves), each compiled once per
-shape. `generate` checks a static batch of prompts up front and runs it through the
-same executor and row book as continuous batching (`pipeline.executor`): one prefill
-of the whole batch, then decode chunks (each on device; the host only looks at the new
-tokens between chunks, to stream them and to stop once every request has finished). It
-returns the completions with their own timing and the cache.
+(prefill, decode chunk, in-place K/V inserts, row moves and the prefix cache's block
+copies), each compiled once per shape. It knows nothing of requests and rounds: the
+executor (`pipeline.executor`) runs a Round's programs through it, and a static batch
+(`pipeline.static_batch.generate`) is a round of those.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
@@ -28,17 +25,12 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline import cp_cost
-from qwen3_spmd.pipeline.constraints import Constraint, Grammars
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
-from qwen3_spmd.pipeline.executor import Executor
-from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out
-from qwen3_spmd.pipeline.planner import Accounting, Admission, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
 from qwen3_spmd.pipeline.prefix import BlockPool, copy_blocks
 from qwen3_spmd.pipeline.programs import Clock, OnCompile, Programs
-from qwen3_spmd.pipeline.requests import Completion, RequestError, check_request
-from qwen3_spmd.pipeline.rowbook import RowBook
+from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.sampling import (
     PromptLogprobs,
     RowSampling,
@@ -48,33 +40,11 @@ from qwen3_spmd.pipeline.sampling import (
     token_logprobs,
 )
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
-from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
-from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import AXES, MeshError
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.specs import SPECS, param_spec
 from qwen3_spmd.sharding.stages import StagePlan
-
-
-@dataclasses.dataclass
-class Generation:
-    completions: list[Completion]
-    first_logits: np.ndarray  # [steps, V] float32: request 0's logits at each generated token
-    timing: dict  # compile_s, prefill_s, decode_s and tokens per second of this call
-    layout: dict  # batch and prompt padding, microbatches, groups, chunks run
-    cache: KVCache  # the cache as the last decode left it (slots of steps never run: -1)
-
-
-def _timing(clock: Clock, prompt_tokens: int, new_tokens: int) -> dict:
-    """A generate call's seconds and rates (`new_tokens` from decode steps)."""
-    return {
-        "compile_s": clock.compile_s,
-        "prefill_s": clock.prefill_s,
-        "decode_s": clock.decode_s,
-        "prefill_tokens_per_s": prompt_tokens / clock.prefill_s if clock.prefill_s > 0 else 0.0,
-        "decode_tokens_per_s": new_tokens / clock.decode_s if clock.decode_s > 0 else 0.0,
-    }
 
 
 def _put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
@@ -527,7 +497,7 @@ class Engine:
     def _abstract_decode_inputs(self, rows: int, constrained: bool = False) -> DecodeInputs:
         """A decode chunk's inputs over `rows` rows as shapes on the mesh (for lowering
         ahead); constrained: with each row's allowed tokens."""
-        inputs = RowBook(rows, 1, self.C, self.slots_per_device).decode_inputs(rows, 0)
+        inputs = DecodeInputs.empty(rows)
         if constrained:
             inputs = inputs._replace(allowed=np.zeros((rows, self.mask_words), np.int32))
         return self._abstract(inputs, DecodeInputs.specs(constrained))
@@ -537,7 +507,7 @@ class Engine:
         """W: int32 words of a row's allowed tokens, ceil(V / 32) (`sampling.only_allowed`)."""
         return -(-self.cfg.V // 32)
 
-    def _compile_decode_ahead(self, B: int, groups: int, sampled: bool, with_logits: bool):
+    def compile_decode_ahead(self, B: int, groups: int, sampled: bool, with_logits: bool):
         """Starts compiling a decode chunk's program over B rows while the prefill
         compiles and runs."""
         self.programs.ahead(
@@ -558,96 +528,6 @@ class Engine:
         program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
         clock.compile_s += waited
         return program(self.weights, cache, inputs)
-
-    # ---- generate: a static batch through the rounds' executor ----------------------
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        sampling: Sampling = Sampling(),
-        seed: int = 0,
-        eos_ids: tuple[int, ...] = (),
-        on_tokens: Callable[[list[list[int]]], None] | None = None,
-        with_logits: bool = True,
-        constraint: Constraint | None = None,
-        grammars: Grammars | None = None,
-    ) -> Generation:
-        """Generates up to max_new_tokens tokens for each prompt: one prefill of the whole
-        batch, then decode chunks until every request has ended, run by the same
-        executor and row book as continuous batching (`pipeline.executor`), so the
-        decode inputs and the stop rule have one home. Request i samples with key
-        (seed, i, step).
-
-        with_logits=False skips collecting request 0's logits at every decode step
-        (Generation.first_logits then holds the prefill step only).
-
-        on_tokens, if given, is called after the prefill and after each decode chunk with
-        every request's tokens so far (for streaming).
-
-        constraint: what every answer must follow (a structured output), with `grammars`
-        over the model's tokenizer: chunks of one step, each row's choice masked.
-        """
-        self.check(prompts, max_new_tokens)
-        if constraint is not None:
-            if grammars is None:
-                raise RequestError("a $constraint needs the model's grammars", "constraint")
-            grammars.compile(constraint)
-        n, groups = len(prompts), self.groups_for(len(prompts))
-        unit = math.lcm(self.M, groups)
-        shape = PrefillShape(-(-n // unit) * unit, padded_length(max(map(len, prompts)), self.C))
-        params = Params(max_new_tokens, sampling, seed, tuple(eos_ids), constraint=constraint)
-        requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
-        # Rows past the prompts are copies of request 0 (its key too), dropped at the end.
-        requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
-        book = RowBook(shape.B, groups, self.C, self.slots_per_device)
-        clock, accounting = Clock(), Accounting()
-        executor = Executor(self, book, accounting, clock, cache=None, grammars=grammars)
-        sampled = sampling.temperature > 0
-        constrained = constraint is not None
-        if max_new_tokens > 1 and not constrained:
-            self._compile_decode_ahead(shape.B, groups, sampled, with_logits)
-        tokens: list[list[int]] = [[] for _ in requests]
-        finish = ["length"] * shape.B
-
-        def take(updates):
-            for u in updates:
-                tokens[u.id] += u.tokens
-                finish[u.id] = u.finish_reason or finish[u.id]
-            if on_tokens:
-                on_tokens(tokens[:n])
-
-        strategy, predictions = self.cp_plan(shape.B, shape.P_pad)
-        admission = Admission(tuple(requests), tuple(range(shape.B)), shape, strategy)
-        take(executor.admit(Round(admissions=(admission,))))
-        step_logits = [np.asarray(executor.logits[:1])]
-        steps_run = chunks = 0
-        decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
-        while book.live():
-            steps = min(self.chunk, max(book.rows[b].steps_left for b in book.live()))
-            steps = 1 if constrained else steps  # the host between a row's tokens
-            take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
-            if with_logits:
-                step_logits.append(np.asarray(executor.logits)[:steps])
-            steps_run, chunks = steps_run + steps, chunks + 1
-        completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
-        n_new = sum(len(c.token_ids) - 1 for c in completions)
-        timing = _timing(clock, sum(map(len, prompts)), n_new)
-        layout = {
-            "batch": shape.B,
-            "requests": n,
-            "padded_prompt": shape.P_pad,
-            "microbatches": self.M,
-            "groups": groups,
-            "decode_steps": steps_run,
-            "chunks": chunks,
-            "chunk": self.chunk,
-            "decode_ticks": accounting.decode_ticks,
-            "cp_strategy": strategy,
-            "cp": predictions,
-        }
-        first_logits = np.concatenate(step_logits)[: len(tokens[0])]
-        return Generation(completions, first_logits, timing, layout, executor.cache)
 
     def prefill(
         self,

@@ -10,12 +10,12 @@ process of a job executes the same `Round` alike, and gets the same tokens.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.constraints import Grammars, RowMatcher
+from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
@@ -24,9 +24,6 @@ from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import PromptLogprobs, RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
-
-if TYPE_CHECKING:  # the engine runs generate through an executor
-    from qwen3_spmd.pipeline.engine import Engine
 
 
 class Executor:

@@ -1,7 +1,7 @@
 """Continuous batching: requests join and leave the decode rows while the mesh runs.
 
 A `Scheduler` owns `max_batch` decode rows (a multiple of the decode groups G, cut into
-G round-robin groups as in `Engine.generate`) and runs rounds over them. Each round has
+G round-robin groups as in `static_batch.generate`) and runs rounds over them. Each round has
 three parts with one job each (vLLM v1's schedule / execute / update):
 
     plan     `pipeline.planner.Planner.plan`: from the row book, the waiting requests
@@ -20,7 +20,7 @@ A round that raises ends the background loop: every request still open finishes 
 "error", and later submits are refused with the error's message.
 
 A request's tokens depend only on its prompt, its sampling parameters and its seed:
-its sampling key is (seed, 0, step), as for a request alone in `Engine.generate`, and
+its sampling key is (seed, 0, step), as for a request alone in `static_batch.generate`, and
 an empty or finished row writes nothing any other row reads.
 
 Rounds run when a caller asks: `step()`, `run()`, or a blocking read of a handle. With
@@ -313,7 +313,7 @@ class Scheduler:
         max_queue requests wait already) and returns its handle. Never waits for a
         round: a server's event loop may call it. sample_index: its sampling key is
         (seed, sample_index, step); the i-th prompt of a batch passes i to sample as
-        `Engine.generate` does."""
+        `static_batch.generate` does."""
         if self.follower:
             raise RequestError("this process follows process 0: submit requests there")
         if self.failure is not None:

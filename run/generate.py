@@ -337,7 +337,7 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
     """--check: the same requests on one device; do the tokens and logits agree?"""
     import jax
 
-    from qwen3_spmd.pipeline import traffic
+    from qwen3_spmd.pipeline import static_batch, traffic
     from qwen3_spmd.pipeline.requests import key_seed
     from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -346,7 +346,8 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
     single = one.engine(
         job.spec.cfg, job.spec.source, make_mesh(1, 1, jax.local_devices()[:1]), job.max_seq_len
     )
-    ref = single.generate(
+    ref = static_batch.generate(
+        single,
         job.prompts,
         args.max_new_tokens,
         sampling=job.sampling,
@@ -437,19 +438,21 @@ def _grammars(constraint, text, vocab: int, eos: tuple[int, ...]):
 
 
 def _generate(engine, args, prompts, sampling, eos, stream, job=None):
-    """engine.generate, under the JAX profiler if --profile DIR; with the job's
+    """static_batch.generate, under the JAX profiler if --profile DIR; with the job's
     constraint, if any."""
     import contextlib
 
     import jax
 
+    from qwen3_spmd.pipeline import static_batch
     from qwen3_spmd.pipeline.requests import key_seed
 
     # Per-step logits only when something reads them (--logits-out, --check).
     with_logits = bool(args.logits_out or args.check)
     profile = jax.profiler.trace(args.profile) if args.profile else contextlib.nullcontext()
     with profile:
-        return engine.generate(
+        return static_batch.generate(
+            engine,
             prompts,
             args.max_new_tokens,
             sampling=sampling,

@@ -12,7 +12,7 @@ random weights), `run.text.Text` tokenizes and renders the chat template, and ev
 prompt goes to one continuous-batching `pipeline.scheduler.Scheduler` over an
 `Engine`, so prompts of different lengths and budgets share the decode rows, and
 requests submitted later (`submit`) join the running ones. Prompt i of a `generate`
-call samples with key (seed, i, step), as in `Engine.generate`: the same tokens.
+call samples with key (seed, i, step), as in `static_batch.generate`: the same tokens.
 
 Bad input raises `pipeline.requests.RequestError` naming the parameter as this API does.
 """

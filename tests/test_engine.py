@@ -12,6 +12,7 @@ from reference import TINY
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.ring import padded_length
@@ -180,7 +181,7 @@ def test_request_stops_at_its_first_eos(fixture, S, C):
         max_seq_len=64,
         chunk=3,
     )
-    out = eng.generate(prompts, 8, eos_ids=eos)
+    out = static_batch.generate(eng, prompts, 8, eos_ids=eos)
     for got, want in zip(out.completions, greedy):
         tokens, reason = expected(want, eos)
         assert got.token_ids == tokens and got.finish_reason == reason
@@ -194,7 +195,7 @@ def test_all_finished_ends_the_loop_early(fixture):
     eng = Engine(
         cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), max_seq_len=64, chunk=2
     )
-    out = eng.generate(prompts, 8, eos_ids=eos)
+    out = static_batch.generate(eng, prompts, 8, eos_ids=eos)
     assert all(c.finish_reason == "stop" and len(c.token_ids) <= 2 for c in out.completions)
     assert out.layout["chunks"] == 1  # no chunk ran after every request had stopped
 
@@ -215,7 +216,7 @@ def test_programs_alias_the_cache(S, C):
         max_seq_len=4096,
         chunk=4,
     )
-    out = eng.generate([[5, 6, 7, 8, 9]] * S, 6, with_logits=False)
+    out = static_batch.generate(eng, [[5, 6, 7, 8, 9]] * S, 6, with_logits=False)
     assert isinstance(out.cache, KVCache)
     k, v, pos = out.cache
     kv_bytes = 2 * k.addressable_shards[0].data.nbytes  # one device's k and v

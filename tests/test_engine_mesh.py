@@ -18,8 +18,10 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import DecoderLayer
-from qwen3_spmd.pipeline.engine import Engine, Generation
+from qwen3_spmd.pipeline import static_batch
+from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.static_batch import Generation
 from qwen3_spmd.ring import zigzag
 from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -134,7 +136,7 @@ class Runs:
             eng = self.engine(setup)
             all_prompts = self.model(setup.model)[2]
             prompts = all_prompts if batch is None else [all_prompts[i] for i in batch]
-            gen = eng.generate(prompts, n_new, sampling=sampling, seed=SEED)
+            gen = static_batch.generate(eng, prompts, n_new, sampling=sampling, seed=SEED)
             k, v, slot_pos = gen.cache
             self.runs[key] = Run(setup, eng, prompts, gen, k, v, np.asarray(slot_pos))
         return self.runs[key]
@@ -215,7 +217,7 @@ def test_decode_reading_filled_blocks_matches_one_pass(runs, setup, monkeypatch)
         chunk=4,
         poison=setup.poison,
     )
-    gen = engine.generate(prompts, N_NEW, sampling=GREEDY, seed=SEED)
+    gen = static_batch.generate(engine, prompts, N_NEW, sampling=GREEDY, seed=SEED)
 
     def loops(engine):
         return sum(

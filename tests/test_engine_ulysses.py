@@ -15,6 +15,7 @@ from reference import FIXTURES
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -72,7 +73,9 @@ class Runs:
             )
         if (key, sampling) not in self.runs:
             eng = self.engines[key]
-            gen = eng.generate(self.model(name)[2], N_NEW, sampling=sampling, seed=SEED)
+            gen = static_batch.generate(
+                eng, self.model(name)[2], N_NEW, sampling=sampling, seed=SEED
+            )
             cache = tuple(np.asarray(a) for a in gen.cache)
             self.runs[key, sampling] = (eng, gen, cache)
         return self.runs[key, sampling]
@@ -187,7 +190,7 @@ def test_auto_runs_what_the_model_picks(runs, links, strategy):
         cp="auto",
         link_bytes_per_s=links,
     )
-    gen = engine.generate(prompts, 2, seed=SEED)
+    gen = static_batch.generate(engine, prompts, 2, seed=SEED)
     assert gen.layout["cp_strategy"] == strategy and set(gen.layout["cp"]) == {"ring", "ulysses"}
     assert [t[:2] for t in _tokens(runs.run("tiny", 1, 1, cp="ring")[1])] == _tokens(gen)
 
@@ -264,7 +267,7 @@ def test_eight_query_heads_on_1x4_and_1x8_match_transformers(tmp_path):
             chunk=steps,
             cp="ulysses",
         )
-        gen = engine.generate(prompts, steps)
+        gen = static_batch.generate(engine, prompts, steps)
         assert gen.layout["cp_strategy"] == "ulysses"
         assert _tokens(gen) == want, C
         np.testing.assert_allclose(gen.first_logits[0], want_logits[0], atol=TOL, rtol=0)

@@ -27,7 +27,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
 from qwen3_spmd.model.checkpoint.quantize import dequantize_fp8, quantize_fp8
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import param_path
-from qwen3_spmd.pipeline import traffic
+from qwen3_spmd.pipeline import static_batch, traffic
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -80,7 +80,7 @@ def _run(folder, S, C, X):
         cfg = Qwen3Config.from_hf(folder)
         mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
         engine = Engine(cfg, HFCheckpoint(folder, cfg), mesh, max_seq_len=64, chunk=4)
-        _ENGINES[key] = (engine, engine.generate(_prompts(cfg), N_NEW))
+        _ENGINES[key] = (engine, static_batch.generate(engine, _prompts(cfg), N_NEW))
     return _ENGINES[key]
 
 

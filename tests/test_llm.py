@@ -1,5 +1,5 @@
 """run.llm: the one Python door. Text and token-id prompts give the tokens
-`Engine.generate` gives on the same prompts (greedy and seeded sampling), budgets and
+`static_batch.generate` gives on the same prompts (greedy and seeded sampling), budgets and
 stop ids end requests with the right reason, requests submitted over time join the
 running ones and get the tokens they get alone, and bad input is one line naming the
 parameter as this API does."""
@@ -13,11 +13,12 @@ from reference import TINY
 
 import qwen3_spmd
 from qwen3_spmd import LLM, SamplingParams
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
 
 # Prompts of 17 to 24 tokens (the chat prompt's 19 too) share one padded length, 24, in
-# the scheduler and in Engine.generate (the longest is 24): few programs to compile.
+# the scheduler and in static_batch.generate (the longest is 24): few programs to compile.
 IDS = [5, 17, 42, 99, 3, 250, 7, 11, 64, 128, 2, 9, 31, 77, 150, 8, 200, 6, 19, 23, 4, 88, 1, 60]
 TEXT = "Why is the sky blue? Hello world"
 
@@ -34,7 +35,8 @@ def test_text_and_ids_match_engine_generate(llm):
     params = SamplingParams(max_tokens=6, temperature=0.9, seed=3)
     outs = llm.generate([TEXT, IDS], params)
     ids = [llm.text.encode(TEXT), IDS]
-    ref = llm.engine.generate(
+    ref = static_batch.generate(
+        llm.engine,
         ids,
         params.max_tokens,
         sampling=Sampling(params.temperature, params.top_k, params.top_p),
@@ -166,7 +168,7 @@ def test_preset_has_no_text_but_runs_ids_on_2x2():
         llm.generate("hello")
     assert "\n" not in str(e.value)
     out = llm.generate(IDS, SamplingParams(max_tokens=3))[0]
-    ref = llm.engine.generate([IDS], 3, eos_ids=llm.eos_ids, with_logits=False)
+    ref = static_batch.generate(llm.engine, [IDS], 3, eos_ids=llm.eos_ids, with_logits=False)
     assert (out.token_ids, out.text) == (ref.completions[0].token_ids, None)
 
 

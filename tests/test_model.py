@@ -19,6 +19,7 @@ from reference import fixture, right_padded
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, load_model
 from qwen3_spmd.model.stack import forward
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.programs import Programs
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -107,7 +108,7 @@ def _engine_run(name, dtype=jnp.float32):
         max_seq_len=128,
         chunk=4,
     )
-    return eng.generate(prompts, int(ref["max_new_tokens"]))
+    return static_batch.generate(eng, prompts, int(ref["max_new_tokens"]))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -181,11 +182,11 @@ def test_decode_program_compiled_ahead_is_collected():
         cfg, HFCheckpoint(folder, cfg), make_mesh(1, 1, jax.devices()[:1]), max_seq_len=128, chunk=4
     )
     firsts = tuple({int(ref[f"greedy_tokens_{i}"][0]) for i in range(len(prompts))})
-    stopped = eng.generate(prompts, int(ref["max_new_tokens"]), eos_ids=firsts)
+    stopped = static_batch.generate(eng, prompts, int(ref["max_new_tokens"]), eos_ids=firsts)
     assert all(c.finish_reason == "stop" and len(c.token_ids) == 1 for c in stopped.completions)
     assert eng.programs.pending == 1
     assert not any(n.startswith("decode") for n in eng.programs.compiled)
-    out = eng.generate(prompts, int(ref["max_new_tokens"]))
+    out = static_batch.generate(eng, prompts, int(ref["max_new_tokens"]))
     assert eng.programs.pending == 0
     assert sum(n.startswith("decode") for n in eng.programs.compiled) == 1
     for i, c in enumerate(out.completions):

@@ -26,6 +26,7 @@ from qwen3_spmd.model import moe
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.stack import forward
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -251,7 +252,7 @@ def _engine(name, S, C):
 def _generate(name, S, C, sampled=False):
     _, _, ref, prompts = _fixture(name)
     kw = dict(sampling=SAMPLED, seed=5) if sampled else {}
-    return _engine(name, S, C).generate(prompts, int(ref["max_new_tokens"]), **kw)
+    return static_batch.generate(_engine(name, S, C), prompts, int(ref["max_new_tokens"]), **kw)
 
 
 MESHES = [
@@ -420,8 +421,10 @@ def test_orbax_round_trip_of_a_moe_checkpoint(tmp_path):
         ("embed_vd",),
     ]:
         np.testing.assert_array_equal(orb.read(path, np.float32), hf.read(path, np.float32))
-    out = Engine(cfg, orb, make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64, chunk=4).generate(
-        prompts, int(ref["max_new_tokens"])
+    out = static_batch.generate(
+        Engine(cfg, orb, make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64, chunk=4),
+        prompts,
+        int(ref["max_new_tokens"]),
     )
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
@@ -478,9 +481,17 @@ def test_other_platforms_formulations_on_a_mesh(monkeypatch):
     monkeypatch.setitem(moe.DECODE, jax.default_backend(), "gathered")
     monkeypatch.setitem(moe.PREFILL, jax.default_backend(), "grouped")
     folder, cfg, ref, prompts = _fixture("moe")
-    out = Engine(
-        cfg, HFCheckpoint(folder, cfg), make_mesh(2, 2, jax.devices()[:4]), max_seq_len=64, chunk=4
-    ).generate(prompts, int(ref["max_new_tokens"]))
+    out = static_batch.generate(
+        Engine(
+            cfg,
+            HFCheckpoint(folder, cfg),
+            make_mesh(2, 2, jax.devices()[:4]),
+            max_seq_len=64,
+            chunk=4,
+        ),
+        prompts,
+        int(ref["max_new_tokens"]),
+    )
     for i, c in enumerate(out.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
     np.testing.assert_allclose(out.first_logits, ref["step_logits_0"], atol=TOL, rtol=0)

@@ -23,6 +23,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.run import conversion
 from qwen3_spmd.run.cli import main
@@ -154,7 +155,9 @@ def test_generation_matches_safetensors_on_every_mesh(converted, cfg, prompts, S
     prompts, ref = prompts
     mesh = _mesh(S, C)
     outs = [
-        Engine(cfg, source, mesh, jnp.float32, max_seq_len=128, chunk=4).generate(prompts, 8)
+        static_batch.generate(
+            Engine(cfg, source, mesh, jnp.float32, max_seq_len=128, chunk=4), prompts, 8
+        )
         for source in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "f32", cfg))
     ]
     hf, orb = outs
@@ -167,7 +170,9 @@ def test_bfloat16_conversion_generates_like_bfloat16_safetensors(converted, cfg,
     prompts, _ = prompts
     mesh = _mesh(2, 2)
     hf, orb = (
-        Engine(cfg, s, mesh, jnp.bfloat16, max_seq_len=128, chunk=4).generate(prompts, 8)
+        static_batch.generate(
+            Engine(cfg, s, mesh, jnp.bfloat16, max_seq_len=128, chunk=4), prompts, 8
+        )
         for s in (HFCheckpoint(TINY, cfg), ob.OrbaxCheckpoint(converted / "bf16", cfg))
     )
     assert [c.token_ids for c in orb.completions] == [c.token_ids for c in hf.completions]

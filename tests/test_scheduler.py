@@ -1,5 +1,5 @@
 """pipeline.scheduler: requests join and leave the decode rows while the mesh runs, and
-each request gets exactly the tokens it gets alone (Engine.generate on its prompt only),
+each request gets exactly the tokens it gets alone (static_batch.generate on its prompt only),
 whatever arrived before, beside or after it, on every mesh shape."""
 
 import asyncio
@@ -13,6 +13,7 @@ from reference import TINY
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params, Request
 from qwen3_spmd.pipeline.layout import bucket, lay_out, length_bucket
@@ -62,15 +63,21 @@ def _record_decodes(monkeypatch, engine) -> list[tuple[int, bool, bool]]:
 
 @pytest.fixture(scope="module")
 def alone(cfg):
-    """(prompt, params) -> its tokens from Engine.generate on the prompt alone (1x1)."""
+    """(prompt, params) -> its tokens from static_batch.generate on the prompt alone (1x1)."""
     engine = _engine(cfg, 1, 1)
     seen = {}
 
     def tokens(prompt, p: Params) -> list[int]:
         key = (tuple(prompt), p)
         if key not in seen:
-            gen = engine.generate(
-                [list(prompt)], p.max_new_tokens, p.sampling, p.seed, p.eos_ids, with_logits=False
+            gen = static_batch.generate(
+                engine,
+                [list(prompt)],
+                p.max_new_tokens,
+                p.sampling,
+                p.seed,
+                p.eos_ids,
+                with_logits=False,
             )
             seen[key] = gen.completions[0].token_ids
         return seen[key]
@@ -574,7 +581,7 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
     token there is the runner-up, and the request goes on to its budget or a later end."""
     prompt, n = _prompts(cfg, 1)[0], 8
     engine = _engine(cfg, 2, 2)
-    gen = engine.generate([prompt], n, Sampling(), 0, (), with_logits=True)
+    gen = static_batch.generate(engine, [prompt], n, Sampling(), 0, (), with_logits=True)
     tokens = gen.completions[0].token_ids
     logp = jax.nn.log_softmax(np.asarray(gen.first_logits, np.float64), axis=-1)
     sched = Scheduler(engine, max_batch=2)

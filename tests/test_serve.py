@@ -196,11 +196,12 @@ def test_concurrent_greedy_completions_equal_transformers(server, client, text, 
 
 def test_greedy_equals_generate_with_a_stop_token(server, client, text, reference):
     """A stop token id ends a request as EOS does: the server stops where
-    Engine.generate (1x1 mesh, the id among its EOS ids) stops, and leaves it out of
+    static_batch.generate (1x1 mesh, the id among its EOS ids) stops, and leaves it out of
     the text."""
     import jax
     import jax.numpy as jnp
 
+    from qwen3_spmd.pipeline import static_batch
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.sampling import Sampling
     from qwen3_spmd.run.models import open_model
@@ -210,7 +211,7 @@ def test_greedy_equals_generate_with_a_stop_token(server, client, text, referenc
     engine = Engine(spec.cfg, spec.source, make_mesh(1, 1, jax.devices()[:1]), jnp.float32, 128)
     stop_id = reference[0][1][3]  # greedy emits it at step 3 of prompt 0
     prompts = [reference[0][0], [11, 13], [277, 4, 195, 110, 216, 14, 270]]
-    ref = engine.generate(prompts, 30, Sampling(), 0, spec.eos_ids() + (stop_id,))
+    ref = static_batch.generate(engine, prompts, 30, Sampling(), 0, spec.eos_ids() + (stop_id,))
     assert ref.completions[0].finish_reason == "stop"
 
     def ask(p):

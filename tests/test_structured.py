@@ -410,7 +410,7 @@ def test_completions_take_the_same_fields(client):
 def test_generate_refuses_a_bad_constraint_in_one_line_before_loading(capsys):
     """`generate --json-schema FILE | --regex R | --choice A,B`: a constraint the engine
     does not take, an empty choice, two at once or a schema file that is no JSON end in
-    one line, status 2, before any weight is read. (Engine.generate's constrained
+    one line, status 2, before any weight is read. (static_batch.generate's constrained
     answers: test_tensor.py.)"""
     from qwen3_spmd.run.cli import main
 

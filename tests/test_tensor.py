@@ -23,7 +23,7 @@ from reference import FIXTURES, fixture
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.split import TensorError, TensorSplit
-from qwen3_spmd.pipeline import traffic
+from qwen3_spmd.pipeline import static_batch, traffic
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import lay_out
@@ -52,7 +52,7 @@ def _engine(name, S, C, X, cp="ring", experts="tp") -> Engine:
 
 def _check_against_transformers(engine: Engine, name: str):
     _, _, ref, prompts = fixture(name)
-    gen = engine.generate(prompts, int(ref["max_new_tokens"]))
+    gen = static_batch.generate(engine, prompts, int(ref["max_new_tokens"]))
     for i, c in enumerate(gen.completions):
         assert c.token_ids == ref[f"greedy_tokens_{i}"].tolist(), i
     np.testing.assert_allclose(gen.first_logits, ref["step_logits_0"], atol=TOL, rtol=0)
@@ -101,7 +101,7 @@ def test_seeded_sampling_is_the_single_devices():
     filters, so 2x1x4 draws exactly the tokens of 1x1 with the same keys."""
     _, _, ref, prompts = fixture("wide")
     runs = [
-        _engine("wide", *mesh).generate(prompts[:2], 8, sampling=SAMPLED, seed=3)
+        static_batch.generate(_engine("wide", *mesh), prompts[:2], 8, sampling=SAMPLED, seed=3)
         for mesh in ((1, 1, 1), (2, 1, 4))
     ]
     one, split = ([c.token_ids for c in g.completions] for g in runs)
@@ -110,7 +110,7 @@ def test_seeded_sampling_is_the_single_devices():
 
 
 def test_constrained_tokens_are_the_same_on_every_mesh():
-    """A bounded JSON Schema's greedy answers through `Engine.generate` on 2x1x4 (V =
+    """A bounded JSON Schema's greedy answers through `static_batch.generate` on 2x1x4 (V =
     333 padded to 336: each device's 84 ids start inside a mask word, and greedy reads
     its block's bits before the (value, id) pairs are gathered) and on 1x1x1: the same
     tokens, and each answer validates, ended by its grammar. (Sampling masks the
@@ -131,7 +131,8 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
         "additionalProperties": False,
     }
     runs = [
-        _engine("wide", *mesh).generate(
+        static_batch.generate(
+            _engine("wide", *mesh),
             prompts[:2],
             24,
             eos_ids=(302,),

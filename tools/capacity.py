@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
+    from qwen3_spmd.pipeline import static_batch
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         if not args.no_run:
             prompt = np.random.default_rng(0).integers(0, spec.cfg.V, T).tolist()
             t0 = time.perf_counter()
-            out = eng.generate([prompt], 1)
+            out = static_batch.generate(eng, [prompt], 1)
             row["prefill_s"] = out.timing["prefill_s"]
             row["wall_s"] = time.perf_counter() - t0
         rows.append(row)

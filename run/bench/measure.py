@@ -2,7 +2,7 @@
 
 Every timed figure is the median of `repeats` runs after `warmup` runs (which also
 compile), with the spread (min, max) kept next to it. Times are wall-clock as a caller
-of `Engine.generate` sees them, split at the engine's own streaming callback:
+of `static_batch.generate` sees them, split at the engine's own streaming callback:
 
     call ──prefill (host layout, cache allocation, prefill, first sample)──> 1st on_tokens
          ──decode (every chunk, host work between chunks included)──────────> last on_tokens
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import static_batch
 
 
 def spread(samples: Sequence[float]) -> dict:
@@ -256,7 +257,8 @@ def run_once(engine, prompts, new_tokens: int) -> dict:
     """One generate call, split at the streaming callbacks (see the module docstring)."""
     marks = []
     t0 = time.perf_counter()
-    out = engine.generate(
+    out = static_batch.generate(
+        engine,
         prompts,
         new_tokens,
         on_tokens=lambda _: marks.append(time.perf_counter()),

@@ -1,5 +1,5 @@
 """bench --scenario serve: a closed-loop load through the continuous-batching scheduler,
-and the same requests as static batches through `Engine.generate`, in one run.
+and the same requests as static batches through `static_batch.generate`, in one run.
 
 Closed loop at concurrency c: c requests are in flight; each one that finishes is
 replaced by the next, until every request has run. Requests mix prompt and output
@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.pipeline.schedule import decode_grid, stats
@@ -100,13 +101,15 @@ def finished_figures(finished, wall: float, compile_s: float) -> dict:
 
 
 def static_batches(engine, requests, batch: int) -> dict:
-    """The same requests through Engine.generate, `batch` at a time in order; each batch
+    """The same requests through static_batch.generate, `batch` at a time in order; each batch
     runs until its longest request is done (its output budget is the batch's largest)."""
     tokens, wall, compile_s = 0, 0.0, 0.0
     for i in range(0, len(requests), batch):
         group = requests[i : i + batch]
         t0 = time.perf_counter()
-        out = engine.generate([p for p, _ in group], max(n for _, n in group), with_logits=False)
+        out = static_batch.generate(
+            engine, [p for p, _ in group], max(n for _, n in group), with_logits=False
+        )
         wall += time.perf_counter() - t0 - out.timing["compile_s"]
         compile_s += out.timing["compile_s"]
         tokens += sum(min(len(c.token_ids), n) for c, (_, n) in zip(out.completions, group))
