@@ -440,3 +440,18 @@ def test_a_constrained_request_makes_each_chunk_one_step_until_it_ends():
     # three one-step chunks while the constrained request runs (its tokens 2-4)
     steps = [(shape.constrained, run) for shape, run in engine.decodes]
     assert steps[:3] == [(True, 1)] * 3 and all(not c and run > 1 for c, run in steps[3:])
+
+
+def test_a_decode_programs_empty_inputs_are_an_empty_books():
+    """The engine lowers a decode program ahead on `DecodeInputs.empty` (it imports no
+    row book): the same shapes, dtypes and values as an empty book's chunk inputs."""
+    import jax
+
+    from qwen3_spmd.pipeline.decode import DecodeInputs
+
+    for rows in (1, 4, 8):
+        book = RowBook(rows, 1, 2, 16).decode_inputs(rows, 0)
+        empty = DecodeInputs.empty(rows)
+        assert jax.tree.structure(book) == jax.tree.structure(empty)
+        for a, b in zip(jax.tree.leaves(book), jax.tree.leaves(empty)):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
