@@ -49,6 +49,7 @@ from qwen3_spmd.pipeline.sampling import (
 )
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
 from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
+from qwen3_spmd.pipeline.speculative import SpeculativeConfig, Speculator
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
 from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import AXES, MeshError
@@ -135,6 +136,7 @@ class Engine:
         link_bytes_per_s: float | dict | None = None,
         flops_per_s: float | None = None,
         experts: str = "tp",
+        speculative=None,
     ):
         if tuple(mesh.axis_names) != AXES:
             raise MeshError(
@@ -178,6 +180,8 @@ class Engine:
         # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
         self._helpers: dict[tuple, Callable] = {}
         self._making = threading.Lock()  # guards the dicts of jitted functions above
+        spec = SpeculativeConfig.parse(speculative)
+        self.speculator = Speculator(self, spec) if spec is not None else None
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
         self._logprobs = jax.jit(token_logprobs)
 
@@ -605,7 +609,9 @@ class Engine:
         executor = Executor(self, book, accounting, clock, cache=None, grammars=grammars)
         sampled = sampling.temperature > 0
         constrained = constraint is not None
-        if max_new_tokens > 1 and not constrained:
+        # Verify rounds take a greedy batch's decode (pipeline.speculative): no chunk then.
+        speculates = self.speculator is not None and not (sampled or with_logits or constrained)
+        if max_new_tokens > 1 and not constrained and not speculates:
             self._compile_decode_ahead(shape.B, groups, sampled, with_logits)
         tokens: list[list[int]] = [[] for _ in requests]
         finish = ["length"] * shape.B

@@ -1,0 +1,223 @@
+"""Speculative decoding: propose k tokens a row cheaply, check them in one verify pass,
+keep the longest run the model agrees with and the model's own next token.
+
+`SpeculativeConfig` is vLLM's `speculative_config` (its keys, checked in words).
+`Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
+book's rows:
+
+    drafts   each row's proposal from its tokens so far (`pipeline.ngram`), k_b <= k
+             tokens, fewer near the row's max_tokens (it may produce k_b + 1 at most);
+    verify   one pass over [newest token, drafts]: out[b, i], the model's greedy token
+             after position i;
+    accept   a_b = the longest prefix of the drafts equal to out[b, :k_b]; the row gets
+             out[b, : a_b + 1] (the agreed drafts, then the model's token after them),
+             cut at its first end as a decode chunk's tokens are (`RowBook.extend`);
+    roll back the slots of the rejected positions leave the row's listed slots.
+
+Greedy only, so far: a round that holds a sampled row, or asks for log-probabilities
+or a constraint, runs as a plain decode chunk (the tokens are the same either way). The
+tokens are those of plain greedy decoding: out[b, i] is the model's greedy token given
+the row's tokens up to position p + i, which for every kept i are the plain run's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from qwen3_spmd.pipeline import ngram
+from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.rowbook import Update, row_sampling
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.pipeline.schedule import decode_ticks
+from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
+
+if TYPE_CHECKING:
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.executor import Executor
+    from qwen3_spmd.pipeline.planner import DecodeChunk
+
+METHODS = ("ngram",)
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+class SpeculativeConfigError(RequestError):
+    """A speculative_config that cannot run: the message says what to change."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"$speculative_config: {problem}", "speculative_config")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for prompt lookup (`method` "ngram"): up to
+    num_speculative_tokens drafts a row, from the longest n-gram of
+    prompt_lookup_max .. prompt_lookup_min tokens that occurred before. A missing
+    bound takes the other's value (5 when both are missing)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A config from JSON text, a mapping, a config, or None/"" (no speculation);
+        SpeculativeConfigError, one line naming the problem and the fix, otherwise."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpeculativeConfigError(
+                    f"not JSON ({e.msg} at character {e.pos}): write an object, e.g. {EXAMPLE}"
+                ) from None
+        if not isinstance(value, Mapping):
+            raise SpeculativeConfigError(
+                f"{type(value).__name__} is not an object of keys: write e.g. {EXAMPLE}"
+            )
+        unknown = [k for k in value if k not in KEYS]
+        if unknown:
+            raise SpeculativeConfigError(
+                f"unknown key {unknown[0]!r}: the keys taken are {', '.join(KEYS)}"
+            )
+        method = value.get("method", "ngram")
+        if method == "draft_model":
+            raise SpeculativeConfigError(
+                "method 'draft_model' is not built yet (issue 46): use 'ngram'"
+            )
+        if method not in METHODS:
+            raise SpeculativeConfigError(f"method {method!r} is not one of {', '.join(METHODS)}")
+        if "num_speculative_tokens" not in value:
+            raise SpeculativeConfigError("num_speculative_tokens is missing: add it, e.g. 4")
+        ints = {}
+        for key in KEYS[1:]:
+            if key in value:
+                v = value[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise SpeculativeConfigError(f"{key} {v!r} must be an integer >= 1")
+                ints[key] = v
+        hi = ints.get("prompt_lookup_max", ints.get("prompt_lookup_min", 5))
+        lo = ints.get("prompt_lookup_min", ints.get("prompt_lookup_max", 5))
+        if lo > hi:
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}: make min <= max"
+            )
+        return cls(ints["num_speculative_tokens"], method, hi, lo)
+
+    def propose(self, context, k: int) -> list[int]:
+        """Up to k (<= num_speculative_tokens) drafts after `context`."""
+        return ngram.propose(context, k, self.prompt_lookup_max, self.prompt_lookup_min)
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """Counts since start, as vLLM's spec_decode metrics: verify passes that carried
+    drafts (a row each), draft tokens proposed, draft tokens accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a row gets per verify pass that carried drafts: 1 + accepted/drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class Speculator:
+    """Verify rounds on `engine` for the rows of an executor's book, as `config` drafts
+    (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
+    `propose(context, k)`: the tests' and the benchmark's oracles)."""
+
+    def __init__(self, engine: Engine, config: SpeculativeConfig):
+        self.engine, self.config = engine, config
+        self.metrics = SpecMetrics()
+        self._verify: dict[tuple, object] = {}
+        self._making = threading.Lock()
+
+    def takes(self, chunk: DecodeChunk) -> bool:
+        """Whether this decode chunk may run as a verify round: every row greedy, no
+        log-probabilities, no constraint, no per-step logits asked."""
+        s = chunk.shape
+        return not (s.sampled or s.logprobs or s.constrained or chunk.with_logits)
+
+    def _fn(self, groups: int, T: int):
+        key = (groups, T)
+        if key not in self._verify:
+            with self._making:
+                if key not in self._verify:
+                    e = self.engine
+                    program = build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T)
+                    self._verify[key] = jax.jit(program, donate_argnames="cache")
+        return self._verify[key]
+
+    def verify(self, executor: Executor, n: int) -> list[Update]:
+        """One verify round over rows 0..n-1 of the executor's book: every live row's
+        new tokens (1 .. k + 1 each), its end, its rejected slots unlisted."""
+        eng, book, k = self.engine, executor.book, self.config.num_speculative_tokens
+        T = k + 1
+        live = [b for b in book.live() if b < n]
+        tokens = np.zeros((n, T), np.int32)
+        step = np.zeros(n, np.int32)
+        count = np.zeros(n, np.int32)  # an empty row runs nothing
+        prompt_slots = np.zeros(n, np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
+        drafts: dict[int, list[int]] = {}
+        for b in live:
+            row = book.rows[b]
+            # It may produce steps_left more tokens: k_b drafts give k_b + 1 at most.
+            k_b = min(k, row.steps_left - 1)
+            drafts[b] = self.config.propose(row.request.prompt + tuple(row.generated), k_b)
+            feed = [row.generated[-1], *drafts[b]]
+            tokens[b, : len(feed)] = feed
+            step[b] = len(row.generated) - 1  # decode step j feeds token j
+            count[b] = len(feed)
+            prompt_slots[b] = row.prompt_slots
+            per_row[b] = row_sampling(row.request)
+        book.list_ahead(step, count, prompt_slots, n)
+        inputs = VerifyInputs(
+            tokens, book.lengths[:n] + step, step, count, prompt_slots, RowSampling.stack(per_row)
+        )
+        inputs = jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(eng.mesh, spec)),
+            inputs,
+            VerifyInputs.specs(),
+        )
+        cache = eng.with_slot_pos(executor.cache, book.slot_pos)
+        t0 = time.perf_counter()
+        out, executor.cache = self._fn(book.groups, T)(eng.weights, cache, inputs)
+        out = np.asarray(out)
+        executor.clock.decode_s += time.perf_counter() - t0
+        acc = executor.accounting
+        acc.row_steps += book.B
+        acc.decode_ticks += decode_ticks(book.groups, eng.stages, 1)
+        updates = []
+        for b in live:
+            d = drafts[b]
+            agreed = 0
+            while agreed < len(d) and d[agreed] == out[b, agreed]:
+                agreed += 1
+            if d:
+                self.metrics.drafts += 1
+                self.metrics.draft_tokens += len(d)
+                self.metrics.accepted_tokens += agreed
+            update = book.extend(b, out[b, : agreed + 1])
+            if update.finish_reason is None:
+                book.roll_back(b)
+            acc.busy_row_steps += len(update.tokens)
+            acc.early_ends += update.finish_reason == "stop"
+            updates.append(update)
+        return updates

@@ -1,0 +1,173 @@
+"""Speculative decoding (issue 46): the ngram drafter, the config's refusals, and the
+verify rounds' tokens against plain greedy decoding on several meshes.
+
+Budget: one plain 1x1 run gives the reference tokens (greedy tokens are the same on
+every mesh, test_engine_mesh); each mesh then builds one engine and compiles one
+prefill and one verify program. An oracle drafter (the plain run's tokens, with some
+drafts made wrong on purpose) makes every acceptance length occur: all drafts kept,
+none, and the run cut in between; the ngram drafter runs once, through the config.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from reference import TINY
+
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import ngram
+from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.rowbook import RowBook
+from qwen3_spmd.pipeline.speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
+from qwen3_spmd.sharding.mesh import make_mesh
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13], [3, 4, 3, 4, 3, 4, 3]]
+N_NEW = 20
+EOS = (301,)  # the tiny model's greedy runs produce it: two requests stop early
+
+
+# ---- the ngram drafter -----------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_most_recent_match():
+    # The suffix [1, 2] occurred twice; the most recent occurrence is followed by 9, 8.
+    assert ngram.propose([1, 2, 7, 1, 2, 9, 8, 1, 2], 2, 3, 1) == [9, 8]
+    # The 3-gram [4, 1, 2] occurred once (followed by 7): longer matches win over recent.
+    assert ngram.propose([4, 1, 2, 7, 5, 1, 2, 6, 4, 1, 2], 1, 3, 1) == [7]
+    # With n_min 3, the 2-gram match does not count.
+    assert ngram.propose([1, 2, 7, 5, 1, 2], 3, 3, 3) == []
+    assert ngram.propose([1, 2, 7, 5, 1, 2], 3, 2, 2) == [7, 5, 1]
+    assert ngram.propose([1, 2, 3], 4, 3, 1) == []  # nothing repeats
+    assert ngram.propose([1, 2, 1, 2], 0, 3, 1) == []  # k = 0
+
+
+def test_ngram_copy_runs_on_past_the_context_end():
+    # A loop of period 2 proposes k tokens, not 2: the copy overlaps its own output.
+    assert ngram.propose([5, 1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
+    assert ngram.propose([7, 7, 7], 4, 2, 1) == [7, 7, 7, 7]
+
+
+# ---- the config --------------------------------------------------------------------------
+
+
+def test_config_reads_vllm_keys_and_fills_a_missing_bound():
+    c = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    )
+    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (4, 3, 3)
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (c.method, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 2, 2)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 1}).prompt_lookup_max == 5
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ("{'method': 'ngram'}", "not JSON"),
+        ("[4]", "list is not an object"),
+        ({"num_speculative_tokens": 4, "lookahead": 2}, "unknown key 'lookahead'"),
+        ({"method": "eagle", "num_speculative_tokens": 4}, "method 'eagle' is not one of"),
+        ({"method": "draft_model", "num_speculative_tokens": 4}, "not built yet"),
+        ({"method": "ngram"}, "num_speculative_tokens is missing"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens 0 must be an integer >= 1"),
+        ({"num_speculative_tokens": "4"}, "num_speculative_tokens '4' must be an integer"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min 4 exceeds prompt_lookup_max 2",
+        ),
+    ],
+)
+def test_a_malformed_config_is_refused_in_one_line(value, words):
+    with pytest.raises(SpeculativeConfigError) as e:
+        SpeculativeConfig.parse(value)
+    message = str(e.value)
+    assert words in message and "\n" not in message
+    assert message.startswith("speculative_config: ") and e.value.param == "speculative_config"
+
+
+# ---- the row book's listing and roll-back --------------------------------------------------
+
+
+def test_verify_slots_are_listed_then_rolled_back_past_the_kept_tokens():
+    book = RowBook(1, 1, 2, 8)  # C = 2 devices of 8 local slots
+    from qwen3_spmd.pipeline.handles import Params, Request
+
+    book.start(0, Request(0, (1, 2, 3), Params(10)), 4, 2, np.full((2, 8), -1, np.int32))
+    book.slot_pos[0, :, :2] = [[0, 2], [1, -1]]  # the prompt's slots (positions 0..2)
+    # A verify of the newest token and 3 drafts: steps 0..3 at positions 3..6.
+    book.list_ahead(np.array([0]), np.array([4]), np.array([2]), 1)
+    assert sorted(book.slot_pos[0][book.slot_pos[0] >= 0].tolist()) == list(range(7))
+    book.extend(0, [5, 6])  # one draft kept, then the model's token: tokens 4, 5, 6
+    book.roll_back(0)
+    # K/V stays for positions 0..4 (prompt, 4, 5); 6 is fed next, the rest were rejected.
+    assert sorted(book.slot_pos[0][book.slot_pos[0] >= 0].tolist()) == list(range(5))
+
+
+# ---- verify rounds against plain decoding -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """Drafts the plain run's own tokens, each made wrong where (token index) % 5 == 3:
+    rounds keep all their drafts, none, or a run cut in the middle."""
+
+    runs: dict  # prompt -> the plain run's tokens
+    num_speculative_tokens: int
+
+    def propose(self, context, k):
+        for prompt, tokens in self.runs.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                out = list(tokens[done : done + k])
+                return [t + 1 if (done + i) % 5 == 3 else t for i, t in enumerate(out)]
+        raise AssertionError(f"no run for {context}")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = Qwen3Config.from_hf(TINY)
+    return cfg, HFCheckpoint(TINY, cfg)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    cfg, source = tiny
+    engine = Engine(cfg, source, make_mesh(1, 1, jax.devices()[:1]), max_seq_len=64)
+    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    return [c.token_ids for c in out.completions], [c.finish_reason for c in out.completions]
+
+
+def _engine(tiny, S, C, X=1, **kwargs):
+    cfg, source = tiny
+    mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
+    return Engine(cfg, source, mesh, max_seq_len=64, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "S, C, X, k", [(1, 1, 1, 4), (2, 1, 1, 3), (1, 2, 1, 3), (1, 1, 2, 3), (2, 2, 1, 2)]
+)
+def test_verify_rounds_give_plain_greedy_tokens(tiny, plain, S, C, X, k):
+    tokens, finish = plain
+    assert finish.count("stop") == 2  # EOS inside a verified run is met too
+    engine = _engine(tiny, S, C, X)
+    runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
+    engine.speculator = Speculator(engine, Oracle(runs, k))
+    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    assert [c.token_ids for c in out.completions] == tokens
+    assert [c.finish_reason for c in out.completions] == finish
+    m = engine.speculator.metrics
+    # Every acceptance occurred: some drafts kept, some refused, so neither path is idle.
+    assert 0 < m.accepted_tokens < m.draft_tokens
+    # Fewer passes than tokens: the rounds did give several tokens each.
+    assert m.drafts < sum(len(t) - 1 for t in tokens)
+
+
+def test_ngram_config_through_the_engine_gives_plain_tokens(tiny, plain):
+    tokens, _ = plain
+    engine = _engine(tiny, 1, 1, speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    assert [c.token_ids for c in out.completions] == tokens
+    assert engine.speculator.metrics.draft_tokens > 0  # the prompts repeat: drafts were made
