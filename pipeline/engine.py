@@ -49,7 +49,8 @@ from qwen3_spmd.pipeline.sampling import (
 )
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
 from qwen3_spmd.pipeline.shapes import DecodeShape, PrefillShape
-from qwen3_spmd.pipeline.speculative import SpeculativeConfig, Speculator
+from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+from qwen3_spmd.pipeline.speculative import Speculator
 from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
 from qwen3_spmd.ring import padded_length
 from qwen3_spmd.sharding.mesh import AXES, MeshError
@@ -609,7 +610,7 @@ class Engine:
         executor = Executor(self, book, accounting, clock, cache=None, grammars=grammars)
         sampled = sampling.temperature > 0
         constrained = constraint is not None
-        # Verify rounds take a greedy batch's decode (pipeline.speculative): no chunk then.
+        # Verify rounds take a greedy batch's decode (Speculator.takes): no chunk then.
         speculates = self.speculator is not None and not (sampled or with_logits or constrained)
         if max_new_tokens > 1 and not constrained and not speculates:
             self._compile_decode_ahead(shape.B, groups, sampled, with_logits)

@@ -1,8 +1,7 @@
 """Speculative decoding: propose k tokens a row cheaply, check them in one verify pass,
 keep the longest run the model agrees with and the model's own next token.
 
-`SpeculativeConfig` is vLLM's `speculative_config` (its keys, checked in words).
-`Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
+`SpeculativeConfig` (`pipeline.spec_config`) is vLLM's `speculative_config`. `Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
 book's rows:
 
     drafts   each row's proposal from its tokens so far (`pipeline.ngram`), k_b <= k
@@ -23,18 +22,14 @@ the row's tokens up to position p + i, which for every kept i are the plain run'
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from qwen3_spmd.pipeline import ngram
-from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -44,82 +39,8 @@ if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.executor import Executor
     from qwen3_spmd.pipeline.planner import DecodeChunk
-
-METHODS = ("ngram",)
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
-
-
-class SpeculativeConfigError(RequestError):
-    """A speculative_config that cannot run: the message says what to change."""
-
-    def __init__(self, problem: str):
-        super().__init__(f"$speculative_config: {problem}", "speculative_config")
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's speculative_config for prompt lookup (`method` "ngram"): up to
-    num_speculative_tokens drafts a row, from the longest n-gram of
-    prompt_lookup_max .. prompt_lookup_min tokens that occurred before. A missing
-    bound takes the other's value (5 when both are missing)."""
-
-    num_speculative_tokens: int
-    method: str = "ngram"
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 5
-
-    @classmethod
-    def parse(cls, value) -> SpeculativeConfig | None:
-        """A config from JSON text, a mapping, a config, or None/"" (no speculation);
-        SpeculativeConfigError, one line naming the problem and the fix, otherwise."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise SpeculativeConfigError(
-                    f"not JSON ({e.msg} at character {e.pos}): write an object, e.g. {EXAMPLE}"
-                ) from None
-        if not isinstance(value, Mapping):
-            raise SpeculativeConfigError(
-                f"{type(value).__name__} is not an object of keys: write e.g. {EXAMPLE}"
-            )
-        unknown = [k for k in value if k not in KEYS]
-        if unknown:
-            raise SpeculativeConfigError(
-                f"unknown key {unknown[0]!r}: the keys taken are {', '.join(KEYS)}"
-            )
-        method = value.get("method", "ngram")
-        if method == "draft_model":
-            raise SpeculativeConfigError(
-                "method 'draft_model' is not built yet (issue 46): use 'ngram'"
-            )
-        if method not in METHODS:
-            raise SpeculativeConfigError(f"method {method!r} is not one of {', '.join(METHODS)}")
-        if "num_speculative_tokens" not in value:
-            raise SpeculativeConfigError("num_speculative_tokens is missing: add it, e.g. 4")
-        ints = {}
-        for key in KEYS[1:]:
-            if key in value:
-                v = value[key]
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise SpeculativeConfigError(f"{key} {v!r} must be an integer >= 1")
-                ints[key] = v
-        hi = ints.get("prompt_lookup_max", ints.get("prompt_lookup_min", 5))
-        lo = ints.get("prompt_lookup_min", ints.get("prompt_lookup_max", 5))
-        if lo > hi:
-            raise SpeculativeConfigError(
-                f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}: make min <= max"
-            )
-        return cls(ints["num_speculative_tokens"], method, hi, lo)
-
-    def propose(self, context, k: int) -> list[int]:
-        """Up to k (<= num_speculative_tokens) drafts after `context`."""
-        return ngram.propose(context, k, self.prompt_lookup_max, self.prompt_lookup_min)
+    from qwen3_spmd.pipeline.rowbook import RowBook
+    from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -148,11 +69,20 @@ class Speculator:
         self._verify: dict[tuple, object] = {}
         self._making = threading.Lock()
 
-    def takes(self, chunk: DecodeChunk) -> bool:
-        """Whether this decode chunk may run as a verify round: every row greedy, no
-        log-probabilities, no constraint, no per-step logits asked."""
-        s = chunk.shape
-        return not (s.sampled or s.logprobs or s.constrained or chunk.with_logits)
+    def takes(self, chunk: DecodeChunk, book: RowBook) -> bool:
+        """Whether this decode chunk may run as a verify round: every row it covers is
+        greedy with no log-probabilities and no constraint, and no per-step logits are
+        asked. (A server's chunk shapes are all `sampled`: one program serves greedy and
+        sampled rows, so the rows themselves are read.)"""
+        if chunk.with_logits or chunk.shape.logprobs or chunk.shape.constrained:
+            return False
+        for b in book.live():
+            p = book.rows[b].request.params
+            if b < chunk.shape.rows and (
+                p.sampling.temperature > 0 or p.logprobs or p.constraint is not None
+            ):
+                return False
+        return True
 
     def _fn(self, groups: int, T: int):
         key = (groups, T)

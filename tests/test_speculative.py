@@ -15,12 +15,16 @@ import numpy as np
 import pytest
 from reference import TINY
 
+from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline import ngram
 from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook
-from qwen3_spmd.pipeline.speculative import SpeculativeConfig, SpeculativeConfigError, Speculator
+from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
+from qwen3_spmd.pipeline.speculative import Speculator
+from qwen3_spmd.run.cli import main
 from qwen3_spmd.sharding.mesh import make_mesh
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13], [3, 4, 3, 4, 3, 4, 3]]
@@ -85,7 +89,7 @@ def test_a_malformed_config_is_refused_in_one_line(value, words):
         SpeculativeConfig.parse(value)
     message = str(e.value)
     assert words in message and "\n" not in message
-    assert message.startswith("speculative_config: ") and e.value.param == "speculative_config"
+    assert message == f"speculative_config: {e.value.problem}"
 
 
 # ---- the row book's listing and roll-back --------------------------------------------------
@@ -171,3 +175,42 @@ def test_ngram_config_through_the_engine_gives_plain_tokens(tiny, plain):
     out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
     assert [c.token_ids for c in out.completions] == tokens
     assert engine.speculator.metrics.draft_tokens > 0  # the prompts repeat: drafts were made
+
+
+# ---- the doors: LLM (the continuous-batching scheduler) and the command line -------------------
+
+
+def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
+    """Three prompts over two rows: the third joins a running row set, so one verify
+    pass holds rows at different steps, and a row ends beside one that goes on."""
+    tokens, finish = plain
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    with LLM(str(TINY), mesh="1x1", max_seq_len=64, max_batch=2, speculative_config=config) as llm:
+        assert llm.engine.speculator.config == SpeculativeConfig(3, "ngram", 2, 2)
+        runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
+        llm.engine.speculator = Speculator(llm.engine, Oracle(runs, 3))
+        params = SamplingParams(max_tokens=N_NEW, stop_token_ids=list(EOS), ignore_eos=True)
+        outs = llm.generate(PROMPTS, params)
+        m = llm.engine.speculator.metrics
+    assert [o.token_ids for o in outs] == tokens
+    assert [o.finish_reason for o in outs] == finish
+    assert 0 < m.accepted_tokens < m.draft_tokens
+
+
+def test_llm_refuses_a_malformed_config_in_one_line():
+    with pytest.raises(RequestError) as e:
+        LLM(str(TINY), mesh="1x1", speculative_config={"method": "eagle"})
+    assert str(e.value) == "speculative_config: method 'eagle' is not one of ngram"
+
+
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        ("{bad", "--speculative-config: not JSON (Expecting property name"),
+        ('{"num_speculative_tokens": 2, "k": 1}', "--speculative-config: unknown key 'k'"),
+    ],
+)
+def test_generate_refuses_a_malformed_flag_in_one_line(capsys, flag, words):
+    assert main(["generate", "--prompt-ids", "1,2", "--speculative-config", flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and words in err and "\n" not in err
