@@ -214,3 +214,35 @@ def test_generate_refuses_a_malformed_flag_in_one_line(capsys, flag, words):
     assert main(["generate", "--prompt-ids", "1,2", "--speculative-config", flag]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and words in err and "\n" not in err
+
+
+def test_metrics_say_drafts_and_acceptances_with_vllm_names():
+    from types import SimpleNamespace as NS
+
+    from prometheus_client import generate_latest
+
+    from qwen3_spmd.pipeline.speculative import SpecMetrics
+    from qwen3_spmd.run.serve.metrics import Metrics
+
+    def service(speculator):
+        engine = NS(programs=NS(compiled=[]), speculator=speculator)
+        scheduler = NS(
+            engine=engine,
+            running=0,
+            waiting=0,
+            rows_busy=0,
+            B=2,
+            compiles_left=0,
+            clock=NS(compile_s=0.0),
+            prefix=None,
+            prefix_cache_bytes=0,
+        )
+        return NS(scheduler=scheduler, settings=NS(model_name="m"))
+
+    spec = NS(metrics=SpecMetrics(drafts=3, draft_tokens=9, accepted_tokens=5))
+    text = generate_latest(Metrics(service(spec)).registry).decode()
+    assert 'qwen3_spmd:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'qwen3_spmd:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
+    assert 'qwen3_spmd:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert spec.metrics.mean_acceptance_length == 1 + 5 / 3
+    assert "spec_decode" not in generate_latest(Metrics(service(None)).registry).decode()
