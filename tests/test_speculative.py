@@ -9,6 +9,7 @@ none, and the run cut in between; the ngram drafter runs once, through the confi
 """
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -246,3 +247,19 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
     assert 'qwen3_spmd:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
     assert spec.metrics.mean_acceptance_length == 1 + 5 / 3
     assert "spec_decode" not in generate_latest(Metrics(service(None)).registry).decode()
+
+
+def test_generate_flag_speculates_and_reports_it(capsys, plain):
+    tokens, _ = plain
+    argv = ["generate", "--model", str(TINY), "--mesh", "1x1", "--max-new-tokens", str(N_NEW)]
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    assert main([*argv, "--speculative-config", config, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The plain run stopped at 301; without that end id the run goes on the same way.
+    got = [r["token_ids"] for r in out["requests"]]
+    assert [g[: len(t)] for g, t in zip(got, tokens)] == tokens
+    spec = out["speculative"]
+    assert spec["num_speculative_tokens"] == 3 and spec["prompt_lookup_min"] == 1
+    assert spec["num_draft_tokens"] > 0
