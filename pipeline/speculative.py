@@ -1,22 +1,27 @@
 """Speculative decoding: propose k tokens a row cheaply, check them in one verify pass,
 keep the longest run the model agrees with and the model's own next token.
 
-`SpeculativeConfig` (`pipeline.spec_config`) is vLLM's `speculative_config`. `Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
+`SpeculativeConfig` (`pipeline.spec_config`) is vLLM's `speculative_config`.
+`Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
 book's rows:
 
     drafts   each row's proposal from its tokens so far (`pipeline.ngram`), k_b <= k
              tokens, fewer near the row's max_tokens (it may produce k_b + 1 at most);
-    verify   one pass over [newest token, drafts]: out[b, i], the model's greedy token
-             after position i;
+    verify   one pass over [newest token, drafts]: out[b, i], the token plain decoding
+             would choose after position i (greedy, or drawn with the row's key at
+             that step);
     accept   a_b = the longest prefix of the drafts equal to out[b, :k_b]; the row gets
              out[b, : a_b + 1] (the agreed drafts, then the model's token after them),
              cut at its first end as a decode chunk's tokens are (`RowBook.extend`);
     roll back the slots of the rejected positions leave the row's listed slots.
 
-Greedy only, so far: a round that holds a sampled row, or asks for log-probabilities
-or a constraint, runs as a plain decode chunk (the tokens are the same either way). The
-tokens are those of plain greedy decoding: out[b, i] is the model's greedy token given
-the row's tokens up to position p + i, which for every kept i are the plain run's.
+The tokens are plain decoding's, seeded sampling's included: out[b, i] depends on the
+row's tokens up to position p + i and its key (seed, request, step) only, and for every
+kept i those tokens are the plain run's. For a drafter that proposes one token (not a
+distribution), as ngram does, this acceptance is as likely as rejection sampling's: a
+draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) for
+q one-hot at d. A round whose rows ask for log-probabilities or follow a constraint
+runs as a plain decode chunk (the same tokens).
 """
 
 from __future__ import annotations
@@ -70,27 +75,27 @@ class Speculator:
         self._making = threading.Lock()
 
     def takes(self, chunk: DecodeChunk, book: RowBook) -> bool:
-        """Whether this decode chunk may run as a verify round: every row it covers is
-        greedy with no log-probabilities and no constraint, and no per-step logits are
-        asked. (A server's chunk shapes are all `sampled`: one program serves greedy and
-        sampled rows, so the rows themselves are read.)"""
+        """Whether this decode chunk may run as a verify round: no row it covers asks
+        for log-probabilities or follows a constraint, and no per-step logits are asked.
+        (A server's chunk shapes are all `sampled`, one program serving every row, so
+        the rows themselves are read.)"""
         if chunk.with_logits or chunk.shape.logprobs or chunk.shape.constrained:
             return False
         for b in book.live():
             p = book.rows[b].request.params
-            if b < chunk.shape.rows and (
-                p.sampling.temperature > 0 or p.logprobs or p.constraint is not None
-            ):
+            if b < chunk.shape.rows and (p.logprobs or p.constraint is not None):
                 return False
         return True
 
-    def _fn(self, groups: int, T: int):
-        key = (groups, T)
+    def _fn(self, groups: int, T: int, sampled: bool):
+        key = (groups, T, sampled)
         if key not in self._verify:
             with self._making:
                 if key not in self._verify:
                     e = self.engine
-                    program = build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T)
+                    program = build_verify(
+                        e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled
+                    )
                     self._verify[key] = jax.jit(program, donate_argnames="cache")
         return self._verify[key]
 
@@ -128,7 +133,9 @@ class Speculator:
         )
         cache = eng.with_slot_pos(executor.cache, book.slot_pos)
         t0 = time.perf_counter()
-        out, executor.cache = self._fn(book.groups, T)(eng.weights, cache, inputs)
+        sampled = any(book.rows[b].request.params.sampling.temperature > 0 for b in live)
+        fn = self._fn(book.groups, T, sampled)
+        out, executor.cache = fn(eng.weights, cache, inputs)
         out = np.asarray(out)
         executor.clock.decode_s += time.perf_counter() - t0
         acc = executor.accounting

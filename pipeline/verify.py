@@ -12,9 +12,12 @@ queries attend over each `seq` device's own slots, masked by position (so token 
 the context and tokens 0 .. i of its own row, which it has just written), and the C
 partial results merge with LSE (`ring.decode_attention`, whose T may exceed 1).
 
-The last stage gives each position's greedy token (`sampling.sample_rows` with the
-row's bans at that step, or `sampling.greedy_split` under `tensor`, as decode chooses):
-out[b, i] is the model's choice after tokens 0 .. i of row b. Which of them to keep is
+The last stage gives each position's token as decode would choose it there
+(`sampling.sample_rows` with the row's parameters, bans and key (seed, request, step)
+at that step, or `sampling.greedy_split` for greedy rows under `tensor`): out[b, i] is
+the model's choice after tokens 0 .. i of row b. A sampled row's draw at a position is
+the one plain decoding makes there from the same logits, since its key depends on the
+step alone. Which of them to keep is
 the host's (`pipeline.speculative`); the slots of positions it rejects are unlisted
 there, and written again by later steps before any query can see them.
 """
@@ -59,7 +62,7 @@ class VerifyInputs(NamedTuple):
     step: jax.Array  # [B] int32: the decode step index j of tokens[:, 0]
     count: jax.Array  # [B] int32: tokens of the row that run, 1 + drafts (0: an empty row)
     prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
-    sampling: RowSampling  # [B] each: the row's parameters (its bans; greedy only here)
+    sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
 
     @classmethod
     def specs(cls) -> VerifyInputs:
@@ -72,7 +75,7 @@ class VerifyCarry(NamedTuple):
 
     h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
-    out: jax.Array  # [B, T] int32: each position's greedy token (filled by the last stage)
+    out: jax.Array  # [B, T] int32: each position's token (filled by the last stage)
 
 
 def build_verify(
@@ -82,13 +85,16 @@ def build_verify(
     mesh: Mesh,
     groups: int,
     T: int,
+    sampled: bool = False,
 ):
     """The verify program for T tokens a row (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T]
     int32, KVCache). `cache.pos` must already list the slots of each row's `count`
     tokens (`RowBook.list_ahead`); the program writes k and v only, so `cache` is donated
-    and updated in place. Every row is greedy (the caller's promise).
+    and updated in place. sampled=False promises every row is greedy (no sort of the
+    vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
+    row asks to.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     always_active = mesh.shape["stage"] == 1
@@ -149,14 +155,14 @@ def build_verify(
             x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
             def head(x):
-                """x [Bg, T, D] -> each position's greedy token [Bg, T]."""
+                """x [Bg, T, D] -> each position's token [Bg, T]."""
                 local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
                 params = jax.tree.map(
                     lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
                 )
                 step = (j + 1).reshape(-1)  # the index of the token each position produces
-                if split.size == 1:
-                    tok = sample_rows(gather_vocab(local, split, cfg.V), params, step, False)
+                if split.size == 1 or sampled:
+                    tok = sample_rows(gather_vocab(local, split, cfg.V), params, step, sampled)
                 else:
                     tok = greedy_split(local, params, step, split)
                 return tok.reshape(Bg, T)

@@ -23,6 +23,7 @@ from qwen3_spmd.pipeline import ngram
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook
+from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
 from qwen3_spmd.pipeline.speculative import Speculator
 from qwen3_spmd.run.cli import main
@@ -137,12 +138,25 @@ def tiny():
     return cfg, HFCheckpoint(TINY, cfg)
 
 
+SAMPLED = Sampling(temperature=0.8, top_k=20, top_p=0.9)
+SEED = 3
+
+
 @pytest.fixture(scope="module")
 def plain(tiny):
+    """The plain runs' (tokens, finish reasons): greedy, and seeded sampling."""
     cfg, source = tiny
     engine = Engine(cfg, source, make_mesh(1, 1, jax.devices()[:1]), max_seq_len=64)
-    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
-    return [c.token_ids for c in out.completions], [c.finish_reason for c in out.completions]
+    runs = {}
+    for name, sampling in (("greedy", Sampling()), ("sampled", SAMPLED)):
+        out = engine.generate(
+            PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
+        )
+        runs[name] = (
+            [c.token_ids for c in out.completions],
+            [c.finish_reason for c in out.completions],
+        )
+    return runs
 
 
 def _engine(tiny, S, C, X=1, **kwargs):
@@ -151,16 +165,43 @@ def _engine(tiny, S, C, X=1, **kwargs):
     return Engine(cfg, source, mesh, max_seq_len=64, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def engines(tiny):
+    """One engine per mesh, shared by its greedy and sampled runs (one prefill compile)."""
+    made = {}
+
+    def get(S, C, X):
+        if (S, C, X) not in made:
+            made[S, C, X] = _engine(tiny, S, C, X)
+        return made[S, C, X]
+
+    return get
+
+
 @pytest.mark.parametrize(
-    "S, C, X, k", [(1, 1, 1, 4), (2, 1, 1, 3), (1, 2, 1, 3), (1, 1, 2, 3), (2, 2, 1, 2)]
+    "S, C, X, k, how",
+    [
+        (1, 1, 1, 4, "greedy"),
+        (2, 1, 1, 3, "greedy"),
+        (1, 2, 1, 3, "greedy"),
+        (1, 1, 2, 3, "greedy"),
+        (2, 2, 1, 2, "greedy"),
+        # Sampled rows: the draws at each position are the plain run's (same keys); the
+        # pipeline and the vocabulary's gather under tensor are the paths that differ.
+        (2, 1, 1, 3, "sampled"),
+        (1, 1, 2, 3, "sampled"),
+    ],
 )
-def test_verify_rounds_give_plain_greedy_tokens(tiny, plain, S, C, X, k):
-    tokens, finish = plain
-    assert finish.count("stop") == 2  # EOS inside a verified run is met too
-    engine = _engine(tiny, S, C, X)
+def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
+    tokens, finish = plain[how]
+    assert finish.count("stop") == (2 if how == "greedy" else 0)  # an end inside a pass too
+    engine = engines(S, C, X)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
     engine.speculator = Speculator(engine, Oracle(runs, k))
-    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    sampling = SAMPLED if how == "sampled" else Sampling()
+    out = engine.generate(
+        PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
+    )
     assert [c.token_ids for c in out.completions] == tokens
     assert [c.finish_reason for c in out.completions] == finish
     m = engine.speculator.metrics
@@ -171,7 +212,7 @@ def test_verify_rounds_give_plain_greedy_tokens(tiny, plain, S, C, X, k):
 
 
 def test_ngram_config_through_the_engine_gives_plain_tokens(tiny, plain):
-    tokens, _ = plain
+    tokens, _ = plain["greedy"]
     engine = _engine(tiny, 1, 1, speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
     out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
     assert [c.token_ids for c in out.completions] == tokens
@@ -183,18 +224,23 @@ def test_ngram_config_through_the_engine_gives_plain_tokens(tiny, plain):
 
 def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     """Three prompts over two rows: the third joins a running row set, so one verify
-    pass holds rows at different steps, and a row ends beside one that goes on."""
-    tokens, finish = plain
+    pass holds rows at different steps, and a row ends beside one that goes on; the
+    second samples (key (seed, prompt index, step), as Engine.generate's) beside greedy
+    rows."""
+    (greedy, greedy_end), (sampled, sampled_end) = plain["greedy"], plain["sampled"]
+    tokens = [greedy[0], sampled[1], greedy[2]]
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     with LLM(str(TINY), mesh="1x1", max_seq_len=64, max_batch=2, speculative_config=config) as llm:
         assert llm.engine.speculator.config == SpeculativeConfig(3, "ngram", 2, 2)
         runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
         llm.engine.speculator = Speculator(llm.engine, Oracle(runs, 3))
-        params = SamplingParams(max_tokens=N_NEW, stop_token_ids=list(EOS), ignore_eos=True)
+        stop = dict(max_tokens=N_NEW, stop_token_ids=list(EOS), ignore_eos=True, seed=SEED)
+        hot = dict(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p)
+        params = [SamplingParams(**stop), SamplingParams(**stop, **hot), SamplingParams(**stop)]
         outs = llm.generate(PROMPTS, params)
         m = llm.engine.speculator.metrics
     assert [o.token_ids for o in outs] == tokens
-    assert [o.finish_reason for o in outs] == finish
+    assert [o.finish_reason for o in outs] == [greedy_end[0], sampled_end[1], greedy_end[2]]
     assert 0 < m.accepted_tokens < m.draft_tokens
 
 
@@ -250,7 +296,7 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
 
 
 def test_generate_flag_speculates_and_reports_it(capsys, plain):
-    tokens, _ = plain
+    tokens, _ = plain["greedy"]
     argv = ["generate", "--model", str(TINY), "--mesh", "1x1", "--max-new-tokens", str(N_NEW)]
     for p in PROMPTS:
         argv += ["--prompt-ids", ",".join(map(str, p))]
