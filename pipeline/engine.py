@@ -115,6 +115,9 @@ class Engine:
         pipeline.cp_cost's model). The KV cache left behind is the same either way.
       experts: Qwen3-MoE over `tensor`: "tp" every expert's columns split (default),
         "ep" whole experts per device (model.split).
+      speculative: a `pipeline.spec_config.SpeculativeConfig`, or its JSON or mapping
+        (vLLM's speculative_config): decode rounds run as verify rounds of its drafts,
+        with the same tokens (`pipeline.speculative`); None: plain decoding.
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
         collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
         cp_cost.nominal for the platform; bench measures them). On CPU the throughput
@@ -610,8 +613,8 @@ class Engine:
         executor = Executor(self, book, accounting, clock, cache=None, grammars=grammars)
         sampled = sampling.temperature > 0
         constrained = constraint is not None
-        # Verify rounds take a greedy batch's decode (Speculator.takes): no chunk then.
-        speculates = self.speculator is not None and not (sampled or with_logits or constrained)
+        # Verify rounds take the batch's decode (Speculator.takes): no chunk then.
+        speculates = self.speculator is not None and not (with_logits or constrained)
         if max_new_tokens > 1 and not constrained and not speculates:
             self._compile_decode_ahead(shape.B, groups, sampled, with_logits)
         tokens: list[list[int]] = [[] for _ in requests]

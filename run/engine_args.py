@@ -77,7 +77,7 @@ class EngineArgs:
       own KV cache). The static batch of generate has no scheduler, so none of these.
     speculative_config (vLLM's flag and keys): speculative decoding, JSON text or a
       mapping, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
-      4} (`pipeline.spec_config`); greedy decode rounds then run as verify rounds, with
+      4} (`pipeline.spec_config`); decode rounds then run as verify rounds, with
       the same tokens. None: plain decoding.
     compile_cache: a folder for compiled programs, reused by later runs of the same
       shapes; "off" (None: $QWEN3_SPMD_COMPILE_CACHE, else ~/.cache/qwen3-spmd/xla).
@@ -203,7 +203,7 @@ class EngineArgs:
                 metavar="JSON",
                 help="speculative decoding (vLLM's flag and keys), e.g. "
                 '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': '
-                "greedy decoding checks k drafted tokens a pass, with the same tokens",
+                "decoding checks k drafted tokens a pass, with the same tokens",
             )
         if scheduler:
             _add_scheduler_args(parser, d)
