@@ -66,7 +66,9 @@ class SpecMetrics:
 class Speculator:
     """Verify rounds on `engine` for the rows of an executor's book, as `config` drafts
     (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
-    `propose(context, k)`: the tests' and the benchmark's oracles)."""
+    `propose(context, k)`: the tests' and the benchmark's oracles). The compiled verify
+    programs are the Speculator's: a caller may change `config` (and reset `metrics`)
+    between rounds and keep them."""
 
     def __init__(self, engine: Engine, config: SpeculativeConfig):
         self.engine, self.config = engine, config

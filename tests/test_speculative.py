@@ -309,3 +309,18 @@ def test_generate_flag_speculates_and_reports_it(capsys, plain):
     spec = out["speculative"]
     assert spec["num_speculative_tokens"] == 3 and spec["prompt_lookup_min"] == 1
     assert spec["num_draft_tokens"] > 0
+
+
+def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
+    """bench --scenario speculative (1x1, B=1, k=2): the oracle's every draft kept (3
+    tokens a pass), the wrong drafter's none, every run's tokens plain decoding's."""
+    argv = ["bench", "--smoke", "--scenario", "speculative", "--batches", "1", "--json"]
+    assert main(argv) == 0
+    (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
+    drafters = job["drafters"]
+    assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", "ngram k=2"}
+    assert all(d["exact"] for d in drafters.values())
+    assert drafters["oracle k=2"]["acceptance"] == 1.0
+    assert drafters["oracle k=2"]["mean_acceptance_length"] == 3.0
+    assert drafters["wrong k=2"]["acceptance"] == 0.0
+    assert drafters["plain"]["vs_plain"] == 1.0
