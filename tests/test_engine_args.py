@@ -43,7 +43,7 @@ def test_the_same_arguments_give_the_same_engine_through_each_door():
     kwargs = {door: args.engine_kwargs(64) for door, args in doors.items()}
     assert kwargs["LLM"] == dict(
         dtype="float32", max_seq_len=64, microbatches=3, groups=2, chunk=4, cp="ulysses",
-        experts="ep",
+        experts="ep", speculative=None,
     )  # fmt: skip
     for door in doors:
         assert kwargs[door] == kwargs["LLM"], door

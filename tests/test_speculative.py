@@ -250,6 +250,23 @@ def test_llm_refuses_a_malformed_config_in_one_line():
     assert str(e.value) == "speculative_config: method 'eagle' is not one of ngram"
 
 
+def test_the_flag_gives_serve_generate_and_llm_one_engine_setting():
+    from qwen3_spmd.run import llm
+    from qwen3_spmd.run.cli import build_parser
+    from qwen3_spmd.run.engine_args import EngineArgs
+
+    text = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    for command in ("serve", "generate"):
+        args = EngineArgs.from_cli(
+            build_parser().parse_args([command, "--speculative-config", text])
+        )
+        args.check()
+        assert args.engine_kwargs(64)["speculative"] == text, command
+    mapping = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    assert llm.engine_args(speculative_config=mapping).engine_kwargs(64)["speculative"] == mapping
+    assert SpeculativeConfig.parse(text) == SpeculativeConfig.parse(mapping)
+
+
 @pytest.mark.parametrize(
     "flag, words",
     [
