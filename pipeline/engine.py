@@ -634,7 +634,9 @@ class Engine:
         decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
         while book.live():
             steps = min(self.chunk, max(book.rows[b].steps_left for b in book.live()))
-            steps = 1 if constrained else steps  # the host between a row's tokens
+            # The host between a row's tokens; a verify round is one pass (so the layout
+            # counts passes as steps and chunks).
+            steps = 1 if constrained or speculates else steps
             take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
             if with_logits:
                 step_logits.append(np.asarray(executor.logits)[:steps])
