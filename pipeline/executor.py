@@ -104,7 +104,7 @@ class Executor:
         if round.decode is None:
             return []
         spec = self.engine.speculator
-        if spec is not None and spec.takes(round.decode, self.book):  # pipeline.speculative
+        if spec is not None and spec.takes(round.decode):  # pipeline.speculative
             return self._forget(spec.verify(self, round.decode.shape.rows))
         return self._forget(self._decode(round.decode))
 

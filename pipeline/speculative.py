@@ -20,8 +20,9 @@ row's tokens up to position p + i and its key (seed, request, step) only, and fo
 kept i those tokens are the plain run's. For a drafter that proposes one token (not a
 distribution), as ngram does, this acceptance is as likely as rejection sampling's: a
 draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) for
-q one-hot at d. A round whose rows ask for log-probabilities or follow a constraint
-runs as a plain decode chunk (the same tokens).
+q one-hot at d. A kept token's log-probabilities (when its request asks) are those
+the pass computed at its position. A round with a row under a constraint runs as a
+plain decode chunk (the same tokens).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.executor import Executor
     from qwen3_spmd.pipeline.planner import DecodeChunk
-    from qwen3_spmd.pipeline.rowbook import RowBook
     from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 
 
@@ -76,27 +77,19 @@ class Speculator:
         self._verify: dict[tuple, object] = {}
         self._making = threading.Lock()
 
-    def takes(self, chunk: DecodeChunk, book: RowBook) -> bool:
-        """Whether this decode chunk may run as a verify round: no row it covers asks
-        for log-probabilities or follows a constraint, and no per-step logits are asked.
-        (A server's chunk shapes are all `sampled`, one program serving every row, so
-        the rows themselves are read.)"""
-        if chunk.with_logits or chunk.shape.logprobs or chunk.shape.constrained:
-            return False
-        for b in book.live():
-            p = book.rows[b].request.params
-            if b < chunk.shape.rows and (p.logprobs or p.constraint is not None):
-                return False
-        return True
+    def takes(self, chunk: DecodeChunk) -> bool:
+        """Whether this decode chunk may run as a verify round: no row it covers follows
+        a constraint, and no per-step logits are asked."""
+        return not (chunk.with_logits or chunk.shape.constrained)
 
-    def _fn(self, groups: int, T: int, sampled: bool):
-        key = (groups, T, sampled)
+    def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
+        key = (groups, T, sampled, logprobs)
         if key not in self._verify:
             with self._making:
                 if key not in self._verify:
                     e = self.engine
                     program = build_verify(
-                        e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled
+                        e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, logprobs
                     )
                     self._verify[key] = jax.jit(program, donate_argnames="cache")
         return self._verify[key]
@@ -135,10 +128,13 @@ class Speculator:
         )
         cache = eng.with_slot_pos(executor.cache, book.slot_pos)
         t0 = time.perf_counter()
-        sampled = any(book.rows[b].request.params.sampling.temperature > 0 for b in live)
-        fn = self._fn(book.groups, T, sampled)
-        out, executor.cache = fn(eng.weights, cache, inputs)
+        params = [book.rows[b].request.params for b in live]
+        sampled = any(p.sampling.temperature > 0 for p in params)
+        logprobs = any(p.logprobs for p in params)
+        fn = self._fn(book.groups, T, sampled, logprobs)
+        out, lp, executor.cache = fn(eng.weights, cache, inputs)
         out = np.asarray(out)
+        lp = jax.tree.map(np.asarray, lp)
         executor.clock.decode_s += time.perf_counter() - t0
         acc = executor.accounting
         acc.row_steps += book.B
@@ -153,7 +149,16 @@ class Speculator:
                 self.metrics.drafts += 1
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
+            request = book.rows[b].request
             update = book.extend(b, out[b, : agreed + 1])
+            if request.params.logprobs:  # each kept token's, as the pass computed it
+                update.logprobs = [
+                    Logprob(
+                        float(lp.chosen[b, i]),
+                        [(int(t), float(v)) for t, v in zip(lp.top_ids[b, i], lp.top[b, i])],
+                    )
+                    for i in range(len(update.tokens))
+                ]
             if update.finish_reason is None:
                 book.roll_back(b)
             acc.busy_row_steps += len(update.tokens)

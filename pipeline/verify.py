@@ -34,7 +34,15 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.sampling import RowSampling, gather_vocab, greedy_split, sample_rows
+from qwen3_spmd.pipeline.sampling import (
+    TOP_LOGPROBS,
+    RowSampling,
+    TokenLogprobs,
+    gather_vocab,
+    greedy_split,
+    sample_rows,
+    token_logprobs,
+)
 from qwen3_spmd.pipeline.schedule import decode_ticks
 from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
@@ -76,6 +84,9 @@ class VerifyCarry(NamedTuple):
     h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
     out: jax.Array  # [B, T] int32: each position's token (filled by the last stage)
+    # Each position's TokenLogprobs, fields [B, T] and [B, T, TOP_LOGPROBS] (a program
+    # with logprobs; else None).
+    logprobs: TokenLogprobs | None = None
 
 
 def build_verify(
@@ -86,15 +97,17 @@ def build_verify(
     groups: int,
     T: int,
     sampled: bool = False,
+    logprobs: bool = False,
 ):
     """The verify program for T tokens a row (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T]
-    int32, KVCache). `cache.pos` must already list the slots of each row's `count`
+    int32, TokenLogprobs of [B, T] / [B, T, TOP_LOGPROBS] or None, KVCache). `cache.pos` must already list the slots of each row's `count`
     tokens (`RowBook.list_ahead`); the program writes k and v only, so `cache` is donated
     and updated in place. sampled=False promises every row is greedy (no sort of the
     vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
-    row asks to.
+    row asks to. logprobs=True also gives each position's token's log-probability and
+    the top TOP_LOGPROBS, from the raw logits as decode reports them.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     always_active = mesh.shape["stage"] == 1
@@ -155,40 +168,62 @@ def build_verify(
             x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
             def head(x):
-                """x [Bg, T, D] -> each position's token [Bg, T]."""
+                """x [Bg, T, D] -> each position's token [Bg, T], TokenLogprobs or None."""
                 local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
                 params = jax.tree.map(
                     lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
                 )
                 step = (j + 1).reshape(-1)  # the index of the token each position produces
-                if split.size == 1 or sampled:
-                    tok = sample_rows(gather_vocab(local, split, cfg.V), params, step, sampled)
+                if split.size == 1 or sampled or logprobs:
+                    whole = gather_vocab(local, split, cfg.V)  # [Bg T, V]
+                    tok = sample_rows(whole, params, step, sampled)
+                    lp = token_logprobs(whole, tok) if logprobs else None
                 else:
-                    tok = greedy_split(local, params, step, split)
-                return tok.reshape(Bg, T)
+                    tok, lp = greedy_split(local, params, step, split), None
+                lp = jax.tree.map(lambda a: a.reshape(Bg, T, *a.shape[1:]), lp)
+                return tok.reshape(Bg, T), lp
 
-            shapes = jax.ShapeDtypeStruct((Bg, T), jnp.int32)
-            on_last, tok = on_last_stage(active, head, shapes, x)
-            out = jnp.where(on_last, put_rows(carry.out, tok, row0), carry.out)
-            return VerifyCarry(shift(x, cyclic=False), kv, out)
+            shapes = (jax.ShapeDtypeStruct((Bg, T), jnp.int32), _logprob_shapes(Bg, T, logprobs))
+            on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
+
+            def put(buf, new):
+                return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+            out = put(carry.out, tok)
+            lp = jax.tree.map(put, carry.logprobs, lp) if logprobs else None
+            return VerifyCarry(shift(x, cyclic=False), kv, out, lp)
 
         carry = VerifyCarry(
             vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
             StageCache(cache.k, cache.v),
             vary(jnp.zeros((B, T), jnp.int32)),
+            jax.tree.map(
+                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T, logprobs)
+            ),
         )
         carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)
         out = from_device(carry.out, stages - 1, 0)
-        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+        lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
+        return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
     mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs()),
-        out_specs=(P(), CACHE_SPECS),
+        out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
     )
 
     def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):
         return mapped(weights, cache, inputs)
 
     return verify
+
+
+def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
+    if not logprobs:
+        return None
+    return TokenLogprobs(
+        jax.ShapeDtypeStruct((B, T), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.int32),
+    )

@@ -21,6 +21,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline import ngram
 from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -31,6 +32,7 @@ from qwen3_spmd.sharding.mesh import make_mesh
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 12, 13], [3, 4, 3, 4, 3, 4, 3]]
 N_NEW = 20
+TOL = 1e-4  # log-probabilities: a pass over k + 1 positions sums attention in its own order
 EOS = (301,)  # the tiny model's greedy runs produce it: two requests stop early
 
 
@@ -239,9 +241,27 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
         params = [SamplingParams(**stop), SamplingParams(**stop, **hot), SamplingParams(**stop)]
         outs = llm.generate(PROMPTS, params)
         m = llm.engine.speculator.metrics
+        # Log-probabilities: a kept token's as the verify pass computed it, against the
+        # plain decode chunk's (the same scheduler with its speculator set aside).
+        ask = Params(N_NEW, eos_ids=EOS, logprobs=True)
+        handle = llm.scheduler.submit(PROMPTS[0], ask)
+        list(handle)
+        speculator, llm.engine.speculator = llm.engine.speculator, None
+        ref = llm.scheduler.submit(PROMPTS[0], ask)
+        list(ref)
+        llm.engine.speculator = speculator
     assert [o.token_ids for o in outs] == tokens
     assert [o.finish_reason for o in outs] == [greedy_end[0], sampled_end[1], greedy_end[2]]
     assert 0 < m.accepted_tokens < m.draft_tokens
+    assert handle.tokens == ref.tokens == greedy[0]
+    assert len(handle.logprobs) == len(ref.logprobs) == len(greedy[0])
+    for got, want in zip(handle.logprobs, ref.logprobs):
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        np.testing.assert_allclose(
+            [got.chosen, *(v for _, v in got.top)],
+            [want.chosen, *(v for _, v in want.top)],
+            atol=TOL,
+        )
 
 
 def test_llm_refuses_a_malformed_config_in_one_line():
