@@ -1,11 +1,14 @@
 """Speculative decoding (issue 46): the ngram drafter, the config's refusals, and the
-verify rounds' tokens against plain greedy decoding on several meshes.
+verify rounds' tokens against plain decoding (greedy and seeded sampling) on several
+meshes, through Engine.generate, LLM's scheduler, generate's flag and bench.
 
-Budget: one plain 1x1 run gives the reference tokens (greedy tokens are the same on
-every mesh, test_engine_mesh); each mesh then builds one engine and compiles one
-prefill and one verify program. An oracle drafter (the plain run's tokens, with some
-drafts made wrong on purpose) makes every acceptance length occur: all drafts kept,
-none, and the run cut in between; the ngram drafter runs once, through the config.
+Budget: the plain 1x1 runs give the reference tokens (greedy and seeded tokens are the
+same on every mesh, test_engine_mesh); each mesh then builds one engine (1x1's is the
+plain runs' own) and compiles one prefill and a verify program per kind. An oracle
+drafter (the plain run's tokens, with some drafts made wrong on purpose) makes every
+acceptance length occur: all drafts kept, none, and the run cut in between; the ngram
+drafter runs through generate's flag. 2x2 passed as well when written; it is left out
+for the suite's time (2x1 and 1x2 take its two axes apart).
 """
 
 import dataclasses
@@ -145,10 +148,11 @@ SEED = 3
 
 
 @pytest.fixture(scope="module")
-def plain(tiny):
-    """The plain runs' (tokens, finish reasons): greedy, and seeded sampling."""
-    cfg, source = tiny
-    engine = Engine(cfg, source, make_mesh(1, 1, jax.devices()[:1]), max_seq_len=64)
+def plain(engines):
+    """The plain runs' (tokens, finish reasons): greedy, and seeded sampling, on 1x1 (on
+    the engine the 1x1 verify test then speculates on)."""
+    engine = engines(1, 1, 1)
+    assert engine.speculator is None
     runs = {}
     for name, sampling in (("greedy", Sampling()), ("sampled", SAMPLED)):
         out = engine.generate(
@@ -187,10 +191,9 @@ def engines(tiny):
         (2, 1, 1, 3, "greedy"),
         (1, 2, 1, 3, "greedy"),
         (1, 1, 2, 3, "greedy"),
-        (2, 2, 1, 2, "greedy"),
-        # Sampled rows: the draws at each position are the plain run's (same keys); the
-        # pipeline and the vocabulary's gather under tensor are the paths that differ.
-        (2, 1, 1, 3, "sampled"),
+        # Sampled rows: the draws at each position are the plain run's (same keys). The
+        # path that differs from greedy is the head's (the vocabulary gathered under
+        # tensor); the stages' schedule is greedy's (and LLM's test samples on 1x1).
         (1, 1, 2, 3, "sampled"),
     ],
 )
@@ -211,14 +214,6 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert 0 < m.accepted_tokens < m.draft_tokens
     # Fewer passes than tokens: the rounds did give several tokens each.
     assert m.drafts < sum(len(t) - 1 for t in tokens)
-
-
-def test_ngram_config_through_the_engine_gives_plain_tokens(tiny, plain):
-    tokens, _ = plain["greedy"]
-    engine = _engine(tiny, 1, 1, speculative={"num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    out = engine.generate(PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
-    assert [c.token_ids for c in out.completions] == tokens
-    assert engine.speculator.metrics.draft_tokens > 0  # the prompts repeat: drafts were made
 
 
 # ---- the doors: LLM (the continuous-batching scheduler) and the command line -------------------
@@ -352,6 +347,7 @@ def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
     """bench --scenario speculative (1x1, B=1, k=2): the oracle's every draft kept (3
     tokens a pass), the wrong drafter's none, every run's tokens plain decoding's."""
     argv = ["bench", "--smoke", "--scenario", "speculative", "--batches", "1", "--json"]
+    argv += ["--repeats", "1", "--warmup", "0"]  # what is checked is exactness, not time
     assert main(argv) == 0
     (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
     drafters = job["drafters"]
