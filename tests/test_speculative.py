@@ -168,7 +168,9 @@ def plain(engines):
 def _engine(tiny, S, C, X=1, **kwargs):
     cfg, source = tiny
     mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
-    return Engine(cfg, source, mesh, max_seq_len=64, **kwargs)
+    # 128 slots: more than ring.DECODE_BLOCK on one seq device, so attention reads the
+    # cache's filled blocks (the path a long request takes); 64 a device on 1x2.
+    return Engine(cfg, source, mesh, max_seq_len=128, **kwargs)
 
 
 @pytest.fixture(scope="module")
