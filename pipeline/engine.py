@@ -148,6 +148,9 @@ class Engine:
         # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
         self._helpers: dict[tuple, Callable] = {}
         self._making = threading.Lock()  # guards the dicts of jitted functions above
+        # A pipeline.speculative.Speculator (set by speculative.attach) makes decode
+        # rounds verify its drafts, with the same tokens; None: plain decoding.
+        self.speculator = None
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
         self._logprobs = jax.jit(token_logprobs)
 

@@ -100,6 +100,9 @@ class Executor:
                 self.book.move(a, b)
         if round.decode is None:
             return []
+        spec = self.engine.speculator
+        if spec is not None and spec.takes(round.decode):  # pipeline.speculative
+            return self._forget(spec.verify(self, round.decode.shape.rows))
         return self._forget(self._decode(round.decode))
 
     # ---- the parts of a round ------------------------------------------------------

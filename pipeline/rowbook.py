@@ -199,6 +199,26 @@ class RowBook:
         ch, self.chunking = self.chunking, None
         return ch
 
+    def list_ahead(
+        self, step: np.ndarray, count: np.ndarray, prompt_slots: np.ndarray, n: int
+    ) -> None:
+        """Lists in slot_pos the slots a verify pass writes (`pipeline.verify`): row b's
+        steps step[b] .. step[b] + count[b] - 1, for rows 0..n-1 (count 0: none)."""
+        list_decode_slots(
+            self.slot_pos,
+            step,
+            int(max(count, default=0)),
+            step + count,
+            self.lengths[:n],
+            prompt_slots,
+        )
+
+    def roll_back(self, b: int) -> None:
+        """Row b keeps K/V only for its tokens but the newest (the next step feeds it):
+        the slots listed past them (a verify pass's rejected drafts) hold nothing now."""
+        kept = self.lengths[b] + len(self.rows[b].generated) - 1  # positions below it
+        self.slot_pos[b][self.slot_pos[b] >= kept] = -1
+
     def decode_inputs(self, n: int, steps: int) -> DecodeInputs:
         """The inputs of a decode chunk over rows 0..n-1 that runs `steps` steps, each
         busy row at its own step (empty rows write nothing); lists in slot_pos the slots

@@ -97,7 +97,9 @@ def generate(
     executor = Executor(engine, book, accounting, clock, cache=None, grammars=grammars)
     sampled = sampling.temperature > 0
     constrained = constraint is not None
-    if max_new_tokens > 1 and not constrained:
+    # Verify rounds take the batch's decode (Speculator.takes): no chunk then.
+    speculates = engine.speculator is not None and not (with_logits or constrained)
+    if max_new_tokens > 1 and not constrained and not speculates:
         engine.compile_decode_ahead(shape.B, groups, sampled, with_logits)
     tokens: list[list[int]] = [[] for _ in requests]
     finish = ["length"] * shape.B
@@ -117,7 +119,9 @@ def generate(
     decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
     while book.live():
         steps = min(engine.chunk, max(book.rows[b].steps_left for b in book.live()))
-        steps = 1 if constrained else steps  # the host between a row's tokens
+        # The host between a row's tokens; a verify round is one pass (so the layout
+        # counts passes as steps and chunks).
+        steps = 1 if constrained or speculates else steps
         take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
         if with_logits:
             step_logits.append(np.asarray(executor.logits)[:steps])

@@ -75,6 +75,10 @@ class EngineArgs:
       False: on or off. prefix_cache_mib: its pool's MiB a device (None: half the memory
       free after weights and rows on one process with a GPU, else as much as the rows'
       own KV cache). The static batch of generate has no scheduler, so none of these.
+    speculative_config (vLLM's flag and keys): speculative decoding, JSON text or a
+      mapping, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
+      4} (`pipeline.spec_config`); decode rounds then run as verify rounds, with
+      the same tokens. None: plain decoding.
     compile_cache: a folder for compiled programs, reused by later runs of the same
       shapes; "off" (None: $QWEN3_SPMD_COMPILE_CACHE, else ~/.cache/qwen3-spmd/xla).
       bench turns it off: its compile times are part of its figures.
@@ -101,6 +105,7 @@ class EngineArgs:
     max_queue: int = 256
     enable_prefix_caching: bool | None = None
     prefix_cache_mib: float | None = None
+    speculative_config: str | dict | None = None
     compile_cache: str | None = None
     coordinator: str | None = None
     num_processes: int | None = None
@@ -192,6 +197,14 @@ class EngineArgs:
             default=None if bench else d.chunk,
             help=f"decode steps per on-device chunk (default {d.chunk})",
         )
+        if not bench:
+            parser.add_argument(
+                "--speculative-config",
+                metavar="JSON",
+                help="speculative decoding (vLLM's flag and keys), e.g. "
+                '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': '
+                "decoding checks k drafted tokens a pass, with the same tokens",
+            )
         if scheduler:
             _add_scheduler_args(parser, d)
         if not bench:
@@ -235,6 +248,12 @@ class EngineArgs:
                 f"--no-enable-prefix-caching and --prefix-cache-mib {self.prefix_cache_mib} "
                 "disagree: give one"
             )
+        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
+
+        try:
+            SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as e:
+            raise CLIError(f"--speculative-config: {e.problem}") from None
         distributed.check_flags(self)
 
     def mesh_text(self, on_cpu: bool) -> str:
@@ -332,9 +351,11 @@ class EngineArgs:
         """The Engine of these settings on `mesh` (the one place an Engine is built from
         them). door: what a door adds that is not a setting (on_compile; bench: cp per
         run, dtype and the measured rates)."""
+        from qwen3_spmd.pipeline import speculative
         from qwen3_spmd.pipeline.engine import Engine
 
-        return Engine(spec_cfg, source, mesh, **{**self.engine_kwargs(max_seq_len), **door})
+        engine = Engine(spec_cfg, source, mesh, **{**self.engine_kwargs(max_seq_len), **door})
+        return speculative.attach(engine, self.speculative_config)
 
     def engine_kwargs(self, max_seq_len: int) -> dict:
         """Engine's keyword arguments of these settings (asks JAX for the backend when

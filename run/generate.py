@@ -330,6 +330,23 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
         **_cp_report(out.layout, out.timing),
+        **_speculative_report(engine),
+    }
+
+
+def _speculative_report(engine) -> dict:
+    """With --speculative-config: the config and the drafts proposed and accepted."""
+    if engine.speculator is None:
+        return {}
+    m = engine.speculator.metrics
+    return {
+        "speculative": {
+            **dataclasses.asdict(engine.speculator.config),
+            "num_drafts": m.drafts,
+            "num_draft_tokens": m.draft_tokens,
+            "num_accepted_tokens": m.accepted_tokens,
+            "mean_acceptance_length": m.mean_acceptance_length,
+        }
     }
 
 

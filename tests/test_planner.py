@@ -50,6 +50,7 @@ class FakeEngine:
         self.prefills: list[PrefillShape] = []
         self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
         self.moves: list[int] = []
+        self.speculator = None  # no speculative decoding (pipeline.speculative)
 
     def groups_for(self, n):
         return min(self.stages, n)

@@ -12,7 +12,11 @@ Scenarios (--scenario, repeatable; default all but peer):
   peer      the same prompts through transformers' Qwen3ForCausalLM (--peer);
   prompt_logprobs  each prompt length's prefill with the prompt's log-probabilities
             (every token scored, as evaluation harnesses ask) against without, and the
-            ratio (run.bench.scoring).
+            ratio (run.bench.scoring);
+  speculative  decode per batch size with speculation against plain: an oracle drafter
+            (every draft accepted) for each k of --spec-tokens, an always-wrong one and
+            ngram, tokens/s and acceptance, each run's tokens checked against plain
+            decoding's (run.bench.speculative).
 Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
 ring, ulysses or auto; each prefill job then reports the bytes each device received
 along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
@@ -42,7 +46,16 @@ from qwen3_spmd.run.flags import (
     use_cpu_devices,
 )
 
-SCENARIOS = ("prefill", "decode", "memory", "roofline", "peer", "serve", "prompt_logprobs")
+SCENARIOS = (
+    "prefill",
+    "decode",
+    "memory",
+    "roofline",
+    "peer",
+    "serve",
+    "prompt_logprobs",
+    "speculative",
+)
 SMOKE = {
     "prompt_lens": "16,32",
     "batches": "1,2",
@@ -53,6 +66,7 @@ SMOKE = {
     "serve_prompt_lens": "3,12",
     "serve_output_lens": "2,6",
     "serve_requests": 1,
+    "spec_tokens": "2",
 }
 
 
@@ -84,6 +98,11 @@ def register(subparsers) -> None:
         help="prompt length before the decode steps (default: the shortest --prompt-lens)",
     )
     p.add_argument("--decode-steps", type=int, help="decode steps timed per job (default 32)")
+    p.add_argument(
+        "--spec-tokens",
+        metavar="K,...",
+        help="speculative: the oracle drafter's draft tokens a pass (default 2,4,8)",
+    )
     p.add_argument(
         "--decode-cache-len",
         type=int,
@@ -222,6 +241,7 @@ def _settings(args) -> dict:
         "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
         "serve_shared_prefix": args.serve_shared_prefix,
         "serve_structured": bool(getattr(args, "serve_structured", False)),
+        "spec_tokens": _ints(given(args.spec_tokens, "spec_tokens", "2,4,8"), "--spec-tokens"),
     }
     s["decode_prompt_len"] = (
         args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])
@@ -277,7 +297,7 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
                 f"or --serve-output-lens"
             )
     need = s["decode_prompt_len"] + s["decode_steps"] + 1
-    if "decode" in scenarios and need > positions:
+    if scenarios & {"decode", "speculative"} and need > positions:
         raise CLIError(
             f"decode jobs need --decode-prompt-len {s['decode_prompt_len']} + "
             f"--decode-steps {s['decode_steps']} + 1 = {need} positions, but the "

@@ -288,6 +288,10 @@ def run_mesh(
         entry["prompt_logprobs"] = [
             prompt_logprobs_job(engines, T, say) for T in settings["prompt_lens"]
         ]
+    if "speculative" in scenarios:
+        from qwen3_spmd.run.bench.speculative import speculative_job
+
+        entry["speculative"] = [speculative_job(engines, B, say) for B in settings["batches"]]
     if "serve" in scenarios:
         from qwen3_spmd.run.bench.serve import serve_job
 

@@ -7,6 +7,7 @@ servers in one process (tests) count apart. Two kinds of metric:
 - read when scraped (`_Now`): requests running and waiting, rows busy, the programs
   the engine has compiled and the seconds rounds waited for compiles, the prefix
   cache's queries and hits (in prompt tokens, as vLLM counts them), evictions and pool;
+  with speculative decoding, the drafts, draft tokens and accepted tokens;
 - counted as choices end (`Metrics.ended`): prompt and generation tokens, finished
   requests by reason, time to first token, time per output token, end-to-end latency;
   and the requests refused with a 503 (`Metrics.rejected`).
@@ -155,3 +156,15 @@ class _Now:
             "Bytes of the pool on each device (its budget, allocated at start).",
             scheduler.prefix_cache_bytes,
         )
+        spec = scheduler.engine.speculator  # as vLLM, only when speculation is on
+        if spec is not None:
+            m = spec.metrics
+            yield counter(
+                "spec_decode_num_drafts", "Verify passes of a row that carried drafts.", m.drafts
+            )
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", m.draft_tokens)
+            yield counter(
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted (the mean acceptance length is 1 + accepted / drafts).",
+                m.accepted_tokens,
+            )

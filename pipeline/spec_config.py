@@ -1,0 +1,91 @@
+"""vLLM's `speculative_config`: which drafter, how many drafts a row, checked in words.
+
+No JAX here: the command line checks the flag before anything loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+from qwen3_spmd.pipeline import ngram
+
+METHODS = ("ngram",)
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative_config that cannot run, in one line: `problem` says what is wrong
+    and what to write instead; each door prefixes the name it knows the setting by
+    (`speculative_config`, `--speculative-config`)."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+        super().__init__(f"speculative_config: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for prompt lookup (`method` "ngram"): up to
+    num_speculative_tokens drafts a row, from the longest n-gram of
+    prompt_lookup_max .. prompt_lookup_min tokens that occurred before. A missing
+    bound takes the other's value (5 when both are missing)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig | None:
+        """A config from JSON text, a mapping, a config, or None/"" (no speculation);
+        SpeculativeConfigError, one line naming the problem and the fix, otherwise."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpeculativeConfigError(
+                    f"not JSON ({e.msg} at character {e.pos}): write an object, e.g. {EXAMPLE}"
+                ) from None
+        if not isinstance(value, Mapping):
+            raise SpeculativeConfigError(
+                f"{type(value).__name__} is not an object of keys: write e.g. {EXAMPLE}"
+            )
+        unknown = [k for k in value if k not in KEYS]
+        if unknown:
+            raise SpeculativeConfigError(
+                f"unknown key {unknown[0]!r}: the keys taken are {', '.join(KEYS)}"
+            )
+        method = value.get("method", "ngram")
+        if method == "draft_model":
+            raise SpeculativeConfigError(
+                "method 'draft_model' is not built yet (issue 46): use 'ngram'"
+            )
+        if method not in METHODS:
+            raise SpeculativeConfigError(f"method {method!r} is not one of {', '.join(METHODS)}")
+        if "num_speculative_tokens" not in value:
+            raise SpeculativeConfigError("num_speculative_tokens is missing: add it, e.g. 4")
+        ints = {}
+        for key in KEYS[1:]:
+            if key in value:
+                v = value[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise SpeculativeConfigError(f"{key} {v!r} must be an integer >= 1")
+                ints[key] = v
+        hi = ints.get("prompt_lookup_max", ints.get("prompt_lookup_min", 5))
+        lo = ints.get("prompt_lookup_min", ints.get("prompt_lookup_max", 5))
+        if lo > hi:
+            raise SpeculativeConfigError(
+                f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}: make min <= max"
+            )
+        return cls(ints["num_speculative_tokens"], method, hi, lo)
+
+    def propose(self, context, k: int) -> list[int]:
+        """Up to k (<= num_speculative_tokens) drafts after `context`."""
+        return ngram.propose(context, k, self.prompt_lookup_max, self.prompt_lookup_min)

@@ -1,0 +1,178 @@
+"""Speculative decoding: propose k tokens a row cheaply, check them in one verify pass,
+keep the longest run the model agrees with and the model's own next token.
+
+`SpeculativeConfig` (`pipeline.spec_config`) is vLLM's `speculative_config`.
+`Speculator` runs a decode round as a verify round (`pipeline.verify`) over the row
+book's rows:
+
+    drafts   each row's proposal from its tokens so far (`pipeline.ngram`), k_b <= k
+             tokens, fewer near the row's max_tokens (it may produce k_b + 1 at most);
+    verify   one pass over [newest token, drafts]: out[b, i], the token plain decoding
+             would choose after position i (greedy, or drawn with the row's key at
+             that step);
+    accept   a_b = the longest prefix of the drafts equal to out[b, :k_b]; the row gets
+             out[b, : a_b + 1] (the agreed drafts, then the model's token after them),
+             cut at its first end as a decode chunk's tokens are (`RowBook.extend`);
+    roll back the slots of the rejected positions leave the row's listed slots.
+
+The tokens are plain decoding's, seeded sampling's included: out[b, i] depends on the
+row's tokens up to position p + i and its key (seed, request, step) only, and for every
+kept i those tokens are the plain run's. For a drafter that proposes one token (not a
+distribution), as ngram does, this acceptance is as likely as rejection sampling's: a
+draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) for
+q one-hot at d. A kept token's log-probabilities (when its request asks) are those
+the pass computed at its position. A round with a row under a constraint runs as a
+plain decode chunk (the same tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from qwen3_spmd.pipeline.handles import Logprob
+from qwen3_spmd.pipeline.rowbook import Update, row_sampling
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.pipeline.schedule import decode_ticks
+from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
+
+if TYPE_CHECKING:
+    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.planner import DecodeChunk
+    from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """Counts since start, as vLLM's spec_decode metrics: verify passes that carried
+    drafts (a row each), draft tokens proposed, draft tokens accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a row gets per verify pass that carried drafts: 1 + accepted/drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+class Speculator:
+    """Verify rounds on `engine` for the rows of an executor's book, as `config` drafts
+    (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
+    `propose(context, k)`: the tests' and the benchmark's oracles). The compiled verify
+    programs are the Speculator's: a caller may change `config` (and reset `metrics`)
+    between rounds and keep them."""
+
+    def __init__(self, engine: Engine, config: SpeculativeConfig):
+        self.engine, self.config = engine, config
+        self.metrics = SpecMetrics()
+        self._verify: dict[tuple, object] = {}
+        self._making = threading.Lock()
+
+    def takes(self, chunk: DecodeChunk) -> bool:
+        """Whether this decode chunk may run as a verify round: no row it covers follows
+        a constraint, and no per-step logits are asked."""
+        return not (chunk.with_logits or chunk.shape.constrained)
+
+    def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
+        key = (groups, T, sampled, logprobs)
+        if key not in self._verify:
+            with self._making:
+                if key not in self._verify:
+                    e = self.engine
+                    program = build_verify(
+                        e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, logprobs
+                    )
+                    self._verify[key] = jax.jit(program, donate_argnames="cache")
+        return self._verify[key]
+
+    def verify(self, executor, n: int) -> list[Update]:
+        """One verify round over rows 0..n-1 of `executor`'s book (a pipeline.executor
+        Executor, which calls this, so it is not imported here): every live row's
+        new tokens (1 .. k + 1 each), its end, its rejected slots unlisted."""
+        eng, book, k = self.engine, executor.book, self.config.num_speculative_tokens
+        T = k + 1
+        live = [b for b in book.live() if b < n]
+        tokens = np.zeros((n, T), np.int32)
+        step = np.zeros(n, np.int32)
+        count = np.zeros(n, np.int32)  # an empty row runs nothing
+        prompt_slots = np.zeros(n, np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
+        drafts: dict[int, list[int]] = {}
+        for b in live:
+            row = book.rows[b]
+            # It may produce steps_left more tokens: k_b drafts give k_b + 1 at most.
+            k_b = min(k, row.steps_left - 1)
+            drafts[b] = self.config.propose(row.request.prompt + tuple(row.generated), k_b)
+            feed = [row.generated[-1], *drafts[b]]
+            tokens[b, : len(feed)] = feed
+            step[b] = len(row.generated) - 1  # decode step j feeds token j
+            count[b] = len(feed)
+            prompt_slots[b] = row.prompt_slots
+            per_row[b] = row_sampling(row.request)
+        book.list_ahead(step, count, prompt_slots, n)
+        inputs = VerifyInputs(
+            tokens, book.lengths[:n] + step, step, count, prompt_slots, RowSampling.stack(per_row)
+        )
+        inputs = jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(eng.mesh, spec)),
+            inputs,
+            VerifyInputs.specs(),
+        )
+        cache = eng.with_slot_pos(executor.cache, book.slot_pos)
+        t0 = time.perf_counter()
+        params = [book.rows[b].request.params for b in live]
+        sampled = any(p.sampling.temperature > 0 for p in params)
+        logprobs = any(p.logprobs for p in params)
+        fn = self._fn(book.groups, T, sampled, logprobs)
+        out, lp, executor.cache = fn(eng.weights, cache, inputs)
+        out = np.asarray(out)
+        lp = jax.tree.map(np.asarray, lp)
+        executor.clock.decode_s += time.perf_counter() - t0
+        acc = executor.accounting
+        acc.row_steps += book.B
+        acc.decode_ticks += decode_ticks(book.groups, eng.stages, 1)
+        updates = []
+        for b in live:
+            d = drafts[b]
+            agreed = 0
+            while agreed < len(d) and d[agreed] == out[b, agreed]:
+                agreed += 1
+            if d:
+                self.metrics.drafts += 1
+                self.metrics.draft_tokens += len(d)
+                self.metrics.accepted_tokens += agreed
+            request = book.rows[b].request
+            update = book.extend(b, out[b, : agreed + 1])
+            if request.params.logprobs:  # each kept token's, as the pass computed it
+                update.logprobs = [
+                    Logprob(
+                        float(lp.chosen[b, i]),
+                        [(int(t), float(v)) for t, v in zip(lp.top_ids[b, i], lp.top[b, i])],
+                    )
+                    for i in range(len(update.tokens))
+                ]
+            if update.finish_reason is None:
+                book.roll_back(b)
+            acc.busy_row_steps += len(update.tokens)
+            acc.early_ends += update.finish_reason == "stop"
+            updates.append(update)
+        return updates
+
+
+def attach(engine: Engine, config) -> Engine:
+    """`engine` with decode rounds that verify the drafts of `config` (a
+    SpeculativeConfig, or its JSON or mapping: vLLM's speculative_config; None: plain
+    decoding). The engine knows nothing above it, so this module sets it."""
+    from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(config)
+    engine.speculator = Speculator(engine, spec) if spec is not None else None
+    return engine

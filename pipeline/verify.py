@@ -1,0 +1,229 @@
+"""Verify: one pass of the model over T = k + 1 tokens a row, each row after its own
+cached context (speculative decoding's check).
+
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh, scheduled as a decode
+chunk of one step (`pipeline.decode`): the batch is cut into `groups` groups of B /
+groups rows, and at tick t stage s runs group t - s. A row feeds its newest token
+(whose K/V is not cached yet) and then its k draft tokens, at positions p .. p + k.
+Token i of the row is decode step j + i and writes its K/V where that step would
+(`ring.decode_slot`: device (j + i) mod C, after the prompt's slots), so the cache a
+verify leaves is the cache plain decoding leaves for the positions it keeps. The T
+queries attend over each `seq` device's own slots, masked by position (so token i sees
+the context and tokens 0 .. i of its own row, which it has just written), and the C
+partial results merge with LSE (`ring.decode_attention`, whose T may exceed 1).
+
+The last stage gives each position's token as decode would choose it there
+(`sampling.sample_rows` with the row's parameters, bans and key (seed, request, step)
+at that step, or `sampling.greedy_split` for greedy rows under `tensor`): out[b, i] is
+the model's choice after tokens 0 .. i of row b. A sampled row's draw at a position is
+the one plain decoding makes there from the same logits, since its key depends on the
+step alone. Which of them to keep is
+the host's (`pipeline.speculative`); the slots of positions it rejects are unlisted
+there, and written again by later steps before any query can see them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.sampling import (
+    TOP_LOGPROBS,
+    RowSampling,
+    TokenLogprobs,
+    gather_vocab,
+    greedy_split,
+    sample_rows,
+    token_logprobs,
+)
+from qwen3_spmd.pipeline.schedule import decode_ticks
+from qwen3_spmd.pipeline.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    run_stage,
+    shift,
+    vary,
+    when,
+    write_kv_rows,
+)
+from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+class VerifyInputs(NamedTuple):
+    """A verify pass's inputs besides the weights and the cache; every field replicated
+    (P()), one per row."""
+
+    tokens: jax.Array  # [B, T] int32: the row's newest token, its drafts, then padding
+    positions: jax.Array  # [B] int32: the position of tokens[:, 0]
+    step: jax.Array  # [B] int32: the decode step index j of tokens[:, 0]
+    count: jax.Array  # [B] int32: tokens of the row that run, 1 + drafts (0: an empty row)
+    prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
+    sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
+
+    @classmethod
+    def specs(cls) -> VerifyInputs:
+        fields = {name: P() for name in cls._fields}
+        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+
+
+class VerifyCarry(NamedTuple):
+    """The tick loop's state on one device."""
+
+    h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
+    cache: StageCache  # this stage's cache slice
+    out: jax.Array  # [B, T] int32: each position's token (filled by the last stage)
+    # Each position's TokenLogprobs, fields [B, T] and [B, T, TOP_LOGPROBS] (a program
+    # with logprobs; else None).
+    logprobs: TokenLogprobs | None = None
+
+
+def build_verify(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    groups: int,
+    T: int,
+    sampled: bool = False,
+    logprobs: bool = False,
+):
+    """The verify program for T tokens a row (not yet jitted).
+
+    Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T]
+    int32, TokenLogprobs of [B, T] / [B, T, TOP_LOGPROBS] or None, KVCache). `cache.pos` must already list the slots of each row's `count`
+    tokens (`RowBook.list_ahead`); the program writes k and v only, so `cache` is donated
+    and updated in place. sampled=False promises every row is greedy (no sort of the
+    vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
+    row asks to. logprobs=True also gives each position's token's log-probability and
+    the top TOP_LOGPROBS, from the raw logits as decode reports them.
+    """
+    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    always_active = mesh.shape["stage"] == 1
+    scale = cfg.head_dim**-0.5
+    ahead = jnp.arange(T, dtype=jnp.int32)
+
+    def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
+        model = nnx.merge(graphdef, weights.state)
+        split = model.split
+        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
+        C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
+        B = inputs.tokens.shape[0]
+        Bg = B // groups
+
+        def tick(t, carry: VerifyCarry) -> VerifyCarry:
+            u = t - s  # one step: stage s runs group t - s, if that is a group
+            active = (u >= 0) & (u < groups)
+            row0 = jnp.clip(u, 0, groups - 1) * Bg
+            j = rows(inputs.step, row0, Bg)[:, None] + ahead  # [Bg, T]: each token's step
+            q_pos = rows(inputs.positions, row0, Bg)[:, None] + ahead  # [Bg, T]
+            prompt_slots = rows(inputs.prompt_slots, row0, Bg)[:, None]
+            device, slot = decode_slot(j, prompt_slots, C)  # [Bg, T] each
+            runs = ahead < rows(inputs.count, row0, Bg)[:, None]  # [Bg, T]
+            mine = active & runs & (c == device)
+            # A bound on the local slots the row's tokens reach on any device: slots past
+            # it hold nothing the row may see.
+            filled = decode_slot(j[:, -1], prompt_slots[:, 0], C)[1] + 1  # [Bg]
+            x_in = vary(jnp.where(s == 0, model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
+            group_slot_pos = rows(cache.pos, row0, Bg)
+
+            def attend_at(layer):
+                def attend(q, k, v, kv: StageCache):
+                    # Every token's K/V first (each at its own step's slot), then the
+                    # queries over the cache: token i sees tokens 0 .. i by position.
+                    ck, cv = kv.k, kv.v
+                    for i in range(T):
+                        ck = write_kv_rows(ck, k[:, i : i + 1], layer, row0, slot[:, i], mine[:, i])
+                        cv = write_kv_rows(cv, v[:, i : i + 1], layer, row0, slot[:, i], mine[:, i])
+                    o, _ = decode_attention(
+                        q,
+                        ck,
+                        cv,
+                        q_pos,
+                        group_slot_pos,
+                        axis_name="seq",
+                        scale=scale,
+                        at=(layer, row0),
+                        filled=filled,
+                    )
+                    return o, StageCache(ck, cv)
+
+                return attend
+
+            def compute(x, kv, gate):
+                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+                return vary(x), kv
+
+            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
+
+            def head(x):
+                """x [Bg, T, D] -> each position's token [Bg, T], TokenLogprobs or None."""
+                local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
+                params = jax.tree.map(
+                    lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
+                )
+                step = (j + 1).reshape(-1)  # the index of the token each position produces
+                if split.size == 1 or sampled or logprobs:
+                    whole = gather_vocab(local, split, cfg.V)  # [Bg T, V]
+                    tok = sample_rows(whole, params, step, sampled)
+                    lp = token_logprobs(whole, tok) if logprobs else None
+                else:
+                    tok, lp = greedy_split(local, params, step, split), None
+                lp = jax.tree.map(lambda a: a.reshape(Bg, T, *a.shape[1:]), lp)
+                return tok.reshape(Bg, T), lp
+
+            shapes = (jax.ShapeDtypeStruct((Bg, T), jnp.int32), _logprob_shapes(Bg, T, logprobs))
+            on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
+
+            def put(buf, new):
+                return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+            out = put(carry.out, tok)
+            lp = jax.tree.map(put, carry.logprobs, lp) if logprobs else None
+            return VerifyCarry(shift(x, cyclic=False), kv, out, lp)
+
+        carry = VerifyCarry(
+            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
+            StageCache(cache.k, cache.v),
+            vary(jnp.zeros((B, T), jnp.int32)),
+            jax.tree.map(
+                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T, logprobs)
+            ),
+        )
+        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)
+        out = from_device(carry.out, stages - 1, 0)
+        lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
+        return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs()),
+        out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
+    )
+
+    def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):
+        return mapped(weights, cache, inputs)
+
+    return verify
+
+
+def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
+    if not logprobs:
+        return None
+    return TokenLogprobs(
+        jax.ShapeDtypeStruct((B, T), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.int32),
+    )

@@ -1,0 +1,115 @@
+"""bench --scenario speculative: decode with speculation against plain decode, in one run.
+
+On random weights the ngram drafter's acceptance says little about a trained model, so
+the scenario measures the mechanism between two bounds (issue 46):
+
+- the ceiling: an oracle drafter that proposes the plain run's own tokens (every draft
+  accepted), for each k of --spec-tokens;
+- the floor: a drafter that is always wrong (the plain run's tokens plus one), at the
+  largest k: each pass then gives one token for k + 1 positions' work;
+- ngram (prompt lookup, k the largest, n-grams 4 down to 1) on the same prompts:
+  acceptance and tokens/s as they come.
+
+Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
+--decode-steps tokens through `Engine.generate` (greedy), compiled first, then --warmup
+and --repeats runs, the drafters alternating so all meet the same machine. Every run's
+tokens are checked against the plain run's (`exact`). tokens/s is the generated tokens
+over `timing["decode_s"]` (the decode rounds, verify passes included, the prefill not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from qwen3_spmd.pipeline import static_batch
+from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
+from qwen3_spmd.run.bench.jobs import decode_cache_len
+from qwen3_spmd.run.bench.measure import prompts_for, spread
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Drafts a known continuation of each prompt (`runs`: prompt -> its plain tokens),
+    or, with wrong=True, each of its tokens plus one modulo the vocabulary (never
+    accepted)."""
+
+    runs: dict
+    num_speculative_tokens: int
+    vocab: int
+    wrong: bool = False
+
+    def propose(self, context, k: int) -> list[int]:
+        for prompt, tokens in self.runs.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                return [(t + self.wrong) % self.vocab for t in tokens[done : done + k]]
+        return []  # a padding row's copy of prompt 0 is found above; nothing else is
+
+
+def speculative_job(engines, B: int, say) -> dict:
+    """Plain decode and each drafter's, B requests at once."""
+    cfg, s = engines.cfg, engines.s
+    T, N = s["decode_prompt_len"], s["decode_steps"]
+    engine = engines.get(decode_cache_len(s, engines.mesh.shape["seq"]))
+    prompts = prompts_for(cfg, B, T, s["seed"])
+    ks = s["spec_tokens"]
+    engine.speculator = None
+    plain = static_batch.generate(engine, prompts, N + 1, with_logits=False)
+    tokens = [c.token_ids for c in plain.completions]
+    runs = {tuple(p): t for p, t in zip(prompts, tokens)}
+    drafters = {"plain": None}
+    drafters.update({f"oracle k={k}": Replay(runs, k, cfg.V) for k in ks})
+    drafters[f"wrong k={max(ks)}"] = Replay(runs, max(ks), cfg.V, wrong=True)
+    drafters[f"ngram k={max(ks)}"] = SpeculativeConfig(max(ks), "ngram", 4, 1)
+
+    # One Speculator whose drafter changes: its compiled verify programs serve them all.
+    spec = Speculator(engine, drafters[f"oracle k={ks[0]}"])
+
+    def run(name) -> dict:
+        drafter = drafters[name]
+        spec.config, spec.metrics = drafter, SpecMetrics()
+        engine.speculator = spec if drafter is not None else None
+        out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
+        m = spec.metrics if drafter is not None else None
+        engine.speculator = None
+        new = sum(len(c.token_ids) - 1 for c in out.completions)  # decode's tokens
+        return {
+            "decode_s": out.timing["decode_s"],
+            "tokens_per_s": new / out.timing["decode_s"],
+            "exact": [c.token_ids for c in out.completions] == tokens,
+            "drafts": m.drafts if m else 0,
+            "draft_tokens": m.draft_tokens if m else 0,
+            "accepted_tokens": m.accepted_tokens if m else 0,
+        }
+
+    for name in drafters:  # compiles, then warms up
+        for _ in range(1 + s["warmup"]):
+            run(name)
+    got = {name: [] for name in drafters}
+    for _ in range(s["repeats"]):
+        for name in drafters:
+            got[name].append(run(name))
+    base = spread([r["tokens_per_s"] for r in got["plain"]])["median"]
+    out = {"batch": B, "prompt_len": T, "steps": N, "drafters": {}}
+    for name, rs in got.items():
+        rate = spread([r["tokens_per_s"] for r in rs])
+        last = rs[-1]
+        entry = {
+            "tokens_per_s": rate,
+            "vs_plain": rate["median"] / base,
+            "exact": all(r["exact"] for r in rs),
+            "acceptance": last["accepted_tokens"] / last["draft_tokens"]
+            if last["draft_tokens"]
+            else None,
+            "mean_acceptance_length": 1 + last["accepted_tokens"] / last["drafts"]
+            if last["drafts"]
+            else None,
+        }
+        out["drafters"][name] = entry
+        said = f", acceptance {entry['acceptance']:.2f}" if entry["acceptance"] is not None else ""
+        say(
+            f"  speculative B={B} {name}: {rate['median']:.1f} tok/s "
+            f"({entry['vs_plain']:.2f}x plain){said}" + ("" if entry["exact"] else ", NOT EXACT")
+        )
+    return out
