@@ -241,7 +241,10 @@ class Scheduler:
         return len(shapes)
 
     def compile_later(
-        self, shapes: list[Shape], on_done: Callable[[int, float, list[str]], None] | None = None
+        self,
+        shapes: list[Shape],
+        on_done: Callable[[int, float, list[str]], None] | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         """Compiles `shapes` on a background thread, one at a time in their order, while
         rounds run; then on_done(shapes compiled, seconds, errors). Meanwhile a round
@@ -249,9 +252,12 @@ class Scheduler:
         one that meets a shape no other can stand in for compiles it itself, or waits
         for the compile under way (`pipeline.programs`): never twice. Compiling runs no
         program and no collective, so each process of a multi-process job compiles its
-        own. close() stops it after the shape it is at."""
+        own. close() stops it after the shape it is at. on_start() runs first, on the
+        compiling thread (serve lowers the compiles' CPU priority there)."""
 
         def work():
+            if on_start is not None:
+                on_start()
             t0, errors, n = time.perf_counter(), [], 0
             for shape in shapes:
                 if self._stop_compiling.is_set():

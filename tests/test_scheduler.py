@@ -377,7 +377,9 @@ else:
 """
 
 
-@pytest.mark.parametrize("mesh, pool_blocks", [("2x1x2", 8), ("1x4", 0)])
+# 2x1x2: stages across the processes, tensor inside each (seq across two processes is
+# test_serve's two-process server, on 1x2).
+@pytest.mark.parametrize("mesh, pool_blocks", [("2x1x2", 8)])
 def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     """Two processes of two CPU devices each run one scheduler: process 0 takes staggered
     requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and

@@ -865,3 +865,8 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     first, serving = "compiled 6 of 11 program shapes", err.index("serving tiny on")
     assert err.index(first) < serving and f"{done} in" in err, err
     assert "compiling" not in err[serving:] and "failed" not in err, err  # no round waited
+    if sys.platform == "linux":  # XLA's compile threads found, with the compiling one
+        lowered = re.search(
+            r"the other programs compile at the lowest CPU priority \((\d+) threads\)", err
+        )
+        assert lowered and int(lowered.group(1)) >= 2, err

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from qwen3_spmd.run.cpu_threads import CompileThreads, lower_priority
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError, in_flags
 
@@ -217,16 +218,36 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     first, rest = scheduler.rules.first()
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
     later = rest if args.precompile == "first" else []
+    threads = CompileThreads()  # the compiles' threads, found by what they do
+    threads.start()
     if now:
         _precompile(scheduler, now, len(first) + len(rest), procs.leader)
+    threads.compiled()
     if procs.leader:  # one request end to end (lazy: it compiles the first programs)
         warm = scheduler.submit([0], Params(max_new_tokens=2))
         scheduler.run()
         list(warm)
+        threads.ran()
         scheduler.start()
     if later:
-        scheduler.compile_later(later, _compiled_later(len(later)) if procs.leader else None)
+        scheduler.compile_later(
+            later,
+            _compiled_later(len(later)) if procs.leader else None,
+            on_start=_lowest_priority(threads.found(), procs.leader),
+        )
     return scheduler
+
+
+def _lowest_priority(compile_threads: set[int], leader: bool):
+    """compile_later's on_start: XLA's compile threads and the compiling thread itself
+    at the lowest CPU priority, so that rounds take the cores first (run.cpu_threads)."""
+
+    def lower() -> None:
+        n = len(lower_priority(compile_threads | {threading.get_native_id()}))
+        if leader:
+            _say(f"the other programs compile at the lowest CPU priority ({n} threads)")
+
+    return lower
 
 
 def _precompile(scheduler, shapes: list, total: int, leader: bool) -> None:
