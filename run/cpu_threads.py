@@ -64,26 +64,23 @@ def lower_priority(tids) -> list[int]:
 
 
 class CompileThreads:
-    """XLA's compile threads, told from the rest by what they do: start(), compiles that
-    run no program, compiled(), a request's rounds that compile nothing, ran(); then
-    found() is what compiled and did not run."""
+    """XLA's compile threads, told from the rest by what they do: made, then compiles
+    that run no program, compiled(), a request's rounds that compile nothing, ran();
+    then found() is what compiled and did not run."""
 
     def __init__(self):
         self._compiled: set[int] = set()
         self._ran: set[int] = set()
-        self._since: dict[int, int] | None = None
-
-    def start(self) -> None:
         self._since = cpu_ticks()
 
     def compiled(self) -> None:
-        """The window since start() compiled (and ran nothing)."""
-        self._compiled |= busy_since(self._since or {})
+        """The window since the last mark (or since made) compiled and ran nothing."""
+        self._compiled |= busy_since(self._since)
         self._since = cpu_ticks()
 
     def ran(self) -> None:
-        """The window since the last mark ran programs (and compiled nothing)."""
-        self._ran |= busy_since(self._since or {})
+        """The window since the last mark ran programs and compiled nothing."""
+        self._ran |= busy_since(self._since)
         self._since = cpu_ticks()
 
     def found(self) -> set[int]:

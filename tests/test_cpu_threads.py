@@ -63,7 +63,6 @@ def test_compile_threads_are_not_the_threads_that_run_programs():
 
     x = jnp.ones((64, 64))
     threads = cpu_threads.CompileThreads()
-    threads.start()
     program = jax.jit(f).lower(x).compile()
     threads.compiled()
     for _ in range(200):

@@ -1,6 +1,6 @@
 """Speculative decoding (issue 46): the ngram drafter, the config's refusals, and the
 verify rounds' tokens against plain decoding (greedy and seeded sampling) on several
-meshes, through Engine.generate, LLM's scheduler, generate's flag and bench.
+meshes, through static_batch.generate, LLM's scheduler, generate's flag and bench.
 
 Budget: the plain 1x1 runs give the reference tokens (greedy and seeded tokens are the
 same on every mesh, test_engine_mesh); each mesh then builds one engine (1x1's is the
@@ -224,7 +224,7 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
 def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     """Three prompts over two rows: the third joins a running row set, so one verify
     pass holds rows at different steps, and a row ends beside one that goes on; the
-    second samples (key (seed, prompt index, step), as Engine.generate's) beside greedy
+    second samples (key (seed, prompt index, step), as static_batch.generate's) beside greedy
     rows."""
     (greedy, greedy_end), (sampled, sampled_end) = plain["greedy"], plain["sampled"]
     tokens = [greedy[0], sampled[1], greedy[2]]

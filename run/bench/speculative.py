@@ -11,7 +11,7 @@ the scenario measures the mechanism between two bounds (issue 46):
   acceptance and tokens/s as they come.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
---decode-steps tokens through `Engine.generate` (greedy), compiled first, then --warmup
+--decode-steps tokens through `static_batch.generate` (greedy), compiled first, then --warmup
 and --repeats runs, the drafters alternating so all meet the same machine. Every run's
 tokens are checked against the plain run's (`exact`). tokens/s is the generated tokens
 over `timing["decode_s"]` (the decode rounds, verify passes included, the prefill not).

@@ -219,7 +219,6 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
     later = rest if args.precompile == "first" else []
     threads = CompileThreads()  # the compiles' threads, found by what they do
-    threads.start()
     if now:
         _precompile(scheduler, now, len(first) + len(rest), procs.leader)
     threads.compiled()
