@@ -1,8 +1,9 @@
 """The engine: one code path for every mesh shape, 1x1 included.
 
-`Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the programs
-(prefill, decode chunk, in-place K/V inserts, row moves and the prefix cache's block
-copies), each compiled once per shape. It knows nothing of requests and rounds: the
+`Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the
+programs, prefill and the decode chunk, each compiled once per shape; the cache's other
+programs (in-place K/V inserts, row moves, the prefix cache's block copies) are its
+`copies` (`pipeline.copies`). It knows nothing of requests and rounds: the
 executor (`pipeline.executor`) runs a Round's programs through it, and a static batch
 (`pipeline.static_batch.generate`) is a round of those.
 """
@@ -10,26 +11,23 @@ executor (`pipeline.executor`) runs a Round's programs through it, and a static 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline import cp_cost
+from qwen3_spmd.pipeline.copies import Copies
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
-from qwen3_spmd.pipeline.layout import Batch, bucket, lay_out
+from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
-from qwen3_spmd.pipeline.prefix import BlockPool, copy_blocks
-from qwen3_spmd.pipeline.programs import Clock, OnCompile, Programs
+from qwen3_spmd.pipeline.programs import Clock, JitTable, OnCompile, Programs
 from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.sampling import (
     PromptLogprobs,
@@ -40,25 +38,11 @@ from qwen3_spmd.pipeline.sampling import (
     token_logprobs,
 )
 from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, stats
-from qwen3_spmd.pipeline.stage import CACHE_SPECS, Weights
+from qwen3_spmd.pipeline.stage import Weights
 from qwen3_spmd.sharding.mesh import AXES, MeshError
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.specs import SPECS, param_spec
 from qwen3_spmd.sharding.stages import StagePlan
-
-
-def _put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
-    """Engine.insert's update: row r of `new` into row rows[r] (past the rows: dropped)."""
-    k = cache.k.at[:, rows].set(new.k, mode="drop")
-    v = cache.v.at[:, rows].set(new.v, mode="drop")
-    return KVCache(k, v, cache.pos)
-
-
-def _move_rows(cache: KVCache, src, dst) -> KVCache:
-    """Engine.move_rows' update: row src[i] into row dst[i] (past the rows: dropped)."""
-    k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
-    v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
-    return KVCache(k, v, cache.pos)
 
 
 class Engine:
@@ -143,11 +127,10 @@ class Engine:
         )
         self.state_specs = map_params(lambda path, x: param_spec(path, experts), state)
         self.programs = Programs(self.dtype, on_compile)
-        self._prefill: dict[tuple, Callable] = {}  # (cp strategy, with context) -> jitted
-        self._decode: dict[tuple, Callable] = {}
-        # Small jitted helpers: zeros per cache shape, row inserts per inserted rows.
-        self._helpers: dict[tuple, Callable] = {}
-        self._making = threading.Lock()  # guards the dicts of jitted functions above
+        self._prefill = JitTable()  # (cp strategy, with context, ...) -> jitted
+        self._decode = JitTable()
+        # The cache's other programs: zeros, row inserts and moves, block copies.
+        self.copies = Copies(mesh, self.dtype, self.cache_shape)
         # A pipeline.speculative.Speculator (set by speculative.attach) makes decode
         # rounds verify its drafts, with the same tokens; None: plain decoding.
         self.speculator = None
@@ -184,192 +167,6 @@ class Engine:
         K = self.split.kv_heads(self.cfg)
         return (self.plan.padded_layers, B, K, self.slots_per_device * self.C, self.cfg.H)
 
-    def _placed(self, x: np.ndarray, spec) -> jax.Array:
-        return jax.device_put(x, NamedSharding(self.mesh, spec))
-
-    def new_cache(self, batch: Batch) -> KVCache:
-        """Zeroed k, v and the batch's slot positions, sharded as CACHE_SPECS."""
-        return self._zeroed_cache(batch.B, self._slot_pos(batch))
-
-    def empty_cache(self, B: int) -> KVCache:
-        """A cache of B rows that holds nothing (every slot position -1)."""
-        empty = np.full((B, self.slots_per_device * self.C), -1, np.int32)
-        return self._zeroed_cache(B, self._placed(empty, SPECS.slots_bs))
-
-    def _zeroed_cache(self, B: int, pos: jax.Array) -> KVCache:
-        zeros = self._zeros(B)
-        return KVCache(zeros(), zeros(), pos)
-
-    def _zeros(self, B: int):
-        """The jitted maker of a zeroed k (or v) of B rows, sharded as the cache."""
-        shape = self.cache_shape(B)
-        return self._jitted(
-            self._helpers,
-            shape,
-            lambda: jax.jit(
-                lambda: jnp.zeros(shape, self.dtype),
-                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
-            ),
-        )
-
-    def insert(self, cache: KVCache, new: KVCache, rows: np.ndarray) -> KVCache:
-        """cache (donated, updated in place) with k and v row r of `new` written into row
-        rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
-        slots; the caller keeps the slot positions."""
-        return self._insert_fn(new.k.shape[1])(cache, new, np.asarray(rows, np.int32))
-
-    def _insert_fn(self, B: int):
-        return self._in_place(("insert", B), _put_rows)
-
-    def move_rows(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
-        """cache (donated, updated in place) with the k and v of row src[i] copied into
-        row dst[i], for src, dst [n] (padded to a power of two: few programs). The
-        caller moves the slot positions."""
-        n = bucket(len(src), 1)
-        src = np.pad(np.asarray(src, np.int32), (0, n - len(src)))
-        past = cache.k.shape[1]  # padding moves to past the rows: dropped
-        dst = np.pad(np.asarray(dst, np.int32), (0, n - len(dst)), constant_values=past)
-        return self._move_fn(n)(cache, src, dst)
-
-    def _move_fn(self, n: int):
-        return self._in_place(("move", n), _move_rows)
-
-    # ---- the prefix cache's pool (pipeline.prefix) -------------------------------------
-
-    def empty_pool(self, slots: int, block: int) -> BlockPool:
-        """A pool of `slots` prompt blocks of `block` tokens, zeroed, sharded as the
-        cache: k and v [L_pad, slots, K', block, H] (each `seq` device its block / C
-        slots of every block)."""
-        L, _, K, _, H = self.cache_shape(1)
-        shape = (L, slots, K, block, H)
-        zeros = self._jitted(
-            self._helpers,
-            ("pool", shape),
-            lambda: jax.jit(
-                lambda: jnp.zeros(shape, self.dtype),
-                out_shardings=NamedSharding(self.mesh, SPECS.cache_lbksh),
-            ),
-        )
-        return BlockPool(zeros(), zeros())
-
-    def cache_bytes_per_device(self, B: int) -> int:
-        """Bytes of a KV cache of B rows (k and v) on each device."""
-        return 2 * math.prod(self.cache_shape(B)) * self.dtype.itemsize // self.mesh.devices.size
-
-    def pool_bytes_per_block(self, block: int) -> int:
-        """Bytes of one pool block (k and v) on each device."""
-        L, _, K, _, H = self.cache_shape(1)
-        per_device = L // self.stages * (K // self.split.size) * (block // self.C) * H
-        return 2 * per_device * self.dtype.itemsize
-
-    def save_blocks(self, pool: BlockPool, cache: KVCache, saves, slots=None) -> BlockPool:
-        """pool (donated, updated in place) with, for each `pipeline.prefix.Save`, block
-        `block` of cache row `row` written into pool slot `slot`. slots: [len(saves), n]
-        the local row slots each block's n pool slots take, in order (the same on every
-        device); None: a prompt's block layout, block j at [j n, (j + 1) n). No byte moves
-        between devices: each holds the same share of a block in the row and in the
-        pool."""
-        n = pool.k.shape[3] // self.C  # a block's local slots
-        if slots is None:
-            slots = [s.block * n + np.arange(n) for s in saves]
-        at_pool = [(s.slot, 0) for s in saves]
-        k, v = self._copy_blocks(pool, (cache.k, cache.v), at_pool, [s.row for s in saves], slots)
-        return BlockPool(k, v)
-
-    def load_blocks(self, cache: KVCache, pool: BlockPool, row: int, slots) -> KVCache:
-        """cache (donated, updated in place) with pool slots[j] written into block j of
-        row `row` (its slot positions are the caller's to set)."""
-        n = pool.k.shape[3] // self.C
-        at_row = [(row, j * n) for j in range(len(slots))]
-        whole = [np.arange(n)] * len(slots)
-        k, v = self._copy_blocks((cache.k, cache.v), pool, at_row, list(slots), whole)
-        return cache._replace(k=k, v=v)
-
-    def _copy_blocks(self, dst, src, dst_at, src_at, src_slots):
-        """(k, v) of dst (donated) with blocks of src copied in
-        (`pipeline.prefix.copy_blocks`); the index lists are padded to the most blocks a
-        row holds, so one program serves every count."""
-        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
-        for i in range(0, len(dst_at), most):  # a round's saves may span several rows
-            count = len(dst_at[i : i + most])
-            pad = most - count
-            at = np.array(list(dst_at[i : i + most]) + [(0, 0)] * pad, np.int32)
-            rows = np.array(list(src_at[i : i + most]) + [0] * pad, np.int32)
-            slots = np.zeros((most, n), np.int32)
-            slots[:count] = np.asarray(src_slots[i : i + most], np.int32).reshape(count, n)
-            dst = fn(*dst, *src, np.int32(count), at, rows, slots)
-        return dst
-
-    def _copy_fn(self, dst_shape: tuple, src_shape: tuple):
-        """(the jitted copy between arrays of these shapes, the most blocks it copies at
-        once: a row's, a block's local slots)."""
-        n = min(src_shape[3], dst_shape[3]) // self.C  # a block's local slots: the pool's
-        key = ("blocks", dst_shape, src_shape)
-        fn = self._jitted(self._helpers, key, self._copy_program)
-        return fn, self.slots_per_device // n, n
-
-    def _copy_program(self):
-        spec, one = SPECS.cache_lbksh, P()
-
-        def local(dst_k, dst_v, src_k, src_v, count, dst_at, src_at, src_slots):
-            return (
-                copy_blocks(dst_k, src_k, count, dst_at, src_at, src_slots),
-                copy_blocks(dst_v, src_v, count, dst_at, src_at, src_slots),
-            )
-
-        mapped = jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(spec, spec, spec, spec, one, one, one, one),
-            out_specs=(spec, spec),
-        )
-        return jax.jit(mapped, donate_argnums=(0, 1))
-
-    def _in_place(self, key: tuple, update):
-        """update(cache, ...) -> KVCache, jitted once per key with the cache donated, so
-        XLA writes the rows it changes into the cache's own buffers."""
-
-        def make():
-            spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
-            pos = NamedSharding(self.mesh, SPECS.slots_bs)
-            return jax.jit(update, donate_argnums=0, out_shardings=KVCache(spec, spec, pos))
-
-        return self._jitted(self._helpers, key, make)
-
-    def _jitted(self, table: dict, key, make: Callable):
-        """table[key], made by make() the first time: once, though precompile's threads
-        ask at once (a second jitted function would compile again)."""
-        if key not in table:
-            with self._making:
-                if key not in table:
-                    table[key] = make()
-        return table[key]
-
-    def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
-        """cache with its slot positions replaced by the host's slot_pos [B, C, S_loc]."""
-        B = slot_pos.shape[0]
-        return cache._replace(pos=self._placed(slot_pos.reshape(B, -1), SPECS.slots_bs))
-
-    def _slot_pos(self, batch: Batch) -> jax.Array:
-        return self._placed(batch.slot_pos.reshape(batch.B, -1), SPECS.slots_bs)
-
-    def _abstract(self, tree, specs):
-        """Arrays' shapes, dtypes and shardings on the mesh, for lowering ahead."""
-        return jax.tree.map(
-            lambda x, spec: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec)
-            ),
-            tree,
-            specs,
-        )
-
-    def _abstract_cache(self, B: int) -> KVCache:
-        kv = jax.ShapeDtypeStruct(self.cache_shape(B), self.dtype)
-        return self._abstract(
-            KVCache(kv, kv, jax.ShapeDtypeStruct((B, self.slots_per_device * self.C), jnp.int32)),
-            CACHE_SPECS,
-        )
-
     def prefill_memory(self, batch: int, prompt_len: int) -> dict:
         """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
         tokens, from XLA's memory analysis of the compiled program (nothing runs).
@@ -378,10 +175,10 @@ class Engine:
         (the donated cache is updated in place, so it counts once).
         """
         laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
-        inputs = self._abstract(laid.prefill, PrefillInputs.specs())
+        inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs())
         prefill = self._prefill_fn(self.cp_plan(batch, laid.P_pad)[0])
         m = (
-            prefill.lower(self.weights, self._abstract_cache(batch), inputs)
+            prefill.lower(self.weights, self.copies.abstract_cache(batch), inputs)
             .compile()
             .memory_analysis()
         )
@@ -404,8 +201,7 @@ class Engine:
         prompt_logprobs: bool = False,
     ):
         key = (strategy, with_context, block, prompt_logprobs)
-        return self._jitted(
-            self._prefill,
+        return self._prefill.get(
             key,
             lambda: jax.jit(
                 build_prefill(
@@ -477,8 +273,7 @@ class Engine:
         constrained: bool = False,
     ):
         key = (groups, steps, sampled, with_logits, logprobs, constrained)
-        return self._jitted(
-            self._decode,
+        return self._decode.get(
             key,
             lambda: jax.jit(
                 build_decode(
@@ -503,7 +298,7 @@ class Engine:
         inputs = DecodeInputs.empty(rows)
         if constrained:
             inputs = inputs._replace(allowed=np.zeros((rows, self.mask_words), np.int32))
-        return self._abstract(inputs, DecodeInputs.specs(constrained))
+        return self.copies.abstract(inputs, DecodeInputs.specs(constrained))
 
     @property
     def mask_words(self) -> int:
@@ -517,14 +312,14 @@ class Engine:
             self.decode_name(groups, self.chunk, sampled, with_logits),
             self._decode_fn(groups, self.chunk, sampled, with_logits),
             self.weights,
-            self._abstract_cache(B),
+            self.copies.abstract_cache(B),
             self._abstract_decode_inputs(B),
         )
 
     def _place_inputs(self, inputs, specs):
         """Host inputs onto the mesh as `specs` say (before the clock starts, as the old
         positional arguments were)."""
-        return jax.tree.map(self._placed, inputs, specs)
+        return jax.tree.map(self.copies.placed, inputs, specs)
 
     def _run(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
         """The compiled program `name` on (weights, cache, inputs placed on the mesh)."""
@@ -555,7 +350,7 @@ class Engine:
         with_context = batch.offset > 0
         scored = batch.prefill.targets is not None
         if cache is None:
-            cache = self.new_cache(batch)
+            cache = self.copies.new_cache(batch.B, batch.slot_pos)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
         fn = self._prefill_fn(strategy, with_context, batch.block, scored)
         name = self.prefill_name(strategy, with_context, batch.block, scored)
@@ -593,7 +388,7 @@ class Engine:
         log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on device,
         the cache)."""
         constrained = inputs.allowed is not None
-        cache = self.with_slot_pos(cache, slot_pos)
+        cache = self.copies.with_slot_pos(cache, slot_pos)
         inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
         name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs, constrained)
         fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
@@ -610,6 +405,7 @@ class Engine:
         self,
         B: int,
         P_pad: int,
+        strategy: str,
         cache_rows: int,
         with_context: bool,
         announce: bool = True,
@@ -617,8 +413,9 @@ class Engine:
         prompt_logprobs: bool = False,
     ) -> None:
         """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
-        P_pad runs (with_context: later chunks of prompts, continuing a cache;
-        prompt_logprobs: scoring every prompt token): a new cache's zeros, the prefill
+        P_pad runs with the cp `strategy` (the planner's for the shape; with_context:
+        later chunks of prompts, continuing a cache; prompt_logprobs: scoring every
+        prompt token): a new cache's zeros, the prefill
         program, the first tokens' sampling (greedy and sampled) and log-probabilities,
         and `insert` of its rows into a cache of `cache_rows` rows. Nothing runs
         (compiling is local to this process: no collective, so a background thread may
@@ -628,13 +425,12 @@ class Engine:
         laid = lay_out(
             [[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block, targets=targets
         )
-        strategy = self.cp_plan(B, P_pad)[0]
         program, _ = self.programs.get(
             self.prefill_name(strategy, with_context, block, prompt_logprobs),
             self._prefill_fn(strategy, with_context, block, prompt_logprobs),
             self.weights,
-            self._abstract_cache(B),
-            self._abstract(laid.prefill, PrefillInputs.specs(prompt_logprobs)),
+            self.copies.abstract_cache(B),
+            self.copies.abstract(laid.prefill, PrefillInputs.specs(prompt_logprobs)),
             announce,
         )
         logits, new, *_ = (
@@ -647,9 +443,10 @@ class Engine:
         for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
             self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
         self._logprobs.lower(logits, tokens).compile()
-        if not with_context:
-            self._zeros(B).lower().compile()
-        self._insert_fn(B).lower(self._abstract_cache(cache_rows), new, tokens).compile()
+        if with_context:
+            self.copies.compile_insert(new, cache_rows)
+        else:
+            self.copies.compile_new(B, new, cache_rows)
 
     def compile_decode(
         self,
@@ -668,26 +465,10 @@ class Engine:
             self.decode_name(groups, self.chunk, sampled, False, logprobs, constrained),
             self._decode_fn(groups, self.chunk, sampled, False, logprobs, constrained),
             self.weights,
-            self._abstract_cache(cache_rows),
+            self.copies.abstract_cache(cache_rows),
             self._abstract_decode_inputs(rows, constrained),
             announce,
         )
-
-    def compile_copy(self, pool: BlockPool, cache_rows: int, into_pool: bool) -> None:
-        """Compiles, unless compiled, the prefix cache's block copy between `pool` and a
-        cache of `cache_rows` rows: into the pool (`save_blocks`) or out of it
-        (`load_blocks`)."""
-        cache = self._abstract_cache(cache_rows)
-        pool = self._abstract(tuple(pool), (SPECS.cache_lbksh,) * 2)
-        dst, src = (pool, (cache.k, cache.v)) if into_pool else ((cache.k, cache.v), pool)
-        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        fn.lower(*dst, *src, i32(), i32(most, 2), i32(most), i32(most, n)).compile()
-
-    def compile_move(self, n: int, cache_rows: int) -> None:
-        """Compiles, unless compiled, `move_rows` of n (a power of two) rows."""
-        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
-        self._move_fn(n).lower(self._abstract_cache(cache_rows), rows, rows).compile()
 
     # ---- reporting -------------------------------------------------------------------
 

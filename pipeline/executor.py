@@ -15,11 +15,12 @@ import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.constraints import Grammars, RowMatcher
+from qwen3_spmd.pipeline.copies import BlockPool
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
-from qwen3_spmd.pipeline.prefix import BlockPool, PrefixBook, block_slot_pos, block_slots
+from qwen3_spmd.pipeline.prefix import PrefixBook, block_slot_pos, block_slots
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import PromptLogprobs, RowSampling, Sampling, TokenLogprobs
@@ -95,7 +96,7 @@ class Executor:
         """The round's row moves and decode chunk: every busy row's new tokens."""
         if round.moves:
             src, dst = (np.array(rows) for rows in zip(*round.moves))
-            self.cache = self.engine.move_rows(self.cache, src, dst)
+            self.cache = self.engine.copies.move_rows(self.cache, src, dst)
             for a, b in round.moves:
                 self.book.move(a, b)
         if round.decode is None:
@@ -137,7 +138,9 @@ class Executor:
         book.chunk_prefilled(batch, chunk.end)
         cache = self._chunk_cache
         if cache is not None:  # the chunk's context: the earlier chunks' slots
-            cache = eng.with_slot_pos(cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape))
+            cache = eng.copies.with_slot_pos(
+                cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape)
+            )
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
         last = chunk.end == len(request.prompt)  # its sampled token is the request's first
@@ -174,14 +177,14 @@ class Executor:
         slot_pos = block_slot_pos(len(chunk.cached), block, eng.C, eng.slots_per_device)
         held = self.book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
         held.cached_tokens = done
-        cache = eng.empty_cache(chunk.shape.B)  # rows past the first are dropped copies
-        self._chunk_cache = eng.load_blocks(cache, self.pool, 0, chunk.cached)
+        cache = eng.copies.empty_cache(chunk.shape.B)  # rows past the first are dropped copies
+        self._chunk_cache = eng.copies.load_blocks(cache, self.pool, 0, chunk.cached)
         self._count(chunk.request, chunk.cached)
         return held
 
     def _save(self, saves, slots=None) -> None:
-        """Runs `saves` (the rows' slots of each block: `Engine.save_blocks`)."""
-        self.pool = self.engine.save_blocks(self.pool, self.cache, saves, slots)
+        """Runs `saves` (the rows' slots of each block: `Copies.save_blocks`)."""
+        self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, slots)
         for save in saves:
             self.prefix.store(save)
 
@@ -315,8 +318,8 @@ class Executor:
             self.cache = new  # it holds every row already
             return
         if self.cache is None:
-            self.cache = self.engine.empty_cache(self.book.B)
-        self.cache = self.engine.insert(self.cache, new, rows)
+            self.cache = self.engine.copies.empty_cache(self.book.B)
+        self.cache = self.engine.copies.insert(self.cache, new, rows)
 
 
 def _logprob(lp: TokenLogprobs, r: int) -> Logprob:

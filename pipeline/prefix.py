@@ -16,7 +16,7 @@ with blocks in the pool prefills only the rest, as a long prompt's later chunks 
     pool    k and v [L_pad, slots, K', C*n, H], sharded as the cache (each stage its
             layers, each `seq` device its n slots of every block, each `tensor`
             device its heads): a copy between a row and the pool moves no byte
-            between devices (`copy_blocks`).
+            between devices (`pipeline.copies`).
     book    `PrefixBook`, on the host: which name each pool slot holds and when it was
             last used. The planner reads it (the longest cached run of a prompt's
             blocks; the slots new blocks go to, free ones first, then the least
@@ -41,12 +41,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from qwen3_spmd.ring import zigzag_blocks
 
@@ -80,13 +76,6 @@ def block_slot_pos(blocks: int, block: int, C: int, slots: int) -> np.ndarray:
         part = zigzag_blocks(blocks * block, C, block)
         slot_pos[:, : blocks * block // C] = np.stack(part)
     return slot_pos
-
-
-class BlockPool(NamedTuple):
-    """The pool's k and v, [L_pad, slots, K', C*n, H] each, sharded as the cache."""
-
-    k: jax.Array
-    v: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,19 +201,3 @@ def block_slots(slot_pos: np.ndarray, block: int, blocks: int) -> np.ndarray:
     if (slot_of < 0).any():
         raise ValueError("a block's position is in no slot of the row")
     return slot_of.reshape(blocks, block).astype(np.int32)
-
-
-def copy_blocks(dst, src, count, dst_at, src_at, src_slots):
-    """dst with `count` blocks of src copied in, inside the shard_map (local arrays
-    [L_s, rows or slots, K_l, local slots, H]): block i is src[:, src_at[i], :,
-    src_slots[i], :] (its n local slots, in order) into dst[:, dst_at[i, 0], :,
-    dst_at[i, 1] : +n]. dst_at: [most, 2], src_at: [most], src_slots: [most, n] int32;
-    count <= most."""
-
-    def one(i, d):
-        L, _, K, S, H = src.shape
-        rows = lax.dynamic_slice(src, (0, src_at[i], 0, 0, 0), (L, 1, K, S, H))
-        piece = jnp.take(rows, src_slots[i], axis=3)
-        return lax.dynamic_update_slice(d, piece, (0, dst_at[i, 0], 0, dst_at[i, 1], 0))
-
-    return lax.fori_loop(0, count, one, dst)

@@ -38,6 +38,26 @@ class Clock:
     mask_s: float = 0.0  # the host filling constrained rows' allowed tokens (and advancing them)
 
 
+class JitTable:
+    """Jitted functions by key, each made the first time it is asked for: once, though
+    threads ask at once (a server's rounds and its background compiles), since a second
+    jitted function of the same key would compile again."""
+
+    def __init__(self):
+        self._fns: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, make: Callable) -> Callable:
+        if key not in self._fns:
+            with self._lock:
+                if key not in self._fns:
+                    self._fns[key] = make()
+        return self._fns[key]
+
+    def __getitem__(self, key) -> Callable:
+        return self._fns[key]
+
+
 class Programs:
     def __init__(self, dtype, on_compile: OnCompile | None = None):
         self.dtype = jnp.dtype(dtype)

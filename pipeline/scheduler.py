@@ -112,7 +112,7 @@ class Scheduler:
         # A hit needs a whole block before a prompt's last token and a token after it.
         if prefix_cache_bytes > 0 and engine.max_seq_len >= block + 2:
             chunk_tokens = chunk_tokens // block * block
-            per_block = engine.pool_bytes_per_block(block)
+            per_block = engine.copies.pool_bytes_per_block(block)
             if prefix_cache_bytes < per_block:
                 raise RequestError(
                     f"$prefix_cache_bytes {prefix_cache_bytes} holds no block of {block} "
@@ -120,7 +120,7 @@ class Scheduler:
                     "prefix_cache_bytes",
                 )
             self.prefix = PrefixBook(prefix_cache_bytes // per_block, block)
-            pool = engine.empty_pool(self.prefix.slots, block)
+            pool = engine.copies.empty_pool(self.prefix.slots, block)
         self.prefix_cache_bytes = self.prefix.slots * per_block if self.prefix else 0
         self.rules = ShapeRules(
             rows=self.B,
@@ -149,7 +149,7 @@ class Scheduler:
             self.book,
             self.accounting,
             self.clock,
-            cache=engine.empty_cache(self.B),
+            cache=engine.copies.empty_cache(self.B),
             prefix=self.prefix,
             pool=pool,
             block_layout=self.rules.layout_block,
@@ -214,7 +214,7 @@ class Scheduler:
     @property
     def kv_bytes_per_device(self) -> int:
         """Bytes of the K and V cache each device holds (allocated once, all rows)."""
-        return self.engine.cache_bytes_per_device(self.B)
+        return self.engine.copies.cache_bytes_per_device(self.B)
 
     def precompile(
         self,
@@ -286,6 +286,7 @@ class Scheduler:
             eng.compile_prefill(
                 shape.B,
                 shape.P_pad,
+                self.planner.cp(shape),
                 self.B,
                 shape.with_context,
                 announce,
@@ -305,11 +306,11 @@ class Scheduler:
         elif isinstance(shape, CopyShape):
             pool = self.executor.pool
             if shape.direction == "save":
-                eng.compile_copy(pool, self.B, into_pool=True)
+                eng.copies.compile_copy(pool, self.B, into_pool=True)
             else:
-                eng.compile_copy(pool, self.rules.microbatches, into_pool=False)
+                eng.copies.compile_copy(pool, self.rules.microbatches, into_pool=False)
         else:
-            eng.compile_move(shape.rows, self.B)
+            eng.copies.compile_move(shape.rows, self.B)
         self._compiled.add(shape)
 
     # ---- the caller's side -----------------------------------------------------------

@@ -28,7 +28,6 @@ plain decode chunk (the same tokens).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -37,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from qwen3_spmd.pipeline.handles import Logprob
+from qwen3_spmd.pipeline.programs import JitTable
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -73,8 +73,7 @@ class Speculator:
     def __init__(self, engine: Engine, config: SpeculativeConfig):
         self.engine, self.config = engine, config
         self.metrics = SpecMetrics()
-        self._verify: dict[tuple, object] = {}
-        self._making = threading.Lock()
+        self._verify = JitTable()
 
     def takes(self, chunk: DecodeChunk) -> bool:
         """Whether this decode chunk may run as a verify round: no row it covers follows
@@ -82,16 +81,16 @@ class Speculator:
         return not (chunk.with_logits or chunk.shape.constrained)
 
     def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
-        key = (groups, T, sampled, logprobs)
-        if key not in self._verify:
-            with self._making:
-                if key not in self._verify:
-                    e = self.engine
-                    program = build_verify(
-                        e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, logprobs
-                    )
-                    self._verify[key] = jax.jit(program, donate_argnames="cache")
-        return self._verify[key]
+        e = self.engine
+        return self._verify.get(
+            (groups, T, sampled, logprobs),
+            lambda: jax.jit(
+                build_verify(
+                    e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, logprobs
+                ),
+                donate_argnames="cache",
+            ),
+        )
 
     def verify(self, executor, n: int) -> list[Update]:
         """One verify round over rows 0..n-1 of `executor`'s book (a pipeline.executor
@@ -126,7 +125,7 @@ class Speculator:
             inputs,
             VerifyInputs.specs(),
         )
-        cache = eng.with_slot_pos(executor.cache, book.slot_pos)
+        cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
         t0 = time.perf_counter()
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)

@@ -404,7 +404,7 @@ class EngineArgs:
             return int(self.prefix_cache_mib * 2**20)
         if engine.C > 1 and not self.enable_prefix_caching:
             return 0  # long prompts: the block layout would cost the ring's skipped pairs
-        rows = engine.cache_bytes_per_device(self.max_batch)
+        rows = engine.copies.cache_bytes_per_device(self.max_batch)
         stats = None if many else engine.mesh.devices.flat[0].memory_stats()
         if stats and "bytes_limit" in stats:
             return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows) // 2)

@@ -33,9 +33,17 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # $QWEN3_SPMD_COMPILE_CACHE, a plain JAX program $JAX_COMPILATION_CACHE_DIR. A hit still
 # reports XLA's compile event (/jax/core/compile/backend_compile_duration, counted
 # around the cache read), so a test that counts compiles sees a program read back too.
-# test_cli tests the cache itself in folders of its own.
-CACHE_DIR = tempfile.mkdtemp(prefix="qwen3-spmd-test-xla-")
-atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
+# test_cli tests the cache itself in folders of its own. The first process of the session
+# (pytest, or xdist's controller, which loads this file before it starts its workers)
+# makes the folder; the workers inherit it through the environment, so a program one
+# worker compiled is read back by the other (the modules share the tiny checkpoints'
+# shapes), and the maker removes it at the end.
+CACHE_DIR = os.environ.get("QWEN3_SPMD_TEST_CACHE")
+if CACHE_DIR is None:
+    CACHE_DIR = os.environ["QWEN3_SPMD_TEST_CACHE"] = tempfile.mkdtemp(
+        prefix="qwen3-spmd-test-xla-"
+    )
+    atexit.register(shutil.rmtree, CACHE_DIR, ignore_errors=True)
 os.environ["QWEN3_SPMD_COMPILE_CACHE"] = CACHE_DIR
 os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE_DIR
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # tiny programs too

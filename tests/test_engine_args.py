@@ -94,7 +94,7 @@ def _engine(C: int):
     device = SimpleNamespace(memory_stats=lambda: None)
     return SimpleNamespace(
         C=C,
-        cache_bytes_per_device=lambda rows: 1000 * rows,
+        copies=SimpleNamespace(cache_bytes_per_device=lambda rows: 1000 * rows),
         mesh=SimpleNamespace(devices=SimpleNamespace(flat=[device])),
     )
 

@@ -51,6 +51,7 @@ class FakeEngine:
         self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
         self.moves: list[int] = []
         self.speculator = None  # no speculative decoding (pipeline.speculative)
+        self.copies = self  # the cache's copies (pipeline.copies) are the methods below
 
     def groups_for(self, n):
         return min(self.stages, n)

@@ -168,7 +168,7 @@ def plain(cfg):
 @pytest.mark.parametrize("mesh", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
 def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh):
     engine = _engine(cfg, *mesh)
-    pool = 3 * engine.pool_bytes_per_block(BLOCK)  # three blocks: evictions happen
+    pool = 3 * engine.copies.pool_bytes_per_block(BLOCK)  # three blocks: evictions happen
     scheduler = Scheduler(
         engine, max_batch=4, prefill_tokens=32, prefix_cache_bytes=pool, prefix_block=BLOCK
     )

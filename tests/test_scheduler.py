@@ -292,8 +292,8 @@ def test_admitted_rows_are_inserted_into_the_cache_in_place(cfg):
     sched.submit([1, 2, 3], Params(2))
     sched.step()
     assert before.k.is_deleted() and before.v.is_deleted()
-    new = engine.new_cache(engine.lay_out([[1, 2, 3]]))
-    insert = engine._helpers[("insert", new.k.shape[1])]
+    new = engine.copies.empty_cache(engine.lay_out([[1, 2, 3]]).B)
+    insert = engine.copies.jitted[("insert", new.k.shape[1])]
     memory = insert.lower(sched.executor.cache, new, np.zeros(new.k.shape[1], np.int32)).compile()
     assert memory.memory_analysis().alias_size_in_bytes >= sched.kv_bytes_per_device
 
@@ -355,7 +355,7 @@ devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices, tensor=X),
                 max_seq_len=64, chunk=4)
 sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30),
-                  prefix_cache_bytes=pool_blocks * engine.pool_bytes_per_block(8),
+                  prefix_cache_bytes=pool_blocks * engine.copies.pool_bytes_per_block(8),
                   prefix_block=8)
 if rank:
     sched.follow()
@@ -490,7 +490,7 @@ def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_row
         assert h.tokens == alone(prompt, Params(n))
     rows = [n for n, _, _ in decodes]
     assert rows == sorted(rows, reverse=True) and sorted(set(rows)) == [1, 2, 4], rows
-    move = engine._helpers[("move", 1)].lower(
+    move = engine.copies.jitted[("move", 1)].lower(
         sched.executor.cache, np.zeros(1, np.int32), np.zeros(1, np.int32)
     )
     memory = move.compile().memory_analysis()

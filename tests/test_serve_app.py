@@ -151,7 +151,7 @@ def test_a_repeated_chat_reports_its_cached_tokens_and_the_metrics_count_them(se
     whole prompt, the second copies every whole block but the one holding its last
     token; usage.prompt_tokens_details.cached_tokens says so (streamed too), the texts
     agree, and /metrics' prefix cache counters move by exactly that."""
-    client = serve(max_queue=4, prefix_cache_bytes=8 * engine[1].pool_bytes_per_block(8))
+    client = serve(max_queue=4, prefix_cache_bytes=8 * engine[1].copies.pool_bytes_per_block(8))
     before = _scrape(client)
     chat = {
         "messages": [{"role": "user", "content": "Tell me a story"}],
@@ -178,7 +178,7 @@ def test_a_repeated_chat_reports_its_cached_tokens_and_the_metrics_count_them(se
     assert _moved(before, after, "prefix_cache_hits_total") == 2 * hit
     assert after[(P + "prefix_cache_blocks", ())] == prompt // 8
     assert after[(P + "prefix_cache_usage_perc", ())] == prompt // 8 / 8
-    assert after[(P + "prefix_cache_bytes", ())] == 8 * engine[1].pool_bytes_per_block(8)
+    assert after[(P + "prefix_cache_bytes", ())] == 8 * engine[1].copies.pool_bytes_per_block(8)
 
 
 def test_metrics_wait_for_the_model():

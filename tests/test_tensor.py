@@ -283,7 +283,7 @@ def test_per_device_bytes_are_the_footprints():
         S, C, X = mesh
         engine = _engine("wide", *mesh)
         measured = max(traffic.bytes_per_device(engine.weights.state))
-        cache = engine.empty_cache(2)
+        cache = engine.copies.empty_cache(2)
         kv = max(traffic.bytes_per_device((cache.k, cache.v)))
         want = bytes_per_device(cfg, S, C, jnp.float32, batch=2, max_seq_len=64, tensor=X)
         assert (measured, kv) == (want["weights"], want["kv"]), mesh

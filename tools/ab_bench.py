@@ -53,9 +53,10 @@ def figures(report: dict) -> dict[str, float]:
     for mesh in report["meshes"]:
         for kind, key in (("prefill", "prompt_len"), ("decode", "batch")):
             for j in mesh.get(kind, []):
-                out[f"{mesh['mesh']} {kind} {key[0].upper()}={j[key]} tok/s"] = j["tokens_per_s"][
-                    "median"
-                ]
+                job = f"{mesh['mesh']} {kind} {key[0].upper()}={j[key]}"
+                out[f"{job} tok/s"] = j["tokens_per_s"]["median"]
+                if "host_overhead_fraction" in j:  # the time outside the decode program
+                    out[f"{job} host share"] = j["host_overhead_fraction"]["median"]
     roof = report.get("roofline")
     if roof:
         out["bandwidth GB/s"] = roof["bandwidth_bytes_per_s"]["median"] / 1e9
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("b", help="the revision after")
     p.add_argument("--rounds", type=int, default=3, help="A B pairs to run (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--save", type=Path, help="a folder for each run's bench report (JSON)")
     p.epilog = "After the flags: -- then bench's flags, which both revisions run."
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -100,7 +102,12 @@ def main(argv=None) -> int:
         for r in range(args.rounds):
             for rev in runs:
                 cache = work / f"cache-{rev.replace('/', '_')}"
-                got = figures(run_bench(paths[rev], cache, bench_args))
+                report = run_bench(paths[rev], cache, bench_args)
+                if args.save:
+                    args.save.mkdir(parents=True, exist_ok=True)
+                    name = f"round{r + 1}-{rev.replace('/', '_')}.json"
+                    (args.save / name).write_text(json.dumps(report, indent=1))
+                got = figures(report)
                 runs[rev].append(got)
                 if not args.json:
                     shown = ", ".join(f"{k} {v:.2f}" for k, v in got.items())

@@ -51,7 +51,7 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
     for c in conversations:  # every conversation opens with the system prompt
         c[0] = (system + c[0][0], c[0][1])
     unshared = _loop_requests(engine.cfg, s, B_max)
-    pool = engine.cache_bytes_per_device(B_max)
+    pool = engine.copies.cache_bytes_per_device(B_max)
 
     def scheduler(cache: bool) -> Scheduler:
         sched = Scheduler(engine, B_max, prefix_cache_bytes=pool if cache else 0)

@@ -165,7 +165,7 @@ def serve_job(engines, settings: dict, say) -> dict:
     out = {
         "max_batch": sched_rows,
         "groups": G,
-        "kv_bytes_per_device": engine.cache_bytes_per_device(sched_rows),
+        "kv_bytes_per_device": engine.copies.cache_bytes_per_device(sched_rows),
         "concurrency": rows,
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),
