@@ -624,9 +624,11 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     declared = sched.rules.declared()
     assert sched.precompile() == len(declared)
     moves, chunks = [], []
-    move_rows, prefill = sched.engine.move_rows, sched.engine.prefill
+    move_rows, prefill = sched.engine.copies.move_rows, sched.engine.prefill
     monkeypatch.setattr(
-        sched.engine, "move_rows", lambda c, src, dst: moves.append(src) or move_rows(c, src, dst)
+        sched.engine.copies,
+        "move_rows",
+        lambda c, src, dst: moves.append(src) or move_rows(c, src, dst),
     )
     monkeypatch.setattr(
         sched.engine,

@@ -308,10 +308,10 @@ def test_the_prompts_logprobs_never_gather_the_vocabulary():
     laid = lay_out([prompt], 1, 1, 1, engine.slots_per_device, targets=[prompt[1:] + [-1]])
     from qwen3_spmd.pipeline.prefill import PrefillInputs
 
-    inputs = engine._abstract(laid.prefill, PrefillInputs.specs(targets=True))
+    inputs = engine.copies.abstract(laid.prefill, PrefillInputs.specs(targets=True))
     hlo = (
         engine._prefill_fn("ring", prompt_logprobs=True)
-        .lower(engine.weights, engine._abstract_cache(laid.B), inputs)
+        .lower(engine.weights, engine.copies.abstract_cache(laid.B), inputs)
         .compile()
         .as_text()
     )
@@ -334,10 +334,10 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
     laid = engine.lay_out(prompts[:1])
     from qwen3_spmd.pipeline.prefill import PrefillInputs
 
-    inputs = engine._abstract(laid.prefill, PrefillInputs.specs())
+    inputs = engine.copies.abstract(laid.prefill, PrefillInputs.specs())
     hlo = (
         engine._prefill_fn("ring")
-        .lower(engine.weights, engine._abstract_cache(laid.B), inputs)
+        .lower(engine.weights, engine.copies.abstract_cache(laid.B), inputs)
         .compile()
         .as_text()
     )
