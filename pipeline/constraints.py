@@ -168,7 +168,7 @@ class Grammars:
         try:
             matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
             if matcher.is_error():
-                raise ConstraintError(_first_line(matcher.get_error()))
+                raise ConstraintError(_refusal(matcher.get_error()))
         except ConstraintError:
             raise
         except Exception as e:  # a spec that is not what its kind says (ValueError, ...)
@@ -193,15 +193,29 @@ class Grammars:
         return np.full((rows, self.words), -1, np.int32)
 
 
-def _first_line(error: str) -> str:
+# llguidance's advice that names its own options, which a request cannot set: what the
+# caller can change instead.
+REWORDED = {
+    "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate "
+    "oneOf with anyOf": (
+        "oneOf is taken only where no answer can match two of its branches: use anyOf, "
+        "or tell the branches apart by a const"
+    ),
+}
+
+
+def _refusal(error: str) -> str:
     """llguidance's error on one line, without the grammar it echoes after it (lines
-    `  1 | start: ...`)."""
+    `  1 | start: ...`), its advice in the caller's terms."""
     lines = []
     for line in error.strip().splitlines():
         if re.match(r"\s*\d+ \|", line):
             break
         lines.append(line.strip())
-    return " ".join(x for x in lines if x) or "the grammar is invalid"
+    message = " ".join(x for x in lines if x) or "the grammar is invalid"
+    for theirs, ours in REWORDED.items():
+        message = message.replace(theirs, ours)
+    return message
 
 
 class RowMatcher:

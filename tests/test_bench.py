@@ -431,6 +431,22 @@ def test_serve_closed_loops_beside_static_batches(capsys):
 TINY_FOLDER = str(Path(__file__).parent / "fixtures" / "tiny")
 
 
+def test_structured_load_against_the_same_load_unconstrained(capsys):
+    """--scenario structured on the tiny checkpoint (its own byte-level tokenizer): the
+    constrained loop, the same prompts unconstrained with the budgets the constrained
+    answers took, and every other request constrained, each with its figures."""
+    out = run_json(capsys, "--scenario", "structured", "--mesh", "1x1", "--model", TINY_FOLDER)
+    (mesh,) = out["meshes"]
+    job = mesh["structured"]
+    free, full, half = job["unconstrained"], job["constrained"], job["half"]
+    assert job["concurrency"] == 2 and full["requests"] == free["requests"] == 2
+    assert full["completion_tokens"] == free["completion_tokens"]  # the same tokens to make
+    assert full["mask_s_per_token"] > 0 and "mask_s_per_token" not in free
+    ratio = full["output_tokens_per_s"] / free["output_tokens_per_s"]
+    assert job["constrained_vs_unconstrained_tokens_per_s"] == ratio > 0
+    assert half["unconstrained"]["requests"] == 1  # request 1 of 2 follows no schema
+
+
 def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:
     assert [r["concurrency"] for r in endpoint["concurrency"]] == concurrencies
     for r in endpoint["concurrency"]:

@@ -16,7 +16,12 @@ Scenarios (--scenario, repeatable; default all but peer):
   speculative  decode per batch size with speculation against plain: an oracle drafter
             (every draft accepted) for each k of --spec-tokens, an always-wrong one and
             ngram, tokens/s and acceptance, each run's tokens checked against plain
-            decoding's (run.bench.speculative).
+            decoding's (run.bench.speculative);
+  structured  a closed loop at the scheduler's rows of bounded-JSON-Schema requests
+            against the same load unconstrained and with half of it constrained:
+            output tokens/s, the host's mask time a token, the others' time per output
+            token (run.bench.serve.structured_job; needs the model's tokenizer, or
+            Qwen3's vocabulary).
 Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
 ring, ulysses or auto; each prefill job then reports the bytes each device received
 along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
@@ -55,6 +60,7 @@ SCENARIOS = (
     "serve",
     "prompt_logprobs",
     "speculative",
+    "structured",
 )
 SMOKE = {
     "prompt_lens": "16,32",
@@ -122,22 +128,24 @@ def register(subparsers) -> None:
         help="also run Hugging Face transformers on the same weights and prompts",
     )
     p.add_argument(
-        "--serve-max-batch", type=int, help="serve: the scheduler's decode rows (default 8)"
+        "--serve-max-batch",
+        type=int,
+        help="serve, structured: the scheduler's decode rows (default 8)",
     )
     p.add_argument(
         "--serve-prompt-lens",
         metavar="MIN,MAX",
-        help="serve: prompt lengths, uniform in the range (default 16,512)",
+        help="serve, structured: prompt lengths, uniform in the range (default 16,512)",
     )
     p.add_argument(
         "--serve-output-lens",
         metavar="MIN,MAX",
-        help="serve: output tokens per request, uniform in the range (default 16,256)",
+        help="serve, structured: output tokens per request, uniform in the range (default 16,256)",
     )
     p.add_argument(
         "--serve-requests",
         type=int,
-        help="serve: requests per unit of concurrency in each closed loop (default 2)",
+        help="serve, structured: requests per unit of concurrency in each closed loop (default 2)",
     )
     p.add_argument(
         "--serve-shared-prefix",
@@ -147,12 +155,6 @@ def register(subparsers) -> None:
         help="serve: also the prefix cache against none, on 16 requests that share an "
         "N-token system prompt, 4 conversations of 4 turns, and the unshared load "
         "(default 0: not run)",
-    )
-    p.add_argument(
-        "--serve-structured",
-        action="store_true",
-        help="serve: also a structured load, bounded-JSON-Schema requests against the same "
-        "load unconstrained and half of it constrained (needs Qwen3's vocabulary)",
     )
     p.add_argument(
         "--url",
@@ -240,7 +242,6 @@ def _settings(args) -> dict:
         ),
         "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
         "serve_shared_prefix": args.serve_shared_prefix,
-        "serve_structured": bool(getattr(args, "serve_structured", False)),
         "spec_tokens": _ints(given(args.spec_tokens, "spec_tokens", "2,4,8"), "--spec-tokens"),
     }
     s["decode_prompt_len"] = (
@@ -278,7 +279,7 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
             f"{positions}: use lengths up to {positions - 1}"
         )
     need = s["serve_prompt_lens"][1] + s["serve_output_lens"][1]
-    if "serve" in scenarios and need > positions:
+    if scenarios & {"serve", "structured"} and need > positions:
         raise CLIError(
             f"serve requests need up to {need} positions (--serve-prompt-lens and "
             f"--serve-output-lens maxima), but the model has {positions}: shorten one"
@@ -463,6 +464,21 @@ def _scenarios(args, meshes) -> set[str]:
     return scenarios
 
 
+def _grammars(spec):
+    """The structured scenario's grammar engine on the model's tokenizer, or on Qwen3's
+    (shipped with the package) for a preset with Qwen3's vocabulary; None: neither."""
+    from qwen3_spmd.pipeline.constraints import Grammars
+    from qwen3_spmd.run import qwen_tokenizer
+    from qwen3_spmd.run.text import Text
+
+    text = spec.text() if spec.folder is not None or spec.qwen_text else None
+    if text is not None:
+        return Grammars.of_text(text, spec.cfg.V, spec.eos_ids())
+    if spec.cfg.V >= qwen_tokenizer.QWEN_VOCAB:
+        return Grammars.of_text(Text.qwen(), spec.cfg.V, qwen_tokenizer.EOS_IDS)
+    return None
+
+
 def _dtype(args, meshes):
     """The benchmark's dtype (--dtype, or the platform's: run.flags.dtype_name), after
     checking that the largest mesh has its devices."""
@@ -526,6 +542,7 @@ def main(args) -> int:
     if "roofline" in scenarios:
         roof = report["roofline"] = _measure_rooflines(dtype, settings, meshes, say)
 
+    grammars = _grammars(spec) if "structured" in scenarios else None
     # The 1x1 engines (and their compiled programs) stay for the peer's paired runs.
     single = MeshEngines(
         spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings, "ring", roof
@@ -541,7 +558,19 @@ def main(args) -> int:
         engines = single if alone else None
         for cp in cps if m.seq > 1 else ["ring"]:
             report["meshes"].append(
-                run_mesh(spec.cfg, source, mesh, dtype, settings, scenarios, roof, say, engines, cp)
+                run_mesh(
+                    spec.cfg,
+                    source,
+                    mesh,
+                    dtype,
+                    settings,
+                    scenarios,
+                    roof,
+                    say,
+                    engines,
+                    cp,
+                    grammars=grammars,
+                )
             )
     add_ratios(report["meshes"])
 

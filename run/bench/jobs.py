@@ -257,11 +257,14 @@ def run_mesh(
     say,
     engines: MeshEngines | None = None,
     cp: str = "ring",
+    *,
+    grammars=None,
 ) -> dict:
     """Every job of the scenarios on one mesh, prefill's attention along seq split as
     `cp` says. `engines` (kept by the caller to reuse the compiled programs later, as
     the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
-    named in the entry's mesh label ("1x4 ulysses")."""
+    named in the entry's mesh label ("1x4 ulysses"). grammars: the model's
+    (`pipeline.constraints.Grammars`) for the structured scenario; None: skipped."""
     shape = MeshShape(*mesh.devices.shape)
     label = str(shape) if cp == "ring" else f"{shape} {cp}"
     say(f"mesh {label}:")
@@ -292,6 +295,10 @@ def run_mesh(
         from qwen3_spmd.run.bench.speculative import speculative_job
 
         entry["speculative"] = [speculative_job(engines, B, say) for B in settings["batches"]]
+    if "structured" in scenarios:
+        from qwen3_spmd.run.bench.serve import structured_scenario
+
+        entry["structured"] = structured_scenario(engines, settings, grammars, say)
     if "serve" in scenarios:
         from qwen3_spmd.run.bench.serve import serve_job
 

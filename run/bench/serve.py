@@ -127,12 +127,9 @@ def serve_job(engines, settings: dict, say) -> dict:
     s = settings
     cfg = engines.cfg
     C, S = engines.mesh.shape["seq"], engines.mesh.shape["stage"]
-    longest_prompt, longest_output = s["serve_prompt_lens"][1], s["serve_output_lens"][1]
-    # Bucketed admissions pad a prompt up to twice its length: leave them the room.
-    engine = engines.get(fitting_seq_len(2 * longest_prompt, longest_output, C))
-    B_max = s["serve_max_batch"]
+    longest_output = s["serve_output_lens"][1]
+    engine, B_max, sched_rows = _serve_engine(engines, s)
     G = engine.groups_for(S)
-    sched_rows = -(-B_max // G) * G
     concurrencies = sorted({1, G, sched_rows, 2 * sched_rows})
     steady = stats(decode_grid(G, S, engine.chunk), skip_edges=S - 1)["idle_fraction"]
     rows = []
@@ -170,8 +167,6 @@ def serve_job(engines, settings: dict, say) -> dict:
         "static_equal_batch": _static_equal_batch(engine, s, sched_rows),
         "paired": _paired(engine, s, B_max, sched_rows),
     }
-    if s.get("serve_structured"):
-        out["structured"] = structured_job(engine, s, B_max, sched_rows, say)
     if s.get("serve_shared_prefix"):
         from qwen3_spmd.run.bench.prefix import longest_prompt, prefix_job
 
@@ -195,23 +190,38 @@ STRUCTURED_SCHEMA = {
 }
 
 
-def structured_job(engine, s: dict, B_max: int, rows: int, say) -> dict:
+def _serve_engine(engines, s: dict):
+    """(the engine the serve loads run on, the scheduler's max_batch, its rows: a
+    multiple of the decode groups)."""
+    C, S = engines.mesh.shape["seq"], engines.mesh.shape["stage"]
+    longest_prompt, longest_output = s["serve_prompt_lens"][1], s["serve_output_lens"][1]
+    # Bucketed admissions pad a prompt up to twice its length: leave them the room.
+    engine = engines.get(fitting_seq_len(2 * longest_prompt, longest_output, C))
+    B_max = s["serve_max_batch"]
+    G = engine.groups_for(S)
+    return engine, B_max, -(-B_max // G) * G
+
+
+def structured_scenario(engines, settings: dict, grammars, say) -> dict:
+    """The structured scenario on one mesh: `structured_job` on the serve loads' engine,
+    at the scheduler's rows (skipped without `grammars`: the model has no tokenizer)."""
+    if grammars is None:
+        return {"skipped": "the model has no tokenizer, and fewer ids than Qwen3's"}
+    engine, B_max, rows = _serve_engine(engines, settings)
+    return structured_job(engine, settings, B_max, rows, grammars, say)
+
+
+def structured_job(engine, s: dict, B_max: int, rows: int, grammars, say) -> dict:
     """A structured load against the same load unconstrained, closed loops at
     concurrency `rows` (compiled by a first pass each): every request following
     STRUCTURED_SCHEMA, then the same prompts unconstrained with the budgets the
     constrained answers took (a grammar ends an answer early: the same tokens to make,
     the same prefills), and the loop with every other request constrained; output
     tokens/s and the host's mask time per token, and with half constrained the others'
-    time per output token against the unconstrained loop. Qwen3's tokenizer (shipped
-    with the package) reads the model's vocabulary: a model with fewer ids than it is
-    skipped."""
-    from qwen3_spmd.pipeline.constraints import Constraint, Grammars
-    from qwen3_spmd.run import qwen_tokenizer
-    from qwen3_spmd.run.text import Text
+    time per output token against the unconstrained loop. grammars: the model's
+    (`pipeline.constraints.Grammars`)."""
+    from qwen3_spmd.pipeline.constraints import Constraint
 
-    if engine.cfg.V < qwen_tokenizer.QWEN_VOCAB:
-        return {"skipped": f"the model's {engine.cfg.V} ids are fewer than Qwen3's tokenizer's"}
-    grammars = Grammars.of_text(Text.qwen(), engine.cfg.V, qwen_tokenizer.EOS_IDS)
     constraint = Constraint.json_schema(STRUCTURED_SCHEMA)
     reqs = _loop_requests(engine.cfg, s, rows)
     runs = {}
