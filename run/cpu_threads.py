@@ -8,9 +8,11 @@ thread's priority changed nothing. Linux keeps a nice value per thread and lets 
 process raise its own threads' (lowering it again needs privilege, so the choice is for
 the process's life). serve therefore reads which native threads work while it compiles
 its first programs and runs none, leaves out those that then run a request and every
-Python thread, and gives the rest, with its compile-later thread, nice 19. A round then
-takes the cores first; a compile runs at full speed whenever nothing else wants them
-(the server idle, or a round waiting on that compile). Where /proc/self/task is absent
+Python thread, and gives the rest, with its compile-later thread, nice 19 and the
+SCHED_IDLE policy. A round then takes the cores first (a thread of the rounds that wakes
+preempts a SCHED_IDLE one at once; nice 19 alone only weighs it less); a compile runs at
+full speed whenever nothing else wants them (the server idle, or a round waiting on that
+compile). Where /proc/self/task is absent
 (not Linux) nothing is found and nothing changes.
 """
 
@@ -50,13 +52,17 @@ def python_threads() -> set[int]:
 
 
 def lower_priority(tids) -> list[int]:
-    """Gives each thread of `tids` the lowest priority (nice 19); returns those it
+    """Gives each thread of `tids` the lowest priority: nice 19, and Linux's SCHED_IDLE
+    policy where there is one (the thread then runs only on a core no other thread
+    wants, and a round's thread that wakes takes its core at once); returns those it
     changed (a thread already there, or gone, is left)."""
     changed = []
     for tid in sorted(tids):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < LOWEST:
                 os.setpriority(os.PRIO_PROCESS, tid, LOWEST)
+                if hasattr(os, "SCHED_IDLE"):
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
                 changed.append(tid)
         except OSError:  # ended, or a platform without per-thread priorities
             continue

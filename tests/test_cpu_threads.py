@@ -35,6 +35,7 @@ def test_a_busy_thread_is_seen_and_lowered_once():
         ready.set()
         go_on.wait(10)
         seen["priority"] = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's own
+        seen["policy"] = os.sched_getscheduler(0)
 
     t = threading.Thread(target=work)
     t.start()
@@ -45,7 +46,7 @@ def test_a_busy_thread_is_seen_and_lowered_once():
     assert cpu_threads.lower_priority({t.native_id}) == []  # already there
     go_on.set()
     t.join()
-    assert seen["priority"] == cpu_threads.LOWEST
+    assert seen["priority"] == cpu_threads.LOWEST and seen["policy"] == os.SCHED_IDLE
     assert cpu_threads.lower_priority({t.native_id}) == []  # gone
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < cpu_threads.LOWEST
 
