@@ -9,6 +9,7 @@ process of a job executes the same `Round` alike, and gets the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -101,10 +102,14 @@ class Executor:
                 self.book.move(a, b)
         if round.decode is None:
             return []
-        spec = self.engine.speculator
-        if spec is not None and spec.takes(round.decode):  # pipeline.speculative
-            return self._forget(spec.verify(self, round.decode.shape.rows))
-        return self._forget(self._decode(round.decode))
+        chunk, spec = round.decode, self.engine.speculator
+        if spec is not None and spec.takes(chunk):  # pipeline.speculative
+            drafts = spec.drafts(self.book, chunk.shape.rows)
+            if any(drafts.values()):
+                return self._forget(spec.verify(self, chunk.shape.rows, drafts))
+            steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
+            chunk = dataclasses.replace(chunk, steps=steps)
+        return self._forget(self._decode(chunk))
 
     # ---- the parts of a round ------------------------------------------------------
 

@@ -172,7 +172,9 @@ class Accounting:
 
     row_steps: int = 0
     busy_row_steps: int = 0
-    decode_ticks: int = 0
+    decode_ticks: int = 0  # verify passes' included
+    verify_ticks: int = 0  # of decode_ticks, those of verify passes
+    verify_positions: int = 0  # a verify pass's ticks x its positions a row (k + 1)
     early_ends: int = 0
     masks: int = 0  # constrained rows' allowed-token masks filled (one per token)
 

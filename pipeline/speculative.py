@@ -6,10 +6,12 @@ keep the longest run the model agrees with and the model's own next token.
 book's rows:
 
     drafts   each row's proposal from its tokens so far (`pipeline.ngram`), k_b <= k
-             tokens, fewer near the row's max_tokens (it may produce k_b + 1 at most);
-    verify   one pass over [newest token, drafts]: out[b, i], the token plain decoding
-             would choose after position i (greedy, or drawn with the row's key at
-             that step);
+             tokens, fewer near the row's max_tokens (it may produce k_b + 1 at most)
+             and as the row's `Pace` allows;
+    verify   one pass over [newest token, drafts] (padded to the next of the k ladder
+             1, 2, 4, .., k, so a pass of short drafts costs less): out[b, i], the
+             token plain decoding would choose after position i (greedy, or drawn
+             with the row's key at that step);
     accept   a_b = the longest prefix of the drafts equal to out[b, :k_b]; the row gets
              out[b, : a_b + 1] (the agreed drafts, then the model's token after them),
              cut at its first end as a decode chunk's tokens are (`RowBook.extend`);
@@ -23,6 +25,15 @@ draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) f
 q one-hot at d. A kept token's log-probabilities (when its request asks) are those
 the pass computed at its position. A round with a row under a constraint runs as a
 plain decode chunk (the same tokens).
+
+A pass of k + 1 positions costs more than a plain step (on a 2-core CPU, 0.6B float32:
+a quarter of a step more per position, docs/benchmarks.md), so drafts that are
+rejected are paid for. Each request's `Pace` drafts as far as its last pass earned
+(twice the run it kept, the whole k after a pass that kept all) and, after a pass that
+kept nothing, waits 2, 4, .. 64 tokens before it proposes again. A round where no row
+proposes runs as a plain decode chunk (up to the next row's turn, at least k + 1
+steps), so a drafter that is always wrong costs one pass now and then. The pace
+depends on the tokens only, so every process of a job paces alike.
 """
 
 from __future__ import annotations
@@ -46,6 +57,41 @@ if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
     from qwen3_spmd.pipeline.planner import DecodeChunk
     from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+
+
+# The longest wait (tokens) after passes that kept no draft: a request whose drafter
+# has started to agree is probed again within this many tokens.
+MAX_WAIT = 64
+
+
+@dataclasses.dataclass
+class Pace:
+    """How far a request drafts: `k` drafts its next pass may propose, and after
+    `misses` passes in a row that kept none, no proposal before it has `wait_until`
+    tokens."""
+
+    k: int
+    misses: int = 0
+    wait_until: int = 0
+
+    def after(self, proposed: int, kept: int, k_max: int, tokens: int) -> None:
+        """The pass proposed `proposed` drafts and kept `kept`; the row now has `tokens`."""
+        if kept == 0:
+            self.misses += 1
+            self.k = 1
+            self.wait_until = tokens + min(2**self.misses, MAX_WAIT)
+        else:
+            self.misses = 0
+            self.k = min(k_max, 2 * kept if kept < proposed else 2 * proposed)
+
+    def waits(self, tokens: int) -> int:
+        """Tokens before it may propose again (0: now)."""
+        return max(0, self.wait_until - tokens)
+
+
+def ladder(k: int) -> list[int]:
+    """The draft counts a verify pass is compiled for: 1, 2, 4, .. below k, and k."""
+    return sorted({min(k, 2**i) for i in range(k.bit_length() + 1)})
 
 
 @dataclasses.dataclass
@@ -92,24 +138,50 @@ class Speculator:
             ),
         )
 
-    def verify(self, executor, n: int) -> list[Update]:
+    def drafts(self, book, n: int) -> dict[int, list[int]]:
+        """Each live row below n's proposal (empty where its pace says wait, or the
+        drafter has none), at most k and one less than the tokens it may still make."""
+        k = self.config.num_speculative_tokens
+        out = {}
+        for b in (b for b in book.live() if b < n):
+            row = book.rows[b]
+            if row.pace is None:
+                row.pace = Pace(k)
+            pace = row.pace
+            # It may produce steps_left more tokens: k_b drafts give k_b + 1 at most.
+            k_b = min(pace.k, k, row.steps_left - 1)
+            out[b] = []
+            if k_b > 0 and not pace.waits(len(row.generated)):
+                context = row.request.prompt + tuple(row.generated)
+                out[b] = list(self.config.propose(context, k_b))[:k_b]
+        return out
+
+    def plain_steps(self, book, n: int, steps: int) -> int:
+        """Steps of the plain decode chunk a round runs when no row proposes: `steps` (the
+        planner's), cut at the first row's turn to propose again, but at least k + 1 (a
+        drafter with nothing now may have something a token later)."""
+        k = self.config.num_speculative_tokens
+        rows = [book.rows[b] for b in book.live() if b < n]
+        turns = [row.pace.waits(len(row.generated)) for row in rows if row.pace is not None]
+        return min(steps, max(k + 1, min(turns, default=steps)))
+
+    def verify(self, executor, n: int, drafts: dict[int, list[int]]) -> list[Update]:
         """One verify round over rows 0..n-1 of `executor`'s book (a pipeline.executor
-        Executor, which calls this, so it is not imported here): every live row's
-        new tokens (1 .. k + 1 each), its end, its rejected slots unlisted."""
-        eng, book, k = self.engine, executor.book, self.config.num_speculative_tokens
-        T = k + 1
-        live = [b for b in book.live() if b < n]
+        Executor, which calls this, so it is not imported here) with each live row's
+        `drafts`: every live row's new tokens (1 .. k_b + 1 each), its end, its
+        rejected slots unlisted."""
+        eng, book = self.engine, executor.book
+        k = self.config.num_speculative_tokens
+        longest = max(map(len, drafts.values()), default=0)
+        T = 1 + min(x for x in ladder(k) if x >= longest)
+        live = sorted(drafts)
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
         count = np.zeros(n, np.int32)  # an empty row runs nothing
         prompt_slots = np.zeros(n, np.int32)
         per_row = [(Sampling(), 0, 0)] * n
-        drafts: dict[int, list[int]] = {}
         for b in live:
             row = book.rows[b]
-            # It may produce steps_left more tokens: k_b drafts give k_b + 1 at most.
-            k_b = min(k, row.steps_left - 1)
-            drafts[b] = self.config.propose(row.request.prompt + tuple(row.generated), k_b)
             feed = [row.generated[-1], *drafts[b]]
             tokens[b, : len(feed)] = feed
             step[b] = len(row.generated) - 1  # decode step j feeds token j
@@ -126,29 +198,40 @@ class Speculator:
             VerifyInputs.specs(),
         )
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
-        t0 = time.perf_counter()
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)
         logprobs = any(p.logprobs for p in params)
-        fn = self._fn(book.groups, T, sampled, logprobs)
-        out, lp, executor.cache = fn(eng.weights, cache, inputs)
+        name = ("verify", book.groups, T, "sampled" if sampled else "greedy")
+        name += ("logprobs",) if logprobs else ()
+        clock = executor.clock
+        compile_before, t0 = clock.compile_s, time.perf_counter()
+        # engine._run: compiled once per shape, float32 at full precision, compile
+        # time counted apart from the pass's.
+        out, lp, executor.cache = eng._run(
+            name, self._fn(book.groups, T, sampled, logprobs), clock, cache, inputs
+        )
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
-        executor.clock.decode_s += time.perf_counter() - t0
+        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         acc = executor.accounting
         acc.row_steps += book.B
-        acc.decode_ticks += decode_ticks(book.groups, eng.stages, 1)
+        ticks = decode_ticks(book.groups, eng.stages, 1)
+        acc.decode_ticks += ticks
+        acc.verify_ticks += ticks
+        acc.verify_positions += ticks * T
         updates = []
         for b in live:
             d = drafts[b]
             agreed = 0
             while agreed < len(d) and d[agreed] == out[b, agreed]:
                 agreed += 1
+            request = book.rows[b].request
             if d:
                 self.metrics.drafts += 1
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
-            request = book.rows[b].request
+                row = book.rows[b]
+                row.pace.after(len(d), agreed, k, len(row.generated) + agreed + 1)
             update = book.extend(b, out[b, : agreed + 1])
             if request.params.logprobs:  # each kept token's, as the pass computed it
                 update.logprobs = [

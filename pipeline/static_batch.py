@@ -97,9 +97,7 @@ def generate(
     executor = Executor(engine, book, accounting, clock, cache=None, grammars=grammars)
     sampled = sampling.temperature > 0
     constrained = constraint is not None
-    # Verify rounds take the batch's decode (Speculator.takes): no chunk then.
-    speculates = engine.speculator is not None and not (with_logits or constrained)
-    if max_new_tokens > 1 and not constrained and not speculates:
+    if max_new_tokens > 1 and not constrained:
         engine.compile_decode_ahead(shape.B, groups, sampled, with_logits)
     tokens: list[list[int]] = [[] for _ in requests]
     finish = ["length"] * shape.B
@@ -115,17 +113,17 @@ def generate(
     admission = Admission(tuple(requests), tuple(range(shape.B)), shape, strategy)
     take(executor.admit(Round(admissions=(admission,))))
     step_logits = [np.asarray(executor.logits[:1])]
-    steps_run = chunks = 0
+    chunks = 0
     decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
     while book.live():
         steps = min(engine.chunk, max(book.rows[b].steps_left for b in book.live()))
-        # The host between a row's tokens; a verify round is one pass (so the layout
-        # counts passes as steps and chunks).
-        steps = 1 if constrained or speculates else steps
+        steps = 1 if constrained else steps  # the host between a row's tokens
+        # With a speculator the round may run as one verify pass, or fewer steps
+        # (`pipeline.speculative`): the layout counts a pass as a step.
         take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
         if with_logits:
             step_logits.append(np.asarray(executor.logits)[:steps])
-        steps_run, chunks = steps_run + steps, chunks + 1
+        chunks += 1
     completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
     n_new = sum(len(c.token_ids) - 1 for c in completions)
     timing = _timing(clock, sum(map(len, prompts)), n_new)
@@ -135,10 +133,12 @@ def generate(
         "padded_prompt": shape.P_pad,
         "microbatches": engine.M,
         "groups": groups,
-        "decode_steps": steps_run,
+        "decode_steps": accounting.row_steps // shape.B,
         "chunks": chunks,
         "chunk": engine.chunk,
         "decode_ticks": accounting.decode_ticks,
+        "verify_ticks": accounting.verify_ticks,
+        "verify_positions": accounting.verify_positions,
         "cp_strategy": strategy,
         "cp": predictions,
     }

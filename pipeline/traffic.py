@@ -39,10 +39,14 @@ def bytes_sent(cfg: Qwen3Config, stages: int, seq: int, layout: dict, itemsize: 
     )
     # Prefill: M + S - 1 ticks, S - 1 senders per seq column, [B/M, P/C, D] each.
     prefill = (M + stages - 1) * (stages - 1) * seq * (B // M) * (P_len // seq) * cfg.D * itemsize
-    # Decode: every tick the engine ran, a cyclic send from every device of the hidden
-    # state [B/G, 1, D] and the sampled tokens [B/G] int32.
+    # Decode: every tick of a decode chunk, a cyclic send from every device of the
+    # hidden state [B/G, 1, D] and the sampled tokens [B/G] int32; every tick of a verify
+    # pass (speculative decoding), S - 1 senders per seq column of [B/G, k + 1, D].
+    verify_ticks = layout.get("verify_ticks", 0)
     per_tick = stages * seq * (B // G) * (cfg.D * itemsize + 4)
-    decode = layout["decode_ticks"] * per_tick
+    per_position = (stages - 1) * seq * (B // G) * cfg.D * itemsize
+    decode = (layout["decode_ticks"] - verify_ticks) * per_tick
+    decode += layout.get("verify_positions", 0) * per_position
     return {"prefill": prefill, "decode": decode, "total": prefill + decode}
 
 

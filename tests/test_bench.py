@@ -4,6 +4,7 @@ fractions and finiteness."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,16 @@ from qwen3_spmd.run.bench.report import add_ratios, print_table
 from qwen3_spmd.run.cli import main
 
 
-def run_json(capsys, *argv) -> dict:
-    assert main(["bench", "--smoke", *argv, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
+def run_json(capsys, *argv, cache: bool = True) -> dict:
+    """bench --smoke's report; with `cache` the session's compile cache
+    (tests/conftest.py) serves the programs the earlier runs compiled (each run compiles
+    its 1x1 jobs beside its mesh's); without, bench's default: no cache."""
+    folder = os.environ["QWEN3_SPMD_COMPILE_CACHE"]
+    flags = ["--compile-cache", folder] if cache else []
+    assert main(["bench", "--smoke", *argv, *flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compile_cache"] == (folder if cache else None)
+    return out
 
 
 def check_spread(x: dict) -> None:
@@ -505,7 +513,7 @@ def test_url_goes_with_the_serve_scenario_only(capsys):
 def test_prompt_logprobs_scenario_times_a_prefill_with_and_without(capsys):
     """--scenario prompt_logprobs: each prompt length's prefill scored and plain, in one
     run, and their ratio."""
-    out = run_json(capsys, "--scenario", "prompt_logprobs", "--prompt-lens", "16")
+    out = run_json(capsys, "--scenario", "prompt_logprobs", "--prompt-lens", "16", cache=False)
     (job,) = out["meshes"][0]["prompt_logprobs"]
     assert (job["prompt_len"], job["batch"]) == (16, 1)
     check_spread(job["plain_s"])

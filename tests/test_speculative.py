@@ -29,7 +29,7 @@ from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
-from qwen3_spmd.pipeline.speculative import Speculator
+from qwen3_spmd.pipeline.speculative import MAX_WAIT, Pace, Speculator, ladder
 from qwen3_spmd.run.cli import main
 from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -115,6 +115,33 @@ def test_verify_slots_are_listed_then_rolled_back_past_the_kept_tokens():
     book.roll_back(0)
     # K/V stays for positions 0..4 (prompt, 4, 5); 6 is fed next, the rest were rejected.
     assert sorted(book.slot_pos[0][book.slot_pos[0] >= 0].tolist()) == list(range(5))
+
+
+# ---- the pace: how far a request drafts ------------------------------------------------------
+
+
+def test_pace_drafts_as_far_as_it_earned_and_waits_longer_after_each_miss():
+    p = Pace(8)
+    p.after(proposed=8, kept=8, k_max=8, tokens=20)  # all kept: the whole k again
+    assert (p.k, p.waits(20)) == (8, 0)
+    p.after(proposed=8, kept=3, k_max=8, tokens=24)  # a run of 3: twice it next
+    assert (p.k, p.waits(24)) == (6, 0)
+    p.after(proposed=2, kept=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
+    assert p.k == 4
+    waits = []
+    for tokens in range(30, 40):  # misses: one draft at a time, after 2, 4, .. tokens
+        p.after(proposed=p.k, kept=0, k_max=8, tokens=tokens)
+        waits.append(p.waits(tokens))
+        assert p.k == 1
+    assert waits == [2, 4, 8, 16, 32, 64, 64, 64, 64, 64] and MAX_WAIT == 64
+    assert p.waits(39 + 63) == 1 and p.waits(39 + 64) == 0
+    p.after(proposed=1, kept=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
+    assert (p.k, p.misses, p.waits(110)) == (2, 0, 0)
+
+
+def test_a_pass_pads_its_drafts_to_the_ladder():
+    assert ladder(1) == [1] and ladder(3) == [1, 2, 3]
+    assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
 
 
 # ---- verify rounds against plain decoding -----------------------------------------------------
@@ -216,6 +243,38 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert 0 < m.accepted_tokens < m.draft_tokens
     # Fewer passes than tokens: the rounds did give several tokens each.
     assert m.drafts < sum(len(t) - 1 for t in tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wrong:
+    """Drafts the plain run's tokens plus one: never kept."""
+
+    runs: dict
+    num_speculative_tokens: int
+
+    def propose(self, context, k):
+        right = Oracle.propose(self, context, k)
+        return [t + 1 for t in right]
+
+
+def test_a_drafter_that_is_always_wrong_is_paced_off(engines, plain):
+    """Each miss makes the row wait longer before it drafts again, and rounds where no
+    row drafts run as plain decode chunks: the tokens are plain decoding's, and the 20
+    tokens a request makes cost a handful of passes, not one a token."""
+    tokens, finish = plain["greedy"]
+    engine = engines(1, 1, 1)
+    runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
+    engine.speculator = Speculator(engine, Wrong(runs, 4))
+    out = static_batch.generate(engine, PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    assert [c.token_ids for c in out.completions] == tokens
+    assert [c.finish_reason for c in out.completions] == finish
+    m = engine.speculator.metrics
+    assert m.accepted_tokens == 0
+    # Each row: a pass of 4 drafts, then probes of one after 2, 4, 8 tokens (and 16,
+    # past the longest run).
+    assert m.drafts <= 4 * len(PROMPTS) and m.draft_tokens <= m.drafts + 3 * len(PROMPTS)
+    assert out.layout["verify_ticks"] > 0
+    assert out.layout["decode_ticks"] > out.layout["verify_ticks"]  # plain chunks ran too
 
 
 # ---- the doors: LLM (the continuous-batching scheduler) and the command line -------------------

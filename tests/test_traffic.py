@@ -59,6 +59,11 @@ def test_bytes_sent_counts_padding_and_bubbles():
     # float32 + 2 int32 tokens
     assert sent["decode"] == 7 * 2 * 2 * (2 * (cfg.D * 4 + 4))
     assert traffic.bytes_sent(cfg, 1, 2, layout, 4)["total"] == 0
+    # Speculative decoding: 4 of the 7 ticks were two verify passes of 2 ticks over 3
+    # positions a row, each tick one sender stage x 2 seq x [2, 3, D] float32.
+    spec = {**layout, "verify_ticks": 4, "verify_positions": 4 * 3}
+    want = 3 * 2 * 2 * (2 * (cfg.D * 4 + 4)) + 4 * 1 * 2 * (2 * 3 * cfg.D * 4)
+    assert traffic.bytes_sent(cfg, 2, 2, spec, 4)["decode"] == want
 
 
 @pytest.mark.parametrize("spec", [("stage", "seq"), ("stage",), ("seq", None), ()])

@@ -178,6 +178,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="read compiled programs from DIR (and keep new ones there), so that a rerun "
+        "measures running only: compile_s then times the reads (default: off, every "
+        "program compiles and compile_s is the compile)",
+    )
+    p.add_argument(
         "--targets",
         action="store_true",
         help="also print the project's performance targets and whether this run met them "
@@ -506,8 +513,11 @@ def main(args) -> int:
     import jax
 
     # Compile times are part of the figures: every program compiles here, none is read
-    # from a persistent cache (generate's --compile-cache, or $JAX_COMPILATION_CACHE_DIR).
-    jax.config.update("jax_enable_compilation_cache", False)
+    # from a persistent cache (generate's, or $JAX_COMPILATION_CACHE_DIR), unless
+    # --compile-cache names one.
+    from qwen3_spmd.run import compile_cache
+
+    cache = compile_cache.use(args.compile_cache or "off")
 
     from qwen3_spmd.run.bench.jobs import MeshEngines, run_mesh
     from qwen3_spmd.run.bench.measure import MemoSource
@@ -533,6 +543,7 @@ def main(args) -> int:
         "dtype": dtype_name,
         "scenarios": sorted(scenarios),
         "settings": settings,
+        "compile_cache": cache.path,
     }
     say(
         f"bench: {spec.label}; {dtype_name}; meshes "
