@@ -27,7 +27,7 @@ the pass computed at its position. A round with a row under a constraint runs as
 plain decode chunk (the same tokens).
 
 A pass of k + 1 positions costs more than a plain step (on a 2-core CPU, 0.6B float32:
-a quarter of a step more per position, docs/benchmarks.md), so drafts that are
+about a fifth of a step more per position, docs/benchmarks.md), so drafts that are
 rejected are paid for. Each request's `Pace` drafts as far as its last pass earned
 (twice the run it kept, the whole k after a pass that kept all) and, after a pass that
 kept nothing, waits 2, 4, .. 64 tokens before it proposes again. A round where no row
