@@ -801,12 +801,13 @@ def _wait_healthy(proc, url: str, log, limit_s: float = 300) -> float:
 def test_precompile_all_compiles_every_shape_before_serving():
     """--precompile all: every program a round can run is compiled before
     /health says 200, so a request then waits for no compile (the server names each
-    compile it waits for); SIGTERM ends it with 0. The fewest shapes: 1x1, one row, 8
-    positions."""
+    compile it waits for); SIGTERM ends it with 0. 1x1, two rows, 8 positions: the
+    shapes of the --precompile first test below, which then reads them from the
+    session's compile cache."""
     port = free_port()
     env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
-    argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "1", "--max-seq-len", "8"]
+    argv += ["--mesh", "1x1", "--port", str(port), "--max-batch", "2", "--max-seq-len", "8"]
     argv += ["--precompile", "all"]
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
