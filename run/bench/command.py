@@ -182,7 +182,8 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="read compiled programs from DIR (and keep new ones there), so that a rerun "
         "measures running only: compile_s then times the reads (default: off, every "
-        "program compiles and compile_s is the compile)",
+        "program compiles and compile_s is the compile; --url local: the server's "
+        "--compile-cache, default serve's)",
     )
     p.add_argument(
         "--targets",
@@ -640,7 +641,8 @@ def _http_main(args) -> int:
         # The server reads the snapshot folder resolved here, not the hub again; without
         # --model it serves the tiny preset measured here (not serve's own demo).
         model = str(spec.folder) if spec.hub_id else (args.model or "tiny")
-        with http_load.ours(model, mesh, max_batch, seq_len, precompile) as srv:
+        started = http_load.ours(model, mesh, max_batch, seq_len, precompile, args.compile_cache)
+        with started as srv:
             endpoints.append(_endpoint(srv.url, "qwen3-spmd", concurrencies, requests_for, say))
     else:
         endpoints.append(
@@ -655,6 +657,7 @@ def _http_main(args) -> int:
         "machine": machine(0),
         "model": spec.label,
         "settings": {**settings, "serve_concurrency": concurrencies, "url": args.url},
+        "compile_cache": args.compile_cache if args.url == "local" else None,
         "http": {"endpoints": endpoints, "targets": _http_targets(endpoints)},
     }
     if args.json:

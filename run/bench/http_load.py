@@ -216,12 +216,20 @@ class Started:
 
 
 def ours(
-    model: str | None, mesh: str, max_batch: int, max_seq_len: int, precompile: str = "all"
+    model: str | None,
+    mesh: str,
+    max_batch: int,
+    max_seq_len: int,
+    precompile: str = "all",
+    compile_cache: str | None = None,
 ) -> Started:
+    """`qwen3-spmd serve` on a free port (compile_cache: its --compile-cache; None:
+    serve's default)."""
     port = free_port()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--port", str(port)]
     argv += ["--mesh", mesh, "--max-batch", str(max_batch), "--max-seq-len", str(max_seq_len)]
     argv += ["--precompile", precompile]
+    argv += ["--compile-cache", compile_cache] if compile_cache else []
     argv += ["--model", model] if model else []
     from qwen3_spmd.sharding.mesh import parse_mesh
 
