@@ -4,7 +4,8 @@ meshes, through static_batch.generate, LLM's scheduler, generate's flag and benc
 
 Budget: the plain 1x1 runs give the reference tokens (greedy and seeded tokens are the
 same on every mesh, test_engine_mesh); each mesh then builds one engine (1x1's is the
-plain runs' own) and compiles one prefill and a verify program per kind. An oracle
+plain runs' own) and compiles one prefill and the verify programs its passes meet (one
+per draft count of the ladder a pace reaches). An oracle
 drafter (the plain run's tokens, with some drafts made wrong on purpose) makes every
 acceptance length occur: all drafts kept, none, and the run cut in between; the ngram
 drafter runs through generate's flag. 2x2 passed as well when written; it is left out
