@@ -300,12 +300,12 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     rows."""
     (greedy, greedy_end), (sampled, sampled_end) = plain["greedy"], plain["sampled"]
     tokens = [greedy[0], sampled[1], greedy[2]]
-    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     settings = dict(max_seq_len=32, max_batch=2, enable_prefix_caching=False)  # few shapes
     with LLM(str(TINY), mesh="1x1", speculative_config=config, **settings) as llm:
-        assert llm.engine.speculator.config == SpeculativeConfig(3, "ngram", 2, 2)
+        assert llm.engine.speculator.config == SpeculativeConfig(2, "ngram", 2, 2)
         runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
-        llm.engine.speculator = Speculator(llm.engine, Oracle(runs, 3))
+        llm.engine.speculator = Speculator(llm.engine, Oracle(runs, 2))
         stop = dict(max_tokens=N_NEW, stop_token_ids=list(EOS), ignore_eos=True, seed=SEED)
         hot = dict(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p)
         params = [SamplingParams(**stop), SamplingParams(**stop, **hot), SamplingParams(**stop)]
