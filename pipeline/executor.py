@@ -105,7 +105,7 @@ class Executor:
         chunk, spec = round.decode, self.engine.speculator
         if spec is not None and spec.takes(chunk):  # pipeline.speculative
             drafts = spec.drafts(self.book, chunk.shape.rows)
-            if spec.pays(drafts):
+            if any(drafts.values()):
                 return self._forget(spec.verify(self, chunk.shape.rows, drafts))
             steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
             chunk = dataclasses.replace(chunk, steps=steps)

@@ -30,13 +30,10 @@ A pass of k + 1 positions costs more than a plain step (on a 2-core CPU, 0.6B fl
 about a fifth of a step more per position, docs/benchmarks.md), so drafts that are
 rejected are paid for. Each request's `Pace` drafts as far as its last pass earned
 (twice the run it kept, the whole k after a pass that kept all) and, after a pass that
-kept nothing, waits 2, 4, .. 64 tokens before it proposes again. A pass is the
-round's: every live row runs its positions, and a row without drafts gets one token
-from it. So a round verifies only where the drafts fill at least half the pass's draft
-positions (`FILL`); else, and where no row proposes, it runs as a plain decode chunk
-(up to the next row's turn, at least k + 1 steps). A drafter that is always wrong then
-costs one pass now and then. The pace depends on the tokens only, so every process of
-a job paces alike.
+kept nothing, waits 2, 4, .. 64 tokens before it proposes again. A round where no row
+proposes runs as a plain decode chunk (up to the next row's turn, at least k + 1
+steps), so a drafter that is always wrong costs one pass now and then. The pace
+depends on the tokens only, so every process of a job paces alike.
 """
 
 from __future__ import annotations
@@ -65,10 +62,6 @@ if TYPE_CHECKING:
 # The longest wait (tokens) after passes that kept no draft: a request whose drafter
 # has started to agree is probed again within this many tokens.
 MAX_WAIT = 64
-# The share of a pass's draft positions (live rows x its draft count) the drafts must
-# fill for the round to verify: at batch 8 on CPU, passes where one row in eight drafts
-# made ngram 0.44x plain (docs/benchmarks.md).
-FILL = 0.5
 
 
 @dataclasses.dataclass
@@ -163,21 +156,10 @@ class Speculator:
                 out[b] = list(self.config.propose(context, k_b))[:k_b]
         return out
 
-    def width(self, drafts: dict[int, list[int]]) -> int:
-        """The draft count of a pass carrying `drafts`: the longest, padded to the ladder."""
-        longest = max(map(len, drafts.values()), default=0)
-        return min(x for x in ladder(self.config.num_speculative_tokens) if x >= longest)
-
-    def pays(self, drafts: dict[int, list[int]]) -> bool:
-        """Whether a round with these drafts (each live row's, empty ones included) runs
-        as a verify pass: they fill at least FILL of its draft positions."""
-        carried = sum(map(len, drafts.values()))
-        return carried > 0 and carried >= FILL * self.width(drafts) * len(drafts)
-
     def plain_steps(self, book, n: int, steps: int) -> int:
-        """Steps of the plain decode chunk a round runs when it does not verify: `steps`
-        (the planner's), cut at the first row's turn to propose again, but at least
-        k + 1 (a drafter with nothing now may have something a token later)."""
+        """Steps of the plain decode chunk a round runs when no row proposes: `steps` (the
+        planner's), cut at the first row's turn to propose again, but at least k + 1 (a
+        drafter with nothing now may have something a token later)."""
         k = self.config.num_speculative_tokens
         rows = [book.rows[b] for b in book.live() if b < n]
         turns = [row.pace.waits(len(row.generated)) for row in rows if row.pace is not None]
@@ -190,7 +172,8 @@ class Speculator:
         rejected slots unlisted."""
         eng, book = self.engine, executor.book
         k = self.config.num_speculative_tokens
-        T = 1 + self.width(drafts)
+        longest = max(map(len, drafts.values()), default=0)
+        T = 1 + min(x for x in ladder(k) if x >= longest)
         live = sorted(drafts)
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
