@@ -321,8 +321,9 @@ class Engine:
         positional arguments were)."""
         return jax.tree.map(self.copies.placed, inputs, specs)
 
-    def _run(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
-        """The compiled program `name` on (weights, cache, inputs placed on the mesh)."""
+    def run_program(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
+        """The compiled program `name` on (weights, cache, inputs placed on the mesh); the
+        seconds waited for its compile go to clock.compile_s (the caller times the run)."""
         program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
         clock.compile_s += waited
         return program(self.weights, cache, inputs)
@@ -356,7 +357,7 @@ class Engine:
         name = self.prefill_name(strategy, with_context, batch.block, scored)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        logits, cache, *prompt = self._run(name, fn, clock, cache, inputs)
+        logits, cache, *prompt = self.run_program(name, fn, clock, cache, inputs)
         first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
         first = np.asarray(first)
         prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
@@ -394,7 +395,7 @@ class Engine:
         fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
         compile_before = clock.compile_s
         t0 = time.perf_counter()
-        out, cache = self._run(name, fn, clock, cache, inputs)
+        out, cache = self.run_program(name, fn, clock, cache, inputs)
         out.tokens.block_until_ready()
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return out, cache

@@ -29,11 +29,11 @@ plain decode chunk (the same tokens).
 A pass of k + 1 positions costs more than a plain step (on a 2-core CPU, 0.6B float32:
 about a fifth of a step more per position, docs/benchmarks.md), so drafts that are
 rejected are paid for. Each request's `Pace` drafts as far as its last pass earned
-(twice the run it kept, the whole k after a pass that kept all) and, after a pass that
-kept nothing, waits 2, 4, .. 64 tokens before it proposes again. A round where no row
-proposes runs as a plain decode chunk (up to the next row's turn, at least k + 1
-steps), so a drafter that is always wrong costs one pass now and then. The pace
-depends on the tokens only, so every process of a job paces alike.
+(twice the run it kept, at most k) and, after a pass that kept nothing, waits 2, 4,
+.. 64 tokens before it proposes again. A round where no row proposes runs as a plain
+decode chunk (up to the next row's turn, at least k + 1 steps), so a drafter that is
+always wrong costs one pass now and then. The pace depends on the tokens only, so
+every process of a job paces alike.
 """
 
 from __future__ import annotations
@@ -74,15 +74,15 @@ class Pace:
     misses: int = 0
     wait_until: int = 0
 
-    def after(self, proposed: int, kept: int, k_max: int, tokens: int) -> None:
-        """The pass proposed `proposed` drafts and kept `kept`; the row now has `tokens`."""
+    def after(self, kept: int, k_max: int, tokens: int) -> None:
+        """The pass kept `kept` of the drafts it proposed; the row now has `tokens`."""
         if kept == 0:
             self.misses += 1
             self.k = 1
             self.wait_until = tokens + min(2**self.misses, MAX_WAIT)
         else:
             self.misses = 0
-            self.k = min(k_max, 2 * kept if kept < proposed else 2 * proposed)
+            self.k = min(k_max, 2 * kept)
 
     def waits(self, tokens: int) -> int:
         """Tokens before it may propose again (0: now)."""
@@ -205,9 +205,9 @@ class Speculator:
         name += ("logprobs",) if logprobs else ()
         clock = executor.clock
         compile_before, t0 = clock.compile_s, time.perf_counter()
-        # engine._run: compiled once per shape, float32 at full precision, compile
-        # time counted apart from the pass's.
-        out, lp, executor.cache = eng._run(
+        # Compiled once per shape, float32 at full precision, compile time counted
+        # apart from the pass's (as the engine's own programs).
+        out, lp, executor.cache = eng.run_program(
             name, self._fn(book.groups, T, sampled, logprobs), clock, cache, inputs
         )
         out = np.asarray(out)
@@ -225,13 +225,13 @@ class Speculator:
             agreed = 0
             while agreed < len(d) and d[agreed] == out[b, agreed]:
                 agreed += 1
-            request = book.rows[b].request
+            row = book.rows[b]
+            request = row.request
             if d:
                 self.metrics.drafts += 1
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
-                row = book.rows[b]
-                row.pace.after(len(d), agreed, k, len(row.generated) + agreed + 1)
+                row.pace.after(agreed, k, len(row.generated) + agreed + 1)
             update = book.extend(b, out[b, : agreed + 1])
             if request.params.logprobs:  # each kept token's, as the pass computed it
                 update.logprobs = [

@@ -123,20 +123,20 @@ def test_verify_slots_are_listed_then_rolled_back_past_the_kept_tokens():
 
 def test_pace_drafts_as_far_as_it_earned_and_waits_longer_after_each_miss():
     p = Pace(8)
-    p.after(proposed=8, kept=8, k_max=8, tokens=20)  # all kept: the whole k again
+    p.after(kept=8, k_max=8, tokens=20)  # all kept: the whole k again
     assert (p.k, p.waits(20)) == (8, 0)
-    p.after(proposed=8, kept=3, k_max=8, tokens=24)  # a run of 3: twice it next
+    p.after(kept=3, k_max=8, tokens=24)  # a run of 3: twice it next
     assert (p.k, p.waits(24)) == (6, 0)
-    p.after(proposed=2, kept=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
+    p.after(kept=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
     assert p.k == 4
     waits = []
     for tokens in range(30, 40):  # misses: one draft at a time, after 2, 4, .. tokens
-        p.after(proposed=p.k, kept=0, k_max=8, tokens=tokens)
+        p.after(kept=0, k_max=8, tokens=tokens)
         waits.append(p.waits(tokens))
         assert p.k == 1
     assert waits == [2, 4, 8, 16, 32, 64, 64, 64, 64, 64] and MAX_WAIT == 64
     assert p.waits(39 + 63) == 1 and p.waits(39 + 64) == 0
-    p.after(proposed=1, kept=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
+    p.after(kept=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
     assert (p.k, p.misses, p.waits(110)) == (2, 0, 0)
 
 
