@@ -74,7 +74,8 @@ class Scheduler:
         tokens (rounded down to a multiple of 2C), one a round.
       short_chunk: decode steps a round runs while requests wait for a row.
       max_queue: requests waiting for a row at most (beyond the rows free as of the
-        last round); `submit` refuses more (QueueFull).
+        last round); `submit` refuses more (QueueFull), and `submit_all` a group
+        that does not fit whole.
       decisions: with several processes, how they share each round
         (`pipeline.decisions.SharedDecisions`); None in a single process.
       prefix_cache_bytes: each device's bytes for the prefix cache's pool of prompt
@@ -321,27 +322,43 @@ class Scheduler:
         round: a server's event loop may call it. sample_index: its sampling key is
         (seed, sample_index, step); the i-th prompt of a batch passes i to sample as
         `static_batch.generate` does."""
+        return self.submit_all([(prompt_ids, params, sample_index)])[0]
+
+    def submit_all(self, requests: list[tuple]) -> list[Handle]:
+        """Queues every (prompt_ids, params, sample_index) of `requests`, or none: a
+        RequestError for any of them, or QueueFull when they do not all fit, leaves the
+        queue as it was (a refused n=3 request holds no place, not even for a round)."""
         if self.follower:
             raise RequestError("this process follows process 0: submit requests there")
         if self.failure is not None:
             raise RequestError(f"the scheduler stopped after an error: {self.failure}")
-        prompt = tuple(int(t) for t in prompt_ids)
-        self.engine.check([list(prompt)], params.max_new_tokens, params.min_tokens, params.eos_ids)
-        if params.constraint is not None:
-            self.compile_constraint(params.constraint)
+        checked = []
+        for prompt_ids, params, sample_index in requests:
+            prompt = tuple(int(t) for t in prompt_ids)
+            self.engine.check(
+                [list(prompt)], params.max_new_tokens, params.min_tokens, params.eos_ids
+            )
+            if params.constraint is not None:
+                self.compile_constraint(params.constraint)
+            checked.append((prompt, params, sample_index))
         with self._lock:
-            if self._queued >= self.max_queue + self._free_count:
+            if self._queued + len(checked) > self.max_queue + self._free_count:
+                more = f" and these {len(checked)} do not fit" if len(checked) > 1 else ""
                 raise QueueFull(
-                    f"{self._queued} requests are waiting ($max_queue {self.max_queue}): "
-                    f"retry later, or raise $max_queue",
+                    f"{self._queued} requests are waiting ($max_queue {self.max_queue})"
+                    f"{more}: retry later, or raise $max_queue",
                     "max_queue",
                 )
-            handle = Handle(Request(next(self._ids), prompt, params, sample_index), self._drive)
-            self._handles[handle.id] = handle
-            self._inbox.append(handle)
-            self._queued += 1
+            handles = []
+            for prompt, params, sample_index in checked:
+                request = Request(next(self._ids), prompt, params, sample_index)
+                handle = Handle(request, self._drive)
+                self._handles[handle.id] = handle
+                self._inbox.append(handle)
+                handles.append(handle)
+            self._queued += len(handles)
             self._wake.notify_all()
-        return handle
+        return handles
 
     def compile_constraint(self, constraint: Constraint) -> None:
         """Compiles a request's constraint (cached by its text; ConstraintError, a

@@ -310,6 +310,10 @@ def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
     ]:
         with pytest.raises(RequestError, match=match):
             sched.submit(*bad)
+    group = [([1, 2], Params(2), i) for i in range(4)]  # one more than the places left
+    with pytest.raises(QueueFull, match="these 4 do not fit"):
+        sched.submit_all(group)
+    assert sched.waiting == 1  # all or none: the refused group holds no place
     for _ in range(3):  # 2 free rows + max_queue 2 waiting: the fifth is refused
         sched.submit([1, 2], Params(2))
     with pytest.raises(QueueFull, match="max_queue"):

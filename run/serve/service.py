@@ -314,30 +314,28 @@ class Service:
         """Every choice of `job` queued, or none (APIError 503 when the queue is full)."""
         if self.draining:
             raise self.unavailable("the server is shutting down")
-        choices = []
+        requests = []
+        for p, prompt in enumerate(job.prompts):
+            for j in range(job.n):
+                params = Params(
+                    max_new_tokens=job.max_tokens[p],
+                    sampling=job.sampling,
+                    seed=key_seed(job.seed + j),
+                    eos_ids=job.stop_ids,
+                    min_tokens=job.min_tokens,
+                    logprobs=job.logprobs is not None,
+                    prompt_logprobs=job.scores_prompt,
+                    constraint=job.constraint,
+                )
+                requests.append((prompt, params, 0))
         try:
-            for p, prompt in enumerate(job.prompts):
-                for j in range(job.n):
-                    params = Params(
-                        max_new_tokens=job.max_tokens[p],
-                        sampling=job.sampling,
-                        seed=key_seed(job.seed + j),
-                        eos_ids=job.stop_ids,
-                        min_tokens=job.min_tokens,
-                        logprobs=job.logprobs is not None,
-                        prompt_logprobs=job.scores_prompt,
-                        constraint=job.constraint,
-                    )
-                    handle = self.scheduler.submit(prompt, params)
-                    choices.append(Choice(p * job.n + j, handle, job, self.decode))
+            handles = self.scheduler.submit_all(requests)
         except QueueFull as e:
-            self.cancel(choices)
             self.metrics.rejected("queue_full")
             raise self.unavailable(in_flags(e), "queue_full") from None  # the server's flag
         except RequestError as e:
-            self.cancel(choices)
             raise _invalid(e) from None
-        return choices
+        return [Choice(i, handle, job, self.decode) for i, handle in enumerate(handles)]
 
     def unavailable(self, message: str, code: str = "unavailable") -> APIError:
         retry = {"Retry-After": str(self.settings.retry_after_s)}
