@@ -205,6 +205,9 @@ class Scripted:
         handle._deliver(tokens, params.finish_reason(tokens))
         return handle
 
+    def submit_all(self, requests):
+        return [self.submit(prompt, params) for prompt, params, _ in requests]
+
     def cancel(self, handle):
         pass
 
