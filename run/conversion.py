@@ -74,11 +74,6 @@ def convert(
             "Face checkpoint folder (config.json + safetensors)"
         )
     cfg = Qwen3Config.from_hf(hf_folder)
-    if cfg.fp8_block is not None:  # issue 45: orbax would have to keep float8 and scales
-        raise LoadError(
-            f"{hf_folder} is an FP8 checkpoint, which convert does not write to orbax yet: "
-            "generate, bench and serve load the FP8 folder itself"
-        )
     source = HFCheckpoint(hf_folder, cfg)  # checks every tensor before anything is written
     if dtype is None:
         raw = json.loads((hf_folder / "config.json").read_text())

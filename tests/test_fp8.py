@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from qwen3_spmd.model import fp8
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError
+from qwen3_spmd.model.checkpoint.orbax_io import OrbaxCheckpoint, is_orbax_checkpoint
 from qwen3_spmd.model.checkpoint.quantize import dequantize_fp8, quantize_fp8
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import param_path
@@ -79,7 +80,9 @@ def _run(folder, S, C, X):
     if key not in _ENGINES:
         cfg = Qwen3Config.from_hf(folder)
         mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
-        engine = Engine(cfg, HFCheckpoint(folder, cfg), mesh, max_seq_len=64, chunk=4)
+        orbax = is_orbax_checkpoint(folder)
+        source = (OrbaxCheckpoint if orbax else HFCheckpoint)(folder, cfg)
+        engine = Engine(cfg, source, mesh, max_seq_len=64, chunk=4)
         _ENGINES[key] = (engine, static_batch.generate(engine, _prompts(cfg), N_NEW))
     return _ENGINES[key]
 
@@ -162,6 +165,30 @@ def test_fp8_logits_equal_float32_on_dequantized_weights(folders, name, mesh):
     _, gen = _run(q, *mesh)
     np.testing.assert_allclose(gen.first_logits, base.first_logits, atol=TOL, rtol=0)
     assert [c.token_ids for c in gen.completions] == [c.token_ids for c in base.completions]
+
+
+@pytest.mark.parametrize("name", ["wide16", "moe8"])
+def test_fp8_through_orbax_keeps_one_byte_a_weight_and_the_logits(folders, name, tmp_path):
+    """convert to orbax stores the projections float8 beside their float32 scales (a
+    byte and 4 / block of one a weight, against float32's 4) and restores them into the
+    same logits on 1x1x2, where a tensor share ends inside a block."""
+    from qwen3_spmd.run.conversion import convert
+
+    q, f32 = folders[name]
+    meta = convert(q, tmp_path / "orbax", dtype="float32")
+    plain = convert(f32, tmp_path / "plain", dtype="float32")
+    linear = bytes_per_device(Qwen3Config.from_hf(f32), 1, 1, jnp.float32)["linear"]
+    assert plain["bytes"] - meta["bytes"] >= 0.6 * linear, (meta["bytes"], plain["bytes"])
+    engine, gen = _run(tmp_path / "orbax", 1, 1, 2)
+    _, base = _run(f32, 1, 1, 1)
+    np.testing.assert_allclose(gen.first_logits, base.first_logits, atol=TOL, rtol=0)
+    assert [c.token_ids for c in gen.completions] == [c.token_ids for c in base.completions]
+    held = {
+        param_path(k)[-1]: x.dtype
+        for k, x in jax.tree_util.tree_flatten_with_path(engine.weights.state)[0]
+    }
+    assert held["q_nhd"] == held["down_df" if name == "wide16" else "down_edf"] == fp8.FP8
+    assert held["q_nhd_scale"] == jnp.float32
 
 
 def test_fp8_weights_are_one_byte_on_the_devices(folders):
@@ -277,7 +304,7 @@ def test_float_weights_under_an_fp8_config_name_the_tensor(folders, tmp_path):
         HFCheckpoint(bad, Qwen3Config.from_hf(bad))
 
 
-def test_convert_quantize_writes_an_fp8_folder_and_refuses_one(tmp_path, capsys):
+def test_convert_quantize_writes_an_fp8_folder_and_refuses_an_fp8_one(tmp_path, capsys):
     from qwen3_spmd.run.cli import main
 
     src, cfg, _, _ = fixture("tied")
@@ -290,8 +317,6 @@ def test_convert_quantize_writes_an_fp8_folder_and_refuses_one(tmp_path, capsys)
         == 2
     )
     assert "is already quantized" in capsys.readouterr().err
-    assert main(["convert", "--model", str(out), "--out", str(tmp_path / "o")]) == 2
-    assert "FP8 checkpoint, which convert does not write to orbax yet" in capsys.readouterr().err
 
 
 def test_a_part_of_fp8_weights_and_scales_is_those_rows(folders):

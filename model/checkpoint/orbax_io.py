@@ -49,7 +49,9 @@ host's rows). How much it holds beyond what it keeps: one parameter's layers for
 stages, twice (the read arrays and the stacked copy), at the peak.
 
 Restoring into a different dtype than the stored one casts on read (float32 stored,
-bfloat16 restored, or the other way).
+bfloat16 restored, or the other way). An FP8 checkpoint's projections are stored as
+they are held, float8 beside their float32 scales in our layout (model.fp8), so its
+conversion keeps one byte a weight and restores them unchanged in either dtype.
 """
 
 from __future__ import annotations
@@ -108,6 +110,15 @@ def _param_shapes(cfg: Qwen3Config) -> dict[ParamPath, tuple[int, ...]]:
     shapes: dict[ParamPath, tuple[int, ...]] = {}
     map_params(lambda path, x: shapes.__setitem__(path, tuple(x.shape)), abstract)
     return shapes
+
+
+def _stored_dtypes(cfg: Qwen3Config, dtype) -> dict[ParamPath, np.dtype]:
+    """NNX state path -> the dtype it is stored in: the model's own, so an FP8 config's
+    projections stay float8 and their scales float32 (model.fp8), the rest `dtype`."""
+    _, abstract = abstract_model(cfg, dtype)
+    dtypes: dict[ParamPath, np.dtype] = {}
+    map_params(lambda path, x: dtypes.__setitem__(path, np.dtype(x.dtype)), abstract)
+    return dtypes
 
 
 def _pieces(path: ParamPath, shape: Sequence[int]) -> dict[int, int]:
@@ -195,20 +206,19 @@ def write_params(
 
     import orbax.checkpoint as ocp
 
-    dtype = jnp.dtype(dtype)
-    shapes = _param_shapes(cfg)
+    shapes, dtypes = _param_shapes(cfg), _stored_dtypes(cfg, dtype)
     items = [
         (path, keys, shape)
         for path, full in shapes.items()
         for keys, shape in _stored_keys(path, full, range(cfg.L))
     ]
-    total = sum(int(np.prod(s)) for _, _, s in items) * dtype.itemsize
+    total = sum(int(np.prod(s)) * dtypes[path].itemsize for path, _, s in items)
     flat, save_args, done = {}, {}, 0
     for path, keys, shape in items:
         if path[0] == "layers":
-            x = source.read(path, dtype, [int(keys[-1])])[0]
+            x = source.read(path, dtypes[path], [int(keys[-1])])[0]
         else:
-            x = source.read(path, dtype)
+            x = source.read(path, dtypes[path])
         want = shapes[path][path[0] == "layers" :]
         if tuple(x.shape) != want:  # a source bug, not a user error
             raise LoadError(
