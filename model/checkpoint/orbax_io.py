@@ -104,21 +104,14 @@ def is_orbax_checkpoint(folder: str | Path) -> bool:
 # ---- the stored tree ------------------------------------------------------------------
 
 
-def _param_shapes(cfg: Qwen3Config) -> dict[ParamPath, tuple[int, ...]]:
-    """NNX state path -> shape in our stacked layout ([L, ...] for layer parameters)."""
-    _, abstract = abstract_model(cfg, np.float32)
-    shapes: dict[ParamPath, tuple[int, ...]] = {}
-    map_params(lambda path, x: shapes.__setitem__(path, tuple(x.shape)), abstract)
-    return shapes
-
-
-def _stored_dtypes(cfg: Qwen3Config, dtype) -> dict[ParamPath, np.dtype]:
-    """NNX state path -> the dtype it is stored in: the model's own, so an FP8 config's
-    projections stay float8 and their scales float32 (model.fp8), the rest `dtype`."""
+def _params(cfg: Qwen3Config, dtype=np.float32) -> dict[ParamPath, tuple[tuple, np.dtype]]:
+    """NNX state path -> (shape in our stacked layout, [L, ...] for layer parameters;
+    the dtype it is stored in: the model's own, so an FP8 config's projections stay
+    float8 and their scales float32 (model.fp8), the rest `dtype`)."""
     _, abstract = abstract_model(cfg, dtype)
-    dtypes: dict[ParamPath, np.dtype] = {}
-    map_params(lambda path, x: dtypes.__setitem__(path, np.dtype(x.dtype)), abstract)
-    return dtypes
+    out: dict[ParamPath, tuple[tuple, np.dtype]] = {}
+    map_params(lambda path, x: out.__setitem__(path, (tuple(x.shape), np.dtype(x.dtype))), abstract)
+    return out
 
 
 def _pieces(path: ParamPath, shape: Sequence[int]) -> dict[int, int]:
@@ -206,7 +199,9 @@ def write_params(
 
     import orbax.checkpoint as ocp
 
-    shapes, dtypes = _param_shapes(cfg), _stored_dtypes(cfg, dtype)
+    params = _params(cfg, dtype)
+    shapes = {path: shape for path, (shape, _) in params.items()}
+    dtypes = {path: stored for path, (_, stored) in params.items()}
     items = [
         (path, keys, shape)
         for path, full in shapes.items()
@@ -287,7 +282,7 @@ class OrbaxCheckpoint:
         self.cfg = cfg
         self.meta = read_metadata(self.folder)
         self.params_dir = (self.folder / PARAMS_DIR).absolute()
-        self.shapes = _param_shapes(cfg)
+        self.shapes = {path: shape for path, (shape, _) in _params(cfg).items()}
         self.bytes_read = 0
         self._check()
         import tensorstore as ts
