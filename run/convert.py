@@ -91,6 +91,13 @@ def register(subparsers) -> None:
         help="write --out as a Hugging Face FP8 checkpoint (block-wise float8_e4m3fn "
         "weights with 128x128 scales, as Qwen publishes them) instead of orbax",
     )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="with --quantize: the largest safetensors file written, as transformers' "
+        "max_shard_size (5GB: 10^9 bytes a GB; 4GiB: 2^30; default 5GB)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
@@ -168,19 +175,26 @@ def main(args) -> int:
 def _quantize(hf_folder, out: Path, args, report: dict, say) -> int:
     """--quantize fp8: the FP8 form of an unquantized checkpoint folder."""
     from qwen3_spmd.model.checkpoint.quantize import quantize_fp8
+    from qwen3_spmd.model.checkpoint.shards import parse_size
 
     if args.measure:
         raise CLIError("--measure compares orbax with safetensors: drop --quantize")
+    try:
+        max_shard_bytes = parse_size(args.max_shard_size)
+    except ValueError as e:
+        raise CLIError(f"--max-shard-size {e}") from None
     _clear_out(out, args.force)
     t0 = time.perf_counter()
     try:
-        made = quantize_fp8(hf_folder, out)
+        made = quantize_fp8(hf_folder, out, max_shard_bytes=max_shard_bytes)
     except ValueError as e:
         raise CLIError(str(e)) from None
     report["quantize"] = {**made, "seconds": round(time.perf_counter() - t0, 2)}
+    shards = sum(f.endswith(".safetensors") for f in made["files"])
     say(
         f"wrote {out}: FP8 checkpoint, {made['quantized']} weights quantized, "
-        f"{made['bytes'] / 1e6:.1f} MB in {report['quantize']['seconds']} s"
+        f"{made['bytes'] / 1e6:.1f} MB in {shards} safetensors file{'s' * (shards > 1)} "
+        f"in {report['quantize']['seconds']} s"
     )
     if args.json:
         print(json.dumps(report))
@@ -292,11 +306,14 @@ def _clear_out(out: Path, force: bool) -> None:
     Hugging Face checkpoint folder (never another folder's files)."""
     import shutil
 
+    from qwen3_spmd.model.checkpoint.shards import INDEX, SINGLE
+
     if not out.exists():
         return
     if not force:
         raise CLIError(f"--out {out} already exists: pass --force to replace it")
-    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+    weights = (out / SINGLE).is_file() or (out / INDEX).is_file()
+    if not (out / "config.json").is_file() or not weights:
         raise CLIError(
             f"--out {out} exists and is not a Hugging Face checkpoint folder, which is all "
             "--force replaces: choose another --out, or remove it yourself"

@@ -13,6 +13,7 @@ Budget: one engine per (checkpoint, mesh), one generate each.
 """
 
 import json
+import os
 import shutil
 
 import jax
@@ -317,6 +318,55 @@ def test_convert_quantize_writes_an_fp8_folder_and_refuses_an_fp8_one(tmp_path, 
         == 2
     )
     assert "is already quantized" in capsys.readouterr().err
+
+
+def test_convert_quantize_writes_shards_as_transformers_does(folders, tmp_path, capsys):
+    """--max-shard-size: the FP8 folder in model-0000i-of-0000N.safetensors files with
+    their index, each file at most the size but where one tensor alone is larger; the
+    same tensors as the one-file folder, read by the loader; --force replaces a sharded
+    folder; a size that is not one is a one-line refusal."""
+    from qwen3_spmd.run.cli import main
+
+    src, _, _, _ = fixture("wide")
+    one, _ = folders["wide16"]
+    whole = HFCheckpoint(one, Qwen3Config.from_hf(one))
+    out = tmp_path / "q"
+    limit = 40_000  # bytes: the float32 embedding (333 x 32 x 4 = 42,624) is larger
+    argv = ["convert", "--model", str(src), "--out", str(out), "--quantize", "fp8"]
+    # the fixture quantized with 128-blocks: its own weights, not wide16's
+    assert main([*argv, "--max-shard-size", f"{limit / 1000}KB"]) == 0
+    capsys.readouterr()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / "model.safetensors").exists() and not list(out.glob("*.part"))
+    sizes = {}
+    for f in files:
+        _, header = _header(out / f)
+        held = {k: v for k, v in header.items() if k != "__metadata__"}
+        assert {k for k, v in index["weight_map"].items() if v == f} == set(held)
+        sizes[f] = sum(v["data_offsets"][1] - v["data_offsets"][0] for v in held.values())
+        assert sizes[f] <= limit or len(held) == 1, f
+        umask = os.umask(0)
+        os.umask(umask)
+        assert (out / f).stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    # the same tensors as one file of the same quantization
+    single = tmp_path / "single"
+    assert main(["convert", "--model", str(src), "--out", str(single), "--quantize", "fp8"]) == 0
+    a = HFCheckpoint(out, Qwen3Config.from_hf(out))
+    b = HFCheckpoint(single, Qwen3Config.from_hf(single))
+    assert set(a.files) == set(b.files) and len(a.files) > len(whole.files) // 2
+    for name in b.files:
+        x, y = a._read_tensor(name), b._read_tensor(name)
+        assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), name
+    assert main([*argv, "--force", "--max-shard-size", "5GB"]) == 0
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+    capsys.readouterr()
+    assert main([*argv, "--force", "--max-shard-size", "lots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--max-shard-size 'lots' is not a size" in err, err
 
 
 def test_a_part_of_fp8_weights_and_scales_is_those_rows(folders):
