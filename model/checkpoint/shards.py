@@ -69,10 +69,12 @@ class ShardWriter:
         self._pending: dict[str, np.ndarray] = {}
         self._pending_bytes = 0
         self._written: list[list[str]] = []  # each written shard's tensor names
+        self._names: set[str] = set()  # every tensor added (a large MoE has ~10^5)
 
     def add(self, name: str, x: np.ndarray) -> None:
-        if name in self._pending or any(name in names for names in self._written):
+        if name in self._names:
             raise ValueError(f"tensor {name} was added twice")
+        self._names.add(name)
         x = np.ascontiguousarray(x)
         if self._pending and self._pending_bytes + x.nbytes > self.max_bytes:
             self._flush()
