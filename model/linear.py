@@ -43,8 +43,19 @@ class Linear:
 
     def read(self, module: nnx.Module, name: str) -> jax.Array:
         """module.name as the product takes it, in the activations' dtype."""
+        return self.product(name, *self.stored(module, name))
+
+    def stored(self, module: nnx.Module, name: str) -> tuple[jax.Array, jax.Array | None]:
+        """(module.name as held, its FP8 scales or None): for a reader that takes part
+        of it (some experts) before `product`."""
         w = getattr(module, name)[...]
         if self.blocks is None:
+            return w, None
+        return w, getattr(module, name + fp8.SCALE_SUFFIX)[...]
+
+    def product(self, name: str, w: jax.Array, scale: jax.Array | None) -> jax.Array:
+        """Weight `name` (all of it, or a part with the same part of its scales) as the
+        product takes it: plain as it is, FP8 dequantized."""
+        if scale is None:
             return w
-        scale = getattr(module, name + fp8.SCALE_SUFFIX)[...]
         return fp8.dequantize(w, scale, name, self.blocks, self.dtype)

@@ -22,9 +22,14 @@ Five formulations of the experts compute the same sum:
 - `experts_blocked`: the same sort, each expert's run padded to blocks of rows, and a
   loop of one expert's matmul per block (a grouped matmul without ragged_dot).
 `formulation` picks one by the number of rows and the platform (DECODE, PREFILL).
+Each reads the experts' weights through `Stacked`: whole, the experts of some pairs, or
+one expert, so an FP8 checkpoint's experts are dequantized only where they are read (a
+decode step dequantizes the R * A experts it uses, not all E).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +77,45 @@ def route(x: jax.Array, router_ed: jax.Array, top: int, normalize: bool):
     return weights.astype(x.dtype), ids.astype(jnp.int32), logits
 
 
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """One projection of the experts, stacked [E, N, K] ([out, in] per expert), as a
+    formulation reads it: `whole()`, the experts `take(ids)` names, or `one(e)`. It is
+    held as stored (float8 and its scales in an FP8 checkpoint) and dequantized in what
+    is read (`Linear.product`)."""
+
+    w: jax.Array
+    scale: jax.Array | None = None  # FP8: the scales, experts leading as w's
+    name: str = ""  # the parameter (which axis is D, for the scales)
+    linear: Linear | None = None  # FP8: how to dequantize
+
+    @classmethod
+    def of(cls, module: nnx.Module, name: str, linear: Linear) -> Stacked:
+        return cls(*linear.stored(module, name), name, linear)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    def _product(self, w, scale) -> jax.Array:
+        return w if scale is None else self.linear.product(self.name, w, scale)
+
+    def whole(self) -> jax.Array:
+        """[E, N, K] in the activations' dtype."""
+        return self._product(self.w, self.scale)
+
+    def take(self, ids: jax.Array) -> jax.Array:
+        """The experts ids [...] names: [..., N, K]."""
+        return self._product(self.w[ids], None if self.scale is None else self.scale[ids])
+
+    def one(self, e: jax.Array) -> jax.Array:
+        """Expert e (a traced scalar): [N, K]."""
+        w = jax.lax.dynamic_index_in_dim(self.w, e, keepdims=False)
+        if self.scale is None:
+            return w
+        return self._product(w, jax.lax.dynamic_index_in_dim(self.scale, e, keepdims=False))
+
+
 def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return jax.nn.silu(h_gate) * h_up
 
@@ -86,6 +130,7 @@ def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENS
     float32 accumulation over E * F is then the weighted sum."""
     R, D = x.shape
     E, F, _ = gate_efd.shape
+    gate_efd, up_efd, down_edf = (w.whole() for w in (gate_efd, up_efd, down_edf))
     combine = (
         jnp.zeros((R, E), jnp.float32)
         .at[jnp.arange(R)[:, None], ids]
@@ -115,7 +160,7 @@ def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENS
 def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     """Each row through its own A experts, their weights gathered. x [R, D], weights and
     ids [R, A] -> [R, D] float32. Reads R * A experts' weights (fewer when rows share)."""
-    gate, up, down = gate_efd[ids], up_efd[ids], down_edf[ids]  # [R, A, F, D], [R, A, D, F]
+    gate, up, down = (w.take(ids) for w in (gate_efd, up_efd, down_edf))  # [R, A, F|D, D|F]
     h = _swiglu(jnp.einsum("RD,RAFD->RAF", x, gate), jnp.einsum("RD,RAFD->RAF", x, up))
     y = jnp.einsum("RAF,RADF->RAD", h, down)
     return jnp.einsum(
@@ -123,12 +168,12 @@ def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     )
 
 
-def _expert_times(w_eno, e, v) -> jax.Array:
+def _expert_times(w_eno: Stacked, e, v) -> jax.Array:
     """w_eno [E, N, K] experts stacked [out, in], e a scalar expert, v [K] -> w[e] @ v
     [N]. With K <= FUSED_MAX_K it is written v @ w[e]^T, which XLA's CPU backend fuses
     with the slice into one loop on both cores that reads the expert in place; the
     plain form copies the slice out of the stack first, then reads it on one thread."""
-    w = jax.lax.dynamic_index_in_dim(w_eno, e, keepdims=False)
+    w = w_eno.one(e)
     return v @ w.T if w.shape[1] <= FUSED_MAX_K else w @ v
 
 
@@ -148,7 +193,7 @@ def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf, skip_zero: bool 
         if not skip_zero:
             return product(*p)
         # Inside shard_map both branches must vary along the same mesh axes.
-        axes = frozenset().union(*(varying_axes(a) for a in (x, weights, down_edf)))
+        axes = frozenset().union(*(varying_axes(a) for a in (x, weights, down_edf.w)))
         zeros = make_varying(jnp.zeros((down_edf.shape[1],), jnp.float32), axes)
         return jax.lax.cond(p[2] != 0, lambda p: product(*p), lambda p: zeros, p)
 
@@ -177,6 +222,7 @@ def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[order // A]  # [R * A, D], grouped by expert
+    gate_efd, up_efd, down_edf = (w.whole() for w in (gate_efd, up_efd, down_edf))
     h = _swiglu(_ragged(xs, gate_efd, sizes), _ragged(xs, up_efd, sizes))
     ys = _ragged(h, down_edf, sizes)  # [R * A, D]
     y = ys[jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
@@ -212,8 +258,8 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
 
     def block(args):
         xb, e = args  # [b, D]; padding rows are zeros and give zeros
-        h = _swiglu(xb @ gate_efd[e].T, xb @ up_efd[e].T)
-        return h @ down_edf[e].T
+        h = _swiglu(xb @ gate_efd.one(e).T, xb @ up_efd.one(e).T)
+        return h @ down_edf.one(e).T
 
     ys = jax.lax.map(block, (xs.reshape(blocks, b, -1), block_expert)).reshape(blocks * b, -1)
     y = ys[dest][jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
@@ -280,8 +326,8 @@ class MoE(nnx.Module):
         how = how or formulation(B * T, experts, self.top)
         ep = self.split.size > 1 and self.split.experts == "ep"
         extra = {"skip_zero": True} if ep and how == "looped" else {}
-        # FP8: every expert dequantized in the operand (a first increment: gathering
-        # the chosen experts' float8 rows before dequantizing would read fewer bytes).
-        gate, up, down = (self.linear.read(self, w) for w in ("gate_efd", "up_efd", "down_edf"))
+        gate, up, down = (
+            Stacked.of(self, w, self.linear) for w in ("gate_efd", "up_efd", "down_edf")
+        )
         y = FORMULATIONS[how](x, weights, ids, gate, up, down, **extra)
         return y.astype(h.dtype).reshape(B, T, D)

@@ -142,6 +142,65 @@ def _header(file):
         return 8 + n, json.loads(f.read(n))
 
 
+# ---- MoE experts ------------------------------------------------------------------------
+
+
+EXPERT_WEIGHTS = ("gate_efd", "up_efd", "down_edf")
+
+
+def _fp8_experts():
+    """An FP8 MoE layer of the moe fixture's shapes (8-blocks), random scales."""
+    import dataclasses
+
+    from flax import nnx
+
+    from qwen3_spmd.model import moe
+
+    _, cfg, _, _ = fixture("moe")
+    cfg = dataclasses.replace(cfg, fp8_block=(8, 8))
+    layer = moe.MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    for i, name in enumerate(EXPERT_WEIGHTS):
+        scale = getattr(layer, name + fp8.SCALE_SUFFIX)
+        scale[...] = jax.random.uniform(jax.random.key(i), scale.shape, minval=0.5, maxval=2)
+    return cfg, layer
+
+
+@pytest.mark.parametrize("how", ["looped", "gathered", "blocked", "dense", "grouped"])
+def test_fp8_experts_dequantize_what_a_formulation_reads(how):
+    """Each MoE formulation on FP8 experts gives its sums on their dequantized weights,
+    and those that read experts by the pair or the block (decode's looped and gathered,
+    prefill's blocked on CPU) never make all E experts' float32 weights: a decode step
+    dequantizes only the experts its rows chose."""
+    from qwen3_spmd.model import moe
+
+    cfg, layer = _fp8_experts()
+    x = jax.random.normal(jax.random.key(7), (3, cfg.D))
+    weights, ids, _ = moe.route(x, layer.router_ed[...], cfg.A, cfg.norm_topk_prob)
+    stored = [layer.linear.stored(layer, n) for n in EXPERT_WEIGHTS]
+
+    def fp8_run(x, weights, ids, stored):
+        ws = [moe.Stacked(w, s, n, layer.linear) for (w, s), n in zip(stored, EXPERT_WEIGHTS)]
+        return moe.FORMULATIONS[how](x, weights, ids, *ws)
+
+    def plain_run(x, weights, ids, whole):
+        return moe.FORMULATIONS[how](x, weights, ids, *map(moe.Stacked, whole))
+
+    text = jax.jit(fp8_run).lower(x, weights, ids, stored).as_text()
+    E, F, D = layer.gate_efd.shape
+    whole_f32 = [f"tensor<{E}x{F}x{D}xf32>", f"tensor<{E}x{D}x{F}xf32>"]
+    reads_all = how in ("dense", "grouped")  # every expert on every row, or ragged_dot
+    assert any(t in text for t in whole_f32) == reads_all, how
+    if reads_all:
+        return  # read whole as before: the layer tests cover their sums
+    whole = [layer.linear.read(layer, n) for n in EXPERT_WEIGHTS]
+    np.testing.assert_allclose(
+        jax.jit(fp8_run)(x, weights, ids, stored),
+        jax.jit(plain_run)(x, weights, ids, whole),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+
+
 # ---- exact on every mesh ----------------------------------------------------------------
 
 

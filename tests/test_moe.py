@@ -110,7 +110,9 @@ def test_formulations_agree_with_the_dense_one(rows):
             g, u = np.asarray(gate[e]) @ xn[r], np.asarray(up[e]) @ xn[r]
             ref[r] += float(weights[r, a]) * (np.asarray(down[e]) @ (g / (1 + np.exp(-g)) * u))
     for how, f in moe.FORMULATIONS.items():
-        y = jax.jit(f)(x, weights, ids, gate, up, down)
+        y = jax.jit(lambda x, w, i, *g, f=f: f(x, w, i, *map(moe.Stacked, g)))(
+            x, weights, ids, gate, up, down
+        )
         np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4, err_msg=how)
 
 
@@ -122,7 +124,10 @@ def test_looped_products_fused_or_plain_agree(fused_max_k, monkeypatch):
     keys = jax.random.split(jax.random.key(1), 5)
     x = jax.random.normal(keys[0], (3, D))
     weights, ids, _ = moe.route(x, jax.random.normal(keys[1], (E, D)), A, False)
-    w = [jax.random.normal(k, s) for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])]
+    w = [
+        moe.Stacked(jax.random.normal(k, s))
+        for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])
+    ]
     monkeypatch.setattr(moe, "FUSED_MAX_K", fused_max_k)
     np.testing.assert_allclose(
         moe.experts_looped(x, weights, ids, *w),
@@ -137,7 +142,10 @@ def test_dense_formulation_chunks_rows():
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (23, D))
     weights, ids, _ = moe.route(x, jax.random.normal(keys[1], (E, D)), A, False)
-    w = [jax.random.normal(k, s) for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])]
+    w = [
+        moe.Stacked(jax.random.normal(k, s))
+        for k, s in zip(keys[2:], [(E, F, D), (E, F, D), (E, D, F)])
+    ]
     whole = moe.experts_dense(x, weights, ids, *w, chunk=64)
     np.testing.assert_allclose(
         moe.experts_dense(x, weights, ids, *w, chunk=5), whole, atol=1e-5, rtol=1e-5

@@ -47,7 +47,7 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
                 or (how == "looped" and R * A > 16 * E)
             ):
                 continue
-            fn = jax.jit(f)
+            fn = jax.jit(lambda x, w, i, *g, f=f: f(x, w, i, *map(moe.Stacked, g)))
             fn(x, weights, ids, gate, up, down).block_until_ready()
             times = []
             for _ in range(repeat):
