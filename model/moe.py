@@ -23,8 +23,9 @@ Five formulations of the experts compute the same sum:
   loop of one expert's matmul per block (a grouped matmul without ragged_dot).
 `formulation` picks one by the number of rows and the platform (DECODE, PREFILL).
 Each reads the experts' weights through `Stacked`: whole, the experts of some pairs, or
-one expert, so an FP8 checkpoint's experts are dequantized only where they are read (a
-decode step dequantizes the R * A experts it uses, not all E).
+one expert, so an FP8 checkpoint's experts are dequantized only where they are read: a
+decode step of R * A < E pairs dequantizes those experts, not all E; a formulation that
+would read experts E times or more dequantizes the stack once (`Stacked.for_reads`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ class Stacked:
         """The experts ids [...] names: [..., N, K]."""
         return self._product(self.w[ids], None if self.scale is None else self.scale[ids])
 
+    def for_reads(self, n: int) -> Stacked:
+        """This stack for a formulation that reads an expert `n` times (pairs, or
+        blocks): as it is while n < E, so each read dequantizes one expert; from E on,
+        its experts dequantized once, whole (n reads of one would dequantize more)."""
+        if self.scale is None or n < self.shape[0]:
+            return self
+        return Stacked(self.whole())
+
     def one(self, e: jax.Array) -> jax.Array:
         """Expert e (a traced scalar): [N, K]."""
         w = jax.lax.dynamic_index_in_dim(self.w, e, keepdims=False)
@@ -160,7 +169,7 @@ def experts_dense(x, weights, ids, gate_efd, up_efd, down_edf, chunk: int = DENS
 def experts_gathered(x, weights, ids, gate_efd, up_efd, down_edf):
     """Each row through its own A experts, their weights gathered. x [R, D], weights and
     ids [R, A] -> [R, D] float32. Reads R * A experts' weights (fewer when rows share)."""
-    gate, up, down = (w.take(ids) for w in (gate_efd, up_efd, down_edf))  # [R, A, F|D, D|F]
+    gate, up, down = (w.for_reads(ids.size).take(ids) for w in (gate_efd, up_efd, down_edf))
     h = _swiglu(jnp.einsum("RD,RAFD->RAF", x, gate), jnp.einsum("RD,RAFD->RAF", x, up))
     y = jnp.einsum("RAF,RADF->RAD", h, down)
     return jnp.einsum(
@@ -183,6 +192,7 @@ def experts_looped(x, weights, ids, gate_efd, up_efd, down_edf, skip_zero: bool 
     in float32. x [R, D], weights and ids [R, A] -> [R, D] float32. skip_zero: a pair of
     weight 0 (routed to another device's experts) reads and computes nothing."""
     R, A = ids.shape
+    gate_efd, up_efd, down_edf = (w.for_reads(R * A) for w in (gate_efd, up_efd, down_edf))
 
     def product(r, e, w):
         xr = x[r]
@@ -244,6 +254,7 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
     P = R * A
     b = 8 * max(1, -(-P // (8 * E)))
     blocks = P // b + E  # sum over experts of ceil(run / b) never exceeds this
+    gate_efd, up_efd, down_edf = (w.for_reads(blocks) for w in (gate_efd, up_efd, down_edf))
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # sorted pair -> pair
     expert = flat[order]
