@@ -274,6 +274,13 @@ def test_fp8_weights_are_one_byte_on_the_devices(folders):
     bf16 = bytes_per_device(plain, 1, 1, jnp.bfloat16, tensor=2)
     assert measured == mine["linear"]
     assert mine["linear"] / bf16["linear"] <= 0.52, mine["linear"] / bf16["linear"]
+    # bench's decode roofline reads the projections as the devices hold them (the two
+    # devices' halves), the rest in the run's dtype
+    from qwen3_spmd.run.bench.measure import _projections, decode_bytes_per_step
+
+    read = decode_bytes_per_step(cfg, 1, 0, 4)["weights"]
+    rest = decode_bytes_per_step(plain, 1, 0, 4)["weights"] - 4 * sum(_projections(plain, 1))
+    assert read - rest == sum(traffic.bytes_per_device(linear))
 
 
 # ---- one-line refusals --------------------------------------------------------------------

@@ -6,20 +6,54 @@ for the rows of a decode step and of a prefill, on this machine's default backen
 Prints one line per (rows, formulation): median milliseconds over --repeat calls and
 the expert bytes the call must read (all E experts, or the distinct experts chosen).
 The prefill choice per platform (model.moe.PREFILL) comes from such measurements.
+--fp8 times the whole layer (`model.moe.MoE`, router included) with FP8 experts (float8
+and 128-block scales, as Qwen's FP8 checkpoints hold them); --how picks formulations.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from qwen3_spmd.model import moe
 from qwen3_spmd.model.config import PRESETS
+
+
+def _median_ms(fn, args, repeat: int) -> float:
+    jax.block_until_ready(fn(*args))  # compiles
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def measure_fp8(preset: str, rows: list[int], repeat: int, experts: int | None, hows):
+    """One MoE layer with FP8 experts (float32 activations), each formulation of `hows`."""
+    cfg = dataclasses.replace(
+        PRESETS[preset], num_experts=experts or PRESETS[preset].E, fp8_block=(128, 128)
+    )
+    gd, state = nnx.split(moe.MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    per_expert = 3 * cfg.D * cfg.moe_intermediate_size  # one byte a weight
+    for R in rows:
+        h = jax.random.normal(jax.random.key(R), (R, 1, cfg.D))
+        for how in hows:
+            fn = jax.jit(lambda state, h, how=how: nnx.merge(gd, state)(h, how))
+            ms = _median_ms(fn, (state, h), repeat)
+            print(
+                f"rows {R:5d}  {how:9s} {ms:9.2f} ms  FP8, {cfg.E} experts of "
+                f"{per_expert / 1e6:.1f} MB (default at these rows: "
+                f"{moe.formulation(R, cfg.E, cfg.A)})",
+                flush=True,
+            )
 
 
 def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int | None):
@@ -48,13 +82,7 @@ def measure(preset: str, rows: list[int], dtype: str, repeat: int, experts: int 
             ):
                 continue
             fn = jax.jit(lambda x, w, i, *g, f=f: f(x, w, i, *map(moe.Stacked, g)))
-            fn(x, weights, ids, gate, up, down).block_until_ready()
-            times = []
-            for _ in range(repeat):
-                t = time.perf_counter()
-                fn(x, weights, ids, gate, up, down).block_until_ready()
-                times.append(time.perf_counter() - t)
-            ms = 1e3 * statistics.median(times)
+            ms = _median_ms(fn, (x, weights, ids, gate, up, down), repeat)
             need = (distinct if how in ("gathered", "looped") else E) * per_expert
             out.append(
                 dict(rows=R, how=how, ms=ms, bytes=need, gbps=need / ms / 1e6, distinct=distinct)
@@ -74,9 +102,16 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--experts", type=int, default=None, help="fewer experts than the preset's")
+    p.add_argument("--fp8", action="store_true", help="the layer with FP8 experts")
+    p.add_argument("--how", default=",".join(moe.FORMULATIONS), help="formulations (--fp8)")
     a = p.parse_args(argv)
+    rows = [int(r) for r in a.rows.split(",")]
+    if a.fp8:
+        print(f"backend {jax.default_backend()}, {a.model} widths, FP8 experts")
+        measure_fp8(a.model, rows, a.repeat, a.experts, a.how.split(","))
+        return
     print(f"backend {jax.default_backend()}, {a.model} widths, {a.dtype}")
-    measure(a.model, [int(r) for r in a.rows.split(",")], a.dtype, a.repeat, a.experts)
+    measure(a.model, rows, a.dtype, a.repeat, a.experts)
 
 
 if __name__ == "__main__":

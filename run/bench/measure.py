@@ -200,11 +200,26 @@ def prefill_flops(cfg: Qwen3Config, T: int, B: int) -> float:
     return dense + attn + head
 
 
+def _projections(cfg: Qwen3Config, B: int) -> tuple[float, float]:
+    """(weights whose input is D, weights whose output is D) of the layers' projections
+    a decode step of B tokens reads: q, k, v, gate and up; o and down (of a sparse
+    layer, the experts the B tokens reach)."""
+    dense = sum(not s for s in cfg.sparse_layers)
+    experts = sum(cfg.sparse_layers) * distinct_experts(cfg, B)
+    attention_in = cfg.L * cfg.D * (cfg.N + 2 * cfg.K) * cfg.H
+    attention_out = cfg.L * cfg.N * cfg.H * cfg.D
+    mlp_in = dense * 2 * cfg.D * cfg.F + experts * 2 * cfg.D * cfg.moe_intermediate_size
+    mlp_out = dense * cfg.F * cfg.D + experts * cfg.moe_intermediate_size * cfg.D
+    return attention_in + mlp_in, attention_out + mlp_out
+
+
 def decode_bytes_per_step(cfg: Qwen3Config, B: int, context: float, itemsize: int) -> dict:
     """Bytes a decode step must read: every weight once (layers, final norm, lm_head or
     the tied embedding as lm_head, B embedding rows) and the K/V of `context` tokens of
     every request in every layer. Of a sparse layer's experts only those the B tokens
-    reach are needed (`distinct_experts`)."""
+    reach are needed (`distinct_experts`). An FP8 checkpoint's projections are one byte
+    a weight plus a float32 scale per block along D (`model.fp8`); the rest is in
+    `itemsize`."""
     expert = 3 * cfg.D * cfg.moe_intermediate_size
     sparse = sum(cfg.sparse_layers)
     needed = (
@@ -213,6 +228,11 @@ def decode_bytes_per_step(cfg: Qwen3Config, B: int, context: float, itemsize: in
         + sparse * distinct_experts(cfg, B) * expert
     )
     weights = (needed + cfg.V * cfg.D + B * cfg.D) * itemsize
+    if cfg.fp8_block is not None:
+        d_in, d_out = _projections(cfg, B)
+        rows, cols = cfg.fp8_block  # D is a weight's input: blocks of `cols` along it
+        scales = 4 * (d_in * -(-cfg.D // cols) + d_out * -(-cfg.D // rows)) / cfg.D
+        weights += (d_in + d_out) * (1 - itemsize) + scales
     kv = 2 * cfg.L * B * context * cfg.K * cfg.H * itemsize
     return {"weights": int(weights), "kv": int(kv), "total": int(weights + kv)}
 
