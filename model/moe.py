@@ -119,10 +119,11 @@ class Stacked:
 
     def one(self, e: jax.Array) -> jax.Array:
         """Expert e (a traced scalar): [N, K]."""
-        w = jax.lax.dynamic_index_in_dim(self.w, e, keepdims=False)
-        if self.scale is None:
-            return w
-        return self._product(w, jax.lax.dynamic_index_in_dim(self.scale, e, keepdims=False))
+
+        def at(a):
+            return jax.lax.dynamic_index_in_dim(a, e, keepdims=False)
+
+        return self._product(at(self.w), None if self.scale is None else at(self.scale))
 
 
 def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:

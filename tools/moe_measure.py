@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +23,12 @@ from flax import nnx
 
 from qwen3_spmd.model import moe
 from qwen3_spmd.model.config import PRESETS
+from qwen3_spmd.run.bench.measure import timed
 
 
 def _median_ms(fn, args, repeat: int) -> float:
-    jax.block_until_ready(fn(*args))  # compiles
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    """Median milliseconds of fn(*args) over `repeat` calls after one that compiles."""
+    return 1e3 * statistics.median(timed(lambda: jax.block_until_ready(fn(*args)), repeat, 1))
 
 
 def measure_fp8(preset: str, rows: list[int], repeat: int, experts: int | None, hows):

@@ -112,12 +112,13 @@ def dequantize_fp8(src: str | Path, dst: str | Path) -> None:
     blocks = fp8.FP8Blocks(*cfg.fp8_block)
     ckpt = HFCheckpoint(src, cfg)
     dst.mkdir(parents=True)
-    with ShardWriter(dst) as out:
-        for name, e in _tensor_names(ckpt, cfg):
-            x = ckpt._read_tensor(name)
-            if e.path[-1] in fp8.D_AXIS:
-                x = fp8.dequantize_blocks(x, ckpt._read_tensor(name + "_scale_inv"), blocks)
-            out.add(name, x.astype(np.float32))
+    out = ShardWriter(dst)
+    for name, e in _tensor_names(ckpt, cfg):
+        x = ckpt._read_tensor(name)
+        if e.path[-1] in fp8.D_AXIS:
+            x = fp8.dequantize_blocks(x, ckpt._read_tensor(name + "_scale_inv"), blocks)
+        out.add(name, x.astype(np.float32))
+    out.close()
     plain = {k: v for k, v in raw.items() if k != "quantization_config"}
     (dst / "config.json").write_text(json.dumps({**plain, "dtype": "float32"}, indent=2) + "\n")
     _copy_side_files(src, dst)

@@ -2,9 +2,10 @@
 of at most `max_bytes` of tensor data (each file's header comes on top, as there), held
 one shard at a time, so a model larger than the host's memory can be written.
 
-    with ShardWriter(folder, max_bytes=5 * 10**9) as w:
-        for name, x in tensors:
-            w.add(name, x)
+    out = ShardWriter(folder, max_bytes=5 * 10**9)
+    for name, x in tensors:
+        out.add(name, x)
+    out.close()
 
 gives, for N > 1 shards, model-00001-of-0000N.safetensors .. and
 model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}});
@@ -115,10 +116,3 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return [*names, INDEX]
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        if exc_type is None:
-            self.close()
