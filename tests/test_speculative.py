@@ -290,6 +290,7 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     tokens = [greedy[0], sampled[1], greedy[2]]
     config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     settings = dict(max_seq_len=32, max_batch=2, enable_prefix_caching=False)  # few shapes
+    settings.update(dtype="float32")  # exact tokens are float32's claim, on a GPU too
     with LLM(str(TINY), mesh="1x1", speculative_config=config, **settings) as llm:
         assert llm.engine.speculator.config == SpeculativeConfig(2, "ngram", 2, 2)
         runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
@@ -393,6 +394,7 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
 def test_generate_flag_speculates_and_reports_it(capsys, plain):
     tokens, _ = plain["greedy"]
     argv = ["generate", "--model", str(TINY), "--mesh", "1x1", "--max-new-tokens", str(N_NEW)]
+    argv += ["--dtype", "float32"]  # a GPU's default is bfloat16
     for p in PROMPTS:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
@@ -411,11 +413,13 @@ def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
     tokens a pass), the wrong drafter's none, every run's tokens plain decoding's."""
     argv = ["bench", "--smoke", "--scenario", "speculative", "--batches", "1", "--json"]
     argv += ["--repeats", "1", "--warmup", "0"]  # what is checked is exactness, not time
+    argv += ["--dtype", "float32"]  # a GPU's default is bfloat16
     assert main(argv) == 0
     (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
     drafters = job["drafters"]
     assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", "ngram k=2"}
     assert all(d["exact"] for d in drafters.values())
+    assert {d["same_until"] for d in drafters.values()} == {job["steps"] + 1}  # every token
     assert drafters["oracle k=2"]["acceptance"] == 1.0
     assert drafters["oracle k=2"]["mean_acceptance_length"] == 3.0
     assert drafters["wrong k=2"]["acceptance"] == 0.0

@@ -13,8 +13,12 @@ the scenario measures the mechanism between two bounds (issue 46):
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
 --decode-steps tokens through `static_batch.generate` (greedy), compiled first, then --warmup
 and --repeats runs, the drafters alternating so all meet the same machine. Every run's
-tokens are checked against the plain run's (`exact`). tokens/s is the generated tokens
-over `timing["decode_s"]` (the decode rounds, verify passes included, the prefill not).
+tokens are checked against the plain run's (`exact`; else `same_until`, the fewest
+tokens any row kept in common with the plain run). In float32 they are the same tokens.
+In bfloat16 on a GPU the verify pass's (k + 1)-row products round differently from the
+decode step's one-row products, so a row may part from plain decoding at a near-tie, as
+plain decoding's own rows do between batch sizes. tokens/s is the generated tokens over
+`timing["decode_s"]` (the decode rounds, verify passes included, the prefill not).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ def speculative_job(engines, B: int, say) -> dict:
             "decode_s": out.timing["decode_s"],
             "tokens_per_s": new / out.timing["decode_s"],
             "exact": [c.token_ids for c in out.completions] == tokens,
+            "same_until": min(
+                _common_prefix(c.token_ids, t) for c, t in zip(out.completions, tokens)
+            ),
             "drafts": m.drafts if m else 0,
             "draft_tokens": m.draft_tokens if m else 0,
             "accepted_tokens": m.accepted_tokens if m else 0,
@@ -99,6 +106,7 @@ def speculative_job(engines, B: int, say) -> dict:
             "tokens_per_s": rate,
             "vs_plain": rate["median"] / base,
             "exact": all(r["exact"] for r in rs),
+            "same_until": min(r["same_until"] for r in rs),
             "acceptance": last["accepted_tokens"] / last["draft_tokens"]
             if last["draft_tokens"]
             else None,
@@ -110,6 +118,15 @@ def speculative_job(engines, B: int, say) -> dict:
         said = f", acceptance {entry['acceptance']:.2f}" if entry["acceptance"] is not None else ""
         say(
             f"  speculative B={B} {name}: {rate['median']:.1f} tok/s "
-            f"({entry['vs_plain']:.2f}x plain){said}" + ("" if entry["exact"] else ", NOT EXACT")
+            f"({entry['vs_plain']:.2f}x plain){said}"
+            + ("" if entry["exact"] else f", NOT EXACT: a row parts at token {entry['same_until']}")
         )
     return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b share from the start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
