@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qwen3_spmd.model.config import PRESETS
@@ -453,6 +454,13 @@ def test_structured_load_against_the_same_load_unconstrained(capsys):
     ratio = full["output_tokens_per_s"] / free["output_tokens_per_s"]
     assert job["constrained_vs_unconstrained_tokens_per_s"] == ratio > 0
     assert half["unconstrained"]["requests"] == 1  # request 1 of 2 follows no schema
+    assert half["unconstrained_requests"] == [1]
+    # The others' TPOT against the same request's in the unconstrained loop, a pair of
+    # loops a repeat (--smoke: 2), the median quoted.
+    t_half, t_free = half["tpot_by_request_s"][1], free["tpot_by_request_s"][1]
+    ratios = job["half_others_tpot_ratios"]
+    assert len(ratios) == 2 and ratios[-1] == t_half / t_free
+    assert job["half_others_tpot_vs_unconstrained"] == float(np.median(ratios))
 
 
 def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:

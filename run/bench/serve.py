@@ -49,6 +49,7 @@ def closed_loop(
     figures apart)."""
     pending, live, finished = list(enumerate(requests)), [], []
     free = set()  # the handles of the requests under no constraint
+    index = {}  # handle -> its request's index
     compile_before, counts = sched.clock.compile_s, sched.decode_counts()
     before_drain = None
     t0 = time.perf_counter()
@@ -57,6 +58,7 @@ def closed_loop(
             i, (prompt, n) = pending.pop(0)
             held = constraint if constraint is not None and i % every == 0 else None
             live.append(sched.submit(prompt, Params(n, constraint=held)))
+            index[live[-1]] = i
             if held is None:
                 free.add(live[-1])
             if not pending and sched.decode_counts()[0] > counts[0]:
@@ -71,23 +73,28 @@ def closed_loop(
         **sched.decode_use(since=counts),
         "before_drain": before_drain,
     }
-    out["completion_tokens"] = [h.completion_tokens for h in sorted(finished, key=lambda h: h.id)]
+    by_index = sorted(finished, key=index.get)
+    out["completion_tokens"] = [h.completion_tokens for h in by_index]
+    out["tpot_by_request_s"] = [_tpot(h) for h in by_index]
     if constraint is not None:
         masks = sched.accounting.masks
         out["mask_s_per_token"] = sched.clock.mask_s / masks if masks else None
         out["unconstrained"] = finished_figures([h for h in finished if h in free], wall, 0.0)
+        out["unconstrained_requests"] = sorted(index[h] for h in free)
     return out
+
+
+def _tpot(handle) -> float | None:
+    """A finished request's time per output token after its first (None with one token)."""
+    n = handle.completion_tokens
+    return (handle.token_times_s[-1] - handle.token_times_s[0]) / (n - 1) if n > 1 else None
 
 
 def finished_figures(finished, wall: float, compile_s: float) -> dict:
     """Counts, throughputs and latency percentiles of the handles `finished` in `wall`
     seconds (compiles' `compile_s` left out)."""
     tokens = sum(h.completion_tokens for h in finished)
-    per_token = [
-        (h.token_times_s[-1] - h.token_times_s[0]) / (h.completion_tokens - 1)
-        for h in finished
-        if h.completion_tokens > 1
-    ]
+    per_token = [t for t in map(_tpot, finished) if t is not None]
     return {
         "requests": len(finished),
         "output_tokens": tokens,
@@ -217,37 +224,60 @@ def structured_job(engine, s: dict, B_max: int, rows: int, grammars, say) -> dic
     STRUCTURED_SCHEMA, then the same prompts unconstrained with the budgets the
     constrained answers took (a grammar ends an answer early: the same tokens to make,
     the same prefills), and the loop with every other request constrained; output
-    tokens/s and the host's mask time per token, and with half constrained the others'
-    time per output token against the unconstrained loop. grammars: the model's
+    tokens/s and the host's mask time per token. With half constrained, the others' time
+    per output token is set against the same requests' in the unconstrained loop, in
+    `min(repeats, 3)` pairs of the two loops run back to back (the host's speed drifts
+    over minutes; a request's TPOT depends on its length and on the prefills beside it),
+    and the pairs' median ratio is quoted. grammars: the model's
     (`pipeline.constraints.Grammars`)."""
     from qwen3_spmd.pipeline.constraints import Constraint
 
     constraint = Constraint.json_schema(STRUCTURED_SCHEMA)
     reqs = _loop_requests(engine.cfg, s, rows)
-    runs = {}
-    for name, every in (("constrained", 1), ("unconstrained", None), ("half", 2)):
-        held = None if every is None else constraint
-        if name == "unconstrained":  # the constrained answers' lengths
-            reqs = [(p, n) for (p, _), n in zip(reqs, runs["constrained"]["completion_tokens"])]
-        for _ in range(2):  # the first pass compiles
-            sched = Scheduler(engine, B_max, grammars=grammars)
-            runs[name] = closed_loop(sched, reqs, rows, held, every or 1)
-    free, full, half = runs["unconstrained"], runs["constrained"], runs["half"]
+
+    def loop(held, every=1) -> dict:
+        return closed_loop(Scheduler(engine, B_max, grammars=grammars), reqs, rows, held, every)
+
+    loop(constraint)  # compiles
+    full = loop(constraint)
+    reqs = [(p, n) for (p, _), n in zip(reqs, full["completion_tokens"])]
+    loop(None), loop(constraint, 2)  # compile
+    ratios = []
+    for _ in range(max(1, min(s["repeats"], 3))):
+        free, half = loop(None), loop(constraint, 2)
+        ratios.append(_others_tpot_ratio(free, half))
     ratio = full["output_tokens_per_s"] / free["output_tokens_per_s"]
-    tpot = half["unconstrained"]["time_per_output_token_s"]["p50"]
-    tpot_ratio = tpot / free["time_per_output_token_s"]["p50"] if tpot else None
+    quoted = [r for r in ratios if r is not None]
+    tpot_ratio = float(np.median(quoted)) if quoted else None
     say(
         f"  serve structured c={rows}: {full['output_tokens_per_s']:.1f} tok/s "
         f"({ratio:.2f}x unconstrained), mask {1e6 * (full['mask_s_per_token'] or 0):.0f} us "
-        f"per token; half constrained: the others' TPOT {tpot_ratio or 0:.2f}x"
+        f"per token; half constrained: the others' TPOT {tpot_ratio or 0:.2f}x "
+        f"(pairs: {', '.join(f'{r:.2f}' for r in quoted)})"
     )
     return {
         "concurrency": rows,
         "schema": STRUCTURED_SCHEMA,
-        **runs,
+        "constrained": full,
+        "unconstrained": free,  # the last pair's
+        "half": half,
         "constrained_vs_unconstrained_tokens_per_s": ratio,
         "half_others_tpot_vs_unconstrained": tpot_ratio,
+        "half_others_tpot_ratios": ratios,
     }
+
+
+def _others_tpot_ratio(free: dict, half: dict) -> float | None:
+    """Median TPOT of the half-constrained loop's unconstrained requests over the median
+    of the same requests' in the unconstrained loop (None: none made two tokens)."""
+    pairs = [
+        (half["tpot_by_request_s"][i], free["tpot_by_request_s"][i])
+        for i in half["unconstrained_requests"]
+    ]
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not pairs:
+        return None
+    return float(np.median([a for a, _ in pairs]) / np.median([b for _, b in pairs]))
 
 
 def _loop_requests(cfg, s: dict, c: int):
