@@ -8,8 +8,8 @@ plain runs' own) and compiles one prefill and the verify programs its passes mee
 per draft count of the ladder a pace reaches). An oracle
 drafter (the plain run's tokens, with some drafts made wrong on purpose) makes every
 acceptance length occur: all drafts kept, none, and the run cut in between; the ngram
-drafter runs through generate's flag. 2x2 passed as well when written; it is left out
-for the suite's time (2x1 and 1x2 take its two axes apart).
+drafter runs through generate's flag. The meshes are the issue's: 1x1, 2x1, 4x1 (five
+layers over four stages), 1x2, 2x2 and 1x1x2.
 """
 
 import dataclasses
@@ -219,7 +219,9 @@ def engines(tiny):
     [
         (1, 1, 1, 4, "greedy"),
         (2, 1, 1, 3, "greedy"),
+        (4, 1, 1, 2, "greedy"),  # 5 layers over 4 stages: padded ones pass through
         (1, 2, 1, 3, "greedy"),
+        (2, 2, 1, 4, "greedy"),  # a pass's K/V split over seq, its groups over stages
         (1, 1, 2, 3, "greedy"),
         # Sampled rows: the draws at each position are the plain run's (same keys). The
         # path that differs from greedy is the head's (the vocabulary gathered under

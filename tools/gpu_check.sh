@@ -6,6 +6,11 @@
 # so a phase that runs long costs only itself.
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh [WHEELS]     # WHEELS: wheels of packages the image lacks
+#
+# The lent machine reaches no package index, and its image has no fastapi, uvicorn or
+# llguidance; make WHEELS here (its Python is 3.12) and carry it:
+#   pip download -d .gpu/wheels --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 fastapi uvicorn llguidance
 #   GPU_CHECK_SMOKE=1 OUT=/tmp/gpu tools/gpu_check.sh   # the same steps on CPU, tiny sizes
 #
 # Runs from the repository root under the machine's own python3 (its jax, torch and
