@@ -45,9 +45,10 @@ class DecodeShape:
     """A decode chunk over the first `rows` rows, greedy only or sampled where a row
     asks to (`decode.build_decode`), with or without log-probabilities; constrained:
     with each row's allowed tokens (a structured output's grammar: a chunk of one step).
-    Constrained shapes are compiled when a round first meets them, not declared in
-    `ShapeRules.programs` (a server that serves no structured output never pays for
-    them)."""
+    Constrained shapes are not among `ShapeRules.declared()` (a scheduler without a
+    tokenizer never meets them): a server that has one compiles them last, in the
+    background (`ShapeRules.constrained_decodes`), and a round that meets one before
+    that compiles it."""
 
     rows: int
     sampled: bool
@@ -215,11 +216,11 @@ class ShapeRules:
             {shape}
             | {
                 s
-                for s in self.declared().decodes
+                for s in (*self.declared().decodes, *self.constrained_decodes())
                 if s.rows >= shape.rows
                 and s.logprobs >= shape.logprobs
                 and s.sampled >= shape.sampled
-                and s.constrained >= shape.constrained
+                and s.constrained == shape.constrained  # a mask's chunk is of one step
             }
         )
 
@@ -270,6 +271,14 @@ class ShapeRules:
         copies = ("load", "save") if self.block is not None else ()
         return DeclaredShapes(
             tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)), copies
+        )
+
+    def constrained_decodes(self) -> list[DecodeShape]:
+        """The decode chunks with allowed-token masks a structured output's rows run:
+        over each row count, without log-probabilities (with them, rarer still, compiled
+        when met)."""
+        return sorted(
+            {DecodeShape(s.rows, s.sampled, False, True) for s in self.declared().decodes}
         )
 
     # ---- which to compile first --------------------------------------------------

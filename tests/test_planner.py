@@ -318,6 +318,14 @@ def test_while_programs_compile_a_round_takes_compiled_shapes_that_do_the_same_w
         DecodeShape(8, True, False),
         DecodeShape(8, True, True),
     ]
+    # A structured output's chunk (masks, one step) runs on a constrained shape only.
+    constrained = rules.constrained_decodes()
+    assert constrained == [DecodeShape(n, True, False, True) for n in (1, 2, 4, 8)]
+    assert not set(constrained) & set(rules.declared().shapes())
+    assert rules.decode_stand_ins(DecodeShape(4, True, False, True)) == [
+        DecodeShape(4, True, False, True),
+        DecodeShape(8, True, False, True),
+    ]
 
 
 def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():

@@ -833,10 +833,11 @@ def test_precompile_all_compiles_every_shape_before_serving():
 def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     """--precompile first (the default): the shapes a first light load meets and the
     cover of stand-ins compile before /health says 200, the rest on a background thread
-    while the server answers; a request of a background shape (log-probabilities over
-    one row) runs on its stand-in (over two) without waiting for a compile, and a line
-    says when the background is done; SIGTERM ends it with 0. 1x1, two rows, 8
-    positions: 6 shapes first, 5 after."""
+    while the server answers, structured outputs' last; a request of a background shape
+    (log-probabilities over one row) runs on its stand-in (over two) without waiting for
+    a compile, a line says when the background is done, and a structured request then
+    waits for none either; SIGTERM ends it with 0. 1x1, two rows, 8 positions: 6 shapes
+    first, 7 after (2 of them constrained)."""
     port = free_port()
     env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
@@ -845,7 +846,7 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=f)
     url = f"http://127.0.0.1:{port}"
-    done = "compiled the other 5 program shapes in the background"
+    done = "compiled the other 7 program shapes in the background"
     try:
         deadline = _wait_healthy(proc, url, log.read_text)
         body = _greedy([5, 6, 7], 4, logprobs=2)
@@ -855,6 +856,9 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
         assert httpx.get(url + "/health", timeout=5).status_code == 200
+        body = _greedy([5, 6, 7], 3, response_format={"type": "json_object"})
+        out = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert out.status_code == 200, out.text
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
@@ -863,7 +867,7 @@ def test_precompile_first_serves_while_the_rest_compiles(tmp_path):
             proc.wait()
     err = log.read_text()
     assert proc.returncode == 0, err
-    first, serving = "compiled 6 of 11 program shapes", err.index("serving tiny on")
+    first, serving = "compiled 6 of 13 program shapes", err.index("serving tiny on")
     assert err.index(first) < serving and f"{done} in" in err, err
     assert "compiling" not in err[serving:] and "failed" not in err, err  # no round waited
     if sys.platform == "linux":  # XLA's compile threads found, with the compiling one
