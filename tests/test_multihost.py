@@ -161,6 +161,24 @@ def test_1x2_over_two_processes_ring_crosses_them():
     assert report["stage_processes"] == [[0, 1]]
 
 
+def test_speculative_rounds_over_two_processes_give_plain_tokens(capsys):
+    """ngram speculation on 2x1 over two processes: each process drafts from the same
+    tokens and verifies the same rows, and the tokens are one process's plain ones."""
+    argv = reference_argv("2x1", 1)
+    argv[argv.index("--max-new-tokens") + 1] = "16"  # room for the drafts to be taken
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    (rc0, out0, err0), (rc1, out1, err1) = finish(
+        job(2, free_port(), [*argv, "--speculative-config", config])
+    )
+    assert rc0 == 0 and rc1 == 0 and out1 == "", (err0, err1)
+    report = json.loads(out0)
+    spec = report["speculative"]
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
+    plain = [*argv[: argv.index("--mesh")], "--mesh", "1x1", *argv[argv.index("--mesh") + 2 :]]
+    assert main(["generate", *plain]) == 0
+    assert tokens(report) == tokens(json.loads(capsys.readouterr().out))
+
+
 def test_losing_a_peer_ends_the_other_with_one_line():
     port, timeout = free_port(), 10  # long enough for a loaded 2-core machine to keep heartbeats
     argv = [
