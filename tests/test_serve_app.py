@@ -181,6 +181,33 @@ def test_a_repeated_chat_reports_its_cached_tokens_and_the_metrics_count_them(se
     assert after[(P + "prefix_cache_bytes", ())] == 8 * engine[1].copies.pool_bytes_per_block(8)
 
 
+def test_speculation_serves_the_plain_tokens_and_counts_its_drafts(serve, engine):
+    """The server with `--speculative-config` (ngram, k = 3, on a prompt whose greedy
+    answer loops on one token for a while: drafts kept, then refused): the same
+    completion, streamed too, as without it, and /metrics counts the drafts and the
+    accepted tokens with vLLM's names."""
+    from qwen3_spmd.pipeline.speculative import attach
+
+    body = {"prompt": [256, 256, 256], "max_tokens": 12, "temperature": 0}
+    body.update(ignore_eos=True, logprobs=1, return_tokens_as_token_ids=True)
+    plain = serve(max_queue=2).post("/v1/completions", json=body).json()["choices"][0]
+    _, eng = engine
+    attach(eng, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+    try:
+        client = serve(max_queue=2)
+        got = client.post("/v1/completions", json=body).json()["choices"][0]
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        metrics = _scrape(client)
+    finally:
+        eng.speculator = None
+    assert got["text"] == plain["text"] and len(got["logprobs"]["tokens"]) == 12
+    assert got["logprobs"]["tokens"] == plain["logprobs"]["tokens"]
+    events = [json.loads(e[len("data: ") :]) for e in streamed.text.split("\n\n")[:-2]]
+    assert "".join(e["choices"][0]["text"] for e in events) == plain["text"]
+    drafts = metrics[(P + "spec_decode_num_draft_tokens_total", ())]
+    assert 0 < metrics[(P + "spec_decode_num_accepted_tokens_total", ())] < drafts
+
+
 def test_metrics_wait_for_the_model():
     """While loading there is no service to count: 503, as /health says."""
     client = TestClient(make_app(ServerState("tiny")))
