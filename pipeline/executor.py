@@ -103,7 +103,7 @@ class Executor:
         if round.decode is None:
             return []
         chunk, spec = round.decode, self.engine.speculator
-        if spec is not None and spec.takes(chunk):  # pipeline.speculative
+        if spec is not None and spec.takes(chunk, self.book):  # pipeline.speculative
             drafts = spec.drafts(self.book, chunk.shape.rows)
             if any(drafts.values()):
                 return self._forget(spec.verify(self, chunk.shape.rows, drafts))

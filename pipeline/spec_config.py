@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from qwen3_spmd.pipeline import ngram
 
 METHODS = ("ngram",)
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
 EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 
@@ -31,12 +37,16 @@ class SpeculativeConfig:
     """vLLM's speculative_config for prompt lookup (`method` "ngram"): up to
     num_speculative_tokens drafts a row, from the longest n-gram of
     prompt_lookup_max .. prompt_lookup_min tokens that occurred before. A missing
-    bound takes the other's value (5 when both are missing)."""
+    bound takes the other's value (5 when both are missing). disable_by_batch_size:
+    while more requests than this hold rows, rounds decode without drafts (a pass of
+    k + 1 positions over many rows can cost more than the tokens it saves: the
+    benchmarks' batch-8 figures); None: always speculate."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -84,7 +94,9 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}: make min <= max"
             )
-        return cls(ints["num_speculative_tokens"], method, hi, lo)
+        return cls(
+            ints["num_speculative_tokens"], method, hi, lo, ints.get("disable_by_batch_size")
+        )
 
     def propose(self, context, k: int) -> list[int]:
         """Up to k (<= num_speculative_tokens) drafts after `context`."""

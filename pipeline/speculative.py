@@ -121,10 +121,14 @@ class Speculator:
         self.metrics = SpecMetrics()
         self._verify = JitTable()
 
-    def takes(self, chunk: DecodeChunk) -> bool:
+    def takes(self, chunk: DecodeChunk, book) -> bool:
         """Whether this decode chunk may run as a verify round: no row it covers follows
-        a constraint, and no per-step logits are asked."""
-        return not (chunk.with_logits or chunk.shape.constrained)
+        a constraint, no per-step logits are asked, and no more rows of `book` are busy
+        than the config's disable_by_batch_size (any count for a drafter without one)."""
+        if chunk.with_logits or chunk.shape.constrained:
+            return False
+        bound = getattr(self.config, "disable_by_batch_size", None)
+        return bound is None or len(book.live()) <= bound
 
     def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
         e = self.engine

@@ -73,6 +73,9 @@ def test_config_reads_vllm_keys_and_fills_a_missing_bound():
     assert (c.method, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 2, 2)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 1}).prompt_lookup_max == 5
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    assert c.disable_by_batch_size is None
+    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 4})
+    assert c.disable_by_batch_size == 4
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,10 @@ def test_config_reads_vllm_keys_and_fills_a_missing_bound():
         ({"method": "ngram"}, "num_speculative_tokens is missing"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens 0 must be an integer >= 1"),
         ({"num_speculative_tokens": "4"}, "num_speculative_tokens '4' must be an integer"),
+        (
+            {"num_speculative_tokens": 2, "disable_by_batch_size": 0},
+            "disable_by_batch_size 0 must be an integer >= 1",
+        ),
         (
             {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             "prompt_lookup_min 4 exceeds prompt_lookup_max 2",
@@ -246,6 +253,24 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert 0 < m.accepted_tokens < m.draft_tokens
     # Fewer passes than tokens: the rounds did give several tokens each.
     assert m.drafts < sum(len(t) - 1 for t in tokens)
+
+
+def test_no_drafts_while_more_rows_are_busy_than_disable_by_batch_size(engines):
+    """vLLM's disable_by_batch_size 2: three requests decode plain chunks (no pass at
+    all), two speculate; the tokens are plain decoding's either way."""
+    engine = engines(1, 1, 1)
+    plain = static_batch.generate(engine, PROMPTS, N_NEW, with_logits=False)  # no end id
+    tokens = [c.token_ids for c in plain.completions]
+    config = SpeculativeConfig(3, "ngram", 2, 1, disable_by_batch_size=2)
+    try:
+        for n in (3, 2):  # the last n: the last prompt repeats itself, so ngram drafts
+            engine.speculator = Speculator(engine, config)
+            out = static_batch.generate(engine, PROMPTS[-n:], N_NEW, with_logits=False)
+            assert [c.token_ids for c in out.completions] == tokens[-n:]
+            m = engine.speculator.metrics
+            assert (m.drafts > 0, out.layout["verify_ticks"] > 0) == (n <= 2,) * 2
+    finally:
+        engine.speculator = None
 
 
 @dataclasses.dataclass(frozen=True)
