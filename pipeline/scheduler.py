@@ -52,7 +52,14 @@ from qwen3_spmd.pipeline.prefix import PrefixBook
 from qwen3_spmd.pipeline.programs import Clock
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.rowbook import RowBook, Update
-from qwen3_spmd.pipeline.shapes import CopyShape, DecodeShape, PrefillShape, Shape, ShapeRules
+from qwen3_spmd.pipeline.shapes import (
+    CopyShape,
+    DecodeShape,
+    PrefillShape,
+    Shape,
+    ShapeRules,
+    VerifyShape,
+)
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
 
@@ -304,6 +311,8 @@ class Scheduler:
                 announce,
                 shape.constrained,
             )
+        elif isinstance(shape, VerifyShape):
+            eng.speculator.compile(shape, self.B, self.groups, announce)
         elif isinstance(shape, CopyShape):
             pool = self.executor.pool
             if shape.direction == "save":

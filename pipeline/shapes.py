@@ -71,7 +71,19 @@ class CopyShape:
     direction: str
 
 
-Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
+@dataclasses.dataclass(frozen=True, order=True)
+class VerifyShape:
+    """A speculative verify pass over the first `rows` rows, T positions a row, greedy
+    or sampled (`pipeline.speculative`). Not among `declared()`: a server with a
+    speculative config compiles them last, in the background
+    (`Speculator.shapes`)."""
+
+    rows: int
+    T: int
+    sampled: bool
+
+
+Shape = PrefillShape | DecodeShape | MoveShape | CopyShape | VerifyShape
 
 # A light load's prompts: at most this many tokens. A few words: each first-set shape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the
@@ -272,6 +284,10 @@ class ShapeRules:
         return DeclaredShapes(
             tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)), copies
         )
+
+    def decode_row_counts(self) -> list[int]:
+        """The row counts a decode chunk (or a verify pass) runs over."""
+        return sorted({s.rows for s in self.declared().decodes})
 
     def constrained_decodes(self) -> list[DecodeShape]:
         """The decode chunks with allowed-token masks a structured output's rows run:

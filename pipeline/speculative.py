@@ -51,6 +51,7 @@ from qwen3_spmd.pipeline.programs import JitTable
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
+from qwen3_spmd.pipeline.shapes import VerifyShape
 from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
 
 if TYPE_CHECKING:
@@ -142,6 +143,52 @@ class Speculator:
             ),
         )
 
+    def shapes(self, row_counts: list[int]) -> list[VerifyShape]:
+        """Every verify pass a scheduler whose decode chunks run over `row_counts` rows
+        can meet (T: 1 + each of the ladder's draft counts), likeliest first: fewest
+        rows, fewest positions, greedy before sampled."""
+        k = self.config.num_speculative_tokens
+        return [
+            VerifyShape(n, 1 + d, sampled)
+            for n in sorted(row_counts)
+            for d in ladder(k)
+            for sampled in (False, True)
+        ]
+
+    def compile(self, shape: VerifyShape, cache_rows: int, groups: int, announce: bool) -> None:
+        """Compiles, unless compiled, the verify pass of `shape` on a cache of
+        `cache_rows` rows in `groups` groups (what `verify` would meet). Nothing runs."""
+        eng, n = self.engine, shape.rows
+        zeros = np.zeros(n, np.int32)
+        inputs = self._placed(
+            VerifyInputs(
+                np.zeros((n, shape.T), np.int32),
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+                RowSampling.stack([(Sampling(), 0, 0)] * n),
+            )
+        )
+        eng.programs.get(
+            ("verify", groups, shape.T, "sampled" if shape.sampled else "greedy"),
+            self._fn(groups, shape.T, shape.sampled, False),
+            eng.weights,
+            eng.copies.abstract_cache(cache_rows),
+            inputs,
+            announce,
+        )
+
+    def _placed(self, inputs: VerifyInputs) -> VerifyInputs:
+        """Host inputs onto the mesh, replicated, in the dtypes a pass's compiled program
+        is keyed by."""
+        mesh = self.engine.mesh
+        return jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+            inputs,
+            VerifyInputs.specs(),
+        )
+
     def drafts(self, book, n: int) -> dict[int, list[int]]:
         """Each live row below n's proposal (empty where its pace says wait, or the
         drafter has none), at most k and one less than the tokens it may still make."""
@@ -196,11 +243,7 @@ class Speculator:
         inputs = VerifyInputs(
             tokens, book.lengths[:n] + step, step, count, prompt_slots, RowSampling.stack(per_row)
         )
-        inputs = jax.tree.map(
-            lambda x, spec: jax.device_put(x, NamedSharding(eng.mesh, spec)),
-            inputs,
-            VerifyInputs.specs(),
-        )
+        inputs = self._placed(inputs)
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)

@@ -273,6 +273,39 @@ def test_no_drafts_while_more_rows_are_busy_than_disable_by_batch_size(engines):
         engine.speculator = None
 
 
+def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
+    """`Speculator.shapes` lists every verify pass a scheduler's rounds can meet (what
+    serve compiles in the background): compiled ahead, a load of greedy and sampled
+    requests over two rows with an oracle's drafts compiles no other verify program."""
+    from qwen3_spmd.pipeline.scheduler import Scheduler
+
+    engine = engines(1, 1, 1)
+    (greedy, _), (sampled, _) = plain["greedy"], plain["sampled"]
+    runs = {tuple(p): t for p, t in zip(PROMPTS, [greedy[0], sampled[1], greedy[2]])}
+    engine.speculator = Speculator(engine, Oracle(runs, 2))
+    sched = Scheduler(engine, max_batch=2)
+
+    def verify_programs() -> set[str]:
+        return {name for name in engine.programs.compiled if name.startswith("verify ")}
+
+    try:
+        rows = sched.rules.decode_row_counts()
+        shapes = engine.speculator.shapes(rows)
+        assert len(set(shapes)) == len(rows) * len(ladder(2)) * 2 == 8  # rows 1 and 2
+        sched.precompile(shapes, announce=False)
+        ahead = verify_programs()
+        assert len(ahead) == len(shapes)
+        params = [Params(N_NEW, eos_ids=EOS, seed=SEED), Params(N_NEW, SAMPLED, seed=SEED)]
+        handles = [sched.submit(p, params[i % 2], i) for i, p in enumerate(PROMPTS)]
+        sched.run()
+        assert [h.tokens for h in handles] == [greedy[0], sampled[1], greedy[2]]
+        assert engine.speculator.metrics.accepted_tokens > 0
+        assert verify_programs() == ahead
+    finally:
+        engine.speculator = None
+        sched.close()
+
+
 @dataclasses.dataclass(frozen=True)
 class Wrong:
     """Drafts the plain run's tokens plus one: never kept."""

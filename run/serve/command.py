@@ -6,7 +6,7 @@ programs a first light load meets and a cover of stand-ins for the others
 (`--precompile first`, the default: `ShapeRules.first`; `all`: every program its rounds can run; `lazy`: none, the warm-up
 request compiles its own) and runs one warm-up request, then serves; with `first` the
 other programs compile on a background thread meanwhile, the likeliest first and
-structured outputs' last. With
+structured outputs' and speculation's last. With
 several processes
 process 0 serves HTTP and every other process runs the same rounds from its
 decisions (`Scheduler.follow`). SIGTERM or Ctrl-C: new requests get 503, the running
@@ -219,6 +219,8 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     first, rest = scheduler.rules.first()
     if grammars is not None:  # structured outputs' programs: the last to compile
         rest += scheduler.rules.constrained_decodes()
+    if engine.speculator is not None:  # and the verify passes
+        rest += engine.speculator.shapes(scheduler.rules.decode_row_counts())
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
     later = rest if args.precompile == "first" else []
     threads = CompileThreads()  # the compiles' threads, found by what they do
