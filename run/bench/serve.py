@@ -241,7 +241,8 @@ def structured_job(engine, s: dict, B_max: int, rows: int, grammars, say) -> dic
     loop(constraint)  # compiles
     full = loop(constraint)
     reqs = [(p, n) for (p, _), n in zip(reqs, full["completion_tokens"])]
-    loop(None), loop(constraint, 2)  # compile
+    loop(None)  # compiles
+    loop(constraint, 2)
     ratios = []
     for _ in range(max(1, min(s["repeats"], 3))):
         free, half = loop(None), loop(constraint, 2)
