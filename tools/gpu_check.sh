@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks a lent GPU gets, in one call: the single-device tests on the GPU, then the
 # benchmarks in bfloat16 (dense 0.6B against transformers, speculative decoding, an FP8
-# checkpoint, structured outputs, the MoE formulations). Each phase has its own time
-# limit inside one overall deadline, and writes what it measured under $OUT as it goes,
-# so a phase that runs long costs only itself.
+# checkpoint, what XLA launches a decode step, structured outputs, the MoE
+# formulations). Each phase has its own time limit inside one overall deadline, and
+# writes what it measured under $OUT as it goes, so a phase that runs long costs only
+# itself.
 #
 #   OUT=/tmp/gpu tools/gpu_check.sh [WHEELS]     # WHEELS: wheels of packages the image lacks
 #
@@ -83,6 +84,22 @@ fp8=$(mktemp -d)/fp8
 $PY -m qwen3_spmd.run convert --random-preset $model --model "$fp8-hf" --out "$fp8" \
     --quantize fp8 >>"$OUT/log.txt" 2>&1 || echo "== convert failed" | tee -a "$OUT/log.txt"
 phase fp8 fp8.json 70 "${bench[@]}" --model "$fp8" --scenario prefill --scenario decode "${fp8_sizes[@]}"
+# What XLA launches per decode step (tools/hlo_kernels.py), plain and FP8: the lead for
+# decode at batch 1 (launch-bound here) and for FP8's dequantization.
+hlo() {
+    for m in "$@"; do
+        local d
+        d=$(mktemp -d)
+        XLA_FLAGS="--xla_dump_to=$d --xla_dump_hlo_as_text" $PY -m qwen3_spmd.run generate \
+            --model "$m" --dtype bfloat16 --prompt-ids 1,2,3,4 --max-new-tokens 4 \
+            --compile-cache off >/dev/null || continue
+        echo "== $m"
+        $PY tools/hlo_kernels.py "$d" --only decode
+    done
+}
+export -f hlo
+export PY
+phase hlo hlo.txt 70 bash -c 'hlo "$@"' _ $model "$fp8"
 phase structured structured.json 60 "${bench[@]}" --model $model --scenario structured "${structured[@]}"
 phase moe moe.txt 50 $PY tools/moe_measure.py --dtype bfloat16 "${moe[@]}"
 grep "^== " "$OUT/log.txt"
