@@ -79,8 +79,6 @@ def shift(x, cyclic: bool):
     """Sends x from stage s to stage s + 1 (and the last back to stage 0 when cyclic);
     a stage that receives nothing gets zeros."""
     n = jax.lax.axis_size("stage")
-    if n == 1 and cyclic:  # to itself: no collective (XLA keeps one even so)
-        return x
     perm = [(s, (s + 1) % n) for s in range(n if cyclic else n - 1)]
     return jax.lax.ppermute(x, "stage", perm) if perm else jax.tree.map(jnp.zeros_like, x)
 

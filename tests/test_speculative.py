@@ -292,7 +292,7 @@ def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
         rows = sched.rules.decode_row_counts()
         shapes = engine.speculator.shapes(rows)
         assert len(set(shapes)) == len(rows) * len(ladder(2)) * 2 == 8  # rows 1 and 2
-        sched.precompile(shapes, announce=False)
+        sched.precompile(shapes, workers=1, announce=False)
         ahead = verify_programs()  # with those the module's other tests compiled
         cache = "x".join(map(str, engine.copies.cache_shape(sched.B)))
         assert {
