@@ -293,9 +293,7 @@ class ShapeRules:
         """The decode chunks with allowed-token masks a structured output's rows run:
         over each row count, without log-probabilities (with them, rarer still, compiled
         when met)."""
-        return sorted(
-            {DecodeShape(s.rows, s.sampled, False, True) for s in self.declared().decodes}
-        )
+        return [DecodeShape(n, True, False, True) for n in self.decode_row_counts()]
 
     # ---- which to compile first --------------------------------------------------
 

@@ -131,6 +131,13 @@ class Speculator:
         bound = getattr(self.config, "disable_by_batch_size", None)
         return bound is None or len(book.live()) <= bound
 
+    def _program(self, groups: int, T: int, sampled: bool, logprobs: bool) -> tuple:
+        """(the name `Programs` keys the verify pass by, its jitted function): one place
+        for the pass `verify` runs and the one `compile` compiles ahead."""
+        name = ("verify", groups, T, "sampled" if sampled else "greedy")
+        name += ("logprobs",) if logprobs else ()
+        return name, self._fn(groups, T, sampled, logprobs)
+
     def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
         e = self.engine
         return self._verify.get(
@@ -171,8 +178,7 @@ class Speculator:
             )
         )
         eng.programs.get(
-            ("verify", groups, shape.T, "sampled" if shape.sampled else "greedy"),
-            self._fn(groups, shape.T, shape.sampled, False),
+            *self._program(groups, shape.T, shape.sampled, False),
             eng.weights,
             eng.copies.abstract_cache(cache_rows),
             inputs,
@@ -248,14 +254,12 @@ class Speculator:
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)
         logprobs = any(p.logprobs for p in params)
-        name = ("verify", book.groups, T, "sampled" if sampled else "greedy")
-        name += ("logprobs",) if logprobs else ()
         clock = executor.clock
         compile_before, t0 = clock.compile_s, time.perf_counter()
         # Compiled once per shape, float32 at full precision, compile time counted
         # apart from the pass's (as the engine's own programs).
         out, lp, executor.cache = eng.run_program(
-            name, self._fn(book.groups, T, sampled, logprobs), clock, cache, inputs
+            *self._program(book.groups, T, sampled, logprobs), clock, cache, inputs
         )
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
@@ -269,9 +273,7 @@ class Speculator:
         updates = []
         for b in live:
             d = drafts[b]
-            agreed = 0
-            while agreed < len(d) and d[agreed] == out[b, agreed]:
-                agreed += 1
+            agreed = common_prefix(d, out[b])
             row = book.rows[b]
             request = row.request
             if d:
@@ -294,6 +296,15 @@ class Speculator:
             acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
         return updates
+
+
+def common_prefix(a, b) -> int:
+    """How many tokens sequences a and b share from the start (a row's drafts and the
+    pass's tokens; a run's tokens and plain decoding's)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def attach(engine: Engine, config) -> Engine:

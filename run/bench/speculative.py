@@ -27,7 +27,7 @@ import dataclasses
 
 from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
-from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
+from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator, common_prefix
 from qwen3_spmd.run.bench.jobs import decode_cache_len
 from qwen3_spmd.run.bench.measure import prompts_for, spread
 
@@ -83,7 +83,7 @@ def speculative_job(engines, B: int, say) -> dict:
             "tokens_per_s": new / out.timing["decode_s"],
             "exact": [c.token_ids for c in out.completions] == tokens,
             "same_until": min(
-                _common_prefix(c.token_ids, t) for c, t in zip(out.completions, tokens)
+                common_prefix(c.token_ids, t) for c, t in zip(out.completions, tokens)
             ),
             "drafts": m.drafts if m else 0,
             "draft_tokens": m.draft_tokens if m else 0,
@@ -122,11 +122,3 @@ def speculative_job(engines, B: int, say) -> dict:
             + ("" if entry["exact"] else f", NOT EXACT: a row parts at token {entry['same_until']}")
         )
     return out
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens a and b share from the start."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
