@@ -28,6 +28,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from qwen3_spmd.pipeline import schema_rewrite
+from qwen3_spmd.pipeline.json_watch import JsonWatch, TokenTexts
 from qwen3_spmd.pipeline.requests import RequestError
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -64,29 +66,35 @@ class Constraint:
     def choice(cls, options, after: int | None = None) -> Constraint:
         return cls("choice", _text(list(options)), after)
 
-    def grammar(self) -> str:
-        """llguidance's grammar text for this constraint (ConstraintError when the
-        spec is malformed past what the compiler checks itself)."""
+    def grammar(self) -> tuple[str, tuple[schema_rewrite.Watch, ...]]:
+        """(llguidance's grammar text for this constraint, the checks the host makes
+        beside it: `schema_rewrite`); ConstraintError when the spec is malformed past
+        what the compiler checks itself."""
         import llguidance
 
         if self.kind not in KINDS:
             raise ConstraintError(f"constraint kind {self.kind!r} is not one of {KINDS}")
         if self.kind == "json":
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(self.spec, JSON_OPTIONS)
+                schema, watches = schema_rewrite.rewrite(json.loads(self.spec))
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    _text(schema), JSON_OPTIONS
+                ), watches
+            except schema_rewrite.SchemaError as e:
+                raise ConstraintError(str(e)) from None
             except ValueError as e:
                 raise ConstraintError(f"the schema is not a JSON object ({e})") from None
         if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+            return llguidance.LLMatcher.grammar_from_regex(self.spec), ()
         if self.kind == "choice":
             options = json.loads(self.spec)
             if not options or not all(isinstance(o, str) for o in options):
                 raise ConstraintError("a choice needs at least one string, and only strings")
             return llguidance.LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(o) for o in options)
-            )
+            ), ()
         try:
-            return llguidance.grammar_from("grammar", self.spec)
+            return llguidance.grammar_from("grammar", self.spec), ()
         except Exception as e:  # the GBNF converter raises bare Exceptions
             raise ConstraintError(f"the grammar does not parse ({e})") from None
 
@@ -116,7 +124,8 @@ class Grammars:
         self.words = -(-vocab // 32)  # W: int32 words of a row's mask
         self._tokenizer_json, self._eos_ids = tokenizer_json, tuple(eos_ids)
         self._tokenizer = None  # made at the first compile (about a second for Qwen3's)
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._texts = None  # the tokens' bytes, made for the first grammar with checks
+        self._compiled: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
         self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
@@ -128,7 +137,7 @@ class Grammars:
             return None
         return cls(text.tokenizer.to_str(), vocab, eos_ids)
 
-    def compile(self, constraint: Constraint, bounded: bool = True):
+    def compile(self, constraint: Constraint, bounded: bool = True) -> Compiled:
         """The compiled grammar of `constraint` (a matcher at its start), compiled on this
         object's threads unless cached; ConstraintError when the engine refuses it or
         (bounded) its compile takes more than `compile_s` (it then still finishes, for
@@ -162,13 +171,24 @@ class Grammars:
                 )
             return self._tokenizer
 
-    def _build(self, key, constraint: Constraint):
+    @property
+    def texts(self) -> TokenTexts:
+        """The tokens' bytes, for the host's checks (`json_watch`), made once."""
+        tokenizer = self.tokenizer
+        with self._lock:
+            if self._texts is None:
+                self._texts = TokenTexts.of(tokenizer)
+            return self._texts
+
+    def _build(self, key, constraint: Constraint) -> Compiled:
         import llguidance
 
         try:
-            matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+            grammar, watches = constraint.grammar()
+            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
             if matcher.is_error():
                 raise ConstraintError(_refusal(matcher.get_error()))
+            compiled = Compiled(matcher, watches, self.texts if watches else None)
         except ConstraintError:
             raise
         except Exception as e:  # a spec that is not what its kind says (ValueError, ...)
@@ -177,16 +197,18 @@ class Grammars:
             with self._lock:
                 self._pending.pop(key, None)
         with self._lock:
-            self._compiled[key] = matcher
+            self._compiled[key] = compiled
             while len(self._compiled) > CACHED:
                 self._compiled.popitem(last=False)
-        return matcher
+        return compiled
 
     def matcher(self, constraint: Constraint) -> RowMatcher:
         """A row's state at the start of `constraint`. Its compile is not bounded: a
         request admitted was compiled in time where it was submitted (process 0), and
         another process must then follow it, however long its own compile takes."""
-        return RowMatcher(self.compile(constraint, bounded=False).deep_copy(), constraint.after)
+        compiled = self.compile(constraint, bounded=False)
+        watch = JsonWatch(compiled.watches, compiled.texts) if compiled.watches else None
+        return RowMatcher(compiled.matcher.deep_copy(), constraint.after, watch)
 
     def masks(self, rows: int) -> np.ndarray:
         """[rows, W] int32 bits, every token allowed (a row under no constraint)."""
@@ -218,12 +240,23 @@ def _refusal(error: str) -> str:
     return message
 
 
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A constraint compiled: llguidance's matcher at its start, and the host's checks
+    beside it (`schema_rewrite.Watch`; texts: the tokens' bytes they read, None
+    without checks)."""
+
+    matcher: object
+    watches: tuple[schema_rewrite.Watch, ...]
+    texts: TokenTexts | None
+
+
 class RowMatcher:
     """One row's grammar state: waiting for the token that starts it (`after`), then
-    llguidance's matcher."""
+    llguidance's matcher, and the host's checks beside it (watch, or None)."""
 
-    def __init__(self, matcher, after: int | None):
-        self.matcher, self.after = matcher, after
+    def __init__(self, matcher, after: int | None, watch: JsonWatch | None = None):
+        self.matcher, self.after, self.watch = matcher, after, watch
         self.waiting = after is not None
 
     def fill(self, masks: np.ndarray, row: int) -> None:
@@ -234,6 +267,8 @@ class RowMatcher:
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, masks, row)
+        if self.watch is not None:
+            self.watch.mask(masks, row)
 
     def take(self, token: int) -> bool:
         """The row produced `token`; True when its answer is done: the grammar admits
@@ -242,4 +277,6 @@ class RowMatcher:
             self.waiting = token != self.after
             return False
         self.matcher.consume_token(int(token))
+        if self.watch is not None:
+            self.watch.take(int(token))
         return self.matcher.is_stopped() or self.matcher.is_error()
