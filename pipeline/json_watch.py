@@ -25,18 +25,26 @@ class TokenTexts:
     """The model's tokens as bytes, and those that hold a `"` (once, twice or more).
 
     texts: bytes per token id. quoted: [Q] ids holding at least one `"`; quoted_twice:
-    [Q2] ids holding at least two."""
+    [Q2] ids holding at least two. heads: for each id of `quoted` that holds one `"` and
+    no backslash before it, the text before the `"` (what it adds to an open string
+    as it closes it); None for the others."""
 
     texts: list[bytes]
     quoted: np.ndarray
     quoted_twice: np.ndarray
+    heads: dict[int, bytes | None]
 
     @classmethod
     def of(cls, tokenizer) -> TokenTexts:
         """From llguidance's LLTokenizer."""
         texts = [tokenizer.decode_bytes([i]) for i in range(tokenizer.vocab_size)]
         counts = np.array([t.count(b'"') for t in texts])
-        return cls(texts, np.flatnonzero(counts >= 1), np.flatnonzero(counts >= 2))
+        quoted = np.flatnonzero(counts >= 1)
+        heads = {}
+        for i in quoted.tolist():
+            head = texts[i][: texts[i].index(b'"')]
+            heads[i] = head if counts[i] == 1 and b"\\" not in head else None
+        return cls(texts, quoted, np.flatnonzero(counts >= 2), heads)
 
 
 def _matches(pattern: tuple, path: tuple) -> bool:
@@ -142,16 +150,24 @@ class _Scanner:
         if self.is_key:
             self.frames[-1].key = value
             return True
-        path = self.path()
-        for watch in self.watches:
-            if watch.kind == "not" and value in watch.values and _matches(watch.path, path):
-                return False
-        top = self.frames[-1] if self.frames else None
-        if top is not None and top.seen is not None:
-            if value in top.seen:
-                return False
-            top.seen.add(value)
+        if self.forbids(value):
+            return False
+        if self.frames and self.frames[-1].seen is not None:
+            self.frames[-1].seen.add(value)
         return True
+
+    def forbids(self, value: str) -> bool:
+        """Whether the string value being written may not end as `value` (never for a
+        key)."""
+        if self.is_key:
+            return False
+        top = self.frames[-1] if self.frames else None
+        if top is not None and top.seen is not None and value in top.seen:
+            return True
+        path = self.path()
+        return any(
+            w.kind == "not" and value in w.values and _matches(w.path, path) for w in self.watches
+        )
 
 
 class JsonWatch:
@@ -167,9 +183,21 @@ class JsonWatch:
     def mask(self, masks: np.ndarray, row: int) -> None:
         """Clears, in row `row` of masks [B, W] (int32 bits), the allowed tokens that
         would complete a forbidden string."""
-        ids = self.tokens.quoted if self.scanner.in_string else self.tokens.quoted_twice
+        scan = self.scanner
+        ids = self.tokens.quoted if scan.in_string else self.tokens.quoted_twice
         bits = masks[row].view(np.uint32)
         allowed = ids[(bits[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1]
-        for token in allowed:
-            if not self.scanner.copy().feed(self.tokens.texts[token]):
-                bits[token >> 5] &= np.uint32(~(1 << int(token & 31)) & 0xFFFFFFFF)
+        # A token that only closes the open string (one `"`, no escape before it): the
+        # string's value is the open one's and the token's head; no simulation needed.
+        plain = scan.in_string and not scan.escaped and b"\\" not in scan.raw
+        for token in allowed.tolist():
+            head = self.tokens.heads.get(token) if plain else None
+            if head is not None:
+                try:
+                    ok = not scan.forbids((scan.raw + head).decode())
+                except UnicodeDecodeError:
+                    ok = True  # not a whole string: the grammar's to refuse
+            else:
+                ok = scan.copy().feed(self.tokens.texts[token])
+            if not ok:
+                bits[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
