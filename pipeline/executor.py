@@ -104,7 +104,7 @@ class Executor:
             return []
         chunk, spec = round.decode, self.engine.speculator
         if spec is not None and spec.takes(chunk, self.book):  # pipeline.speculative
-            drafts = spec.drafts(self.book, chunk.shape.rows)
+            drafts = spec.drafts(self, chunk.shape.rows)
             if any(drafts.values()):
                 return self._forget(spec.verify(self, chunk.shape.rows, drafts))
             steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
+from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.programs import JitTable
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
@@ -113,12 +113,13 @@ class SpecMetrics:
 class Speculator:
     """Verify rounds on `engine` for the rows of an executor's book, as `config` drafts
     (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
-    `propose(context, k)`: the tests' and the benchmark's oracles). The compiled verify
-    programs are the Speculator's: a caller may change `config` (and reset `metrics`)
-    between rounds and keep them."""
+    `propose(context, k)`: the tests' and the benchmark's oracles), or `drafter` (a
+    `pipeline.draft_model.DraftModel`, which proposes for all rows at once). The
+    compiled verify programs are the Speculator's: a caller may change `config` (and
+    reset `metrics`) between rounds and keep them."""
 
-    def __init__(self, engine: Engine, config: SpeculativeConfig):
-        self.engine, self.config = engine, config
+    def __init__(self, engine: Engine, config: SpeculativeConfig, drafter=None):
+        self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = SpecMetrics()
         self._verify = JitTable()
 
@@ -164,19 +165,20 @@ class Speculator:
 
     def compile(self, shape: VerifyShape, cache_rows: int, groups: int, announce: bool) -> None:
         """Compiles, unless compiled, the verify pass of `shape` on a cache of
-        `cache_rows` rows in `groups` groups (what `verify` would meet). Nothing runs."""
+        `cache_rows` rows in `groups` groups (what `verify` would meet), and a draft
+        model's passes over as many rows. Nothing runs."""
         eng, n = self.engine, shape.rows
+        if self.drafter is not None:
+            self.drafter.compile(n, cache_rows, groups, announce)
         zeros = np.zeros(n, np.int32)
-        inputs = self._placed(
-            VerifyInputs(
-                np.zeros((n, shape.T), np.int32),
-                zeros,
-                zeros,
-                zeros,
-                zeros,
-                RowSampling.stack([(Sampling(), 0, 0)] * n),
-            )
-        )
+        inputs = VerifyInputs(
+            np.zeros((n, shape.T), np.int32),
+            zeros,
+            zeros,
+            zeros,
+            zeros,
+            RowSampling.stack([(Sampling(), 0, 0)] * n),
+        ).placed(eng.mesh)
         eng.programs.get(
             *self._program(groups, shape.T, shape.sampled, False),
             eng.weights,
@@ -185,21 +187,13 @@ class Speculator:
             announce,
         )
 
-    def _placed(self, inputs: VerifyInputs) -> VerifyInputs:
-        """Host inputs onto the mesh, replicated, in the dtypes a pass's compiled program
-        is keyed by."""
-        mesh = self.engine.mesh
-        return jax.tree.map(
-            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
-            inputs,
-            VerifyInputs.specs(),
-        )
-
-    def drafts(self, book, n: int) -> dict[int, list[int]]:
-        """Each live row below n's proposal (empty where its pace says wait, or the
-        drafter has none), at most k and one less than the tokens it may still make."""
+    def drafts(self, executor, n: int) -> dict[int, list[int]]:
+        """Each live row below n of `executor`'s book: its proposal (empty where its pace
+        says wait, or the drafter has none), at most k and one less than the tokens it
+        may still make."""
+        book = executor.book
         k = self.config.num_speculative_tokens
-        out = {}
+        out, wants = {}, {}
         for b in (b for b in book.live() if b < n):
             row = book.rows[b]
             if row.pace is None:
@@ -209,7 +203,11 @@ class Speculator:
             k_b = min(pace.k, k, row.steps_left - 1)
             out[b] = []
             if k_b > 0 and not pace.waits(len(row.generated)):
-                context = row.request.prompt + tuple(row.generated)
+                wants[b] = (row.request.prompt + tuple(row.generated), k_b)
+        if self.drafter is not None and wants:
+            out.update(self.drafter.propose(executor, wants, n))
+        else:
+            for b, (context, k_b) in wants.items():
                 out[b] = list(self.config.propose(context, k_b))[:k_b]
         return out
 
@@ -248,8 +246,7 @@ class Speculator:
         book.list_ahead(step, count, prompt_slots, n)
         inputs = VerifyInputs(
             tokens, book.lengths[:n] + step, step, count, prompt_slots, RowSampling.stack(per_row)
-        )
-        inputs = self._placed(inputs)
+        ).placed(eng.mesh)
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)
@@ -307,12 +304,21 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def attach(engine: Engine, config) -> Engine:
+def attach(engine: Engine, config, draft: Engine | None = None) -> Engine:
     """`engine` with decode rounds that verify the drafts of `config` (a
     SpeculativeConfig, or its JSON or mapping: vLLM's speculative_config; None: plain
-    decoding). The engine knows nothing above it, so this module sets it."""
+    decoding); `draft`: the draft model's Engine on the same mesh, for method
+    "draft_model". The engine knows nothing above it, so this module sets it."""
     from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(config)
-    engine.speculator = Speculator(engine, spec) if spec is not None else None
+    if spec is None:
+        engine.speculator = None
+        return engine
+    if (spec.method == "draft_model") != (draft is not None):
+        raise ValueError(
+            f"method {spec.method!r} takes a draft Engine exactly when it is draft_model"
+        )
+    drafter = DraftModel(draft) if draft is not None else None
+    engine.speculator = Speculator(engine, spec, drafter)
     return engine

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
@@ -76,6 +76,13 @@ class VerifyInputs(NamedTuple):
     def specs(cls) -> VerifyInputs:
         fields = {name: P() for name in cls._fields}
         return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+
+    def placed(self, mesh: Mesh) -> VerifyInputs:
+        """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
+        program is keyed by."""
+        return jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), self, self.specs()
+        )
 
 
 class VerifyCarry(NamedTuple):

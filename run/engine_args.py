@@ -354,8 +354,35 @@ class EngineArgs:
         from qwen3_spmd.pipeline import speculative
         from qwen3_spmd.pipeline.engine import Engine
 
-        engine = Engine(spec_cfg, source, mesh, **{**self.engine_kwargs(max_seq_len), **door})
-        return speculative.attach(engine, self.speculative_config)
+        kwargs = {**self.engine_kwargs(max_seq_len), **door}
+        engine = Engine(spec_cfg, source, mesh, **kwargs)
+        return speculative.attach(engine, self.speculative_config, self._draft(engine, kwargs))
+
+    def _draft(self, engine, kwargs: dict):
+        """speculative_config's draft model (method draft_model; else None): opened as the
+        main model is, on the same mesh with the same settings (`pipeline.draft_model`)."""
+        from qwen3_spmd.model.config import ConfigError
+        from qwen3_spmd.pipeline.engine import Engine
+        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+        from qwen3_spmd.run.models import open_model
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None or spec.method != "draft_model":
+            return None
+        where = f"--speculative-config: model {spec.model}"
+        try:
+            draft = open_model(spec.model, self.weights_seed)
+        except ConfigError as e:
+            raise CLIError(f"{where}: {e}") from None
+        if draft.cfg.V != engine.cfg.V:
+            raise CLIError(
+                f"{where}: its vocabulary has {draft.cfg.V} tokens and the model's "
+                f"{engine.cfg.V}: a drafter must share the model's tokenizer"
+            )
+        try:
+            return Engine(draft.cfg, draft.source, engine.mesh, **kwargs)
+        except ValueError as e:  # a mesh the draft model cannot take (heads, layers)
+            raise CLIError(f"{where}: {e}") from None
 
     def engine_kwargs(self, max_seq_len: int) -> dict:
         """Engine's keyword arguments of these settings (asks JAX for the backend when

@@ -23,7 +23,7 @@ from reference import TINY
 from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline import ngram, static_batch
+from qwen3_spmd.pipeline import ngram, speculative, static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
@@ -85,7 +85,16 @@ def test_config_reads_vllm_keys_and_fills_a_missing_bound():
         ("[4]", "list is not an object"),
         ({"num_speculative_tokens": 4, "lookahead": 2}, "unknown key 'lookahead'"),
         ({"method": "eagle", "num_speculative_tokens": 4}, "method 'eagle' is not one of"),
-        ({"method": "draft_model", "num_speculative_tokens": 4}, "not built yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 4}, "needs model"),
+        (
+            {"method": "ngram", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4},
+            "model is a key of method 'draft_model', not of 'ngram'",
+        ),
+        (
+            {"method": "draft_model", "model": "m", "num_speculative_tokens": 4}
+            | {"prompt_lookup_max": 2},
+            "prompt_lookup_max is a key of method 'ngram'",
+        ),
         ({"method": "ngram"}, "num_speculative_tokens is missing"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens 0 must be an integer >= 1"),
         ({"num_speculative_tokens": "4"}, "num_speculative_tokens '4' must be an integer"),
@@ -342,6 +351,95 @@ def test_a_drafter_that_is_always_wrong_is_paced_off(engines, plain):
     assert out.layout["decode_ticks"] > out.layout["verify_ticks"]  # plain chunks ran too
 
 
+# ---- draft_model: a smaller Qwen3 drafts -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstLayers:
+    """The tiny checkpoint's first cfg.L layers: a drafter that agrees with the model
+    often, and not always, as a smaller model of the same family would."""
+
+    full: HFCheckpoint
+    cfg: Qwen3Config
+
+    def read(self, path, dtype, layers=None, part=None):
+        return self.full.read(path, dtype, layers, part)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny):
+    """One draft model a mesh: the tiny model's first four layers."""
+    cfg, source = tiny
+    small = dataclasses.replace(cfg, num_hidden_layers=cfg.L - 1)
+    made = {}
+
+    def get(mesh):
+        key = tuple(mesh.shape.values())
+        if key not in made:
+            made[key] = Engine(small, FirstLayers(source, small), mesh, max_seq_len=128)
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "S, C, X, k, how",
+    [  # k as the oracle's test on the mesh, so the model's verify programs are shared
+        (1, 1, 1, 4, "greedy"),
+        (1, 1, 1, 4, "sampled"),
+        (2, 1, 1, 3, "greedy"),
+        (4, 1, 1, 2, "greedy"),  # the drafter's four layers over four stages
+        (1, 2, 1, 3, "greedy"),
+        (2, 2, 1, 4, "greedy"),  # the drafter's K/V split over seq, its passes over stages
+        (1, 1, 2, 3, "greedy"),
+    ],
+)
+def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, how):
+    """A smaller model drafts on the model's mesh, its cache caught up on each row's
+    tokens and rolled back past rejected drafts: the tokens are plain decoding's, and
+    some drafts are kept and some are not."""
+    tokens, finish = plain[how]
+    engine, draft = engines(S, C, X), drafters(engines(S, C, X).mesh)
+    config = {"method": "draft_model", "model": "first layers", "num_speculative_tokens": k}
+    speculative.attach(engine, config, draft)
+    try:
+        if (S, C, X, how) == (1, 1, 1, "greedy"):  # compiled ahead as serve does: no other
+            engine.speculator.drafter.compile(len(PROMPTS), len(PROMPTS), 1, announce=False)
+            ahead = set(draft.programs.compiled)
+        sampling = SAMPLED if how == "sampled" else Sampling()
+        out = static_batch.generate(
+            engine, PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
+        )
+        assert [c.token_ids for c in out.completions] == tokens
+        assert [c.finish_reason for c in out.completions] == finish
+        m = engine.speculator.metrics
+        assert 0 < m.accepted_tokens < m.draft_tokens
+        if (S, C, X, how) == (1, 1, 1, "greedy"):
+            assert set(draft.programs.compiled) == ahead
+    finally:
+        engine.speculator = None
+
+
+def test_a_draft_model_through_llm_and_its_refusals():
+    """speculative_config's draft_model through LLM's door: the drafter's checkpoint
+    opened as the model's is, on the model's mesh with its settings (its tokens are the
+    test above's); a drafter with another vocabulary, or none at the path, is refused
+    in one line."""
+    settings = dict(mesh="1x1", max_seq_len=32, max_batch=2, enable_prefix_caching=False)
+    config = {"method": "draft_model", "model": str(TINY), "num_speculative_tokens": 2}
+    with LLM(str(TINY), speculative_config=config, **settings) as llm:
+        spec = llm.engine.speculator
+        draft = spec.drafter.engine
+        assert spec.config == SpeculativeConfig(2, "draft_model", model=str(TINY))
+        assert draft.mesh is llm.engine.mesh and draft.cfg == llm.engine.cfg
+        assert (draft.max_seq_len, draft.dtype) == (llm.engine.max_seq_len, llm.engine.dtype)
+    for model, words in ((TINY.parent / "wide", "vocabulary has 333 tokens"), ("/no/such", "")):
+        with pytest.raises(RequestError) as e:
+            LLM(str(TINY), speculative_config={**config, "model": str(model)}, **settings)
+        message = str(e.value)
+        assert "\n" not in message and f"model {model}" in message and words in message
+
+
 # ---- the doors: LLM (the continuous-batching scheduler) and the command line -------------------
 
 
@@ -390,7 +488,7 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
 def test_llm_refuses_a_malformed_config_in_one_line():
     with pytest.raises(RequestError) as e:
         LLM(str(TINY), mesh="1x1", speculative_config={"method": "eagle"})
-    assert str(e.value) == "speculative_config: method 'eagle' is not one of ngram"
+    assert str(e.value) == "speculative_config: method 'eagle' is not one of ngram, draft_model"
 
 
 def test_the_flag_gives_serve_generate_and_llm_one_engine_setting():

@@ -1,0 +1,169 @@
+"""speculative_config's `draft_model`: a smaller Qwen3 with the target's vocabulary
+proposes each row's drafts (issue 46).
+
+Where it runs: on the target's own mesh, sharded as the target is (its layers over
+`stage`, its K/V over `seq`, its heads over `tensor`), with a KV cache of as many rows
+as the target's row book. No device is set apart or left idle, its rows are the book's
+rows, and its weights are small beside the target's (0.6B beside 8B or 32B). The cost:
+each of its steps crosses every stage, as a plain decode step does, so on S stages a
+draft of k tokens takes k such trips before the verify pass.
+
+Its passes are the verify program (`pipeline.verify`) on the draft model's weights,
+greedy: out[b, i] is the draft model's argmax after token i of row b. Its cache holds
+each row's tokens as decode steps from position 0 (step j is position j, at
+`ring.decode_slot(j, 0, C)`; no prompt layout), and `known[b]` remembers which tokens
+row b's cache holds. The K/V at a position depends only on the tokens up to it, so the
+valid part of a row's cache is the common prefix of `known[b]` with the row's tokens
+now: a rejected draft, a request that ended and a row given to another request need
+no message, only the slots past that prefix unlisted. A proposal over rows 0..n-1:
+
+    catch up  each proposing row's tokens the cache lacks (a new request's whole
+              prompt, then the tokens of the last pass), in passes of LENGTHS positions;
+              the output at the row's newest token is its first draft
+    draft     k_b - 1 passes of one position, each feeding the previous draft
+
+The drafts are the draft model's greedy choices (a one-hot q), so a sampled row keeps
+a draft d with probability p(d), as the verify's acceptance does for any drafter that
+proposes tokens (`pipeline.speculative`); its tokens are plain sampling's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from qwen3_spmd.pipeline.layout import list_decode_slots
+from qwen3_spmd.pipeline.programs import JitTable
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
+
+if TYPE_CHECKING:
+    from qwen3_spmd.pipeline.engine import Engine
+
+CATCH_UP = 16  # positions a catch-up pass feeds a row at most
+# The pass lengths compiled: one (a draft step), a few (the catch-up after a verify
+# pass: its kept tokens), CATCH_UP (a prompt). A pass wider than its tokens costs
+# little where a step is bound by reading the weights, and each length is a compile.
+LENGTHS = (1, 4, CATCH_UP)
+
+
+def pass_length(n: int) -> int:
+    """The positions of the pass that feeds up to n tokens a row (n > CATCH_UP: the
+    first CATCH_UP of them)."""
+    return next((T for T in LENGTHS if T >= n), CATCH_UP)
+
+
+class DraftModel:
+    """Proposes drafts for the rows of a target's row book with `engine` (the draft
+    model's Engine, on the target's mesh; its max_seq_len at least the target's)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._fns = JitTable()
+        self.cache = None  # the draft model's KV cache, made for the book's B rows
+        self.slot_pos: np.ndarray | None = None  # [B, C, S_loc] host copy of cache.pos
+        self.known: list[list[int]] = []  # [B] the tokens each row's cache holds
+
+    def _fresh(self, B: int) -> None:
+        copies = self.engine.copies
+        self.cache = copies.empty_cache(B)
+        self.slot_pos = np.full((B, copies.C, copies.slots_per_device), -1, np.int32)
+        self.known = [[] for _ in range(B)]
+
+    def propose(self, executor, wants: dict[int, tuple], n: int) -> dict[int, list[int]]:
+        """Each row b of `wants` ({b: (its tokens, prompt and generated; k_b >= 1)}, rows
+        below n of `executor`'s book) -> its k_b drafts. Runs the draft model's passes
+        over rows 0..n-1 in the book's groups; their time goes to the executor's clock
+        as decode time."""
+        book, clock = executor.book, executor.clock
+        if self.cache is None or len(self.known) != book.B:
+            self._fresh(book.B)
+        compile_before, t0 = clock.compile_s, time.perf_counter()
+        feed, drafts = {}, {b: [] for b in wants}
+        for b, (context, _) in wants.items():
+            held = self.known[b]
+            valid = 0
+            while valid < min(len(held), len(context) - 1) and held[valid] == context[valid]:
+                valid += 1
+            del held[valid:]
+            self.slot_pos[b][self.slot_pos[b] >= valid] = -1
+            feed[b] = list(context[valid:])
+        while any(feed.values()):  # catch up; a row's last piece gives its first draft
+            T = pass_length(max(len(f) for f in feed.values()))
+            pieces = {b: f[:T] for b, f in feed.items() if f}
+            out = self._pass(executor, n, T, pieces, clock)
+            for b, piece in pieces.items():
+                self.known[b] += piece
+                feed[b] = feed[b][len(piece) :]
+                if not feed[b]:
+                    drafts[b].append(int(out[b, len(piece) - 1]))
+        while True:  # one position a pass: the previous draft in, the next out
+            pieces = {b: d[-1:] for b, d in drafts.items() if len(d) < wants[b][1]}
+            if not pieces:
+                break
+            out = self._pass(executor, n, 1, pieces, clock)
+            for b, piece in pieces.items():
+                self.known[b] += piece
+                drafts[b].append(int(out[b, 0]))
+        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        return drafts
+
+    def compile(self, n: int, cache_rows: int, groups: int, announce: bool) -> None:
+        """Compiles, unless compiled, the passes a proposal over n rows of a book of
+        `cache_rows` rows in `groups` groups can run (one a length of LENGTHS). Nothing
+        runs."""
+        eng = self.engine
+        zeros = np.zeros(n, np.int32)
+        for T in LENGTHS:
+            inputs = VerifyInputs(
+                np.zeros((n, T), np.int32),
+                zeros,
+                zeros,
+                zeros,
+                zeros,
+                RowSampling.stack([(Sampling(), 0, 0)] * n),
+            ).placed(eng.mesh)
+            eng.programs.get(
+                ("draft", groups, T),
+                self._fn(groups, T),
+                eng.weights,
+                eng.copies.abstract_cache(cache_rows),
+                inputs,
+                announce,
+            )
+
+    def _pass(self, executor, n: int, T: int, pieces: dict[int, list[int]], clock):
+        """One greedy pass of the draft model over rows 0..n-1: row b feeds pieces[b] at
+        the positions after its known tokens (rows without a piece run nothing).
+        Returns out [n, T]."""
+        eng, groups = self.engine, executor.book.groups
+        tokens = np.zeros((n, T), np.int32)
+        step = np.zeros(n, np.int32)
+        count = np.zeros(n, np.int32)
+        for b, piece in pieces.items():
+            tokens[b, : len(piece)] = piece
+            step[b] = len(self.known[b])
+            count[b] = len(piece)
+        zeros = np.zeros(n, np.int32)
+        list_decode_slots(self.slot_pos, step, T, step + count, zeros, zeros)
+        inputs = VerifyInputs(
+            tokens, step, step, count, zeros, RowSampling.stack([(Sampling(), 0, 0)] * n)
+        ).placed(eng.mesh)
+        cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
+        out, _, self.cache = eng.run_program(
+            ("draft", groups, T), self._fn(groups, T), clock, cache, inputs
+        )
+        return np.asarray(out)
+
+    def _fn(self, groups: int, T: int):
+        e = self.engine
+        return self._fns.get(
+            (groups, T),
+            lambda: jax.jit(
+                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T),
+                donate_argnames="cache",
+            ),
+        )
