@@ -572,17 +572,20 @@ def test_generate_flag_speculates_and_reports_it(capsys, plain):
 
 def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
     """bench --scenario speculative (1x1, B=1, k=2): the oracle's every draft kept (3
-    tokens a pass), the wrong drafter's none, every run's tokens plain decoding's."""
+    tokens a pass), the wrong drafter's none, the model drafting for itself every one,
+    every run's tokens plain decoding's."""
     argv = ["bench", "--smoke", "--scenario", "speculative", "--batches", "1", "--json"]
     argv += ["--repeats", "1", "--warmup", "0"]  # what is checked is exactness, not time
     argv += ["--dtype", "float32"]  # a GPU's default is bfloat16
     assert main(argv) == 0
     (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
     drafters = job["drafters"]
-    assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", "ngram k=2"}
+    itself = "draft model (itself) k=2"
+    assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", "ngram k=2", itself}
     assert all(d["exact"] for d in drafters.values())
     assert {d["same_until"] for d in drafters.values()} == {job["steps"] + 1}  # every token
     assert drafters["oracle k=2"]["acceptance"] == 1.0
     assert drafters["oracle k=2"]["mean_acceptance_length"] == 3.0
     assert drafters["wrong k=2"]["acceptance"] == 0.0
+    assert drafters[itself]["acceptance"] == 1.0
     assert drafters["plain"]["vs_plain"] == 1.0

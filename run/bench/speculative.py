@@ -8,7 +8,10 @@ the scenario measures the mechanism between two bounds (issue 46):
 - the floor: a drafter that is always wrong (the plain run's tokens plus one), at the
   largest k: each pass then gives one token for k + 1 positions' work;
 - ngram (prompt lookup, k the largest, n-grams 4 down to 1) on the same prompts:
-  acceptance and tokens/s as they come.
+  acceptance and tokens/s as they come;
+- draft_model with the model drafting for itself (k the largest): every draft kept, and
+  each draft costs a pass of the model, so this is what the drafter's passes cost
+  beside the verify pass; a drafter c times the model's size pays about c of it.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
 --decode-steps tokens through `static_batch.generate` (greedy), compiled first, then --warmup
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from qwen3_spmd.pipeline import static_batch
+from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator, common_prefix
 from qwen3_spmd.run.bench.jobs import decode_cache_len
@@ -66,13 +70,16 @@ def speculative_job(engines, B: int, say) -> dict:
     drafters.update({f"oracle k={k}": Replay(runs, k, cfg.V) for k in ks})
     drafters[f"wrong k={max(ks)}"] = Replay(runs, max(ks), cfg.V, wrong=True)
     drafters[f"ngram k={max(ks)}"] = SpeculativeConfig(max(ks), "ngram", 4, 1)
+    itself = SpeculativeConfig(max(ks), "draft_model", model="the model itself")
+    drafters[f"draft model (itself) k={max(ks)}"] = (itself, DraftModel(engine))
 
     # One Speculator whose drafter changes: its compiled verify programs serve them all.
     spec = Speculator(engine, drafters[f"oracle k={ks[0]}"])
 
     def run(name) -> dict:
         drafter = drafters[name]
-        spec.config, spec.metrics = drafter, SpecMetrics()
+        spec.config, spec.drafter = drafter if isinstance(drafter, tuple) else (drafter, None)
+        spec.metrics = SpecMetrics()
         engine.speculator = spec if drafter is not None else None
         out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
         m = spec.metrics if drafter is not None else None
