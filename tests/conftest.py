@@ -6,6 +6,7 @@ here, at import, before any test module is collected.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -75,6 +76,7 @@ LONGEST_FIRST = [
     "test_tensor.py",
     "test_moe.py",
     "test_engine_ulysses.py",
+    "test_speculative.py",
     "test_prompt_logprobs.py",
     "test_multihost.py",
     "test_bench.py",
@@ -97,6 +99,21 @@ def _compile_cache_in_use():
     the cache: that compile is this one, with the cache on, whichever test runs first
     (an in-process `bench` turns the cache off for its own figures)."""
     jax.jit(lambda x: x + 1)(1).block_until_ready()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs(request):
+    """Each compiled program holds memory mappings of its JIT code (a few per kernel),
+    and a process may hold 65,530 (Linux's vm.max_map_count). A worker that kept every
+    module's programs reached that after 15 minutes or so and segfaulted inside XLA (in
+    a compile or a compile-cache write, a different test each time, never a module
+    alone). When a module ends, its fixtures' engines are gone, its shared ones (a
+    module-level `_ENGINES`) are let go here, and JAX's caches let go of their
+    programs, and the mappings with them (docs/testing.md)."""
+    yield
+    getattr(request.module, "_ENGINES", {}).clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
