@@ -116,16 +116,8 @@ class DraftModel:
         `cache_rows` rows in `groups` groups can run (one a length of LENGTHS). Nothing
         runs."""
         eng = self.engine
-        zeros = np.zeros(n, np.int32)
         for T in LENGTHS:
-            inputs = VerifyInputs(
-                np.zeros((n, T), np.int32),
-                zeros,
-                zeros,
-                zeros,
-                zeros,
-                RowSampling.stack([(Sampling(), 0, 0)] * n),
-            ).placed(eng.mesh)
+            inputs = VerifyInputs.zeros(n, T).placed(eng.mesh)
             eng.programs.get(
                 ("draft", groups, T),
                 self._fn(groups, T),

@@ -170,15 +170,7 @@ class Speculator:
         eng, n = self.engine, shape.rows
         if self.drafter is not None:
             self.drafter.compile(n, cache_rows, groups, announce)
-        zeros = np.zeros(n, np.int32)
-        inputs = VerifyInputs(
-            np.zeros((n, shape.T), np.int32),
-            zeros,
-            zeros,
-            zeros,
-            zeros,
-            RowSampling.stack([(Sampling(), 0, 0)] * n),
-        ).placed(eng.mesh)
+        inputs = VerifyInputs.zeros(n, shape.T).placed(eng.mesh)
         eng.programs.get(
             *self._program(groups, shape.T, shape.sampled, False),
             eng.weights,

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,6 +38,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.sampling import (
     TOP_LOGPROBS,
     RowSampling,
+    Sampling,
     TokenLogprobs,
     gather_vocab,
     greedy_split,
@@ -76,6 +78,14 @@ class VerifyInputs(NamedTuple):
     def specs(cls) -> VerifyInputs:
         fields = {name: P() for name in cls._fields}
         return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+
+    @classmethod
+    def zeros(cls, rows: int, T: int) -> VerifyInputs:
+        """Host inputs of `rows` greedy rows that run nothing: the shapes a compile
+        ahead of time needs."""
+        none = np.zeros(rows, np.int32)
+        greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
+        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy)
 
     def placed(self, mesh: Mesh) -> VerifyInputs:
         """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
