@@ -37,8 +37,7 @@ import numpy as np
 
 from qwen3_spmd.pipeline.layout import list_decode_slots
 from qwen3_spmd.pipeline.programs import JitTable
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
-from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
+from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
 
 if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
@@ -84,11 +83,9 @@ class DraftModel:
         compile_before, t0 = clock.compile_s, time.perf_counter()
         feed, drafts = {}, {b: [] for b in wants}
         for b, (context, _) in wants.items():
-            held = self.known[b]
-            valid = 0
-            while valid < min(len(held), len(context) - 1) and held[valid] == context[valid]:
-                valid += 1
-            del held[valid:]
+            # The newest token is always fed: its output is the first draft.
+            valid = common_prefix(self.known[b], context[:-1])
+            del self.known[b][valid:]
             self.slot_pos[b][self.slot_pos[b] >= valid] = -1
             feed[b] = list(context[valid:])
         while any(feed.values()):  # catch up; a row's last piece gives its first draft
@@ -141,9 +138,11 @@ class DraftModel:
             count[b] = len(piece)
         zeros = np.zeros(n, np.int32)
         list_decode_slots(self.slot_pos, step, T, step + count, zeros, zeros)
-        inputs = VerifyInputs(
-            tokens, step, step, count, zeros, RowSampling.stack([(Sampling(), 0, 0)] * n)
-        ).placed(eng.mesh)
+        inputs = (
+            VerifyInputs.zeros(n, T)
+            ._replace(tokens=tokens, positions=step, step=step, count=count)
+            .placed(eng.mesh)
+        )
         cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
         out, _, self.cache = eng.run_program(
             ("draft", groups, T), self._fn(groups, T), clock, cache, inputs

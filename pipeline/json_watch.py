@@ -150,24 +150,24 @@ class _Scanner:
         if self.is_key:
             self.frames[-1].key = value
             return True
-        if self.forbids(value):
+        if value in self.forbidden():
             return False
         if self.frames and self.frames[-1].seen is not None:
             self.frames[-1].seen.add(value)
         return True
 
-    def forbids(self, value: str) -> bool:
-        """Whether the string value being written may not end as `value` (never for a
-        key)."""
+    def forbidden(self) -> set[str]:
+        """The values the string being written may not end as: its array's earlier
+        items (a watched array), and those a `not` at its path names (none for a key)."""
         if self.is_key:
-            return False
+            return set()
         top = self.frames[-1] if self.frames else None
-        if top is not None and top.seen is not None and value in top.seen:
-            return True
+        banned = set(top.seen) if top is not None and top.seen is not None else set()
         path = self.path()
-        return any(
-            w.kind == "not" and value in w.values and _matches(w.path, path) for w in self.watches
-        )
+        for w in self.watches:
+            if w.kind == "not" and _matches(w.path, path):
+                banned |= w.values
+        return banned
 
 
 class JsonWatch:
@@ -190,11 +190,12 @@ class JsonWatch:
         # A token that only closes the open string (one `"`, no escape before it): the
         # string's value is the open one's and the token's head; no simulation needed.
         plain = scan.in_string and not scan.escaped and b"\\" not in scan.raw
+        banned = scan.forbidden() if plain else set()
         for token in allowed.tolist():
             head = self.tokens.heads.get(token) if plain else None
             if head is not None:
                 try:
-                    ok = not scan.forbids((scan.raw + head).decode())
+                    ok = (scan.raw + head).decode() not in banned
                 except UnicodeDecodeError:
                     ok = True  # not a whole string: the grammar's to refuse
             else:

@@ -101,6 +101,21 @@ def _pointer(root, ref: str):
     return node
 
 
+def _resolve(root, node, seen=()):
+    """`node` with its local `$ref`s followed against `root` (a `$ref` with siblings: both
+    apply, so the siblings are kept beside the target's keys in an allOf); None for a
+    `$ref` that is not local, not found, or met again."""
+    while isinstance(node, dict) and "$ref" in node:
+        ref = node["$ref"]
+        target = _pointer(root, ref)
+        if target is None or ref in seen:
+            return None
+        seen = (*seen, ref)
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        node = target if not rest else {"allOf": [target, rest]}
+    return node
+
+
 def _value_key(value) -> str:
     """A value's identity as JSON Schema compares them (1 == 1.0; True is not 1)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -146,17 +161,7 @@ class _Rewriter:
         return node
 
     def _resolve(self, node, seen=()):
-        """`node` with its local `$ref` followed (a `$ref` with siblings: both apply, so
-        the siblings are kept beside the target's keys in an allOf)."""
-        while isinstance(node, dict) and "$ref" in node:
-            ref = node["$ref"]
-            target = _pointer(self.original, ref)
-            if target is None or ref in seen:
-                return None
-            seen = (*seen, ref)
-            rest = {k: v for k, v in node.items() if k != "$ref"}
-            node = target if not rest else {"allOf": [target, rest]}
-        return node
+        return _resolve(self.original, node, seen)
 
     def types(self, node, seen=()) -> frozenset[str]:
         """The JSON types some value matching `node` may have (a superset)."""
@@ -360,17 +365,10 @@ class _Watches:
         if isinstance(items, dict):
             self._walk(items, (*path, ("item",)), refs)
 
-    def _resolved(self, node):
-        seen = set()
-        while isinstance(node, dict) and isinstance(node.get("$ref"), str):
-            if node["$ref"] in seen or set(node) - {"$ref"} - ANNOTATIONS:
-                return None
-            seen.add(node["$ref"])
-            node = _pointer(self.root, node["$ref"])
-        return node
-
     def _string_items(self, node, path) -> None:
-        items = self._resolved(node.get("items"))
+        items = node.get("items")
+        if isinstance(items, dict):  # annotations beside a $ref say nothing of the values
+            items = _resolve(self.root, {k: v for k, v in items.items() if k not in ANNOTATIONS})
         if not _growing_string(items) or node.get("prefixItems") or "contains" in node:
             raise SchemaError(
                 "uniqueItems is taken on arrays whose items are strings without maxLength, "

@@ -52,7 +52,7 @@ from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
 from qwen3_spmd.pipeline.shapes import VerifyShape
-from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify
+from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
 
 if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
@@ -285,15 +285,6 @@ class Speculator:
             acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
         return updates
-
-
-def common_prefix(a, b) -> int:
-    """How many tokens sequences a and b share from the start (a row's drafts and the
-    pass's tokens; a run's tokens and plain decoding's)."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def attach(engine: Engine, config, draft: Engine | None = None) -> Engine:

@@ -244,3 +244,13 @@ def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
         jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.float32),
         jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.int32),
     )
+
+
+def common_prefix(a, b) -> int:
+    """How many tokens sequences a and b share from the start (a row's drafts and the
+    pass's tokens; a draft model's cached tokens and a row's; a run's tokens and plain
+    decoding's)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

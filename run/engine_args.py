@@ -353,20 +353,21 @@ class EngineArgs:
         run, dtype and the measured rates)."""
         from qwen3_spmd.pipeline import speculative
         from qwen3_spmd.pipeline.engine import Engine
+        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 
         kwargs = {**self.engine_kwargs(max_seq_len), **door}
         engine = Engine(spec_cfg, source, mesh, **kwargs)
-        return speculative.attach(engine, self.speculative_config, self._draft(engine, kwargs))
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        return speculative.attach(engine, spec, self._draft(spec, engine, kwargs))
 
-    def _draft(self, engine, kwargs: dict):
-        """speculative_config's draft model (method draft_model; else None): opened as the
-        main model is, on the same mesh with the same settings (`pipeline.draft_model`)."""
+    def _draft(self, spec, engine, kwargs: dict):
+        """The draft model of `spec` (a SpeculativeConfig of method draft_model; else
+        None): opened as the main model is, on the same mesh with the same settings
+        (`pipeline.draft_model`)."""
         from qwen3_spmd.model.config import ConfigError
         from qwen3_spmd.pipeline.engine import Engine
-        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
         from qwen3_spmd.run.models import open_model
 
-        spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is None or spec.method != "draft_model":
             return None
         where = f"--speculative-config: model {spec.model}"

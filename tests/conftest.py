@@ -102,16 +102,16 @@ def _compile_cache_in_use():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_programs(request):
+def _release_programs():
     """Each compiled program holds memory mappings of its JIT code (a few per kernel),
     and a process may hold 65,530 (Linux's vm.max_map_count). A worker that kept every
     module's programs reached that after 15 minutes or so and segfaulted inside XLA (in
     a compile or a compile-cache write, a different test each time, never a module
-    alone). When a module ends, its fixtures' engines are gone, its shared ones (a
-    module-level `_ENGINES`) are let go here, and JAX's caches let go of their
-    programs, and the mappings with them (docs/testing.md)."""
+    alone). When a module ends, its engines are gone (a module that shares them through
+    a module-level table empties it in a fixture of its own, torn down before this
+    one); here JAX's caches let go of their programs, and the mappings with them
+    (docs/testing.md)."""
     yield
-    getattr(request.module, "_ENGINES", {}).clear()
     jax.clear_caches()
     gc.collect()
 

@@ -140,6 +140,14 @@ def cfg():
 _ENGINES = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engines_go_with_the_module():
+    """The module's engines are let go when it ends, and their compiled programs with
+    them (conftest's `_release_programs`)."""
+    yield
+    _ENGINES.clear()
+
+
 def _engine(cfg, S, C):
     """One engine per mesh for the module (1x1's serves the reference too: the programs
     of one `seq` device are the same with the cache and without it)."""

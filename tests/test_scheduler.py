@@ -36,6 +36,14 @@ def cfg():
 _ENGINES = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engines_go_with_the_module():
+    """The module's engines are let go when it ends, and their compiled programs with
+    them (conftest's `_release_programs`)."""
+    yield
+    _ENGINES.clear()
+
+
 def _engine(cfg, S, C, **kw):
     """One engine per mesh and settings for the module: its programs compile once for
     every test that runs the same shapes (a test that patches it restores it)."""

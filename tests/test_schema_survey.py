@@ -24,6 +24,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from qwen3_spmd.pipeline import schema_rewrite
 from qwen3_spmd.pipeline.constraints import Constraint, ConstraintError, Grammars
 from qwen3_spmd.run import qwen_tokenizer
 from qwen3_spmd.run.text import Text
@@ -33,22 +34,11 @@ SERVED = 46  # schemas of WILD served, as measured: fewer is a regression
 STEPS = 60  # tokens a walk takes at most: past the first keys of every schema here
 
 # The keys whose values are schemas (maps of them, lists of them, one of them), for
-# `_keywords` to read every schema object in a schema and no property names.
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")  # items: draft-04 tuples
-SCHEMA_ONE = (
-    "items",
-    "additionalItems",
-    "additionalProperties",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-    "propertyNames",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-)
+# `_keywords` to read every schema object in a schema and no property names: the
+# rewrite's table, and `items` (one schema, or draft-04's list of them).
+SCHEMA_MAPS = schema_rewrite.SCHEMA_MAPS
+SCHEMA_LISTS = (*schema_rewrite.SCHEMA_LISTS, "items")
+SCHEMA_ONE = (*schema_rewrite.SCHEMA_ONE, "items")
 # Keywords in nearly every schema, and words any message may use: a message that holds
 # one of them has not named a feature by that.
 COMMON = {"type", "properties", "required", "title", "description"}

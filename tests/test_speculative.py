@@ -230,6 +230,18 @@ def engines(tiny):
     return get
 
 
+def _gives_plain(engine, plain, how: str) -> None:
+    """PROMPTS through static_batch.generate on `engine` (its speculator set), greedy or
+    seeded-sampled: the plain run's tokens and finish reasons."""
+    tokens, finish = plain[how]
+    sampling = SAMPLED if how == "sampled" else Sampling()
+    out = static_batch.generate(
+        engine, PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
+    )
+    assert [c.token_ids for c in out.completions] == tokens
+    assert [c.finish_reason for c in out.completions] == finish
+
+
 @pytest.mark.parametrize(
     "S, C, X, k, how",
     [
@@ -251,12 +263,7 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     engine = engines(S, C, X)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
     engine.speculator = Speculator(engine, Oracle(runs, k))
-    sampling = SAMPLED if how == "sampled" else Sampling()
-    out = static_batch.generate(
-        engine, PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
-    )
-    assert [c.token_ids for c in out.completions] == tokens
-    assert [c.finish_reason for c in out.completions] == finish
+    _gives_plain(engine, plain, how)
     m = engine.speculator.metrics
     # Every acceptance occurred: some drafts kept, some refused, so neither path is idle.
     assert 0 < m.accepted_tokens < m.draft_tokens
@@ -398,7 +405,6 @@ def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, 
     """A smaller model drafts on the model's mesh, its cache caught up on each row's
     tokens and rolled back past rejected drafts: the tokens are plain decoding's, and
     some drafts are kept and some are not."""
-    tokens, finish = plain[how]
     engine, draft = engines(S, C, X), drafters(engines(S, C, X).mesh)
     config = {"method": "draft_model", "model": "first layers", "num_speculative_tokens": k}
     speculative.attach(engine, config, draft)
@@ -406,12 +412,7 @@ def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, 
         if (S, C, X, how) == (1, 1, 1, "greedy"):  # compiled ahead as serve does: no other
             engine.speculator.drafter.compile(len(PROMPTS), len(PROMPTS), 1, announce=False)
             ahead = set(draft.programs.compiled)
-        sampling = SAMPLED if how == "sampled" else Sampling()
-        out = static_batch.generate(
-            engine, PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
-        )
-        assert [c.token_ids for c in out.completions] == tokens
-        assert [c.finish_reason for c in out.completions] == finish
+        _gives_plain(engine, plain, how)
         m = engine.speculator.metrics
         assert 0 < m.accepted_tokens < m.draft_tokens
         if (S, C, X, how) == (1, 1, 1, "greedy"):

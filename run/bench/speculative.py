@@ -31,7 +31,8 @@ import dataclasses
 from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
-from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator, common_prefix
+from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
+from qwen3_spmd.pipeline.verify import common_prefix
 from qwen3_spmd.run.bench.jobs import decode_cache_len
 from qwen3_spmd.run.bench.measure import prompts_for, spread
 
