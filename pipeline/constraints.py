@@ -280,3 +280,33 @@ class RowMatcher:
         if self.watch is not None:
             self.watch.take(int(token))
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def along(self, drafts, masks: np.ndarray) -> int:
+        """How many of `drafts` (tokens proposed to follow the row's newest, in order)
+        the constraint allows, each after those before it: n, the first that it
+        refuses or the one after which it admits nothing more (a speculative pass's
+        check). masks [len(drafts) + 1, W]: row i gets the tokens allowed after
+        drafts[:i] for i <= n (all after an answer that is done); rows past n are left
+        as they are. The row's state is left as it was."""
+        waiting, consumed = self.waiting, 0
+        scanner = None if self.watch is None else self.watch.scanner.copy()
+        n, done = 0, False
+        try:
+            for token in drafts:
+                self.fill(masks, n)
+                if not (int(masks[n, token >> 5]) >> (token & 31)) & 1:
+                    return n
+                consumed += not self.waiting
+                n, done = n + 1, self.take(token)
+                if done:
+                    break
+            if done:
+                masks[n] = -1  # the row ends at its draft n - 1; nothing is chosen here
+            else:
+                self.fill(masks, n)
+            return n
+        finally:
+            self.matcher.rollback(consumed)
+            self.waiting = waiting
+            if scanner is not None:
+                self.watch.scanner = scanner

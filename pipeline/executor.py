@@ -104,9 +104,9 @@ class Executor:
             return []
         chunk, spec = round.decode, self.engine.speculator
         if spec is not None and spec.takes(chunk, self.book):  # pipeline.speculative
-            drafts = spec.drafts(self, chunk.shape.rows)
-            if any(drafts.values()):
-                return self._forget(spec.verify(self, chunk.shape.rows, drafts))
+            proposal = spec.drafts(self, chunk.shape.rows)
+            if any(proposal.tokens.values()):
+                return self._forget(spec.verify(self, chunk.shape.rows, proposal))
             steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
             chunk = dataclasses.replace(chunk, steps=steps)
         return self._forget(self._decode(chunk))
@@ -292,14 +292,56 @@ class Executor:
         t0 = time.perf_counter()
         masks = self.grammars.masks(len(requests))
         for i, r in enumerate(requests):
-            if r is None or r.params.constraint is None:
-                continue
-            if r.id not in self.matchers:
-                self.matchers[r.id] = self.grammars.matcher(r.params.constraint)
-            self.matchers[r.id].fill(masks, i)
-            self.accounting.masks += 1
+            matcher = None if r is None else self._matcher(r)
+            if matcher is not None:
+                matcher.fill(masks, i)
+                self.accounting.masks += 1
         self.clock.mask_s += time.perf_counter() - t0
         return masks
+
+    def _matcher(self, request: Request) -> RowMatcher | None:
+        """The request's grammar state (started when first asked), None without a
+        constraint."""
+        if request.params.constraint is None:
+            return None
+        if request.id not in self.matchers:
+            self.matchers[request.id] = self.grammars.matcher(request.params.constraint)
+        return self.matchers[request.id]
+
+    def draft_masks(self, requests: list[Request | None], drafts: list[list[int]], T: int):
+        """A speculative pass's checks by the rows' constraints: (each row's drafts cut
+        to the run its constraint allows (`RowMatcher.along`), the allowed tokens at
+        each of the pass's T > len(drafts[i]) positions [len(requests), T, W], all for
+        a row without a constraint); (drafts, None) when no row has one."""
+        if not any(r is not None and r.params.constraint is not None for r in requests):
+            return drafts, None
+        t0 = time.perf_counter()
+        masks = np.full((len(requests), T, self.grammars.words), -1, np.int32)
+        cut = []
+        for i, (r, d) in enumerate(zip(requests, drafts)):
+            matcher = None if r is None else self._matcher(r)
+            if matcher is not None:
+                d = d[: matcher.along(d, masks[i])]
+                self.accounting.masks += len(d) + 1
+            cut.append(d)
+        self.clock.mask_s += time.perf_counter() - t0
+        return cut, masks
+
+    def advance_along(self, request: Request, tokens) -> tuple[list[int], bool]:
+        """The request's kept tokens of a speculative pass, taken one by one by its
+        matcher: (those up to where its answer is done, whether it is)."""
+        matcher = self._matcher(request)
+        tokens = [int(t) for t in tokens]
+        if matcher is None:
+            return tokens, False
+        t0 = time.perf_counter()
+        try:
+            for i, t in enumerate(tokens):
+                if matcher.take(t):
+                    return tokens[: i + 1], True
+            return tokens, False
+        finally:
+            self.clock.mask_s += time.perf_counter() - t0
 
     def _advance(self, tokens: dict[int, int]) -> set[int]:
         """Each constrained request's matcher takes its new token ({request id: token});

@@ -74,13 +74,14 @@ class CopyShape:
 @dataclasses.dataclass(frozen=True, order=True)
 class VerifyShape:
     """A speculative verify pass over the first `rows` rows, T positions a row, greedy
-    or sampled (`pipeline.speculative`). Not among `declared()`: a server with a
-    speculative config compiles them last, in the background
-    (`Speculator.shapes`)."""
+    or sampled, constrained (each position's tokens masked by a grammar) or not
+    (`pipeline.speculative`). Not among `declared()`: a server with a speculative
+    config compiles them last, in the background (`Speculator.shapes`)."""
 
     rows: int
     T: int
     sampled: bool
+    constrained: bool = False
 
 
 Shape = PrefillShape | DecodeShape | MoveShape | CopyShape | VerifyShape

@@ -23,8 +23,13 @@ kept i those tokens are the plain run's. For a drafter that proposes one token (
 distribution), as ngram does, this acceptance is as likely as rejection sampling's: a
 draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) for
 q one-hot at d. A kept token's log-probabilities (when its request asks) are those
-the pass computed at its position. A round with a row under a constraint runs as a
-plain decode chunk (the same tokens).
+the pass computed at its position.
+
+A row under a constraint (structured outputs) drafts only what its grammar allows: its
+drafts are cut at the first the grammar refuses (`RowMatcher.along`), and the pass
+masks each position's choice with the tokens allowed after the drafts before it, as a
+constrained decode chunk masks its step's. Its kept tokens then advance the grammar one
+by one, and the row ends where its answer is done.
 
 A pass of k + 1 positions costs more than a plain step (on a 2-core CPU, 0.6B float32:
 about a fifth of a step more per position, docs/benchmarks.md), so drafts that are
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
@@ -110,6 +115,16 @@ class SpecMetrics:
         return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
+class Proposal(NamedTuple):
+    """A round's drafts: `tokens`, each live row's (empty where it proposes none), and
+    `allowed`, the tokens its constraint allows at each position of a pass after the
+    drafts before it ([rows, k + 1, W] int32 bits; `pipeline.constraints`), or None
+    when no row has a constraint."""
+
+    tokens: dict[int, list[int]]
+    allowed: np.ndarray | None = None
+
+
 class Speculator:
     """Verify rounds on `engine` for the rows of an executor's book, as `config` drafts
     (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
@@ -124,40 +139,41 @@ class Speculator:
         self._verify = JitTable()
 
     def takes(self, chunk: DecodeChunk, book) -> bool:
-        """Whether this decode chunk may run as a verify round: no row it covers follows
-        a constraint, no per-step logits are asked, and no more rows of `book` are busy
-        than the config's disable_by_batch_size (any count for a drafter without one)."""
-        if chunk.with_logits or chunk.shape.constrained:
+        """Whether this decode chunk may run as a verify round: no per-step logits are
+        asked, and no more rows of `book` are busy than the config's
+        disable_by_batch_size (any count for a drafter without one)."""
+        if chunk.with_logits:
             return False
         bound = getattr(self.config, "disable_by_batch_size", None)
         return bound is None or len(book.live()) <= bound
 
-    def _program(self, groups: int, T: int, sampled: bool, logprobs: bool) -> tuple:
+    def _program(
+        self, groups: int, T: int, sampled: bool, logprobs: bool, constrained: bool
+    ) -> tuple:
         """(the name `Programs` keys the verify pass by, its jitted function): one place
         for the pass `verify` runs and the one `compile` compiles ahead."""
         name = ("verify", groups, T, "sampled" if sampled else "greedy")
         name += ("logprobs",) if logprobs else ()
-        return name, self._fn(groups, T, sampled, logprobs)
-
-    def _fn(self, groups: int, T: int, sampled: bool, logprobs: bool):
+        name += ("constrained",) if constrained else ()
+        key = (groups, T, sampled, logprobs, constrained)
         e = self.engine
-        return self._verify.get(
-            (groups, T, sampled, logprobs),
+        return name, self._verify.get(
+            key,
             lambda: jax.jit(
-                build_verify(
-                    e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, logprobs
-                ),
+                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, *key),
                 donate_argnames="cache",
             ),
         )
 
-    def shapes(self, row_counts: list[int]) -> list[VerifyShape]:
+    def shapes(self, row_counts: list[int], constrained: bool = False) -> list[VerifyShape]:
         """Every verify pass a scheduler whose decode chunks run over `row_counts` rows
         can meet (T: 1 + each of the ladder's draft counts), likeliest first: fewest
-        rows, fewest positions, greedy before sampled."""
+        rows, fewest positions, greedy before sampled; then, with `constrained` (a
+        server that takes structured outputs), the same passes under a grammar."""
         k = self.config.num_speculative_tokens
         return [
-            VerifyShape(n, 1 + d, sampled)
+            VerifyShape(n, 1 + d, sampled, masked)
+            for masked in sorted({False, constrained})
             for n in sorted(row_counts)
             for d in ladder(k)
             for sampled in (False, True)
@@ -170,19 +186,21 @@ class Speculator:
         eng, n = self.engine, shape.rows
         if self.drafter is not None:
             self.drafter.compile(n, cache_rows, groups, announce)
-        inputs = VerifyInputs.zeros(n, shape.T).placed(eng.mesh)
+        words = -(-eng.cfg.V // 32) if shape.constrained else None
+        inputs = VerifyInputs.zeros(n, shape.T, words).placed(eng.mesh)
         eng.programs.get(
-            *self._program(groups, shape.T, shape.sampled, False),
+            *self._program(groups, shape.T, shape.sampled, False, shape.constrained),
             eng.weights,
             eng.copies.abstract_cache(cache_rows),
             inputs,
             announce,
         )
 
-    def drafts(self, executor, n: int) -> dict[int, list[int]]:
+    def drafts(self, executor, n: int) -> Proposal:
         """Each live row below n of `executor`'s book: its proposal (empty where its pace
         says wait, or the drafter has none), at most k and one less than the tokens it
-        may still make."""
+        may still make, and no further than its constraint allows. A proposal the
+        constraint refuses at once counts as a pass that kept nothing (its pace waits)."""
         book = executor.book
         k = self.config.num_speculative_tokens
         out, wants = {}, {}
@@ -201,7 +219,14 @@ class Speculator:
         else:
             for b, (context, k_b) in wants.items():
                 out[b] = list(self.config.propose(context, k_b))[:k_b]
-        return out
+        requests = [book.rows[b].request if b in out else None for b in range(n)]
+        cut, allowed = executor.draft_masks(requests, [out.get(b, []) for b in range(n)], k + 1)
+        for b in out:
+            row = book.rows[b]
+            if out[b] and not cut[b]:
+                row.pace.after(0, k, len(row.generated))
+            out[b] = cut[b]
+        return Proposal(out, allowed)
 
     def plain_steps(self, book, n: int, steps: int) -> int:
         """Steps of the plain decode chunk a round runs when no row proposes: `steps` (the
@@ -212,13 +237,14 @@ class Speculator:
         turns = [row.pace.waits(len(row.generated)) for row in rows if row.pace is not None]
         return min(steps, max(k + 1, min(turns, default=steps)))
 
-    def verify(self, executor, n: int, drafts: dict[int, list[int]]) -> list[Update]:
+    def verify(self, executor, n: int, proposal: Proposal) -> list[Update]:
         """One verify round over rows 0..n-1 of `executor`'s book (a pipeline.executor
         Executor, which calls this, so it is not imported here) with each live row's
-        `drafts`: every live row's new tokens (1 .. k_b + 1 each), its end, its
-        rejected slots unlisted."""
+        drafts (`proposal`): every live row's new tokens (1 .. k_b + 1 each), its end,
+        its rejected slots unlisted."""
         eng, book = self.engine, executor.book
         k = self.config.num_speculative_tokens
+        drafts = proposal.tokens
         longest = max(map(len, drafts.values()), default=0)
         T = 1 + min(x for x in ladder(k) if x >= longest)
         live = sorted(drafts)
@@ -236,8 +262,15 @@ class Speculator:
             prompt_slots[b] = row.prompt_slots
             per_row[b] = row_sampling(row.request)
         book.list_ahead(step, count, prompt_slots, n)
+        constrained = proposal.allowed is not None
         inputs = VerifyInputs(
-            tokens, book.lengths[:n] + step, step, count, prompt_slots, RowSampling.stack(per_row)
+            tokens,
+            book.lengths[:n] + step,
+            step,
+            count,
+            prompt_slots,
+            RowSampling.stack(per_row),
+            proposal.allowed[:, :T] if constrained else None,
         ).placed(eng.mesh)
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
         params = [book.rows[b].request.params for b in live]
@@ -248,7 +281,7 @@ class Speculator:
         # Compiled once per shape, float32 at full precision, compile time counted
         # apart from the pass's (as the engine's own programs).
         out, lp, executor.cache = eng.run_program(
-            *self._program(book.groups, T, sampled, logprobs), clock, cache, inputs
+            *self._program(book.groups, T, sampled, logprobs, constrained), clock, cache, inputs
         )
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
@@ -270,7 +303,8 @@ class Speculator:
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
                 row.pace.after(agreed, k, len(row.generated) + agreed + 1)
-            update = book.extend(b, out[b, : agreed + 1])
+            kept, done = executor.advance_along(request, out[b, : agreed + 1])
+            update = book.extend(b, kept, done)
             if request.params.logprobs:  # each kept token's, as the pass computed it
                 update.logprobs = [
                     Logprob(

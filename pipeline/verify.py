@@ -73,25 +73,33 @@ class VerifyInputs(NamedTuple):
     count: jax.Array  # [B] int32: tokens of the row that run, 1 + drafts (0: an empty row)
     prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
     sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
+    # [B, T, ceil(V/32)] int32: the tokens allowed at each position as packed bits
+    # (`sampling.only_allowed`; a structured output's grammar after the drafts before
+    # it, all ones for a row under none), for a pass with a constrained row; else None.
+    allowed: jax.Array | None = None
 
     @classmethod
-    def specs(cls) -> VerifyInputs:
+    def specs(cls, constrained: bool = False) -> VerifyInputs:
         fields = {name: P() for name in cls._fields}
-        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+        fields["sampling"] = RowSampling(*[P()] * len(RowSampling._fields))
+        return cls(**{**fields, "allowed": P() if constrained else None})
 
     @classmethod
-    def zeros(cls, rows: int, T: int) -> VerifyInputs:
+    def zeros(cls, rows: int, T: int, words: int | None = None) -> VerifyInputs:
         """Host inputs of `rows` greedy rows that run nothing: the shapes a compile
-        ahead of time needs."""
+        ahead of time needs (with masks of `words` int32 words a position, if given)."""
         none = np.zeros(rows, np.int32)
         greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
-        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy)
+        allowed = None if words is None else np.full((rows, T, words), -1, np.int32)
+        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, allowed)
 
     def placed(self, mesh: Mesh) -> VerifyInputs:
         """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
         program is keyed by."""
         return jax.tree.map(
-            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), self, self.specs()
+            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+            self,
+            self.specs(self.allowed is not None),
         )
 
 
@@ -115,6 +123,7 @@ def build_verify(
     T: int,
     sampled: bool = False,
     logprobs: bool = False,
+    constrained: bool = False,
 ):
     """The verify program for T tokens a row (not yet jitted).
 
@@ -124,7 +133,8 @@ def build_verify(
     and updated in place. sampled=False promises every row is greedy (no sort of the
     vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
     row asks to. logprobs=True also gives each position's token's log-probability and
-    the top TOP_LOGPROBS, from the raw logits as decode reports them.
+    the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
+    `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     always_active = mesh.shape["stage"] == 1
@@ -191,12 +201,15 @@ def build_verify(
                     lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
                 )
                 step = (j + 1).reshape(-1)  # the index of the token each position produces
+                allowed = (
+                    rows(inputs.allowed, row0, Bg).reshape(Bg * T, -1) if constrained else None
+                )
                 if split.size == 1 or sampled or logprobs:
                     whole = gather_vocab(local, split, cfg.V)  # [Bg T, V]
-                    tok = sample_rows(whole, params, step, sampled)
+                    tok = sample_rows(whole, params, step, sampled, allowed)
                     lp = token_logprobs(whole, tok) if logprobs else None
                 else:
-                    tok, lp = greedy_split(local, params, step, split), None
+                    tok, lp = greedy_split(local, params, step, split, allowed), None
                 lp = jax.tree.map(lambda a: a.reshape(Bg, T, *a.shape[1:]), lp)
                 return tok.reshape(Bg, T), lp
 
@@ -226,7 +239,7 @@ def build_verify(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs()),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(constrained)),
         out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
     )
 

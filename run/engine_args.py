@@ -425,7 +425,8 @@ class EngineArgs:
         """Each device's bytes for the prefix cache's pool (see the fields). Where the
         device says nothing of its memory (CPU), or with several processes (whose pools
         must hold the same blocks, and whose free memory may differ), as much as the rows'
-        own KV cache."""
+        own KV cache. Free memory is what the weights (a draft model's too) leave, less
+        the rows' caches (a draft model's too)."""
         if self.enable_prefix_caching is False:
             return 0
         if self.prefix_cache_mib is not None:
@@ -435,7 +436,11 @@ class EngineArgs:
         rows = engine.copies.cache_bytes_per_device(self.max_batch)
         stats = None if many else engine.mesh.devices.flat[0].memory_stats()
         if stats and "bytes_limit" in stats:
-            return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows) // 2)
+            drafter = getattr(engine.speculator, "drafter", None)
+            draft_rows = 0  # made at its first proposal, after the pool: set aside now
+            if drafter is not None:
+                draft_rows = drafter.engine.copies.cache_bytes_per_device(self.max_batch)
+            return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows - draft_rows) // 2)
         return rows
 
     def build(self, mesh=None) -> Built:

@@ -19,6 +19,7 @@ of a constrained row are milliseconds each. The app runs over its scheduler. The
 meshes' agreement is in test_tensor.py, beside its engines.
 """
 
+import dataclasses
 import json
 import re
 from typing import Literal
@@ -36,8 +37,10 @@ from starlette.testclient import TestClient
 
 from qwen3_spmd import LLM, SamplingParams, StructuredOutputsParams
 from qwen3_spmd.pipeline.constraints import Constraint, ConstraintError, RowMatcher
+from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.sampling import only_allowed
+from qwen3_spmd.pipeline.sampling import Sampling, only_allowed
+from qwen3_spmd.pipeline.speculative import Speculator
 from qwen3_spmd.run.serve.app import ServerState, make_app
 from qwen3_spmd.run.serve.command import _service
 
@@ -258,6 +261,90 @@ def test_an_unbounded_answer_cut_by_its_budget_is_a_prefix_the_grammar_takes(llm
     assert out.text.startswith('{"s":"')
     matcher = llm.scheduler.grammars.matcher(Constraint.json_schema(schema)).matcher
     assert matcher.try_consume_tokens(out.token_ids) == 10 and not matcher.is_error()
+
+
+# ---- speculative decoding under a constraint ------------------------------------------------
+
+
+def test_a_draft_is_checked_by_the_grammar_without_moving_it(llm):
+    """`RowMatcher.along`: the drafts up to the first the grammar refuses, each
+    position's mask the one plain decoding would fill there, the thinking before
+    `</think>` (304) free; the row's state afterwards is the state before."""
+    grammars = llm.scheduler.grammars
+    constraint = Constraint("regex", "ab(c|d)e", after=304)
+    row = grammars.matcher(constraint)
+    a, b, c, e, z = (llm.text.encode(x)[0] for x in "abcez")
+    before = grammars.masks(1)
+    row.fill(before, 0)
+    for drafts, n in (([7, 304, a, b, z, e], 4), ([304, a, b, c, e, a], 5), ([a], 1)):
+        masks = grammars.masks(len(drafts) + 1)
+        assert row.along(drafts, masks) == n
+        step = grammars.matcher(constraint)
+        want = grammars.masks(n + 1)
+        for i in range(n):
+            step.fill(want, i)
+            done = step.take(drafts[i])
+        if done:  # the answer ends at its last draft: the pass's next choice is moot
+            want[n] = -1
+        else:
+            step.fill(want, n)
+        np.testing.assert_array_equal(masks[: n + 1], want)
+        after = grammars.masks(1)
+        row.fill(after, 0)
+        np.testing.assert_array_equal(after, before)
+
+
+@dataclasses.dataclass
+class Drafter:
+    """Drafts the plain run's tokens, with a token no answer here holds at (index) % 4
+    == 2 (the grammar cuts the drafts there) and the next id at (index) % 5 == 3 (the
+    grammar may take it; the model then decides); counts what it proposed."""
+
+    run: list
+    num_speculative_tokens: int = 3
+    proposed: int = 0
+
+    def propose(self, context, k):
+        done = len(context) - len(PROMPT)
+        out = []
+        for i, t in enumerate(self.run[done : done + k], done):
+            out.append(ILLEGAL if i % 4 == 2 else t + 1 if i % 5 == 3 else t)
+        self.proposed += len(out)
+        return out
+
+
+ILLEGAL = 64  # "a": outside every answer of the schema below
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
+def test_speculation_under_a_constraint_gives_the_plain_answer(llm, sampling):
+    """A constrained row's verify passes: each position masked by the grammar after the
+    drafts before it, the kept tokens taken by the grammar, the end where the answer is
+    done. The tokens and the end are the plain constrained run's, greedy and seeded
+    sampling; the grammar cut some drafts, the model kept others."""
+    schema = _object(
+        {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99999},
+            "w": {"enum": ["xy", "no", "b"]},
+            "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        }
+    )
+    params = Params(60, sampling, seed=5, constraint=Constraint.json_schema(schema))
+    plain = llm.scheduler.submit(PROMPT, params)
+    list(plain)
+    assert plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(llm.text.decode(plain.tokens)), schema)
+    drafter = Drafter(plain.tokens)
+    llm.engine.speculator = Speculator(llm.engine, drafter)
+    try:
+        handle = llm.scheduler.submit(PROMPT, params)
+        list(handle)
+        m = llm.engine.speculator.metrics
+    finally:
+        llm.engine.speculator = None
+    assert (handle.tokens, handle.finish_reason) == (plain.tokens, "stop")
+    assert 0 < m.accepted_tokens and m.draft_tokens < drafter.proposed
+    assert any(n.startswith("verify") and "constrained" in n for n in llm.engine.programs.compiled)
 
 
 # ---- through the HTTP app -----------------------------------------------------------------------

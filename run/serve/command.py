@@ -220,7 +220,8 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     if grammars is not None:  # structured outputs' programs: the last to compile
         rest += scheduler.rules.constrained_decodes()
     if engine.speculator is not None:  # and the verify passes
-        rest += engine.speculator.shapes(scheduler.rules.decode_row_counts())
+        rows = scheduler.rules.decode_row_counts()
+        rest += engine.speculator.shapes(rows, constrained=grammars is not None)
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
     later = rest if args.precompile == "first" else []
     threads = CompileThreads()  # the compiles' threads, found by what they do
