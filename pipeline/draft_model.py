@@ -8,8 +8,8 @@ rows, and its weights are small beside the target's (0.6B beside 8B or 32B). The
 each of its steps crosses every stage, as a plain decode step does, so on S stages a
 draft of k tokens takes k such trips before the verify pass.
 
-Its passes are the verify program (`pipeline.verify`) on the draft model's weights,
-greedy: out[b, i] is the draft model's argmax after token i of row b. Its cache holds
+Its passes are the verify program (`pipeline.verify`) on the draft model's weights:
+out[b, i] is the draft model's choice after token i of row b. Its cache holds
 each row's tokens as decode steps from position 0 (step j is position j, at
 `ring.decode_slot(j, 0, C)`; no prompt layout), and `known[b]` remembers which tokens
 row b's cache holds. The K/V at a position depends only on the tokens up to it, so the
@@ -22,9 +22,15 @@ no message, only the slots past that prefix unlisted. A proposal over rows 0..n-
               the output at the row's newest token is its first draft
     draft     k_b - 1 passes of one position, each feeding the previous draft
 
-The drafts are the draft model's greedy choices (a one-hot q), so a sampled row keeps
-a draft d with probability p(d), as the verify's acceptance does for any drafter that
-proposes tokens (`pipeline.speculative`); its tokens are plain sampling's.
+Each draft is drawn as the model draws at that step: with the row's sampling and its
+key (seed, request, step), so the same Gumbel noise g that the model's draw
+argmax(log p + g) adds (`jax.random.categorical`) picks argmax(log q + g) from the
+draft model's q. The verify pass keeps a draft while it equals the model's draw, so
+the tokens are plain sampling's whatever q is, and a draft model close to the model
+is kept often: always when q = p, and with probability at least (1 - d)/(1 + d) for a
+total variation distance d (Daliri, Musco and Suresh 2024, "Coupling without
+communication"), against 1 - d for rejection sampling, which would not keep the seeded
+tokens. Greedy rows draft the draft model's argmax.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import numpy as np
 
 from qwen3_spmd.pipeline.layout import list_decode_slots
 from qwen3_spmd.pipeline.programs import JitTable
+from qwen3_spmd.pipeline.rowbook import row_sampling
+from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
 
 if TYPE_CHECKING:
@@ -108,16 +116,15 @@ class DraftModel:
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return drafts
 
-    def compile(self, n: int, cache_rows: int, groups: int, announce: bool) -> None:
+    def compile(self, n: int, cache_rows: int, groups: int, sampled: bool, announce: bool):
         """Compiles, unless compiled, the passes a proposal over n rows of a book of
-        `cache_rows` rows in `groups` groups can run (one a length of LENGTHS). Nothing
-        runs."""
+        `cache_rows` rows in `groups` groups can run (one a length of LENGTHS), greedy or
+        `sampled`. Nothing runs."""
         eng = self.engine
         for T in LENGTHS:
             inputs = VerifyInputs.zeros(n, T).placed(eng.mesh)
             eng.programs.get(
-                ("draft", groups, T),
-                self._fn(groups, T),
+                *self._program(groups, T, sampled),
                 eng.weights,
                 eng.copies.abstract_cache(cache_rows),
                 inputs,
@@ -125,36 +132,48 @@ class DraftModel:
             )
 
     def _pass(self, executor, n: int, T: int, pieces: dict[int, list[int]], clock):
-        """One greedy pass of the draft model over rows 0..n-1: row b feeds pieces[b] at
-        the positions after its known tokens (rows without a piece run nothing).
-        Returns out [n, T]."""
-        eng, groups = self.engine, executor.book.groups
+        """One pass of the draft model over rows 0..n-1: row b feeds pieces[b] at the
+        positions after its known tokens (rows without a piece run nothing), each
+        position's token drawn as the model would draw it there (its request's sampling
+        and key at that token's step). Returns out [n, T]."""
+        eng, book = self.engine, executor.book
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
         count = np.zeros(n, np.int32)
+        key_offset = np.zeros(n, np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
         for b, piece in pieces.items():
+            request = book.rows[b].request
             tokens[b, : len(piece)] = piece
             step[b] = len(self.known[b])
             count[b] = len(piece)
+            key_offset[b] = len(request.prompt)
+            per_row[b] = row_sampling(request)
         zeros = np.zeros(n, np.int32)
         list_decode_slots(self.slot_pos, step, T, step + count, zeros, zeros)
-        inputs = (
-            VerifyInputs.zeros(n, T)
-            ._replace(tokens=tokens, positions=step, step=step, count=count)
-            .placed(eng.mesh)
+        inputs = VerifyInputs.zeros(n, T)._replace(
+            tokens=tokens,
+            positions=step,
+            step=step,
+            count=count,
+            sampling=RowSampling.stack(per_row),
+            key_offset=key_offset,
         )
+        sampled = bool((inputs.sampling.temperature > 0).any())
         cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
         out, _, self.cache = eng.run_program(
-            ("draft", groups, T), self._fn(groups, T), clock, cache, inputs
+            *self._program(book.groups, T, sampled), clock, cache, inputs.placed(eng.mesh)
         )
         return np.asarray(out)
 
-    def _fn(self, groups: int, T: int):
+    def _program(self, groups: int, T: int, sampled: bool) -> tuple:
+        """(the name `Programs` keys a pass by, its jitted function)."""
         e = self.engine
-        return self._fns.get(
-            (groups, T),
+        name = ("draft", groups, T) + (("sampled",) if sampled else ())
+        return name, self._fns.get(
+            (groups, T, sampled),
             lambda: jax.jit(
-                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T),
+                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled),
                 donate_argnames="cache",
             ),
         )

@@ -22,8 +22,10 @@ row's tokens up to position p + i and its key (seed, request, step) only, and fo
 kept i those tokens are the plain run's. For a drafter that proposes one token (not a
 distribution), as ngram does, this acceptance is as likely as rejection sampling's: a
 draft d is kept with probability P(the draw is d) = p(d) = min(1, p(d) / q(d)) for
-q one-hot at d. A kept token's log-probabilities (when its request asks) are those
-the pass computed at its position.
+q one-hot at d. A draft model draws its drafts with the same keys
+(`pipeline.draft_model`), so its draft is kept where its draw agrees with the model's.
+A kept token's log-probabilities (when its request asks) are those the pass computed
+at its position.
 
 A row under a constraint (structured outputs) drafts only what its grammar allows: its
 drafts are cut at the first the grammar refuses (`RowMatcher.along`), and the pass
@@ -185,7 +187,7 @@ class Speculator:
         model's passes over as many rows. Nothing runs."""
         eng, n = self.engine, shape.rows
         if self.drafter is not None:
-            self.drafter.compile(n, cache_rows, groups, announce)
+            self.drafter.compile(n, cache_rows, groups, shape.sampled, announce)
         words = -(-eng.cfg.V // 32) if shape.constrained else None
         inputs = VerifyInputs.zeros(n, shape.T, words).placed(eng.mesh)
         eng.programs.get(
@@ -264,13 +266,14 @@ class Speculator:
         book.list_ahead(step, count, prompt_slots, n)
         constrained = proposal.allowed is not None
         inputs = VerifyInputs(
-            tokens,
-            book.lengths[:n] + step,
-            step,
-            count,
-            prompt_slots,
-            RowSampling.stack(per_row),
-            proposal.allowed[:, :T] if constrained else None,
+            tokens=tokens,
+            positions=book.lengths[:n] + step,
+            step=step,
+            count=count,
+            prompt_slots=prompt_slots,
+            sampling=RowSampling.stack(per_row),
+            key_offset=np.zeros(n, np.int32),
+            allowed=proposal.allowed[:, :T] if constrained else None,
         ).placed(eng.mesh)
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
         params = [book.rows[b].request.params for b in live]

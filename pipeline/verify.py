@@ -73,6 +73,10 @@ class VerifyInputs(NamedTuple):
     count: jax.Array  # [B] int32: tokens of the row that run, 1 + drafts (0: an empty row)
     prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
     sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
+    # [B] int32: the steps of a row before its first generated token (a draft model's,
+    # whose steps count the prompt's tokens too; 0 for the model's, whose steps count
+    # generated tokens): a token's sampling key and bans take its step less these.
+    key_offset: jax.Array
     # [B, T, ceil(V/32)] int32: the tokens allowed at each position as packed bits
     # (`sampling.only_allowed`; a structured output's grammar after the drafts before
     # it, all ones for a row under none), for a pass with a constrained row; else None.
@@ -91,7 +95,7 @@ class VerifyInputs(NamedTuple):
         none = np.zeros(rows, np.int32)
         greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
         allowed = None if words is None else np.full((rows, T, words), -1, np.int32)
-        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, allowed)
+        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, none, allowed)
 
     def placed(self, mesh: Mesh) -> VerifyInputs:
         """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
@@ -200,7 +204,8 @@ def build_verify(
                 params = jax.tree.map(
                     lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
                 )
-                step = (j + 1).reshape(-1)  # the index of the token each position produces
+                # The index of the token each position produces, as its key counts it.
+                step = (j + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
                 allowed = (
                     rows(inputs.allowed, row0, Bg).reshape(Bg * T, -1) if constrained else None
                 )

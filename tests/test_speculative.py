@@ -410,13 +410,30 @@ def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, 
     speculative.attach(engine, config, draft)
     try:
         if (S, C, X, how) == (1, 1, 1, "greedy"):  # compiled ahead as serve does: no other
-            engine.speculator.drafter.compile(len(PROMPTS), len(PROMPTS), 1, announce=False)
+            drafter = engine.speculator.drafter
+            drafter.compile(len(PROMPTS), len(PROMPTS), 1, sampled=False, announce=False)
             ahead = set(draft.programs.compiled)
         _gives_plain(engine, plain, how)
         m = engine.speculator.metrics
         assert 0 < m.accepted_tokens < m.draft_tokens
         if (S, C, X, how) == (1, 1, 1, "greedy"):
             assert set(draft.programs.compiled) == ahead
+    finally:
+        engine.speculator = None
+
+
+def test_a_draft_model_draws_with_the_rows_keys(engines, plain):
+    """A sampled row's drafts are the draft model's draws with the key the model draws
+    with at that step (seed, request, step): a draft model that is the model itself
+    proposes exactly the model's draws, so every draft is kept (its greedy choices
+    would be kept only where the draw is the argmax)."""
+    engine = engines(1, 1, 1)
+    itself = {"method": "draft_model", "model": "itself", "num_speculative_tokens": 4}
+    speculative.attach(engine, itself, engine)
+    try:
+        _gives_plain(engine, plain, "sampled")
+        m = engine.speculator.metrics
+        assert 0 < m.accepted_tokens == m.draft_tokens
     finally:
         engine.speculator = None
 
