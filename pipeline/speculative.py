@@ -188,7 +188,7 @@ class Speculator:
         eng, n = self.engine, shape.rows
         if self.drafter is not None:
             self.drafter.compile(n, cache_rows, groups, shape.sampled, announce)
-        words = -(-eng.cfg.V // 32) if shape.constrained else None
+        words = eng.mask_words if shape.constrained else None
         inputs = VerifyInputs.zeros(n, shape.T, words).placed(eng.mesh)
         eng.programs.get(
             *self._program(groups, shape.T, shape.sampled, False, shape.constrained),

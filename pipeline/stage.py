@@ -93,10 +93,15 @@ def write_kv(cache: jax.Array, new: jax.Array, at: tuple, ok) -> jax.Array:
 
 
 def write_kv_rows(cache: jax.Array, new: jax.Array, layer, row0, slots, ok) -> jax.Array:
-    """cache [L/S, B, K, S_cap/C, H] with new [B', 1, K, H] written at `layer`, rows
-    row0 .. row0 + B' - 1, each row at its own slot `slots` [B'] where `ok` [B'] (a
-    decode step: each row is at its own step). A scatter of B' x K x H values; rows
-    not `ok` go to a slot past the end, which the scatter drops."""
+    """cache [L/S, B, K, S_cap/C, H] with new [B', T, K, H] written at `layer`, rows
+    row0 .. row0 + B' - 1, each row's token t at its own slot `slots` [B', T] where `ok`
+    [B', T] (a verify pass: each row at its own steps), or with T = 1 at `slots` [B']
+    where `ok` [B'] (a decode step). One scatter of B' x T x K x H values; tokens not
+    `ok` go to a slot past the end, which the scatter drops."""
+    if jnp.ndim(slots) == 2:
+        rows = row0 + jnp.arange(new.shape[0])[:, None]
+        at = jnp.where(ok, slots, cache.shape[3])
+        return cache.at[layer, rows, :, at, :].set(new.astype(cache.dtype), mode="drop")
     rows = row0 + jnp.arange(new.shape[0])
     at = jnp.where(ok, slots, cache.shape[3])
     return cache.at[layer, rows, :, at, :].set(new[:, 0].astype(cache.dtype), mode="drop")

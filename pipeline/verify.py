@@ -173,10 +173,8 @@ def build_verify(
                 def attend(q, k, v, kv: StageCache):
                     # Every token's K/V first (each at its own step's slot), then the
                     # queries over the cache: token i sees tokens 0 .. i by position.
-                    ck, cv = kv.k, kv.v
-                    for i in range(T):
-                        ck = write_kv_rows(ck, k[:, i : i + 1], layer, row0, slot[:, i], mine[:, i])
-                        cv = write_kv_rows(cv, v[:, i : i + 1], layer, row0, slot[:, i], mine[:, i])
+                    ck = write_kv_rows(kv.k, k, layer, row0, slot, mine)
+                    cv = write_kv_rows(kv.v, v, layer, row0, slot, mine)
                     o, _ = decode_attention(
                         q,
                         ck,
