@@ -8,8 +8,8 @@ rows, and its weights are small beside the target's (0.6B beside 8B or 32B). The
 each of its steps crosses every stage, as a plain decode step does, so on S stages a
 draft of k tokens takes k such trips before the verify pass.
 
-Its passes are the verify program (`pipeline.verify`) on the draft model's weights:
-out[b, i] is the draft model's choice after token i of row b. Its cache holds
+Its passes are the verify program (`pipeline.verify`) on the draft model's weights,
+each row's choice after the last token it feeds only (`last_only`). Its cache holds
 each row's tokens as decode steps from position 0 (step j is position j, at
 `ring.decode_slot(j, 0, C)`; no prompt layout), and `known[b]` remembers which tokens
 row b's cache holds. The K/V at a position depends only on the tokens up to it, so the
@@ -104,7 +104,7 @@ class DraftModel:
                 self.known[b] += piece
                 feed[b] = feed[b][len(piece) :]
                 if not feed[b]:
-                    drafts[b].append(int(out[b, len(piece) - 1]))
+                    drafts[b].append(int(out[b, 0]))
         while True:  # one position a pass: the previous draft in, the next out
             pieces = {b: d[-1:] for b, d in drafts.items() if len(d) < wants[b][1]}
             if not pieces:
@@ -135,7 +135,8 @@ class DraftModel:
         """One pass of the draft model over rows 0..n-1: row b feeds pieces[b] at the
         positions after its known tokens (rows without a piece run nothing), each
         position's token drawn as the model would draw it there (its request's sampling
-        and key at that token's step). Returns out [n, T]."""
+        and key at that token's step). Returns out [n, 1]: each row's token after its
+        piece's last position (the pass computes no other)."""
         eng, book = self.engine, executor.book
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
@@ -173,7 +174,9 @@ class DraftModel:
         return name, self._fns.get(
             (groups, T, sampled),
             lambda: jax.jit(
-                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled),
+                build_verify(
+                    e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, last_only=True
+                ),
                 donate_argnames="cache",
             ),
         )

@@ -112,7 +112,7 @@ class VerifyCarry(NamedTuple):
 
     h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
-    out: jax.Array  # [B, T] int32: each position's token (filled by the last stage)
+    out: jax.Array  # [B, T'] int32: each position's token (filled by the last stage)
     # Each position's TokenLogprobs, fields [B, T] and [B, T, TOP_LOGPROBS] (a program
     # with logprobs; else None).
     logprobs: TokenLogprobs | None = None
@@ -128,11 +128,15 @@ def build_verify(
     sampled: bool = False,
     logprobs: bool = False,
     constrained: bool = False,
+    last_only: bool = False,
 ):
     """The verify program for T tokens a row (not yet jitted).
 
-    Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T]
-    int32, TokenLogprobs of [B, T] / [B, T, TOP_LOGPROBS] or None, KVCache). `cache.pos` must already list the slots of each row's `count`
+    Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T']
+    int32, TokenLogprobs of [B, T'] / [B, T', TOP_LOGPROBS] or None, KVCache), T' = T,
+    or 1 with last_only: each row's token after its last running position only (a
+    draft model's pass, which reads no other; the head's logits, and a sampled row's
+    sort of the vocabulary, for one position instead of T). `cache.pos` must already list the slots of each row's `count`
     tokens (`RowBook.list_ahead`); the program writes k and v only, so `cache` is donated
     and updated in place. sampled=False promises every row is greedy (no sort of the
     vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
@@ -141,6 +145,7 @@ def build_verify(
     `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
     """
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    T_out = 1 if last_only else T
     always_active = mesh.shape["stage"] == 1
     scale = cfg.head_dim**-0.5
     ahead = jnp.arange(T, dtype=jnp.int32)
@@ -197,26 +202,36 @@ def build_verify(
             x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
             def head(x):
-                """x [Bg, T, D] -> each position's token [Bg, T], TokenLogprobs or None."""
-                local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
+                """x [Bg, T, D] -> each position's token [Bg, T'], TokenLogprobs or None."""
+                steps = j  # [Bg, T]
+                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
+                if last_only:
+                    at = jnp.maximum(rows(inputs.count, row0, Bg) - 1, 0)[:, None]  # [Bg, 1]
+                    x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+                    steps = jnp.take_along_axis(j, at, axis=1)
+                    if constrained:
+                        allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
+                local = model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
                 params = jax.tree.map(
-                    lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
+                    lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling
                 )
                 # The index of the token each position produces, as its key counts it.
-                step = (j + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
-                allowed = (
-                    rows(inputs.allowed, row0, Bg).reshape(Bg * T, -1) if constrained else None
-                )
+                step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
+                if constrained:
+                    allowed = allowed.reshape(Bg * T_out, -1)
                 if split.size == 1 or sampled or logprobs:
-                    whole = gather_vocab(local, split, cfg.V)  # [Bg T, V]
+                    whole = gather_vocab(local, split, cfg.V)  # [Bg T', V]
                     tok = sample_rows(whole, params, step, sampled, allowed)
                     lp = token_logprobs(whole, tok) if logprobs else None
                 else:
                     tok, lp = greedy_split(local, params, step, split, allowed), None
-                lp = jax.tree.map(lambda a: a.reshape(Bg, T, *a.shape[1:]), lp)
-                return tok.reshape(Bg, T), lp
+                lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
+                return tok.reshape(Bg, T_out), lp
 
-            shapes = (jax.ShapeDtypeStruct((Bg, T), jnp.int32), _logprob_shapes(Bg, T, logprobs))
+            shapes = (
+                jax.ShapeDtypeStruct((Bg, T_out), jnp.int32),
+                _logprob_shapes(Bg, T_out, logprobs),
+            )
             on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
 
             def put(buf, new):
@@ -229,9 +244,9 @@ def build_verify(
         carry = VerifyCarry(
             vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
             StageCache(cache.k, cache.v),
-            vary(jnp.zeros((B, T), jnp.int32)),
+            vary(jnp.zeros((B, T_out), jnp.int32)),
             jax.tree.map(
-                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T, logprobs)
+                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, logprobs)
             ),
         )
         carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)

@@ -48,7 +48,8 @@ def checkout(rev: str, into: Path) -> Path:
 
 
 def figures(report: dict) -> dict[str, float]:
-    """job name -> tokens/s (median of the run's repeats), and the measured bandwidth."""
+    """job name -> tokens/s (median of the run's repeats: prefill, decode, each
+    speculative drafter), and the measured bandwidth."""
     out = {}
     for mesh in report["meshes"]:
         for kind, key in (("prefill", "prompt_len"), ("decode", "batch")):
@@ -57,6 +58,10 @@ def figures(report: dict) -> dict[str, float]:
                 out[f"{job} tok/s"] = j["tokens_per_s"]["median"]
                 if "host_overhead_fraction" in j:  # the time outside the decode program
                     out[f"{job} host share"] = j["host_overhead_fraction"]["median"]
+        for j in mesh.get("speculative", []):  # each drafter's run
+            for name, run in j["drafters"].items():
+                job = f"{mesh['mesh']} speculative B={j['batch']} {name}"
+                out[f"{job} tok/s"] = run["tokens_per_s"]["median"]
     roof = report.get("roofline")
     if roof:
         out["bandwidth GB/s"] = roof["bandwidth_bytes_per_s"]["median"] / 1e9
