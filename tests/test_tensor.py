@@ -8,6 +8,7 @@ padded) and 5 layers (uneven over 2 stages); `tied` ties lm_head to the embeddin
 Budget: one engine per (fixture, mesh), one generate per engine and kind of run.
 """
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -29,6 +30,7 @@ from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.layout import lay_out
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling, greedy_split, sample_rows
 from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.pipeline.speculative import Speculator
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import make_mesh
 
@@ -147,6 +149,41 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
     for c in runs[0].completions:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(text.decode(c.token_ids, skip_special=True)), schema)
+    # Speculation on 2x1x4: each verify position masked by the grammar in its block's
+    # bits, as a decode step's; the drafts are the answers, every third made wrong.
+    engine = _engine("wide", 2, 1, 4)
+    drafter = _Replay({tuple(p): t for p, t in zip(prompts[:2], one)})
+    engine.speculator = Speculator(engine, drafter)
+    try:
+        spec = static_batch.generate(
+            engine,
+            prompts[:2],
+            24,
+            eos_ids=(302,),
+            with_logits=False,
+            constraint=Constraint.json_schema(schema),
+            grammars=grammars,
+        )
+        assert engine.speculator.metrics.accepted_tokens > 0
+    finally:
+        engine.speculator = None
+    assert [c.token_ids for c in spec.completions] == one
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """Drafts a known run's tokens, those at (index) % 3 == 1 made wrong."""
+
+    runs: dict  # prompt -> its tokens
+    num_speculative_tokens: int = 2
+
+    def propose(self, context, k):
+        for prompt, tokens in self.runs.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                out = tokens[done : done + k]
+                return [t + 1 if (done + i) % 3 == 1 else t for i, t in enumerate(out)]
+        raise AssertionError(f"no run for {context}")
 
 
 def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
