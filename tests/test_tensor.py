@@ -132,9 +132,10 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
         "required": ["ok", "n"],
         "additionalProperties": False,
     }
-    runs = [
-        static_batch.generate(
-            _engine("wide", *mesh),
+
+    def answers(engine):
+        return static_batch.generate(
+            engine,
             prompts[:2],
             24,
             eos_ids=(302,),
@@ -142,8 +143,8 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
             constraint=Constraint.json_schema(schema),
             grammars=grammars,
         )
-        for mesh in ((1, 1, 1), (2, 1, 4))
-    ]
+
+    runs = [answers(_engine("wide", *mesh)) for mesh in ((1, 1, 1), (2, 1, 4))]
     one, split = ([c.token_ids for c in g.completions] for g in runs)
     assert one == split
     for c in runs[0].completions:
@@ -155,15 +156,7 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
     drafter = _Replay({tuple(p): t for p, t in zip(prompts[:2], one)})
     engine.speculator = Speculator(engine, drafter)
     try:
-        spec = static_batch.generate(
-            engine,
-            prompts[:2],
-            24,
-            eos_ids=(302,),
-            with_logits=False,
-            constraint=Constraint.json_schema(schema),
-            grammars=grammars,
-        )
+        spec = answers(engine)
         assert engine.speculator.metrics.accepted_tokens > 0
     finally:
         engine.speculator = None
