@@ -8,6 +8,8 @@ constraint.
   arrays with maxItems, nested objects with required keys and no others) end with
   "stop" and validate; regexes and choices match; an unbounded answer cut by its budget
   is a prefix the grammar takes;
+- speculative decoding under a constraint: drafts checked by the grammar without
+  moving it, and verify passes that give the plain constrained answer;
 - through the HTTP app: the `openai` client's `chat.completions.parse` with a Pydantic
   model, forced tool calls (`tool_choice` required and named) whose arguments validate,
   and a 400 naming the field for each kind of bad input.
