@@ -16,6 +16,7 @@ def load(name: str):
 
 
 def test_ab_bench_reads_each_job_and_the_bandwidth():
+    """Prefill, decode and each speculative drafter's tokens/s, and the bandwidth."""
     ab = load("ab_bench")
     spread = lambda v: {"median": v, "min": v, "max": v, "n": 1}  # noqa: E731
     report = {
@@ -28,6 +29,15 @@ def test_ab_bench_reads_each_job_and_the_bandwidth():
                     {"batch": 1, "tokens_per_s": spread(6.5)},
                     {"batch": 8, "tokens_per_s": spread(30.0)},
                 ],
+                "speculative": [
+                    {
+                        "batch": 1,
+                        "drafters": {
+                            "plain": {"tokens_per_s": spread(7.0)},
+                            "oracle k=4": {"tokens_per_s": spread(21.0)},
+                        },
+                    }
+                ],
             }
         ],
     }
@@ -35,6 +45,8 @@ def test_ab_bench_reads_each_job_and_the_bandwidth():
         "1x1 prefill P=512 tok/s": 300.0,
         "1x1 decode B=1 tok/s": 6.5,
         "1x1 decode B=8 tok/s": 30.0,
+        "1x1 speculative B=1 plain tok/s": 7.0,
+        "1x1 speculative B=1 oracle k=4 tok/s": 21.0,
         "bandwidth GB/s": 20.0,
     }
 
