@@ -14,12 +14,13 @@ partial results merge with LSE (`ring.decode_attention`, whose T may exceed 1).
 
 The last stage gives each position's token as decode would choose it there
 (`sampling.sample_rows` with the row's parameters, bans and key (seed, request, step)
-at that step, or `sampling.greedy_split` for greedy rows under `tensor`): out[b, i] is
-the model's choice after tokens 0 .. i of row b. A sampled row's draw at a position is
-the one plain decoding makes there from the same logits, since its key depends on the
-step alone. Which of them to keep is
-the host's (`pipeline.speculative`); the slots of positions it rejects are unlisted
-there, and written again by later steps before any query can see them.
+at that step, and its grammar's allowed tokens there when it has one, or
+`sampling.greedy_split` for greedy rows under `tensor`): out[b, i] is the model's
+choice after tokens 0 .. i of row b. A sampled row's draw at a position is the one
+plain decoding makes there from the same logits, since its key depends on the step
+alone. Which of them to keep is the host's (`pipeline.speculative`); the slots of
+positions it rejects are unlisted there, and written again by later steps before any
+query can see them.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class VerifyCarry(NamedTuple):
     h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
     out: jax.Array  # [B, T'] int32: each position's token (filled by the last stage)
-    # Each position's TokenLogprobs, fields [B, T] and [B, T, TOP_LOGPROBS] (a program
+    # Each position's TokenLogprobs, fields [B, T'] and [B, T', TOP_LOGPROBS] (a program
     # with logprobs; else None).
     logprobs: TokenLogprobs | None = None
 
@@ -136,9 +137,9 @@ def build_verify(
     int32, TokenLogprobs of [B, T'] / [B, T', TOP_LOGPROBS] or None, KVCache), T' = T,
     or 1 with last_only: each row's token after its last running position only (a
     draft model's pass, which reads no other; the head's logits, and a sampled row's
-    sort of the vocabulary, for one position instead of T). `cache.pos` must already list the slots of each row's `count`
-    tokens (`RowBook.list_ahead`); the program writes k and v only, so `cache` is donated
-    and updated in place. sampled=False promises every row is greedy (no sort of the
+    sort of the vocabulary, for one position instead of T). `cache.pos` must already
+    list the slots of each row's `count` tokens (`RowBook.list_ahead`); the program
+    writes k and v only, so `cache` is donated and updated in place. sampled=False promises every row is greedy (no sort of the
     vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
     row asks to. logprobs=True also gives each position's token's log-probability and
     the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
