@@ -287,7 +287,7 @@ class Executor:
         a row of no constrained request, or of none), starting the matcher of a request
         met for the first time; None when no row is constrained (the programs of old),
         unless `always`."""
-        if not any(r is not None and r.params.constraint is not None for r in requests):
+        if not _constrained(requests):
             return self.grammars.masks(len(requests)) if always and self.grammars else None
         t0 = time.perf_counter()
         masks = self.grammars.masks(len(requests))
@@ -313,7 +313,7 @@ class Executor:
         to the run its constraint allows (`RowMatcher.along`), the allowed tokens at
         each of the pass's T > len(drafts[i]) positions [len(requests), T, W], all for
         a row without a constraint); (drafts, None) when no row has one."""
-        if not any(r is not None and r.params.constraint is not None for r in requests):
+        if not _constrained(requests):
             return drafts, None
         t0 = time.perf_counter()
         masks = np.full((len(requests), T, self.grammars.words), -1, np.int32)
@@ -394,3 +394,8 @@ def _prompt_rows(batch: Batch, lp: PromptLogprobs, b: int) -> list[Logprob]:
         )
         for i in at
     ]
+
+
+def _constrained(requests: list[Request | None]) -> bool:
+    """Whether any of these rows' requests has a constraint (a structured output)."""
+    return any(r is not None and r.params.constraint is not None for r in requests)

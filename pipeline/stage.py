@@ -98,12 +98,10 @@ def write_kv_rows(cache: jax.Array, new: jax.Array, layer, row0, slots, ok) -> j
     [B', T] (a verify pass: each row at its own steps), or with T = 1 at `slots` [B']
     where `ok` [B'] (a decode step). One scatter of B' x T x K x H values; tokens not
     `ok` go to a slot past the end, which the scatter drops."""
-    if jnp.ndim(slots) == 2:
-        rows = row0 + jnp.arange(new.shape[0])[:, None]
-        at = jnp.where(ok, slots, cache.shape[3])
-        return cache.at[layer, rows, :, at, :].set(new.astype(cache.dtype), mode="drop")
     rows = row0 + jnp.arange(new.shape[0])
     at = jnp.where(ok, slots, cache.shape[3])
+    if jnp.ndim(slots) == 2:
+        return cache.at[layer, rows[:, None], :, at, :].set(new.astype(cache.dtype), mode="drop")
     return cache.at[layer, rows, :, at, :].set(new[:, 0].astype(cache.dtype), mode="drop")
 
 
