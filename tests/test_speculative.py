@@ -18,6 +18,7 @@ import json
 import jax
 import numpy as np
 import pytest
+import scipy.stats
 from reference import TINY
 
 from qwen3_spmd import LLM, SamplingParams
@@ -356,6 +357,72 @@ def test_a_drafter_that_is_always_wrong_is_paced_off(engines, plain):
     assert m.drafts <= 4 * len(PROMPTS) and m.draft_tokens <= m.drafts + 3 * len(PROMPTS)
     assert out.layout["verify_ticks"] > 0
     assert out.layout["decode_ticks"] > out.layout["verify_ticks"]  # plain chunks ran too
+
+
+@dataclasses.dataclass(frozen=True)
+class Likeliest:
+    """Drafts the model's likeliest next token after each context of `table`."""
+
+    table: dict  # context (a tuple of ids) -> the model's argmax after it
+    num_speculative_tokens: int
+
+    def propose(self, context, k):
+        return [self.table[tuple(context)]][:k]
+
+
+def test_sampled_speculation_draws_from_the_models_distribution(engines):
+    """The issue's statistical check. Over many seeds, the joint distribution of a
+    request's first three tokens, sampled with speculation (a pass of one draft after
+    the first token, drafting the likeliest second token, so it is kept about as often
+    as that token is drawn), against the model's own: temperature and top-k applied to
+    its logits after each of the 1 + 3 + 9 contexts, multiplied out. A chi-square test
+    over the 27 cells (those expecting fewer than 5 draws pooled). Keeping the draft
+    unchecked fails it (the third token is then drawn after the draft, not after the
+    second token). Seeded tokens equal to plain sampling's, per key, is the stronger
+    claim (test_verify_rounds_give_plain_tokens); this one needs no plain run."""
+    engine = engines(1, 1, 1)
+    sampling, top = Sampling(temperature=1.5, top_k=3), 3
+    prompt = tuple(PROMPTS[1])
+
+    def filtered(context):  # {token: probability} as the model samples after `context`
+        out = static_batch.generate(engine, [list(context)] * 3, 1)
+        logits = out.first_logits[0].astype(np.float64) / sampling.temperature
+        ids = np.argsort(logits)[::-1][:top]
+        p = np.exp(logits[ids] - logits[ids].max())
+        return dict(zip(ids.tolist(), p / p.sum()))
+
+    joint, likeliest = {}, {}
+    first = filtered(prompt)
+    for t1, p1 in first.items():
+        second = filtered(prompt + (t1,))
+        likeliest[prompt + (t1,)] = max(second, key=second.get)
+        for t2, p2 in second.items():
+            for t3, p3 in filtered(prompt + (t1, t2)).items():
+                joint[t1, t2, t3] = p1 * p2 * p3
+    engine.speculator = Speculator(engine, Likeliest(likeliest, 2))
+    seeds, rows = 200, 3
+    drawn = dict.fromkeys(joint, 0)
+    try:
+        for seed in range(seeds):  # rows requests a call, each its own key
+            out = static_batch.generate(
+                engine, [list(prompt)] * rows, 3, sampling=sampling, seed=seed, with_logits=False
+            )
+            for c in out.completions:
+                drawn[tuple(c.token_ids)] += 1  # a token outside the top 3: KeyError
+        m = engine.speculator.metrics
+    finally:
+        engine.speculator = None
+    assert m.drafts == seeds * rows  # one pass a request, its draft kept or not
+    assert 0.3 < m.accepted_tokens / m.draft_tokens < 0.9
+    n = seeds * rows
+    cells = sorted(joint, key=joint.get)
+    expected = np.array([joint[c] * n for c in cells])
+    observed = np.array([drawn[c] for c in cells], np.float64)
+    rare = np.cumsum(expected) < 5  # the rarest cells, pooled into one
+    if rare.any():
+        expected = np.append(expected[~rare], expected[rare].sum())
+        observed = np.append(observed[~rare], observed[rare].sum())
+    assert scipy.stats.chisquare(observed, expected).pvalue > 1e-3
 
 
 # ---- draft_model: a smaller Qwen3 drafts -----------------------------------------------------
