@@ -23,6 +23,7 @@ from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefix import PrefixBook, block_slot_pos, block_slots
 from qwen3_spmd.pipeline.programs import Clock
+from qwen3_spmd.pipeline.round_rule import Stopwatch, step_kind
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import PromptLogprobs, RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -109,6 +110,10 @@ class Executor:
                 return self._forget(spec.verify(self, chunk.shape.rows, proposal))
             steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
             chunk = dataclasses.replace(chunk, steps=steps)
+            watch = Stopwatch(self.clock)
+            updates = self._decode(chunk)
+            spec.costs.saw(step_kind(chunk.shape.rows), watch.seconds() / steps)
+            return self._forget(updates)
         return self._forget(self._decode(chunk))
 
     # ---- the parts of a round ------------------------------------------------------

@@ -41,6 +41,11 @@ rejected are paid for. Each request's `Pace` drafts as far as its last pass earn
 decode chunk (up to the next row's turn, at least k + 1 steps), so a drafter that is
 always wrong costs one pass now and then. The pace depends on the tokens only, so
 every process of a job paces alike.
+
+A pass is the round's, so every live row pays for its positions while any row
+proposes. The round rule (`pipeline.round_rule`) runs the pass length, or the plain
+chunk, expected to give the most tokens a second by the rows' drafts, their kept
+fractions and the rounds' measured times.
 """
 
 from __future__ import annotations
@@ -55,6 +60,13 @@ import numpy as np
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.programs import JitTable
+from qwen3_spmd.pipeline.round_rule import (
+    RoundCosts,
+    Stopwatch,
+    choose,
+    kept_fraction,
+    pass_kind,
+)
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -76,14 +88,20 @@ MAX_WAIT = 64
 class Pace:
     """How far a request drafts: `k` drafts its next pass may propose, and after
     `misses` passes in a row that kept none, no proposal before it has `wait_until`
-    tokens."""
+    tokens. `drafted` and `kept`: its drafts so far, and how many were kept (the round
+    rule's expectation, `pipeline.round_rule`)."""
 
     k: int
     misses: int = 0
     wait_until: int = 0
+    drafted: int = 0
+    kept: int = 0
 
-    def after(self, kept: int, k_max: int, tokens: int) -> None:
-        """The pass kept `kept` of the drafts it proposed; the row now has `tokens`."""
+    def after(self, kept: int, drafted: int, k_max: int, tokens: int) -> None:
+        """The pass kept `kept` of the `drafted` drafts it proposed; the row now has
+        `tokens`."""
+        self.drafted += drafted
+        self.kept += kept
         if kept == 0:
             self.misses += 1
             self.k = 1
@@ -138,6 +156,8 @@ class Speculator:
     def __init__(self, engine: Engine, config: SpeculativeConfig, drafter=None):
         self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = SpecMetrics()
+        self.costs = RoundCosts()  # what its rounds took (pipeline.round_rule)
+        self._watch = None  # since this round's drafting: its pass's time
         self._verify = JitTable()
 
     def takes(self, chunk: DecodeChunk, book) -> bool:
@@ -201,10 +221,14 @@ class Speculator:
     def drafts(self, executor, n: int) -> Proposal:
         """Each live row below n of `executor`'s book: its proposal (empty where its pace
         says wait, or the drafter has none), at most k and one less than the tokens it
-        may still make, and no further than its constraint allows. A proposal the
+        may still make, and no further than its constraint allows, then cut to the pass
+        the round rule chooses (none at all: a plain chunk; `pipeline.round_rule`). A
+        draft model's drafts are chosen before they are made, on the counts the rows'
+        paces ask (its passes cost), others' on the drafts made. A proposal the
         constraint refuses at once counts as a pass that kept nothing (its pace waits)."""
         book = executor.book
         k = self.config.num_speculative_tokens
+        self.costs.tick()
         out, wants = {}, {}
         for b in (b for b in book.live() if b < n):
             row = book.rows[b]
@@ -216,8 +240,12 @@ class Speculator:
             out[b] = []
             if k_b > 0 and not pace.waits(len(row.generated)):
                 wants[b] = (row.request.prompt + tuple(row.generated), k_b)
-        if self.drafter is not None and wants:
-            out.update(self.drafter.propose(executor, wants, n))
+        if self.drafter is not None:
+            T = self._choose(book, n, {b: k_b for b, (_, k_b) in wants.items()})
+            wants = {b: (c, min(k_b, T - 1)) for b, (c, k_b) in wants.items() if T > 1}
+            self._watch = Stopwatch(executor.clock)
+            if wants:
+                out.update(self.drafter.propose(executor, wants, n))
         else:
             for b, (context, k_b) in wants.items():
                 out[b] = list(self.config.propose(context, k_b))[:k_b]
@@ -226,9 +254,30 @@ class Speculator:
         for b in out:
             row = book.rows[b]
             if out[b] and not cut[b]:
-                row.pace.after(0, k, len(row.generated))
+                row.pace.after(0, 1, k, len(row.generated))
             out[b] = cut[b]
+        if self.drafter is None:
+            T = self._choose(book, n, {b: len(d) for b, d in out.items()})
+            out = {b: d[: T - 1] for b, d in out.items()}
+            self._watch = Stopwatch(executor.clock)
         return Proposal(out, allowed)
+
+    def _choose(self, book, n: int, drafts: dict[int, int]) -> int:
+        """The round rule's pass length for rows 0..n-1 of `book`, whose live rows would
+        draft `drafts` ({b: d_b}, some 0) tokens: 1 (a plain chunk) when none would."""
+        longest = max(drafts.values(), default=0)
+        if longest == 0:
+            return 1
+        k = self.config.num_speculative_tokens
+        ask = min(x for x in ladder(k) if x >= longest)
+        m = self.metrics
+        overall = m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.5
+        rows = []
+        for b in (b for b in book.live() if b < n):
+            pace = book.rows[b].pace
+            rows.append((drafts.get(b, 0), kept_fraction(pace.drafted, pace.kept, overall)))
+        lengths = [1 + x for x in ladder(k) if x <= ask]
+        return choose(self.costs, n, rows, lengths)
 
     def plain_steps(self, book, n: int, steps: int) -> int:
         """Steps of the plain decode chunk a round runs when no row proposes: `steps` (the
@@ -289,6 +338,7 @@ class Speculator:
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        self.costs.saw(pass_kind(n, T), self._watch.seconds())
         acc = executor.accounting
         acc.row_steps += book.B
         ticks = decode_ticks(book.groups, eng.stages, 1)
@@ -305,7 +355,7 @@ class Speculator:
                 self.metrics.drafts += 1
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
-                row.pace.after(agreed, k, len(row.generated) + agreed + 1)
+                row.pace.after(agreed, len(d), k, len(row.generated) + agreed + 1)
             kept, done = executor.advance_along(request, out[b, : agreed + 1])
             update = book.extend(b, kept, done)
             if request.params.logprobs:  # each kept token's, as the pass computed it

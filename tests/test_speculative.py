@@ -28,6 +28,16 @@ from qwen3_spmd.pipeline import ngram, speculative, static_batch
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.round_rule import (
+    PRIOR_DRAFTS,
+    SAMPLES,
+    RoundCosts,
+    Unmeasured,
+    choose,
+    kept_fraction,
+    pass_kind,
+    step_kind,
+)
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
@@ -140,26 +150,77 @@ def test_verify_slots_are_listed_then_rolled_back_past_the_kept_tokens():
 
 def test_pace_drafts_as_far_as_it_earned_and_waits_longer_after_each_miss():
     p = Pace(8)
-    p.after(kept=8, k_max=8, tokens=20)  # all kept: the whole k again
+    p.after(kept=8, drafted=8, k_max=8, tokens=20)  # all kept: the whole k again
     assert (p.k, p.waits(20)) == (8, 0)
-    p.after(kept=3, k_max=8, tokens=24)  # a run of 3: twice it next
+    p.after(kept=3, drafted=8, k_max=8, tokens=24)  # a run of 3: twice it next
     assert (p.k, p.waits(24)) == (6, 0)
-    p.after(kept=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
+    p.after(kept=2, drafted=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
     assert p.k == 4
     waits = []
     for tokens in range(30, 40):  # misses: one draft at a time, after 2, 4, .. tokens
-        p.after(kept=0, k_max=8, tokens=tokens)
+        p.after(kept=0, drafted=1, k_max=8, tokens=tokens)
         waits.append(p.waits(tokens))
         assert p.k == 1
     assert waits == [2, 4, 8, 16, 32, 64, 64, 64, 64, 64] and MAX_WAIT == 64
     assert p.waits(39 + 63) == 1 and p.waits(39 + 64) == 0
-    p.after(kept=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
+    p.after(kept=1, drafted=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
     assert (p.k, p.misses, p.waits(110)) == (2, 0, 0)
+    assert (p.drafted, p.kept) == (29, 14)  # what the round rule expects of it
 
 
 def test_a_pass_pads_its_drafts_to_the_ladder():
     assert ladder(1) == [1] and ladder(3) == [1, 2, 3]
     assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
+
+
+def _measured(step: float | None, passes: dict) -> RoundCosts:
+    """Round costs seen SAMPLES times: a step over 3 rows (None: unseen), passes
+    {T: seconds}."""
+    costs = RoundCosts()
+    for _ in range(SAMPLES):
+        if step is not None:
+            costs.saw(step_kind(3), step)
+        for T, seconds in passes.items():
+            costs.saw(pass_kind(3, T), seconds)
+    costs.tick()
+    return costs
+
+
+def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
+    sure, unsure = 1.0, 0.25  # fractions of drafts kept
+    rows = [(4, sure), (4, sure), (0, sure)]  # two rows with 4 drafts each, one without
+    lengths = [2, 3, 5]
+    # Unmeasured: the drafts' own pass runs (to be measured), then plain steps.
+    assert choose(RoundCosts(), 3, rows, lengths) == 5
+    assert choose(_measured(None, {5: 1.0}), 3, rows, lengths) == 1
+    # A pass of 5 gives 3 + 8 tokens: against 3 a step, it pays below 11/3 steps.
+    assert choose(_measured(1.0, {5: 3.6}), 3, rows, lengths) == 5
+    assert choose(_measured(1.0, {5: 3.7}), 3, rows, lengths) == 1
+    # Drafts seldom kept: 3 + 2 tokens; a pass of 3 positions (3 + 1 tokens) costs less.
+    unsure_rows = [(d, unsure) for d, _ in rows]
+    assert choose(_measured(1.0, {5: 1.6}), 3, unsure_rows, lengths) == 5
+    assert choose(_measured(1.0, {5: 1.7}), 3, unsure_rows, lengths) == 1
+    assert choose(_measured(1.0, {3: 1.2, 5: 1.6}), 3, unsure_rows, lengths) == 3
+    # A row's fraction: its own drafts, and PRIOR_DRAFTS of the overall fraction.
+    assert kept_fraction(0, 0, 0.5) == 0.5
+    assert kept_fraction(12, 0, 0.5) == 2 / (12 + 4) and PRIOR_DRAFTS == 4
+
+
+def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain):
+    """The round rule in the executor's rounds: with passes measured as dear, every
+    round decodes a plain chunk though the oracle drafts; measured as cheap, rounds
+    verify. The tokens are plain decoding's either way."""
+    tokens, _ = plain["greedy"]
+    engine = engines(1, 1, 1)
+    runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
+    try:
+        for seconds, passes in ((1e3, False), (1e-9, True)):
+            engine.speculator = Speculator(engine, Oracle(runs, 4))
+            engine.speculator.costs = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
+            _gives_plain(engine, plain, "greedy")
+            assert (engine.speculator.metrics.drafts > 0) == passes
+    finally:
+        engine.speculator = None
 
 
 # ---- verify rounds against plain decoding -----------------------------------------------------
@@ -400,6 +461,7 @@ def test_sampled_speculation_draws_from_the_models_distribution(engines):
             for t3, p3 in filtered(prompt + (t1, t2)).items():
                 joint[t1, t2, t3] = p1 * p2 * p3
     engine.speculator = Speculator(engine, Likeliest(likeliest, 2))
+    engine.speculator.costs = Unmeasured()  # every request's pass runs (no round rule)
     seeds, rows = 200, 3
     drawn = dict.fromkeys(joint, 0)
     try:

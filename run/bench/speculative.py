@@ -6,12 +6,17 @@ the scenario measures the mechanism between two bounds (issue 46):
 - the ceiling: an oracle drafter that proposes the plain run's own tokens (every draft
   accepted), for each k of --spec-tokens;
 - the floor: a drafter that is always wrong (the plain run's tokens plus one), at the
-  largest k: each pass then gives one token for k + 1 positions' work;
+  largest k: each pass then gives one token for k + 1 positions' work, until pacing
+  and the round rule turn to plain chunks;
 - ngram (prompt lookup, k the largest, n-grams 4 down to 1) on the same prompts:
   acceptance and tokens/s as they come;
 - draft_model with the model drafting for itself (k the largest): every draft kept, and
   each draft costs a pass of the model, so this is what the drafter's passes cost
-  beside the verify pass; a drafter c times the model's size pays about c of it.
+  beside the verify pass; a drafter c times the model's size pays about c of it. It
+  verifies every round (`round_rule.Unmeasured`): the round rule would decode plain.
+
+Each drafter keeps its own round costs from run to run (`pipeline.round_rule`), as a
+server's speculator does from its first requests on, so the warm-up runs measure them.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
 --decode-steps tokens through `static_batch.generate` (greedy), compiled first, then --warmup
@@ -30,6 +35,7 @@ import dataclasses
 
 from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.draft_model import DraftModel
+from qwen3_spmd.pipeline.round_rule import RoundCosts, Unmeasured
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
 from qwen3_spmd.pipeline.verify import common_prefix
@@ -72,19 +78,30 @@ def speculative_job(engines, B: int, say) -> dict:
     drafters[f"wrong k={max(ks)}"] = Replay(runs, max(ks), cfg.V, wrong=True)
     drafters[f"ngram k={max(ks)}"] = SpeculativeConfig(max(ks), "ngram", 4, 1)
     itself = SpeculativeConfig(max(ks), "draft_model", model="the model itself")
-    drafters[f"draft model (itself) k={max(ks)}"] = (itself, DraftModel(engine))
+    itself_name = f"draft model (itself) k={max(ks)}"
+    drafters[itself_name] = (itself, DraftModel(engine))
 
     # One Speculator whose drafter changes: its compiled verify programs serve them all.
+    # Each drafter keeps its own round costs (a draft model's rounds cost more), as a
+    # server's speculator does from its first requests on.
+    # The model drafting for itself verifies every round (the rule would decode plain,
+    # its drafts costing as much as the model): what the drafter's passes cost.
     spec = Speculator(engine, drafters[f"oracle k={ks[0]}"])
+    costs = {name: RoundCosts() for name in drafters}
+    costs[itself_name] = Unmeasured()
+    seen = {name: SpecMetrics() for name in drafters}  # every run's, for the acceptance
 
     def run(name) -> dict:
         drafter = drafters[name]
         spec.config, spec.drafter = drafter if isinstance(drafter, tuple) else (drafter, None)
-        spec.metrics = SpecMetrics()
+        spec.metrics, spec.costs = SpecMetrics(), costs[name]
         engine.speculator = spec if drafter is not None else None
         out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
         m = spec.metrics if drafter is not None else None
         engine.speculator = None
+        if m is not None:
+            for field in ("drafts", "draft_tokens", "accepted_tokens"):
+                setattr(seen[name], field, getattr(seen[name], field) + getattr(m, field))
         new = sum(len(c.token_ids) - 1 for c in out.completions)  # decode's tokens
         return {
             "decode_s": out.timing["decode_s"],
@@ -109,18 +126,17 @@ def speculative_job(engines, B: int, say) -> dict:
     out = {"batch": B, "prompt_len": T, "steps": N, "drafters": {}}
     for name, rs in got.items():
         rate = spread([r["tokens_per_s"] for r in rs])
-        last = rs[-1]
+        m = seen[name]
         entry = {
             "tokens_per_s": rate,
             "vs_plain": rate["median"] / base,
             "exact": all(r["exact"] for r in rs),
             "same_until": min(r["same_until"] for r in rs),
-            "acceptance": last["accepted_tokens"] / last["draft_tokens"]
-            if last["draft_tokens"]
-            else None,
-            "mean_acceptance_length": 1 + last["accepted_tokens"] / last["drafts"]
-            if last["drafts"]
-            else None,
+            # Over every run, the first ones included (later ones may verify few rounds).
+            "acceptance": m.accepted_tokens / m.draft_tokens if m.draft_tokens else None,
+            "mean_acceptance_length": m.mean_acceptance_length if m.drafts else None,
+            # Rows' verify passes in the last run: fewer where the round rule decoded plain.
+            "passes": rs[-1]["drafts"],
         }
         out["drafters"][name] = entry
         said = f", acceptance {entry['acceptance']:.2f}" if entry["acceptance"] is not None else ""

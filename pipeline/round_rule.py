@@ -1,0 +1,133 @@
+"""Which pass a speculative round runs: the one expected to give the most tokens a
+second, a plain decode chunk included.
+
+A verify pass over T positions gives each live row 1 + the drafts it keeps; a plain
+step gives each one token. What a pass costs against a step is the machine's and the
+batch's, and it varies too much to assume (docs/benchmarks.md: a pass of 9 positions
+cost about 2.6 steps for one row on a 2-core CPU, about 6 for eight rows there, and 6
+for one row on an H200, where the round trip dominates). So it is measured:
+`RoundCosts` keeps the fastest time seen for each kind of round (a plain step over n
+rows; a pass of T positions over n rows, with a draft model's passes), the fastest
+being the one least disturbed by other work.
+
+    tokens(T) = sum over live rows b of 1 + f_b * min(d_b, T - 1)
+
+where d_b is the row's drafts and f_b the fraction of its drafts kept so far (its
+`Pace`, smoothed towards the speculator's fraction over all rows). `choose` runs the
+pass length (or the plain step) of largest tokens(T) / seconds(T). Until the pass the
+drafts ask for, and then a plain step, each have `SAMPLES` times, it measures them
+instead: the drafts' pass first (as if there were no rule), then plain chunks. Shorter
+passes are weighed once measured (pacing makes short proposals often).
+
+The choice changes speed only: a pass and a plain chunk give the same tokens. But every
+process of a job must choose alike, and their clocks differ, so with several processes
+the rule reads the costs they agreed (each kind's fastest time, averaged over the
+processes every `AGREE_EVERY` rounds), not its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+# Times of a kind of round before the rule trusts its fastest.
+SAMPLES = 3
+# Rounds between the processes' agreements on costs, in a job of several.
+AGREE_EVERY = 4
+# Drafts' worth of the speculator's overall kept fraction a row starts from.
+PRIOR_DRAFTS = 4
+
+
+def step_kind(n: int) -> tuple:
+    """A plain decode step over n rows (a chunk's time over its steps)."""
+    return ("step", n)
+
+
+def pass_kind(n: int, T: int) -> tuple:
+    """A verify pass of T positions over n rows, a draft model's passes included."""
+    return ("pass", n, T)
+
+
+class RoundCosts:
+    """The fastest seconds seen for each kind of round, and how many times were seen.
+    `fastest` reads the agreed table: this process's own in a job of one, the
+    processes' average otherwise, refreshed by `tick`."""
+
+    def __init__(self):
+        self.seen: dict[tuple, tuple[int, float]] = {}  # kind -> (times seen, fastest)
+        self.agreed: dict[tuple, tuple[int, float]] = {}
+        self.rounds = 0
+
+    def saw(self, kind: tuple, seconds: float) -> None:
+        n, best = self.seen.get(kind, (0, float("inf")))
+        self.seen[kind] = (n + 1, min(best, seconds))
+
+    def fastest(self, kind: tuple) -> float | None:
+        """The kind's fastest time, None until it has SAMPLES."""
+        n, best = self.agreed.get(kind, (0, 0.0))
+        return best if n >= SAMPLES else None
+
+    def tick(self) -> None:
+        """Once a round, in every process alike: the agreed table follows the seen one."""
+        self.rounds += 1
+        if jax.process_count() == 1:
+            self.agreed = dict(self.seen)
+        elif self.rounds % AGREE_EVERY == 0:
+            self.agreed = _averaged(self.seen)
+
+
+class Unmeasured(RoundCosts):
+    """Costs never measured, so every round with drafts verifies them, as before the
+    rule: for measuring the verify mechanism itself (the benchmark's draft model
+    drafting for itself, a test's distribution of sampled passes)."""
+
+    def saw(self, kind: tuple, seconds: float) -> None:
+        pass
+
+
+def _averaged(seen: dict) -> dict:
+    """Each kind's fastest time averaged over the processes. Every process runs the same
+    rounds, so each has seen the same kinds the same number of times."""
+    from jax.experimental import multihost_utils
+
+    kinds = sorted(seen)
+    mine = np.array([seen[k][1] for k in kinds], np.float64)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(kinds))
+    return {k: (seen[k][0], float(t)) for k, t in zip(kinds, every.mean(axis=0))}
+
+
+def kept_fraction(drafted: int, kept: int, overall: float) -> float:
+    """A row's expected fraction of drafts kept: its own, smoothed towards `overall`."""
+    return (kept + PRIOR_DRAFTS * overall) / (drafted + PRIOR_DRAFTS)
+
+
+def choose(costs: RoundCosts, n: int, rows: list[tuple[int, float]], lengths: list[int]) -> int:
+    """The pass length T to run over n rows (1: a plain chunk). rows: each live row's
+    (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may be cut to,
+    ascending, the last the drafts' own."""
+    ask = lengths[-1]
+    if costs.fastest(pass_kind(n, ask)) is None:
+        return ask  # measure the drafts' own pass
+    step = costs.fastest(step_kind(n))
+    if step is None:
+        return 1  # then a plain step
+    best, rate = 1, len(rows) / step
+    for T in lengths:
+        seconds = costs.fastest(pass_kind(n, T))
+        if seconds is not None:
+            tokens = sum(1 + f * min(d, T - 1) for d, f in rows)
+            if tokens / seconds > rate:
+                best, rate = T, tokens / seconds
+    return best
+
+
+class Stopwatch:
+    """Seconds since it started, less what `clock` counted as compiling meanwhile."""
+
+    def __init__(self, clock):
+        self.clock, self.t0, self.compiled = clock, time.perf_counter(), clock.compile_s
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0 - (self.clock.compile_s - self.compiled)
