@@ -112,7 +112,7 @@ class Executor:
             chunk = dataclasses.replace(chunk, steps=steps)
             watch = Stopwatch(self.clock)
             updates = self._decode(chunk)
-            spec.costs.saw(step_kind(chunk.shape.rows), watch.seconds() / steps)
+            spec.rule.saw(step_kind(chunk.shape.rows), watch.seconds() / steps)
             return self._forget(updates)
         return self._forget(self._decode(chunk))
 

@@ -6,18 +6,20 @@ step gives each one token. What a pass costs against a step is the machine's and
 batch's, and it varies too much to assume (docs/benchmarks.md: a pass of 9 positions
 cost about 2.6 steps for one row on a 2-core CPU, about 6 for eight rows there, and 6
 for one row on an H200, where the round trip dominates). So it is measured:
-`RoundCosts` keeps the fastest time seen for each kind of round (a plain step over n
+`RoundRule` keeps the fastest time seen for each kind of round (a plain step over n
 rows; a pass of T positions over n rows, with a draft model's passes), the fastest
 being the one least disturbed by other work.
 
     tokens(T) = sum over live rows b of 1 + f_b * min(d_b, T - 1)
 
 where d_b is the row's drafts and f_b the fraction of its drafts kept so far (its
-`Pace`, smoothed towards the speculator's fraction over all rows). `choose` runs the
-pass length (or the plain step) of largest tokens(T) / seconds(T). Until the pass the
-drafts ask for, and then a plain step, each have `SAMPLES` times, it measures them
-instead: the drafts' pass first (as if there were no rule), then plain chunks. Shorter
-passes are weighed once measured (pacing makes short proposals often).
+`Pace`, smoothed towards all rows' fraction). `RoundRule.choose` runs the pass length
+(or the plain step) of largest tokens(T) / seconds(T). Until the pass the drafts ask
+for, and then a plain step, each have `SAMPLES` times, it measures them instead: the
+drafts' pass first (as if there were no rule), then plain chunks. Shorter passes are
+weighed once measured (pacing makes short proposals often). A row's fraction is learnt
+from its passes, so after `PROBE_AFTER` rounds in a row decoded plain though rows
+proposed, the drafts' pass runs anyway.
 
 The choice changes speed only: a pass and a plain chunk give the same tokens. But every
 process of a job must choose alike, and their clocks differ, so with several processes
@@ -36,8 +38,12 @@ import numpy as np
 SAMPLES = 3
 # Rounds between the processes' agreements on costs, in a job of several.
 AGREE_EVERY = 4
-# Drafts' worth of the speculator's overall kept fraction a row starts from.
+# Drafts' worth of all rows' kept fraction a row's own starts from.
 PRIOR_DRAFTS = 4
+# Rounds in a row decoded plain though rows proposed, before the drafts' pass runs
+# anyway: a row's fraction is learnt from its passes only, and its output may have
+# begun to repeat.
+PROBE_AFTER = 8
 
 
 def step_kind(n: int) -> tuple:
@@ -50,15 +56,19 @@ def pass_kind(n: int, T: int) -> tuple:
     return ("pass", n, T)
 
 
-class RoundCosts:
-    """The fastest seconds seen for each kind of round, and how many times were seen.
-    `fastest` reads the agreed table: this process's own in a job of one, the
-    processes' average otherwise, refreshed by `tick`."""
+class RoundRule:
+    """What the rule knows and how it chooses. `seen`: the fastest seconds of each kind
+    of round and how many times it was seen; `agreed`: the table it reads (this
+    process's own in a job of one, the processes' average otherwise, refreshed by
+    `tick`); `drafted`, `kept`: all rows' drafts and those kept; `declined`: rounds in
+    a row it decoded plain though rows proposed."""
 
     def __init__(self):
         self.seen: dict[tuple, tuple[int, float]] = {}  # kind -> (times seen, fastest)
         self.agreed: dict[tuple, tuple[int, float]] = {}
         self.rounds = 0
+        self.drafted = self.kept = 0
+        self.declined = 0
 
     def saw(self, kind: tuple, seconds: float) -> None:
         n, best = self.seen.get(kind, (0, float("inf")))
@@ -77,8 +87,43 @@ class RoundCosts:
         elif self.rounds % AGREE_EVERY == 0:
             self.agreed = _averaged(self.seen)
 
+    def passed(self, drafted: int, kept: int) -> None:
+        """A row's pass kept `kept` of its `drafted` drafts."""
+        self.drafted += drafted
+        self.kept += kept
 
-class Unmeasured(RoundCosts):
+    def fraction(self, drafted: int, kept: int) -> float:
+        """A row's expected fraction of drafts kept (it kept `kept` of `drafted` so far):
+        its own, smoothed towards all rows' (1 before any pass: a drafter is tried
+        before it is judged)."""
+        overall = self.kept / self.drafted if self.drafted else 1.0
+        return (kept + PRIOR_DRAFTS * overall) / (drafted + PRIOR_DRAFTS)
+
+    def choose(self, n: int, rows: list[tuple[int, float]], lengths: list[int]) -> int:
+        """The pass length T to run over n rows (1: a plain chunk). rows: each live
+        row's (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may
+        be cut to, ascending, the last the drafts' own."""
+        ask = lengths[-1]
+        if self.fastest(pass_kind(n, ask)) is None:
+            return ask  # measure the drafts' own pass
+        step = self.fastest(step_kind(n))
+        if step is None:
+            return 1  # then a plain step
+        best, rate = 1, len(rows) / step
+        for T in lengths:
+            seconds = self.fastest(pass_kind(n, T))
+            if seconds is not None:
+                tokens = sum(1 + f * min(d, T - 1) for d, f in rows)
+                if tokens / seconds > rate:
+                    best, rate = T, tokens / seconds
+        self.declined = self.declined + 1 if best == 1 else 0
+        if self.declined > PROBE_AFTER:
+            self.declined = 0
+            return ask
+        return best
+
+
+class Unmeasured(RoundRule):
     """Costs never measured, so every round with drafts verifies them, as before the
     rule: for measuring the verify mechanism itself (the benchmark's draft model
     drafting for itself, a test's distribution of sampled passes)."""
@@ -96,31 +141,6 @@ def _averaged(seen: dict) -> dict:
     mine = np.array([seen[k][1] for k in kinds], np.float64)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(kinds))
     return {k: (seen[k][0], float(t)) for k, t in zip(kinds, every.mean(axis=0))}
-
-
-def kept_fraction(drafted: int, kept: int, overall: float) -> float:
-    """A row's expected fraction of drafts kept: its own, smoothed towards `overall`."""
-    return (kept + PRIOR_DRAFTS * overall) / (drafted + PRIOR_DRAFTS)
-
-
-def choose(costs: RoundCosts, n: int, rows: list[tuple[int, float]], lengths: list[int]) -> int:
-    """The pass length T to run over n rows (1: a plain chunk). rows: each live row's
-    (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may be cut to,
-    ascending, the last the drafts' own."""
-    ask = lengths[-1]
-    if costs.fastest(pass_kind(n, ask)) is None:
-        return ask  # measure the drafts' own pass
-    step = costs.fastest(step_kind(n))
-    if step is None:
-        return 1  # then a plain step
-    best, rate = 1, len(rows) / step
-    for T in lengths:
-        seconds = costs.fastest(pass_kind(n, T))
-        if seconds is not None:
-            tokens = sum(1 + f * min(d, T - 1) for d, f in rows)
-            if tokens / seconds > rate:
-                best, rate = T, tokens / seconds
-    return best
 
 
 class Stopwatch:

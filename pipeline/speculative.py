@@ -60,13 +60,7 @@ import numpy as np
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.programs import JitTable
-from qwen3_spmd.pipeline.round_rule import (
-    RoundCosts,
-    Stopwatch,
-    choose,
-    kept_fraction,
-    pass_kind,
-)
+from qwen3_spmd.pipeline.round_rule import RoundRule, Stopwatch, pass_kind
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -156,7 +150,7 @@ class Speculator:
     def __init__(self, engine: Engine, config: SpeculativeConfig, drafter=None):
         self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = SpecMetrics()
-        self.costs = RoundCosts()  # what its rounds took (pipeline.round_rule)
+        self.rule = RoundRule()  # pipeline.round_rule: a pass or a plain chunk
         self._watch = None  # since this round's drafting: its pass's time
         self._verify = JitTable()
 
@@ -228,7 +222,7 @@ class Speculator:
         constraint refuses at once counts as a pass that kept nothing (its pace waits)."""
         book = executor.book
         k = self.config.num_speculative_tokens
-        self.costs.tick()
+        self.rule.tick()
         out, wants = {}, {}
         for b in (b for b in book.live() if b < n):
             row = book.rows[b]
@@ -270,14 +264,12 @@ class Speculator:
             return 1
         k = self.config.num_speculative_tokens
         ask = min(x for x in ladder(k) if x >= longest)
-        m = self.metrics
-        overall = m.accepted_tokens / m.draft_tokens if m.draft_tokens else 0.5
         rows = []
         for b in (b for b in book.live() if b < n):
             pace = book.rows[b].pace
-            rows.append((drafts.get(b, 0), kept_fraction(pace.drafted, pace.kept, overall)))
+            rows.append((drafts.get(b, 0), self.rule.fraction(pace.drafted, pace.kept)))
         lengths = [1 + x for x in ladder(k) if x <= ask]
-        return choose(self.costs, n, rows, lengths)
+        return self.rule.choose(n, rows, lengths)
 
     def plain_steps(self, book, n: int, steps: int) -> int:
         """Steps of the plain decode chunk a round runs when no row proposes: `steps` (the
@@ -338,7 +330,7 @@ class Speculator:
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
-        self.costs.saw(pass_kind(n, T), self._watch.seconds())
+        self.rule.saw(pass_kind(n, T), self._watch.seconds())
         acc = executor.accounting
         acc.row_steps += book.B
         ticks = decode_ticks(book.groups, eng.stages, 1)
@@ -356,6 +348,7 @@ class Speculator:
                 self.metrics.draft_tokens += len(d)
                 self.metrics.accepted_tokens += agreed
                 row.pace.after(agreed, len(d), k, len(row.generated) + agreed + 1)
+                self.rule.passed(len(d), agreed)
             kept, done = executor.advance_along(request, out[b, : agreed + 1])
             update = book.extend(b, kept, done)
             if request.params.logprobs:  # each kept token's, as the pass computed it

@@ -30,11 +30,10 @@ from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.round_rule import (
     PRIOR_DRAFTS,
+    PROBE_AFTER,
     SAMPLES,
-    RoundCosts,
+    RoundRule,
     Unmeasured,
-    choose,
-    kept_fraction,
     pass_kind,
     step_kind,
 )
@@ -173,17 +172,17 @@ def test_a_pass_pads_its_drafts_to_the_ladder():
     assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
 
 
-def _measured(step: float | None, passes: dict) -> RoundCosts:
-    """Round costs seen SAMPLES times: a step over 3 rows (None: unseen), passes
-    {T: seconds}."""
-    costs = RoundCosts()
+def _measured(step: float | None, passes: dict) -> RoundRule:
+    """A round rule that has seen each cost SAMPLES times: a step over 3 rows (None:
+    never), passes {T: seconds}."""
+    rule = RoundRule()
     for _ in range(SAMPLES):
         if step is not None:
-            costs.saw(step_kind(3), step)
+            rule.saw(step_kind(3), step)
         for T, seconds in passes.items():
-            costs.saw(pass_kind(3, T), seconds)
-    costs.tick()
-    return costs
+            rule.saw(pass_kind(3, T), seconds)
+    rule.tick()
+    return rule
 
 
 def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
@@ -191,34 +190,41 @@ def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
     rows = [(4, sure), (4, sure), (0, sure)]  # two rows with 4 drafts each, one without
     lengths = [2, 3, 5]
     # Unmeasured: the drafts' own pass runs (to be measured), then plain steps.
-    assert choose(RoundCosts(), 3, rows, lengths) == 5
-    assert choose(_measured(None, {5: 1.0}), 3, rows, lengths) == 1
+    assert RoundRule().choose(3, rows, lengths) == 5
+    assert _measured(None, {5: 1.0}).choose(3, rows, lengths) == 1
     # A pass of 5 gives 3 + 8 tokens: against 3 a step, it pays below 11/3 steps.
-    assert choose(_measured(1.0, {5: 3.6}), 3, rows, lengths) == 5
-    assert choose(_measured(1.0, {5: 3.7}), 3, rows, lengths) == 1
+    assert _measured(1.0, {5: 3.6}).choose(3, rows, lengths) == 5
+    assert _measured(1.0, {5: 3.7}).choose(3, rows, lengths) == 1
     # Drafts seldom kept: 3 + 2 tokens; a pass of 3 positions (3 + 1 tokens) costs less.
     unsure_rows = [(d, unsure) for d, _ in rows]
-    assert choose(_measured(1.0, {5: 1.6}), 3, unsure_rows, lengths) == 5
-    assert choose(_measured(1.0, {5: 1.7}), 3, unsure_rows, lengths) == 1
-    assert choose(_measured(1.0, {3: 1.2, 5: 1.6}), 3, unsure_rows, lengths) == 3
-    # A row's fraction: its own drafts, and PRIOR_DRAFTS of the overall fraction.
-    assert kept_fraction(0, 0, 0.5) == 0.5
-    assert kept_fraction(12, 0, 0.5) == 2 / (12 + 4) and PRIOR_DRAFTS == 4
+    assert _measured(1.0, {5: 1.6}).choose(3, unsure_rows, lengths) == 5
+    assert _measured(1.0, {5: 1.7}).choose(3, unsure_rows, lengths) == 1
+    assert _measured(1.0, {3: 1.2, 5: 1.6}).choose(3, unsure_rows, lengths) == 3
+    # Declined PROBE_AFTER rounds in a row, the drafts' pass runs once anyway.
+    rule = _measured(1.0, {5: 3.7})
+    got = [rule.choose(3, rows, lengths) for _ in range(2 * PROBE_AFTER + 2)]
+    assert got == ([1] * PROBE_AFTER + [5]) * 2
+    # A row's fraction: its own drafts', and PRIOR_DRAFTS of all rows' (1 before any).
+    assert rule.fraction(0, 0) == 1.0 and PRIOR_DRAFTS == 4
+    rule.passed(drafted=10, kept=5)
+    assert rule.fraction(0, 0) == 0.5 and rule.fraction(12, 0) == 2 / (12 + 4)
 
 
 def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain):
     """The round rule in the executor's rounds: with passes measured as dear, every
-    round decodes a plain chunk though the oracle drafts; measured as cheap, rounds
-    verify. The tokens are plain decoding's either way."""
+    round decodes a plain chunk though the oracle drafts (fewer rounds than
+    PROBE_AFTER); measured as cheap, rounds verify. The tokens are plain decoding's
+    either way."""
     tokens, _ = plain["greedy"]
     engine = engines(1, 1, 1)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
     try:
         for seconds, passes in ((1e3, False), (1e-9, True)):
             engine.speculator = Speculator(engine, Oracle(runs, 4))
-            engine.speculator.costs = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
+            engine.speculator.rule = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
             _gives_plain(engine, plain, "greedy")
             assert (engine.speculator.metrics.drafts > 0) == passes
+            assert engine.speculator.rule.rounds < PROBE_AFTER
     finally:
         engine.speculator = None
 
@@ -461,7 +467,7 @@ def test_sampled_speculation_draws_from_the_models_distribution(engines):
             for t3, p3 in filtered(prompt + (t1, t2)).items():
                 joint[t1, t2, t3] = p1 * p2 * p3
     engine.speculator = Speculator(engine, Likeliest(likeliest, 2))
-    engine.speculator.costs = Unmeasured()  # every request's pass runs (no round rule)
+    engine.speculator.rule = Unmeasured()  # every request's pass runs
     seeds, rows = 200, 3
     drawn = dict.fromkeys(joint, 0)
     try:

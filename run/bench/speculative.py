@@ -15,7 +15,7 @@ the scenario measures the mechanism between two bounds (issue 46):
   beside the verify pass; a drafter c times the model's size pays about c of it. It
   verifies every round (`round_rule.Unmeasured`): the round rule would decode plain.
 
-Each drafter keeps its own round costs from run to run (`pipeline.round_rule`), as a
+Each drafter keeps its own round rule (its costs and kept drafts) from run to run (`pipeline.round_rule`), as a
 server's speculator does from its first requests on, so the warm-up runs measure them.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
@@ -35,7 +35,7 @@ import dataclasses
 
 from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.draft_model import DraftModel
-from qwen3_spmd.pipeline.round_rule import RoundCosts, Unmeasured
+from qwen3_spmd.pipeline.round_rule import RoundRule, Unmeasured
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
 from qwen3_spmd.pipeline.verify import common_prefix
@@ -82,19 +82,20 @@ def speculative_job(engines, B: int, say) -> dict:
     drafters[itself_name] = (itself, DraftModel(engine))
 
     # One Speculator whose drafter changes: its compiled verify programs serve them all.
-    # Each drafter keeps its own round costs (a draft model's rounds cost more), as a
-    # server's speculator does from its first requests on.
+    # Each drafter keeps its own round rule (a draft model's rounds cost more, its
+    # drafts are kept as they are), as a server's speculator does from its first
+    # requests on.
     # The model drafting for itself verifies every round (the rule would decode plain,
     # its drafts costing as much as the model): what the drafter's passes cost.
     spec = Speculator(engine, drafters[f"oracle k={ks[0]}"])
-    costs = {name: RoundCosts() for name in drafters}
-    costs[itself_name] = Unmeasured()
+    rules = {name: RoundRule() for name in drafters}
+    rules[itself_name] = Unmeasured()
     seen = {name: SpecMetrics() for name in drafters}  # every run's, for the acceptance
 
     def run(name) -> dict:
         drafter = drafters[name]
         spec.config, spec.drafter = drafter if isinstance(drafter, tuple) else (drafter, None)
-        spec.metrics, spec.costs = SpecMetrics(), costs[name]
+        spec.metrics, spec.rule = SpecMetrics(), rules[name]
         engine.speculator = spec if drafter is not None else None
         out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
         m = spec.metrics if drafter is not None else None
