@@ -6,9 +6,11 @@ step gives each one token. What a pass costs against a step is the machine's and
 batch's, and it varies too much to assume (docs/benchmarks.md: a pass of 9 positions
 cost about 2.6 steps for one row on a 2-core CPU, about 6 for eight rows there, and 6
 for one row on an H200, where the round trip dominates). So it is measured:
-`RoundRule` keeps the fastest time seen for each kind of round (a plain step over n
-rows; a pass of T positions over n rows, with a draft model's passes), the fastest
-being the one least disturbed by other work.
+`RoundRule` keeps the times of the last `RECENT` rounds of each kind (a plain step over
+n rows, a chunk's time over its steps; a pass of T positions over n rows, with a draft
+model's passes) and reads their median: not disturbed by a slow round (a collection, a
+neighbour's work), nor biased as the fastest of many would be (a pass is timed alone, a
+step as a chunk's average, so the fastest pass would drift lower than the fastest step).
 
     tokens(T) = sum over live rows b of 1 + f_b * min(d_b, T - 1)
 
@@ -23,19 +25,21 @@ proposed, the drafts' pass runs anyway.
 
 The choice changes speed only: a pass and a plain chunk give the same tokens. But every
 process of a job must choose alike, and their clocks differ, so with several processes
-the rule reads the costs they agreed (each kind's fastest time, averaged over the
-processes every `AGREE_EVERY` rounds), not its own.
+the rule reads the costs they agreed (each kind's median, averaged over the processes
+every `AGREE_EVERY` rounds), not its own.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import jax
 import numpy as np
 
-# Times of a kind of round before the rule trusts its fastest.
+# Times of a kind of round before the rule trusts their median, and how many it keeps.
 SAMPLES = 3
+RECENT = 8
 # Rounds between the processes' agreements on costs, in a job of several.
 AGREE_EVERY = 4
 # Drafts' worth of all rows' kept fraction a row's own starts from.
@@ -57,33 +61,32 @@ def pass_kind(n: int, T: int) -> tuple:
 
 
 class RoundRule:
-    """What the rule knows and how it chooses. `seen`: the fastest seconds of each kind
-    of round and how many times it was seen; `agreed`: the table it reads (this
+    """What the rule knows and how it chooses. `seen`: each kind of round's recent
+    seconds; `agreed`: the table it reads, each kind's (times seen, median) (this
     process's own in a job of one, the processes' average otherwise, refreshed by
     `tick`); `drafted`, `kept`: all rows' drafts and those kept; `declined`: rounds in
     a row it decoded plain though rows proposed."""
 
     def __init__(self):
-        self.seen: dict[tuple, tuple[int, float]] = {}  # kind -> (times seen, fastest)
+        self.seen: dict[tuple, collections.deque] = {}  # kind -> its last RECENT seconds
         self.agreed: dict[tuple, tuple[int, float]] = {}
         self.rounds = 0
         self.drafted = self.kept = 0
         self.declined = 0
 
     def saw(self, kind: tuple, seconds: float) -> None:
-        n, best = self.seen.get(kind, (0, float("inf")))
-        self.seen[kind] = (n + 1, min(best, seconds))
+        self.seen.setdefault(kind, collections.deque(maxlen=RECENT)).append(seconds)
 
-    def fastest(self, kind: tuple) -> float | None:
-        """The kind's fastest time, None until it has SAMPLES."""
-        n, best = self.agreed.get(kind, (0, 0.0))
-        return best if n >= SAMPLES else None
+    def seconds(self, kind: tuple) -> float | None:
+        """The kind's median time, None until it has SAMPLES."""
+        n, typical = self.agreed.get(kind, (0, 0.0))
+        return typical if n >= SAMPLES else None
 
     def tick(self) -> None:
         """Once a round, in every process alike: the agreed table follows the seen one."""
         self.rounds += 1
         if jax.process_count() == 1:
-            self.agreed = dict(self.seen)
+            self.agreed = {k: (len(t), float(np.median(t))) for k, t in self.seen.items()}
         elif self.rounds % AGREE_EVERY == 0:
             self.agreed = _averaged(self.seen)
 
@@ -104,14 +107,14 @@ class RoundRule:
         row's (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may
         be cut to, ascending, the last the drafts' own."""
         ask = lengths[-1]
-        if self.fastest(pass_kind(n, ask)) is None:
+        if self.seconds(pass_kind(n, ask)) is None:
             return ask  # measure the drafts' own pass
-        step = self.fastest(step_kind(n))
+        step = self.seconds(step_kind(n))
         if step is None:
             return 1  # then a plain step
         best, rate = 1, len(rows) / step
         for T in lengths:
-            seconds = self.fastest(pass_kind(n, T))
+            seconds = self.seconds(pass_kind(n, T))
             if seconds is not None:
                 tokens = sum(1 + f * min(d, T - 1) for d, f in rows)
                 if tokens / seconds > rate:
@@ -133,14 +136,16 @@ class Unmeasured(RoundRule):
 
 
 def _averaged(seen: dict) -> dict:
-    """Each kind's fastest time averaged over the processes. Every process runs the same
-    rounds, so each has seen the same kinds the same number of times."""
+    """Each kind's (times kept, median time averaged over the processes). Every process
+    runs the same rounds, so each has seen the same kinds the same number of times."""
     from jax.experimental import multihost_utils
 
     kinds = sorted(seen)
-    mine = np.array([seen[k][1] for k in kinds], np.float64)
+    if not kinds:
+        return {}
+    mine = np.array([np.median(seen[k]) for k in kinds], np.float64)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(kinds))
-    return {k: (seen[k][0], float(t)) for k, t in zip(kinds, every.mean(axis=0))}
+    return {k: (len(seen[k]), float(t)) for k, t in zip(kinds, every.mean(axis=0))}
 
 
 class Stopwatch:
