@@ -18,7 +18,8 @@ now: a rejected draft, a request that ended and a row given to another request n
 no message, only the slots past that prefix unlisted. A proposal over rows 0..n-1:
 
     catch up  each proposing row's tokens the cache lacks (a new request's whole
-              prompt, then the tokens of the last pass), in passes of LENGTHS positions;
+              prompt, then the tokens of the last pass), in passes of LENGTHS positions
+              (a long one only where it is full);
               the output at the row's newest token is its first draft
     draft     k_b - 1 passes of one position, each feeding the previous draft
 
@@ -50,25 +51,32 @@ from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
 if TYPE_CHECKING:
     from qwen3_spmd.pipeline.engine import Engine
 
-CATCH_UP = 16  # positions a catch-up pass feeds a row at most
+CATCH_UP = 16  # the longest pass that may carry padding
 # The pass lengths compiled: one (a draft step), a few (the catch-up after a verify
-# pass: its kept tokens), CATCH_UP (a prompt). A pass wider than its tokens costs
-# little where a step is bound by reading the weights, and each length is a compile.
-LENGTHS = (1, 4, CATCH_UP)
+# pass: its kept tokens), CATCH_UP and a long one (a prompt). A pass wider than its
+# tokens costs little where a step is bound by reading the weights, but a long one
+# would cost its width in compute, so it runs only full: a prompt of 2,000 tokens takes
+# 15 passes of 128 and 5 of 16, not 125 of 16, each a trip through the stages.
+LENGTHS = (1, 4, CATCH_UP, 128)
 
 
-def pass_length(n: int) -> int:
-    """The positions of the pass that feeds up to n tokens a row (n > CATCH_UP: the
-    first CATCH_UP of them)."""
-    return next((T for T in LENGTHS if T >= n), CATCH_UP)
+def pass_length(n: int, lengths: tuple[int, ...] = LENGTHS) -> int:
+    """The positions of the pass that feeds up to n tokens a row: the shortest of
+    `lengths` that holds them, up to CATCH_UP; past it, the longest they fill (the
+    first that many of them)."""
+    if n <= CATCH_UP:
+        return next(T for T in lengths if T >= n)
+    return max(T for T in lengths if T <= n)
 
 
 class DraftModel:
     """Proposes drafts for the rows of a target's row book with `engine` (the draft
     model's Engine, on the target's mesh; its max_seq_len at least the target's)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, lengths: tuple[int, ...] = LENGTHS):
         self.engine = engine
+        # Its passes' lengths: none past CATCH_UP that no prompt could fill.
+        self.lengths = tuple(T for T in lengths if T <= max(CATCH_UP, engine.max_seq_len))
         self._fns = JitTable()
         self.cache = None  # the draft model's KV cache, made for the book's B rows
         self.slot_pos: np.ndarray | None = None  # [B, C, S_loc] host copy of cache.pos
@@ -97,7 +105,7 @@ class DraftModel:
             self.slot_pos[b][self.slot_pos[b] >= valid] = -1
             feed[b] = list(context[valid:])
         while any(feed.values()):  # catch up; a row's last piece gives its first draft
-            T = pass_length(max(len(f) for f in feed.values()))
+            T = pass_length(max(len(f) for f in feed.values()), self.lengths)
             pieces = {b: f[:T] for b, f in feed.items() if f}
             out = self._pass(executor, n, T, pieces, clock)
             for b, piece in pieces.items():
@@ -118,10 +126,10 @@ class DraftModel:
 
     def compile(self, n: int, cache_rows: int, groups: int, sampled: bool, announce: bool):
         """Compiles, unless compiled, the passes a proposal over n rows of a book of
-        `cache_rows` rows in `groups` groups can run (one a length of LENGTHS), greedy or
-        `sampled`. Nothing runs."""
+        `cache_rows` rows in `groups` groups can run (one a length of its lengths),
+        greedy or `sampled`. Nothing runs."""
         eng = self.engine
-        for T in LENGTHS:
+        for T in self.lengths:
             inputs = VerifyInputs.zeros(n, T).placed(eng.mesh)
             eng.programs.get(
                 *self._program(groups, T, sampled),

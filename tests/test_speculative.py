@@ -25,6 +25,7 @@ from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline import ngram, speculative, static_batch
+from qwen3_spmd.pipeline.draft_model import DraftModel, pass_length
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
@@ -555,6 +556,38 @@ def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, 
             assert set(draft.programs.compiled) == ahead
     finally:
         engine.speculator = None
+
+
+class CountedPasses(DraftModel):
+    """A draft model that notes each pass's length."""
+
+    def __init__(self, engine, lengths):
+        super().__init__(engine, lengths)
+        self.ran = []
+
+    def _pass(self, executor, n, T, pieces, clock):
+        self.ran.append(T)
+        return super()._pass(executor, n, T, pieces, clock)
+
+
+def test_a_long_prompt_catches_the_drafter_up_in_full_long_passes(engines, drafters):
+    """A 41-token context with a long pass of 32: the drafter catches up with one long
+    pass and one of 16 (9 tokens), never a long pass mostly padding; the tokens are
+    plain decoding's."""
+    assert [pass_length(n) for n in (1, 3, 16, 17, 127, 128, 300)] == [1, 4, 16, 16, 16, 128, 128]
+    engine = engines(1, 1, 1)
+    prompts = [[(7 * i) % 250 + 3 for i in range(40)], *PROMPTS[1:]]
+    want = static_batch.generate(engine, prompts, N_NEW, with_logits=False)
+    draft = CountedPasses(drafters(engine.mesh), lengths=(1, 4, 16, 32))
+    config = SpeculativeConfig(2, "draft_model", model="first layers")
+    engine.speculator = Speculator(engine, config, draft)
+    engine.speculator.rule = Unmeasured()  # every round drafts
+    try:
+        got = static_batch.generate(engine, prompts, N_NEW, with_logits=False)
+    finally:
+        engine.speculator = None
+    assert [c.token_ids for c in got.completions] == [c.token_ids for c in want.completions]
+    assert draft.ran[:2] == [32, 16] and draft.ran.count(32) == 1
 
 
 def test_a_draft_model_draws_with_the_rows_keys(engines, plain):
