@@ -330,7 +330,6 @@ class Speculator:
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
-        self.rule.saw(pass_kind(n, T), self._watch.seconds())
         acc = executor.accounting
         acc.row_steps += book.B
         ticks = decode_ticks(book.groups, eng.stages, 1)
@@ -364,6 +363,8 @@ class Speculator:
             acc.busy_row_steps += len(update.tokens)
             acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
+        # The round's time, its drafting (a draft model's), the pass and its bookkeeping.
+        self.rule.saw(pass_kind(n, T), self._watch.seconds())
         return updates
 
 
