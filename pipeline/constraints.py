@@ -20,6 +20,7 @@ budget with spaces.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import re
@@ -258,6 +259,7 @@ class RowMatcher:
     def __init__(self, matcher, after: int | None, watch: JsonWatch | None = None):
         self.matcher, self.after, self.watch = matcher, after, watch
         self.waiting = after is not None
+        self.consumed = 0  # tokens the matcher has taken (what a trial rolls back)
 
     def fill(self, masks: np.ndarray, row: int) -> None:
         """Row `row` of masks [B, W]: the tokens allowed next (all while waiting)."""
@@ -277,9 +279,24 @@ class RowMatcher:
             self.waiting = token != self.after
             return False
         self.matcher.consume_token(int(token))
+        self.consumed += 1
         if self.watch is not None:
             self.watch.take(int(token))
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    @contextlib.contextmanager
+    def trial(self):
+        """Tokens taken inside are undone on leaving: the row's state (the matcher, the
+        wait for `after`, the host's JSON checks) is left as it was. For drafts."""
+        waiting, consumed = self.waiting, self.consumed
+        scanner = None if self.watch is None else self.watch.scanner.copy()
+        try:
+            yield self
+        finally:
+            self.matcher.rollback(self.consumed - consumed)
+            self.waiting, self.consumed = waiting, consumed
+            if scanner is not None:
+                self.watch.scanner = scanner
 
     def along(self, drafts, masks: np.ndarray) -> int:
         """How many of `drafts` (tokens proposed to follow the row's newest, in order)
@@ -288,15 +305,12 @@ class RowMatcher:
         check). masks [len(drafts) + 1, W]: row i gets the tokens allowed after
         drafts[:i] for i <= n (all after an answer that is done); rows past n are left
         as they are. The row's state is left as it was."""
-        waiting, consumed = self.waiting, 0
-        scanner = None if self.watch is None else self.watch.scanner.copy()
         n, done = 0, False
-        try:
+        with self.trial():
             for token in drafts:
                 self.fill(masks, n)
                 if not (int(masks[n, token >> 5]) >> (token & 31)) & 1:
                     return n
-                consumed += not self.waiting
                 n, done = n + 1, self.take(token)
                 if done:
                     break
@@ -305,8 +319,3 @@ class RowMatcher:
             else:
                 self.fill(masks, n)
             return n
-        finally:
-            self.matcher.rollback(consumed)
-            self.waiting = waiting
-            if scanner is not None:
-                self.watch.scanner = scanner

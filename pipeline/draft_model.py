@@ -36,6 +36,7 @@ tokens. Greedy rows draft the draft model's argmax.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,49 @@ def pass_length(n: int, lengths: tuple[int, ...] = LENGTHS) -> int:
     return max(T for T in lengths if T <= n)
 
 
+class Guide:
+    """The grammars of a proposal's constrained rows ({b: RowMatcher}), walked along
+    their drafts as the drafts are drawn and rolled back when the proposal is done:
+    each draft is drawn among the tokens allowed after those before it, so a grammar
+    steers a row's drafts rather than cutting them. `done`: rows whose answer a draft
+    completed (they draft no further)."""
+
+    def __init__(self, rows: dict, grammars):
+        self.rows, self.grammars, self.done = rows, grammars, set()
+        self._trials = contextlib.ExitStack()
+        self._next: dict[int, np.ndarray] = {}  # row -> [W]: what its next draft may be
+
+    def __enter__(self):
+        for matcher in self.rows.values():
+            self._trials.enter_context(matcher.trial())
+        return self
+
+    def __exit__(self, *exc):
+        return self._trials.__exit__(*exc)
+
+    def masks(self, n: int, T: int, pieces: dict, drawing) -> np.ndarray | None:
+        """A pass's allowed tokens [n, T, W] (None with no constrained row): for each
+        constrained row of `drawing` (those whose pass output is a draft), at its
+        piece's last position, the tokens its grammar allows now; all elsewhere."""
+        if not self.rows:
+            return None
+        allowed = np.full((n, T, self.grammars.words), -1, np.int32)
+        for b in drawing:
+            if b in self.rows:
+                self.rows[b].fill(allowed[b], len(pieces[b]) - 1)
+                self._next[b] = allowed[b, len(pieces[b]) - 1]
+        return allowed
+
+    def took(self, b: int, token: int) -> None:
+        """Row b drew `token` as its next draft. One its grammar refuses (never drawn
+        from its mask) is not taken, and the row drafts no further: the verify pass's
+        check cuts it there."""
+        if b not in self.rows:
+            return
+        if not (int(self._next[b][token >> 5]) >> (token & 31)) & 1 or self.rows[b].take(token):
+            self.done.add(b)
+
+
 class DraftModel:
     """Proposes drafts for the rows of a target's row book with `engine` (the draft
     model's Engine, on the target's mesh; its max_seq_len at least the target's)."""
@@ -90,9 +134,10 @@ class DraftModel:
 
     def propose(self, executor, wants: dict[int, tuple], n: int) -> dict[int, list[int]]:
         """Each row b of `wants` ({b: (its tokens, prompt and generated; k_b >= 1)}, rows
-        below n of `executor`'s book) -> its k_b drafts. Runs the draft model's passes
-        over rows 0..n-1 in the book's groups; their time goes to the executor's clock
-        as decode time."""
+        below n of `executor`'s book) -> its k_b drafts, fewer where its answer is done
+        (a row under a constraint draws each draft among the tokens its grammar allows
+        after the drafts before it). Runs the draft model's passes over rows 0..n-1 in
+        the book's groups; their time goes to the executor's clock as decode time."""
         book, clock = executor.book, executor.clock
         if self.cache is None or len(self.known) != book.B:
             self._fresh(book.B)
@@ -104,47 +149,67 @@ class DraftModel:
             del self.known[b][valid:]
             self.slot_pos[b][self.slot_pos[b] >= valid] = -1
             feed[b] = list(context[valid:])
-        while any(feed.values()):  # catch up; a row's last piece gives its first draft
-            T = pass_length(max(len(f) for f in feed.values()), self.lengths)
-            pieces = {b: f[:T] for b, f in feed.items() if f}
-            out = self._pass(executor, n, T, pieces, clock)
-            for b, piece in pieces.items():
-                self.known[b] += piece
-                feed[b] = feed[b][len(piece) :]
-                if not feed[b]:
+        grammars = {b: executor.grammar_of(book.rows[b].request) for b in wants}
+        guide = Guide({b: g for b, g in grammars.items() if g is not None}, executor.grammars)
+        with guide:
+            while any(feed.values()):  # catch up; a row's last piece gives its first draft
+                T = pass_length(max(len(f) for f in feed.values()), self.lengths)
+                pieces = {b: f[:T] for b, f in feed.items() if f}
+                last = [b for b in pieces if len(feed[b]) == len(pieces[b])]
+                out = self._pass(executor, n, T, pieces, clock, guide.masks(n, T, pieces, last))
+                for b, piece in pieces.items():
+                    self.known[b] += piece
+                    feed[b] = feed[b][len(piece) :]
+                    if not feed[b]:
+                        drafts[b].append(int(out[b, 0]))
+                        guide.took(b, drafts[b][-1])
+            while True:  # one position a pass: the previous draft in, the next out
+                pieces = {
+                    b: d[-1:]
+                    for b, d in drafts.items()
+                    if len(d) < wants[b][1] and b not in guide.done
+                }
+                if not pieces:
+                    break
+                out = self._pass(executor, n, 1, pieces, clock, guide.masks(n, 1, pieces, pieces))
+                for b, piece in pieces.items():
+                    self.known[b] += piece
                     drafts[b].append(int(out[b, 0]))
-        while True:  # one position a pass: the previous draft in, the next out
-            pieces = {b: d[-1:] for b, d in drafts.items() if len(d) < wants[b][1]}
-            if not pieces:
-                break
-            out = self._pass(executor, n, 1, pieces, clock)
-            for b, piece in pieces.items():
-                self.known[b] += piece
-                drafts[b].append(int(out[b, 0]))
+                    guide.took(b, drafts[b][-1])
         clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
         return drafts
 
-    def compile(self, n: int, cache_rows: int, groups: int, sampled: bool, announce: bool):
+    def compile(
+        self,
+        n: int,
+        cache_rows: int,
+        groups: int,
+        sampled: bool,
+        announce: bool,
+        constrained: bool = False,
+    ):
         """Compiles, unless compiled, the passes a proposal over n rows of a book of
         `cache_rows` rows in `groups` groups can run (one a length of its lengths),
-        greedy or `sampled`. Nothing runs."""
+        greedy or `sampled`, steered by grammars if `constrained`. Nothing runs."""
         eng = self.engine
+        words = eng.mask_words if constrained else None
         for T in self.lengths:
-            inputs = VerifyInputs.zeros(n, T).placed(eng.mesh)
+            inputs = VerifyInputs.zeros(n, T, words).placed(eng.mesh)
             eng.programs.get(
-                *self._program(groups, T, sampled),
+                *self._program(groups, T, sampled, constrained),
                 eng.weights,
                 eng.copies.abstract_cache(cache_rows),
                 inputs,
                 announce,
             )
 
-    def _pass(self, executor, n: int, T: int, pieces: dict[int, list[int]], clock):
+    def _pass(self, executor, n: int, T: int, pieces: dict[int, list[int]], clock, allowed):
         """One pass of the draft model over rows 0..n-1: row b feeds pieces[b] at the
         positions after its known tokens (rows without a piece run nothing), each
         position's token drawn as the model would draw it there (its request's sampling
-        and key at that token's step). Returns out [n, 1]: each row's token after its
-        piece's last position (the pass computes no other)."""
+        and key at that token's step), among the tokens `allowed` there ([n, T, W]
+        bits, or None: any). Returns out [n, 1]: each row's token after its piece's
+        last position (the pass computes no other)."""
         eng, book = self.engine, executor.book
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
@@ -167,23 +232,32 @@ class DraftModel:
             count=count,
             sampling=RowSampling.stack(per_row),
             key_offset=key_offset,
+            allowed=allowed,
         )
         sampled = bool((inputs.sampling.temperature > 0).any())
         cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
-        out, _, self.cache = eng.run_program(
-            *self._program(book.groups, T, sampled), clock, cache, inputs.placed(eng.mesh)
-        )
+        program = self._program(book.groups, T, sampled, allowed is not None)
+        out, _, self.cache = eng.run_program(*program, clock, cache, inputs.placed(eng.mesh))
         return np.asarray(out)
 
-    def _program(self, groups: int, T: int, sampled: bool) -> tuple:
+    def _program(self, groups: int, T: int, sampled: bool, constrained: bool) -> tuple:
         """(the name `Programs` keys a pass by, its jitted function)."""
         e = self.engine
         name = ("draft", groups, T) + (("sampled",) if sampled else ())
+        name += ("constrained",) if constrained else ()
         return name, self._fns.get(
-            (groups, T, sampled),
+            (groups, T, sampled, constrained),
             lambda: jax.jit(
                 build_verify(
-                    e.cfg, e.graphdef, e.state_specs, e.mesh, groups, T, sampled, last_only=True
+                    e.cfg,
+                    e.graphdef,
+                    e.state_specs,
+                    e.mesh,
+                    groups,
+                    T,
+                    sampled,
+                    constrained=constrained,
+                    last_only=True,
                 ),
                 donate_argnames="cache",
             ),

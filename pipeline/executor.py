@@ -313,6 +313,11 @@ class Executor:
             self.matchers[request.id] = self.grammars.matcher(request.params.constraint)
         return self.matchers[request.id]
 
+    def grammar_of(self, request: Request) -> RowMatcher | None:
+        """The request's grammar state, None without a constraint (a drafter steers by
+        it inside `RowMatcher.trial`, which leaves it as it was)."""
+        return self._matcher(request)
+
     def draft_masks(self, requests: list[Request | None], drafts: list[list[int]], T: int):
         """A speculative pass's checks by the rows' constraints: (each row's drafts cut
         to the run its constraint allows (`RowMatcher.along`), the allowed tokens at

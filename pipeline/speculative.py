@@ -201,7 +201,7 @@ class Speculator:
         model's passes over as many rows. Nothing runs."""
         eng, n = self.engine, shape.rows
         if self.drafter is not None:
-            self.drafter.compile(n, cache_rows, groups, shape.sampled, announce)
+            self.drafter.compile(n, cache_rows, groups, shape.sampled, announce, shape.constrained)
         words = eng.mask_words if shape.constrained else None
         inputs = VerifyInputs.zeros(n, shape.T, words).placed(eng.mesh)
         eng.programs.get(

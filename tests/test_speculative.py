@@ -565,9 +565,9 @@ class CountedPasses(DraftModel):
         super().__init__(engine, lengths)
         self.ran = []
 
-    def _pass(self, executor, n, T, pieces, clock):
+    def _pass(self, executor, n, T, pieces, clock, allowed):
         self.ran.append(T)
-        return super()._pass(executor, n, T, pieces, clock)
+        return super()._pass(executor, n, T, pieces, clock, allowed)
 
 
 def test_a_long_prompt_catches_the_drafter_up_in_full_long_passes(engines, drafters):

@@ -38,9 +38,12 @@ from reference import TINY
 from starlette.testclient import TestClient
 
 from qwen3_spmd import LLM, SamplingParams, StructuredOutputsParams
+from qwen3_spmd.pipeline import speculative
 from qwen3_spmd.pipeline.constraints import Constraint, ConstraintError, RowMatcher
+from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Params
 from qwen3_spmd.pipeline.requests import RequestError
+from qwen3_spmd.pipeline.round_rule import Unmeasured
 from qwen3_spmd.pipeline.sampling import Sampling, only_allowed
 from qwen3_spmd.pipeline.speculative import Speculator
 from qwen3_spmd.run.serve.app import ServerState, make_app
@@ -316,6 +319,14 @@ class Drafter:
 
 
 ILLEGAL = 64  # "a": outside every answer of the schema below
+# The answers speculated on below: short, ended by the grammar, greedy and seeded.
+DRAFTED = _object(
+    {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "w": {"enum": ["xy", "no", "b"]},
+        "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    }
+)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
@@ -324,13 +335,7 @@ def test_speculation_under_a_constraint_gives_the_plain_answer(llm, sampling):
     drafts before it, the kept tokens taken by the grammar, the end where the answer is
     done. The tokens and the end are the plain constrained run's, greedy and seeded
     sampling; the grammar cut some drafts, the model kept others."""
-    schema = _object(
-        {
-            "n": {"type": "integer", "minimum": 0, "maximum": 99999},
-            "w": {"enum": ["xy", "no", "b"]},
-            "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
-        }
-    )
+    schema = DRAFTED
     params = Params(60, sampling, seed=5, constraint=Constraint.json_schema(schema))
     plain = llm.scheduler.submit(PROMPT, params)
     list(plain)
@@ -347,6 +352,38 @@ def test_speculation_under_a_constraint_gives_the_plain_answer(llm, sampling):
     assert (handle.tokens, handle.finish_reason) == (plain.tokens, "stop")
     assert 0 < m.accepted_tokens and m.draft_tokens < drafter.proposed
     assert any(n.startswith("verify") and "constrained" in n for n in llm.engine.programs.compiled)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0)])
+def test_a_draft_model_drafts_what_the_grammar_allows(llm, sampling):
+    """A draft model's row under a constraint draws each draft among the tokens its
+    grammar allows after the drafts before it. The model drafting for itself then
+    proposes the constrained run's own tokens: the grammar cuts none and the model keeps
+    every one (unsteered, its drafts were its unconstrained choices, which the grammar
+    cut). The tokens and the end are the plain constrained run's, greedy and seeded."""
+    params = Params(60, sampling, seed=5, constraint=Constraint.json_schema(DRAFTED))
+    plain = llm.scheduler.submit(PROMPT, params)
+    list(plain)
+    assert plain.finish_reason == "stop"
+    itself = {"method": "draft_model", "model": "itself", "num_speculative_tokens": 3}
+    spec = speculative.attach(llm.engine, itself, llm.engine).speculator
+    spec.rule = Unmeasured()  # every round drafts
+    drafter, proposed = spec.drafter, []
+
+    def propose(executor, wants, n):
+        out = DraftModel.propose(drafter, executor, wants, n)
+        proposed.extend(len(d) for d in out.values())
+        return out
+
+    drafter.propose = propose
+    try:
+        handle = llm.scheduler.submit(PROMPT, params)
+        list(handle)
+        m = spec.metrics
+    finally:
+        llm.engine.speculator = None
+    assert (handle.tokens, handle.finish_reason) == (plain.tokens, "stop")
+    assert 0 < m.draft_tokens == sum(proposed) and m.accepted_tokens == m.draft_tokens
 
 
 # ---- through the HTTP app -----------------------------------------------------------------------
