@@ -32,6 +32,11 @@ is kept often: always when q = p, and with probability at least (1 - d)/(1 + d) 
 total variation distance d (Daliri, Musco and Suresh 2024, "Coupling without
 communication"), against 1 - d for rejection sampling, which would not keep the seeded
 tokens. Greedy rows draft the draft model's argmax.
+
+A row under a constraint (structured outputs) draws each draft among the tokens its
+grammar allows after the drafts before it (`Guide`: the row's grammar walked along the
+drafts as they are drawn, and rolled back when the proposal is done), as the model's
+constrained choice is masked, so its drafts pass the verify pass's grammar check.
 """
 
 from __future__ import annotations
