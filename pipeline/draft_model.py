@@ -42,14 +42,13 @@ constrained choice is masked, so its drafts pass the verify pass's grammar check
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from qwen3_spmd.pipeline.layout import list_decode_slots
-from qwen3_spmd.pipeline.programs import JitTable
+from qwen3_spmd.pipeline.programs import JitTable, Stopwatch
 from qwen3_spmd.pipeline.rowbook import row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
@@ -146,7 +145,7 @@ class DraftModel:
         book, clock = executor.book, executor.clock
         if self.cache is None or len(self.known) != book.B:
             self._fresh(book.B)
-        compile_before, t0 = clock.compile_s, time.perf_counter()
+        watch = Stopwatch(clock)
         feed, drafts = {}, {b: [] for b in wants}
         for b, (context, _) in wants.items():
             # The newest token is always fed: its output is the first draft.
@@ -181,7 +180,7 @@ class DraftModel:
                     self.known[b] += piece
                     drafts[b].append(int(out[b, 0]))
                     guide.took(b, drafts[b][-1])
-        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        clock.decode_s += watch.seconds()
         return drafts
 
     def compile(

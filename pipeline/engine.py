@@ -11,7 +11,6 @@ executor (`pipeline.executor`) runs a Round's programs through it, and a static 
 from __future__ import annotations
 
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from qwen3_spmd.pipeline.copies import Copies
 from qwen3_spmd.pipeline.decode import DecodeInputs, build_decode
 from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.prefill import PrefillInputs, build_prefill
-from qwen3_spmd.pipeline.programs import Clock, JitTable, OnCompile, Programs
+from qwen3_spmd.pipeline.programs import Clock, JitTable, OnCompile, Programs, Stopwatch
 from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.sampling import (
     PromptLogprobs,
@@ -355,13 +354,12 @@ class Engine:
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
         fn = self._prefill_fn(strategy, with_context, batch.block, scored)
         name = self.prefill_name(strategy, with_context, batch.block, scored)
-        compile_before = clock.compile_s
-        t0 = time.perf_counter()
+        watch = Stopwatch(clock)
         logits, cache, *prompt = self.run_program(name, fn, clock, cache, inputs)
         first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
         first = np.asarray(first)
         prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
-        clock.prefill_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        clock.prefill_s += watch.seconds()
         return first, logits, cache, prompt
 
     def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
@@ -393,11 +391,10 @@ class Engine:
         inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
         name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs, constrained)
         fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
-        compile_before = clock.compile_s
-        t0 = time.perf_counter()
+        watch = Stopwatch(clock)
         out, cache = self.run_program(name, fn, clock, cache, inputs)
         out.tokens.block_until_ready()
-        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        clock.decode_s += watch.seconds()
         return out, cache
 
     # ---- compiling ahead: what a server compiles at start -----------------------------

@@ -22,8 +22,8 @@ from qwen3_spmd.pipeline.handles import Logprob, Request
 from qwen3_spmd.pipeline.layout import Batch, lay_out
 from qwen3_spmd.pipeline.planner import Accounting, Admission, Chunk, DecodeChunk, Round
 from qwen3_spmd.pipeline.prefix import PrefixBook, block_slot_pos, block_slots
-from qwen3_spmd.pipeline.programs import Clock
-from qwen3_spmd.pipeline.round_rule import Stopwatch, step_kind
+from qwen3_spmd.pipeline.programs import Clock, Stopwatch
+from qwen3_spmd.pipeline.round_rule import step_kind
 from qwen3_spmd.pipeline.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.sampling import PromptLogprobs, RowSampling, Sampling, TokenLogprobs
 from qwen3_spmd.pipeline.schedule import decode_ticks

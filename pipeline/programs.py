@@ -38,6 +38,17 @@ class Clock:
     mask_s: float = 0.0  # the host filling constrained rows' allowed tokens (and advancing them)
 
 
+class Stopwatch:
+    """Seconds since it started, less what `clock` counted as compiling meanwhile: a
+    program's running time when its call may have compiled it first."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.t0, self.compiled = clock, time.perf_counter(), clock.compile_s
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0 - (self.clock.compile_s - self.compiled)
+
+
 class JitTable:
     """Jitted functions by key, each made the first time it is asked for: once, though
     threads ask at once (a server's rounds and its background compiles), since a second

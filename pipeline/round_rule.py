@@ -32,7 +32,6 @@ every `AGREE_EVERY` rounds), not its own.
 from __future__ import annotations
 
 import collections
-import time
 
 import jax
 import numpy as np
@@ -146,13 +145,3 @@ def _averaged(seen: dict) -> dict:
     mine = np.array([np.median(seen[k]) for k in kinds], np.float64)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(kinds))
     return {k: (len(seen[k]), float(t)) for k, t in zip(kinds, every.mean(axis=0))}
-
-
-class Stopwatch:
-    """Seconds since it started, less what `clock` counted as compiling meanwhile."""
-
-    def __init__(self, clock):
-        self.clock, self.t0, self.compiled = clock, time.perf_counter(), clock.compile_s
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.t0 - (self.clock.compile_s - self.compiled)

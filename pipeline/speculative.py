@@ -51,7 +51,6 @@ fractions and the rounds' measured times.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, NamedTuple
 
 import jax
@@ -59,8 +58,8 @@ import numpy as np
 
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
-from qwen3_spmd.pipeline.programs import JitTable
-from qwen3_spmd.pipeline.round_rule import RoundRule, Stopwatch, pass_kind
+from qwen3_spmd.pipeline.programs import JitTable, Stopwatch
+from qwen3_spmd.pipeline.round_rule import RoundRule, pass_kind
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -321,7 +320,7 @@ class Speculator:
         sampled = any(p.sampling.temperature > 0 for p in params)
         logprobs = any(p.logprobs for p in params)
         clock = executor.clock
-        compile_before, t0 = clock.compile_s, time.perf_counter()
+        watch = Stopwatch(clock)
         # Compiled once per shape, float32 at full precision, compile time counted
         # apart from the pass's (as the engine's own programs).
         out, lp, executor.cache = eng.run_program(
@@ -329,7 +328,7 @@ class Speculator:
         )
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
-        clock.decode_s += time.perf_counter() - t0 - (clock.compile_s - compile_before)
+        clock.decode_s += watch.seconds()
         acc = executor.accounting
         acc.row_steps += book.B
         ticks = decode_ticks(book.groups, eng.stages, 1)
