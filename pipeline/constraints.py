@@ -252,6 +252,11 @@ class Compiled:
     texts: TokenTexts | None
 
 
+def allows(mask: np.ndarray, token: int) -> bool:
+    """Whether `mask` [W] (packed bits, `sampling.only_allowed`) allows `token`."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
 class RowMatcher:
     """One row's grammar state: waiting for the token that starts it (`after`), then
     llguidance's matcher, and the host's checks beside it (watch, or None)."""
@@ -309,7 +314,7 @@ class RowMatcher:
         with self.trial():
             for token in drafts:
                 self.fill(masks, n)
-                if not (int(masks[n, token >> 5]) >> (token & 31)) & 1:
+                if not allows(masks[n], token):
                     return n
                 n, done = n + 1, self.take(token)
                 if done:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from qwen3_spmd.pipeline.constraints import allows
 from qwen3_spmd.pipeline.layout import list_decode_slots
 from qwen3_spmd.pipeline.programs import JitTable, Stopwatch
 from qwen3_spmd.pipeline.rowbook import row_sampling
@@ -113,7 +114,7 @@ class Guide:
         check cuts it there."""
         if b not in self.rows:
             return
-        if not (int(self._next[b][token >> 5]) >> (token & 31)) & 1 or self.rows[b].take(token):
+        if not allows(self._next[b], token) or self.rows[b].take(token):
             self.done.add(b)
 
 

@@ -297,26 +297,22 @@ class Executor:
         t0 = time.perf_counter()
         masks = self.grammars.masks(len(requests))
         for i, r in enumerate(requests):
-            matcher = None if r is None else self._matcher(r)
+            matcher = None if r is None else self.grammar_of(r)
             if matcher is not None:
                 matcher.fill(masks, i)
                 self.accounting.masks += 1
         self.clock.mask_s += time.perf_counter() - t0
         return masks
 
-    def _matcher(self, request: Request) -> RowMatcher | None:
+    def grammar_of(self, request: Request) -> RowMatcher | None:
         """The request's grammar state (started when first asked), None without a
-        constraint."""
+        constraint. A drafter steers by it inside `RowMatcher.trial`, which leaves it
+        as it was."""
         if request.params.constraint is None:
             return None
         if request.id not in self.matchers:
             self.matchers[request.id] = self.grammars.matcher(request.params.constraint)
         return self.matchers[request.id]
-
-    def grammar_of(self, request: Request) -> RowMatcher | None:
-        """The request's grammar state, None without a constraint (a drafter steers by
-        it inside `RowMatcher.trial`, which leaves it as it was)."""
-        return self._matcher(request)
 
     def draft_masks(self, requests: list[Request | None], drafts: list[list[int]], T: int):
         """A speculative pass's checks by the rows' constraints: (each row's drafts cut
@@ -329,7 +325,7 @@ class Executor:
         masks = np.full((len(requests), T, self.grammars.words), -1, np.int32)
         cut = []
         for i, (r, d) in enumerate(zip(requests, drafts)):
-            matcher = None if r is None else self._matcher(r)
+            matcher = None if r is None else self.grammar_of(r)
             if matcher is not None:
                 d = d[: matcher.along(d, masks[i])]
                 self.accounting.masks += len(d) + 1
@@ -340,7 +336,7 @@ class Executor:
     def advance_along(self, request: Request, tokens) -> tuple[list[int], bool]:
         """The request's kept tokens of a speculative pass, taken one by one by its
         matcher: (those up to where its answer is done, whether it is)."""
-        matcher = self._matcher(request)
+        matcher = self.grammar_of(request)
         tokens = [int(t) for t in tokens]
         if matcher is None:
             return tokens, False
