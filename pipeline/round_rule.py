@@ -61,10 +61,10 @@ def pass_kind(n: int, T: int) -> tuple:
 
 class RoundRule:
     """What the rule knows and how it chooses. `seen`: each kind of round's recent
-    seconds; `agreed`: the table it reads, each kind's (times seen, median) (this
-    process's own in a job of one, the processes' average otherwise, refreshed by
-    `tick`); `drafted`, `kept`: all rows' drafts and those kept; `declined`: rounds in
-    a row it decoded plain though rows proposed."""
+    seconds (read as they are in a job of one process); `agreed`: in a job of several,
+    the table read instead, each kind's (times seen, median averaged over the
+    processes), refreshed by `tick`; `drafted`, `kept`: all rows' drafts and those
+    kept; `declined`: rounds in a row it decoded plain though rows proposed."""
 
     def __init__(self):
         self.seen: dict[tuple, collections.deque] = {}  # kind -> its last RECENT seconds
@@ -78,15 +78,17 @@ class RoundRule:
 
     def seconds(self, kind: tuple) -> float | None:
         """The kind's median time, None until it has SAMPLES."""
-        n, typical = self.agreed.get(kind, (0, 0.0))
-        return typical if n >= SAMPLES else None
+        if jax.process_count() > 1:
+            n, typical = self.agreed.get(kind, (0, 0.0))
+            return typical if n >= SAMPLES else None
+        times = self.seen.get(kind, ())
+        return float(np.median(times)) if len(times) >= SAMPLES else None
 
     def tick(self) -> None:
-        """Once a round, in every process alike: the agreed table follows the seen one."""
+        """Once a round, in every process alike: in a job of several, every AGREE_EVERY
+        rounds the agreed table follows the seen one."""
         self.rounds += 1
-        if jax.process_count() == 1:
-            self.agreed = {k: (len(t), float(np.median(t))) for k, t in self.seen.items()}
-        elif self.rounds % AGREE_EVERY == 0:
+        if jax.process_count() > 1 and self.rounds % AGREE_EVERY == 0:
             self.agreed = _averaged(self.seen)
 
     def passed(self, drafted: int, kept: int) -> None:

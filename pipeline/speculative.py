@@ -122,6 +122,11 @@ class SpecMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
+    def __add__(self, other: SpecMetrics) -> SpecMetrics:
+        return SpecMetrics(
+            *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+        )
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a row gets per verify pass that carried drafts: 1 + accepted/drafts."""

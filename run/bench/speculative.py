@@ -15,8 +15,9 @@ the scenario measures the mechanism between two bounds (issue 46):
   beside the verify pass; a drafter c times the model's size pays about c of it. It
   verifies every round (`round_rule.Unmeasured`): the round rule would decode plain.
 
-Each drafter keeps its own round rule (its costs and kept drafts) from run to run (`pipeline.round_rule`), as a
-server's speculator does from its first requests on, so the warm-up runs measure them.
+Each drafter keeps its own round rule (its costs and kept drafts) from run to run
+(`pipeline.round_rule`), as a server's speculator does from its first requests on, so
+the warm-up runs measure them.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
 --decode-steps tokens through `static_batch.generate` (greedy), compiled first, then --warmup
@@ -101,8 +102,7 @@ def speculative_job(engines, B: int, say) -> dict:
         m = spec.metrics if drafter is not None else None
         engine.speculator = None
         if m is not None:
-            for field in ("drafts", "draft_tokens", "accepted_tokens"):
-                setattr(seen[name], field, getattr(seen[name], field) + getattr(m, field))
+            seen[name] += m
         new = sum(len(c.token_ids) - 1 for c in out.completions)  # decode's tokens
         return {
             "decode_s": out.timing["decode_s"],
