@@ -1,6 +1,7 @@
 """Test references: float64 numpy computations that the sharded and fused paths are
 checked against, and the fixture folders."""
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -10,6 +11,28 @@ from qwen3_spmd.model.config import Qwen3Config
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """A speculative drafter (`propose(context, k)`) that drafts a known run's tokens,
+    the one at each index i with i % every == at made wrong (plus one): rounds keep all
+    their drafts, none, or a run cut in the middle."""
+
+    runs: dict  # prompt (a tuple of ids) -> the run's tokens
+    num_speculative_tokens: int
+    every: int = 5
+    at: int = 3
+
+    def propose(self, context, k):
+        for prompt, tokens in self.runs.items():
+            if tuple(context[: len(prompt)]) == prompt:
+                done = len(context) - len(prompt)
+                out = list(tokens[done : done + k])
+                return [
+                    t + 1 if (done + i) % self.every == self.at else t for i, t in enumerate(out)
+                ]
+        raise AssertionError(f"no run for {context}")
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
-from reference import TINY
+from reference import TINY, Oracle
 
 from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
@@ -233,23 +233,6 @@ def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain
 # ---- verify rounds against plain decoding -----------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Oracle:
-    """Drafts the plain run's own tokens, each made wrong where (token index) % 5 == 3:
-    rounds keep all their drafts, none, or a run cut in the middle."""
-
-    runs: dict  # prompt -> the plain run's tokens
-    num_speculative_tokens: int
-
-    def propose(self, context, k):
-        for prompt, tokens in self.runs.items():
-            if tuple(context[: len(prompt)]) == prompt:
-                done = len(context) - len(prompt)
-                out = list(tokens[done : done + k])
-                return [t + 1 if (done + i) % 5 == 3 else t for i, t in enumerate(out)]
-        raise AssertionError(f"no run for {context}")
-
-
 @pytest.fixture(scope="module")
 def tiny():
     cfg = Qwen3Config.from_hf(TINY)
@@ -395,16 +378,11 @@ def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
         sched.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class Wrong:
-    """Drafts the plain run's tokens plus one: never kept."""
-
-    runs: dict
-    num_speculative_tokens: int
+class Wrong(Oracle):
+    """Drafts the oracle's tokens plus one: never kept."""
 
     def propose(self, context, k):
-        right = Oracle.propose(self, context, k)
-        return [t + 1 for t in right]
+        return [t + 1 for t in super().propose(context, k)]
 
 
 def test_a_drafter_that_is_always_wrong_is_paced_off(engines, plain):

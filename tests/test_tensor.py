@@ -8,7 +8,6 @@ padded) and 5 layers (uneven over 2 stages); `tied` ties lm_head to the embeddin
 Budget: one engine per (fixture, mesh), one generate per engine and kind of run.
 """
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from reference import FIXTURES, fixture
+from reference import FIXTURES, Oracle, fixture
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
@@ -153,7 +152,7 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
     # Speculation on 2x1x4: each verify position masked by the grammar in its block's
     # bits, as a decode step's; the drafts are the answers, every third made wrong.
     engine = _engine("wide", 2, 1, 4)
-    drafter = _Replay({tuple(p): t for p, t in zip(prompts[:2], one)})
+    drafter = Oracle({tuple(p): t for p, t in zip(prompts[:2], one)}, 2, every=3, at=1)
     engine.speculator = Speculator(engine, drafter)
     try:
         spec = answers(engine)
@@ -161,22 +160,6 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
     finally:
         engine.speculator = None
     assert [c.token_ids for c in spec.completions] == one
-
-
-@dataclasses.dataclass(frozen=True)
-class _Replay:
-    """Drafts a known run's tokens, those at (index) % 3 == 1 made wrong."""
-
-    runs: dict  # prompt -> its tokens
-    num_speculative_tokens: int = 2
-
-    def propose(self, context, k):
-        for prompt, tokens in self.runs.items():
-            if tuple(context[: len(prompt)]) == prompt:
-                done = len(context) - len(prompt)
-                out = tokens[done : done + k]
-                return [t + 1 if (done + i) % 3 == 1 else t for i, t in enumerate(out)]
-        raise AssertionError(f"no run for {context}")
 
 
 def test_greedy_from_split_logits_is_argmax_with_bans_and_ties():
