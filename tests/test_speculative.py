@@ -173,6 +173,9 @@ def test_a_pass_pads_its_drafts_to_the_ladder():
     assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
 
 
+# ---- the round rule: a pass or a plain chunk ---------------------------------------------
+
+
 def _measured(step: float | None, passes: dict) -> RoundRule:
     """A round rule that has seen each cost SAMPLES times: a step over 3 rows (None:
     never), passes {T: seconds}."""
