@@ -145,17 +145,13 @@ def build_verify(
     the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
     `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
     """
-    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
     T_out = 1 if last_only else T
-    always_active = mesh.shape["stage"] == 1
-    scale = cfg.head_dim**-0.5
     ahead = jnp.arange(T, dtype=jnp.int32)
 
     def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
         model = nnx.merge(graphdef, weights.state)
         split = model.split
         stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
         B = inputs.tokens.shape[0]
         Bg = B // groups
 
@@ -164,43 +160,15 @@ def build_verify(
             active = (u >= 0) & (u < groups)
             row0 = jnp.clip(u, 0, groups - 1) * Bg
             j = rows(inputs.step, row0, Bg)[:, None] + ahead  # [Bg, T]: each token's step
-            q_pos = rows(inputs.positions, row0, Bg)[:, None] + ahead  # [Bg, T]
-            prompt_slots = rows(inputs.prompt_slots, row0, Bg)[:, None]
-            device, slot = decode_slot(j, prompt_slots, C)  # [Bg, T] each
-            runs = ahead < rows(inputs.count, row0, Bg)[:, None]  # [Bg, T]
-            mine = active & runs & (c == device)
-            # A bound on the local slots the row's tokens reach on any device: slots past
-            # it hold nothing the row may see.
-            filled = decode_slot(j[:, -1], prompt_slots[:, 0], C)[1] + 1  # [Bg]
+            group = GroupPass(
+                row0,
+                rows(inputs.step, row0, Bg),
+                rows(inputs.positions, row0, Bg),
+                rows(inputs.count, row0, Bg),
+                rows(inputs.prompt_slots, row0, Bg),
+            )
             x_in = vary(jnp.where(s == 0, model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
-            group_slot_pos = rows(cache.pos, row0, Bg)
-
-            def attend_at(layer):
-                def attend(q, k, v, kv: StageCache):
-                    # Every token's K/V first (each at its own step's slot), then the
-                    # queries over the cache: token i sees tokens 0 .. i by position.
-                    ck = write_kv_rows(kv.k, k, layer, row0, slot, mine)
-                    cv = write_kv_rows(kv.v, v, layer, row0, slot, mine)
-                    o, _ = decode_attention(
-                        q,
-                        ck,
-                        cv,
-                        q_pos,
-                        group_slot_pos,
-                        axis_name="seq",
-                        scale=scale,
-                        at=(layer, row0),
-                        filled=filled,
-                    )
-                    return o, StageCache(ck, cv)
-
-                return attend
-
-            def compute(x, kv, gate):
-                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
-                return vary(x), kv
-
-            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
+            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
 
             def head(x):
                 """x [Bg, T, D] -> each position's token [Bg, T'], TokenLogprobs or None."""
@@ -266,6 +234,79 @@ def build_verify(
         return mapped(weights, cache, inputs)
 
     return verify
+
+
+class GroupPass(NamedTuple):
+    """One group's rows in a pass of T tokens a row: `row0`, its first row in the
+    batch, and per row [Bg]: the `step` and `position` of its first token, the `count`
+    of its tokens that run (0: none) and its prompt's local slots."""
+
+    row0: jax.Array
+    step: jax.Array
+    position: jax.Array
+    count: jax.Array
+    prompt_slots: jax.Array
+
+
+def pass_stage(
+    model,
+    cfg: Qwen3Config,
+    weights: Weights,
+    kv: StageCache,
+    slot_pos,
+    x_in,
+    group: GroupPass,
+    active,
+):
+    """This stage's layers over a group's T tokens a row, x_in [Bg, T, D] -> (x [Bg, T,
+    D], kv): token i of a row is decode step step + i and writes its K/V where that step
+    would (`ring.decode_slot`), then the T queries attend over each `seq` device's own
+    slots (`slot_pos` [B, slots/C], masked by position, so token i sees the context and
+    tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not `active`."""
+    gated = jax.lax.axis_size("seq") == 1  # no collectives inside the layers
+    always_active = jax.lax.axis_size("stage") == 1
+    C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
+    T = x_in.shape[1]
+    ahead = jnp.arange(T, dtype=jnp.int32)
+    row0 = group.row0
+    j = group.step[:, None] + ahead  # [Bg, T]: each token's step
+    q_pos = group.position[:, None] + ahead  # [Bg, T]
+    prompt_slots = group.prompt_slots[:, None]
+    device, slot = decode_slot(j, prompt_slots, C)  # [Bg, T] each
+    runs = ahead < group.count[:, None]  # [Bg, T]
+    mine = active & runs & (c == device)
+    # A bound on the local slots the row's tokens reach on any device: slots past it
+    # hold nothing the row may see.
+    filled = decode_slot(j[:, -1], group.prompt_slots, C)[1] + 1  # [Bg]
+    group_slot_pos = rows(slot_pos, row0, x_in.shape[0])
+    scale = cfg.head_dim**-0.5
+
+    def attend_at(layer):
+        def attend(q, k, v, kv: StageCache):
+            # Every token's K/V first (each at its own step's slot), then the queries
+            # over the cache: token i sees tokens 0 .. i by position.
+            ck = write_kv_rows(kv.k, k, layer, row0, slot, mine)
+            cv = write_kv_rows(kv.v, v, layer, row0, slot, mine)
+            o, _ = decode_attention(
+                q,
+                ck,
+                cv,
+                q_pos,
+                group_slot_pos,
+                axis_name="seq",
+                scale=scale,
+                at=(layer, row0),
+                filled=filled,
+            )
+            return o, StageCache(ck, cv)
+
+        return attend
+
+    def compute(x, kv, gate):
+        x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+        return vary(x), kv
+
+    return when(active, compute, x_in, kv, gated, always_active)
 
 
 def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
