@@ -7,7 +7,10 @@ occurred before), finds their most recent earlier occurrence and proposes the to
 that followed it, up to k. The model then checks the proposal (`pipeline.speculative`):
 a wrong draft costs a verify position, never a wrong token.
 
-Pure host code on token lists: it runs where the newest tokens are, between rounds.
+`propose` is host code on token lists, for rounds the host drafts between;
+`propose_rows` is the same rule in jnp over a batch of contexts, for the device's loop
+of rounds (`pipeline.spec_loop`), where the newest tokens are on the last stage. jnp is
+imported inside it: `spec_config` reads this module before anything loads JAX.
 """
 
 from __future__ import annotations
@@ -46,3 +49,39 @@ def propose(context: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]
                     out.append(tokens[at] if at < L else out[at - L])
                 return out
     return []
+
+
+def propose_rows(history, length, k: int, n_max: int, n_min: int):
+    """`propose` for many rows at once, in jnp, for the device's loop of rounds
+    (`pipeline.spec_loop`): the same drafts, the same rule.
+
+    Args:
+      history: [R, H] int32, each row's context in its first length[r] entries.
+      length: [R] int32, 1 <= length <= H.
+      k, n_max, n_min: as `propose`'s (static).
+    Returns:
+      (drafts [R, k] int32, found [R] bool): a row's k drafts where some n-gram occurred
+      before (its drafts are meaningless where not found).
+    """
+    import jax.numpy as jnp
+
+    H = history.shape[1]
+    i = jnp.arange(H, dtype=jnp.int32)[None]  # [1, H]: a start of an earlier occurrence
+    found = jnp.zeros(length.shape, bool)
+    copy_from = jnp.zeros(length.shape, jnp.int32)  # i + n of the chosen occurrence
+    for n in range(n_max, n_min - 1, -1):
+        # At least one token follows the occurrence: i + n <= L - 1 (so n <= L - 1).
+        match = i + n <= length[:, None] - 1
+        for m in range(n):
+            want = jnp.take_along_axis(history, jnp.maximum(length - n + m, 0)[:, None], axis=1)
+            # history[:, i + m] (the wrap past H falls where `match` is already False).
+            match &= jnp.roll(history, -m, axis=1) == want
+        latest = jnp.max(jnp.where(match, i, -1), axis=1)  # the most recent: [R]
+        new = ~found & (latest >= 0)
+        copy_from = jnp.where(new, latest + n, copy_from)
+        found |= new
+    # The overlapping copy: draft o is history[i + n + o] below L, else draft o - p for
+    # the period p = L - (i + n) >= 1, i.e. history[i + n + o mod p].
+    period = jnp.maximum(length - copy_from, 1)[:, None]
+    at = copy_from[:, None] + jnp.arange(k, dtype=jnp.int32)[None] % period
+    return jnp.take_along_axis(history, jnp.clip(at, 0, H - 1), axis=1), found
