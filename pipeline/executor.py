@@ -107,7 +107,7 @@ class Executor:
         if spec is not None and spec.takes(chunk, self.book):  # pipeline.speculative
             proposal = spec.drafts(self, chunk.shape.rows)
             if any(proposal.tokens.values()):
-                return self._forget(spec.verify(self, chunk.shape.rows, proposal))
+                return self._forget(spec.run(self, chunk.shape.rows, proposal, chunk.steps))
             steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
             chunk = dataclasses.replace(chunk, steps=steps)
             watch = Stopwatch(self.clock)

@@ -64,6 +64,7 @@ from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
 from qwen3_spmd.pipeline.shapes import VerifyShape
+from qwen3_spmd.pipeline.spec_loop import MAX_ROUNDS, LoopInputs, build_spec_loop
 from qwen3_spmd.pipeline.verify import VerifyInputs, build_verify, common_prefix
 
 if TYPE_CHECKING:
@@ -157,6 +158,9 @@ class Speculator:
         self.rule = RoundRule()  # pipeline.round_rule: a pass or a plain chunk
         self._watch = None  # since this round's drafting: its pass's time
         self._verify = JitTable()
+        # ngram's rounds run on the device while a chunk spans several passes
+        # (`pipeline.spec_loop`); False: one pass a round, the host drafting between.
+        self.on_device = True
 
     def takes(self, chunk: DecodeChunk, book) -> bool:
         """Whether this decode chunk may run as a verify round: no per-step logits are
@@ -215,6 +219,14 @@ class Speculator:
             inputs,
             announce,
         )
+        if self._loops() and shape.T > 1 and not shape.constrained:
+            eng.programs.get(
+                *self._loop_program(groups, shape.T, shape.sampled),
+                eng.weights,
+                eng.copies.abstract_cache(cache_rows),
+                LoopInputs.zeros(n, shape.T, eng.max_seq_len).placed(eng.mesh),
+                announce,
+            )
 
     def drafts(self, executor, n: int) -> Proposal:
         """Each live row below n of `executor`'s book: its proposal (empty where its pace
@@ -284,6 +296,134 @@ class Speculator:
         turns = [row.pace.waits(len(row.generated)) for row in rows if row.pace is not None]
         return min(steps, max(k + 1, min(turns, default=steps)))
 
+    def run(self, executor, n: int, proposal: Proposal, steps: int) -> list[Update]:
+        """The round over rows 0..n-1 of `executor`'s book with `proposal`'s drafts: one
+        verify pass, or, where the drafter can run on the device (prompt lookup, no row
+        asking log-probabilities or under a constraint) and the planner's chunk of
+        `steps` steps spans more than one pass, a loop of passes there
+        (`pipeline.spec_loop`), the proposal its first round's drafts."""
+        T = self._pass_length(proposal)
+        book = executor.book
+        live = sorted(proposal.tokens)
+        rounds = min(
+            MAX_ROUNDS,
+            -(-steps // T),
+            max(book.rows[b].steps_left for b in live),  # each round gives a row a token
+        )
+        asks = any(book.rows[b].request.params.logprobs for b in live)
+        if not self._loops() or rounds < 2 or proposal.allowed is not None or asks:
+            return self.verify(executor, n, proposal)
+        return self._loop(executor, n, proposal, T, rounds)
+
+    def _loops(self) -> bool:
+        """Whether rounds may run as loops on the device: the drafter is prompt lookup
+        (which the device runs too) and `on_device` is set."""
+        lookup = getattr(self.config, "method", None) == "ngram" and self.drafter is None
+        return self.on_device and lookup
+
+    def _pass_length(self, proposal: Proposal) -> int:
+        """T of the pass that carries `proposal`: 1 + the ladder's count for its longest."""
+        longest = max(map(len, proposal.tokens.values()), default=0)
+        return 1 + min(x for x in ladder(self.config.num_speculative_tokens) if x >= longest)
+
+    def _loop_program(self, groups: int, T: int, sampled: bool) -> tuple:
+        """(the name `Programs` keys a loop of rounds by, its jitted function)."""
+        e, c = self.engine, self.config
+        key = (groups, T, sampled)
+        name = ("spec_loop", groups, T, "sampled" if sampled else "greedy")
+        return name, self._verify.get(
+            ("loop", *key),
+            lambda: jax.jit(
+                build_spec_loop(
+                    e.cfg,
+                    e.graphdef,
+                    e.state_specs,
+                    e.mesh,
+                    *key,
+                    c.prompt_lookup_max,
+                    c.prompt_lookup_min,
+                ),
+                donate_argnames="cache",
+            ),
+        )
+
+    def _loop(self, executor, n: int, proposal: Proposal, T: int, rounds: int) -> list[Update]:
+        """`rounds` rounds of passes of T tokens on the device, drafting between them
+        there; the same bookkeeping as `verify`'s, over the chunk."""
+        eng, book = self.engine, executor.book
+        k = self.config.num_speculative_tokens
+        live = sorted(proposal.tokens)
+        H = eng.max_seq_len
+        tokens = np.zeros((n, T), np.int32)
+        step, count, limit, prompt_slots, length, reach = (np.zeros(n, np.int32) for _ in range(6))
+        context = np.zeros((n, H), np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
+        for b in live:
+            row = book.rows[b]
+            feed = [row.generated[-1], *proposal.tokens[b]]
+            tokens[b, : len(feed)] = feed
+            step[b] = len(row.generated) - 1  # decode step j feeds token j
+            count[b] = len(feed)
+            limit[b] = row.request.params.max_new_tokens - 1
+            prompt_slots[b] = row.prompt_slots
+            so_far = row.request.prompt + tuple(row.generated)
+            context[b, : len(so_far)] = so_far
+            length[b] = len(so_far)
+            reach[b] = min(row.steps_left, rounds * T)
+            per_row[b] = row_sampling(row.request)
+        book.list_ahead(step, reach, prompt_slots, n)
+        inputs = LoopInputs(
+            tokens=tokens,
+            count=count,
+            step=step,
+            offset=book.lengths[:n].astype(np.int32),
+            limit=limit,
+            prompt_slots=prompt_slots,
+            sampling=RowSampling.stack(per_row),
+            context=context,
+            length=length,
+            rounds=np.int32(rounds),
+        ).placed(eng.mesh)
+        cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
+        sampled = any(book.rows[b].request.params.sampling.temperature > 0 for b in live)
+        clock = executor.clock
+        watch = Stopwatch(clock)
+        out, executor.cache = eng.run_program(
+            *self._loop_program(book.groups, T, sampled), clock, cache, inputs
+        )
+        out = jax.tree.map(np.asarray, out)
+        clock.decode_s += watch.seconds()
+        acc = executor.accounting
+        acc.row_steps += book.B * rounds
+        ticks = decode_ticks(book.groups, eng.stages, rounds)
+        acc.decode_ticks += ticks
+        acc.verify_ticks += ticks
+        acc.verify_positions += ticks * T
+        updates = []
+        for b in live:
+            row = book.rows[b]
+            drafted, kept = int(out.drafted[b]), int(out.kept[b])
+            self.metrics.drafts += int(out.passes[b])
+            self.metrics.draft_tokens += drafted
+            self.metrics.accepted_tokens += kept
+            self.rule.passed(drafted, kept)
+            made = out.tokens[b, : out.made[b]]
+            if out.passes[b]:  # the pace takes all but the last pass as counts
+                last_d, last_k = int(out.last_drafted[b]), int(out.last_kept[b])
+                row.pace.drafted += drafted - last_d
+                row.pace.kept += kept - last_k
+                row.pace.after(last_k, last_d, k, len(row.generated) + len(made))
+            update = book.extend(b, made)
+            if update.finish_reason is None:
+                book.roll_back(b)
+            acc.busy_row_steps += len(update.tokens)
+            acc.early_ends += update.finish_reason == "stop"
+            updates.append(update)
+        # A round's time: the chunk's (its first drafts, its passes, the bookkeeping)
+        # over its rounds.
+        self.rule.saw(pass_kind(n, T), self._watch.seconds() / rounds)
+        return updates
+
     def verify(self, executor, n: int, proposal: Proposal) -> list[Update]:
         """One verify round over rows 0..n-1 of `executor`'s book (a pipeline.executor
         Executor, which calls this, so it is not imported here) with each live row's
@@ -292,8 +432,7 @@ class Speculator:
         eng, book = self.engine, executor.book
         k = self.config.num_speculative_tokens
         drafts = proposal.tokens
-        longest = max(map(len, drafts.values()), default=0)
-        T = 1 + min(x for x in ladder(k) if x >= longest)
+        T = self._pass_length(proposal)
         live = sorted(drafts)
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)

@@ -72,6 +72,22 @@ def test_ngram_copy_runs_on_past_the_context_end():
     assert ngram.propose([7, 7, 7], 4, 2, 1) == [7, 7, 7, 7]
 
 
+def test_ngram_on_the_device_proposes_what_the_host_does():
+    """`ngram.propose_rows` (the device's loop of rounds drafts with it) against
+    `propose` on contexts of a small alphabet (so n-grams recur), of every length from
+    1 to the buffer's, for several k and n bounds."""
+    rng = np.random.default_rng(0)
+    H, R = 24, 48
+    history = rng.integers(0, 3, (R, H)).astype(np.int32)
+    length = np.concatenate([[1, 2, H], rng.integers(1, H + 1, R - 3)]).astype(np.int32)
+    for k, n_max, n_min in ((1, 1, 1), (4, 3, 1), (6, 4, 2), (3, 5, 5)):
+        drafts, found = ngram.propose_rows(history, length, k, n_max, n_min)
+        got = [list(d) if f else [] for d, f in zip(np.asarray(drafts), np.asarray(found))]
+        want = [ngram.propose(list(h[:n]), k, n_max, n_min) for h, n in zip(history, length)]
+        assert got == want
+        assert any(got) and not all(got)  # both outcomes occurred
+
+
 # ---- the config --------------------------------------------------------------------------
 
 
@@ -324,6 +340,87 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert 0 < m.accepted_tokens < m.draft_tokens
     # Fewer passes than tokens: the rounds did give several tokens each.
     assert m.drafts < sum(len(t) - 1 for t in tokens)
+
+
+# The tiny model's greedy runs from these repeat a token for a while (and so do its
+# sampled ones, less), so prompt lookup's drafts are kept now and then.
+LOOPING = [[1, 2], [3, 4, 3, 4, 3, 4, 3], [7]]
+LOOP_NEW = 64
+LOOKUP = SpeculativeConfig(3, "ngram", 2, 1)
+
+
+@pytest.fixture(scope="module")
+def looping(engines):
+    """The plain 1x1 tokens of LOOPING, greedy and seeded-sampled."""
+    engine = engines(1, 1, 1)
+    engine.speculator = None  # an earlier test's
+    return {
+        how: [
+            c.token_ids
+            for c in static_batch.generate(
+                engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False
+            ).completions
+        ]
+        for how, sampling in (("greedy", Sampling()), ("sampled", SAMPLED))
+    }
+
+
+@pytest.mark.parametrize(
+    "S, C, X, how",
+    [
+        (1, 1, 1, "greedy"),
+        (2, 1, 1, "greedy"),  # two groups in flight over two stages
+        (4, 1, 1, "greedy"),  # three groups over four stages: bubbles
+        (2, 2, 1, "greedy"),  # each pass's K/V split over seq
+        (1, 1, 2, "sampled"),  # the vocabulary split over tensor, rows drawn
+    ],
+)
+def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S, C, X, how):
+    """ngram's rounds run as loops on the device (`pipeline.spec_loop`: draft, verify,
+    accept and carry back with no host between passes) and give plain decoding's
+    tokens, with drafts kept and refused."""
+    engine = engines(S, C, X)
+    loops = []
+    run_loop = Speculator._loop
+    monkeypatch.setattr(
+        Speculator, "_loop", lambda self, *a: loops.append(a[-1]) or run_loop(self, *a)
+    )
+    engine.speculator = Speculator(engine, LOOKUP)
+    try:
+        sampling = SAMPLED if how == "sampled" else Sampling()
+        out = static_batch.generate(
+            engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False
+        )
+        assert [c.token_ids for c in out.completions] == looping[how]
+        m = engine.speculator.metrics
+    finally:
+        engine.speculator = None
+    assert loops and max(loops) > 1  # loops of several rounds ran
+    assert 0 < m.accepted_tokens < m.draft_tokens
+
+
+def test_loops_compile_ahead_beside_their_passes(engines, looping):
+    """With prompt lookup, `Speculator.compile` (what serve runs in the background)
+    compiles each pass length's loop of rounds too: a run over as many rows then
+    compiles no loop program."""
+    engine = engines(1, 1, 1)
+    engine.speculator = spec = Speculator(engine, LOOKUP)
+
+    def loops() -> set[str]:
+        return {name for name in engine.programs.compiled if name.startswith("spec_loop ")}
+
+    try:
+        before = loops()
+        for shape in spec.shapes([2]):
+            if not shape.sampled:  # the load below is greedy
+                spec.compile(shape, 2, 1, announce=False)
+        ahead = loops()
+        assert len(ahead - before) == len(ladder(3))
+        out = static_batch.generate(engine, LOOPING[:2], LOOP_NEW, with_logits=False)
+        assert [c.token_ids for c in out.completions] == looping["greedy"][:2]
+        assert loops() == ahead
+    finally:
+        engine.speculator = None
 
 
 def test_no_drafts_while_more_rows_are_busy_than_disable_by_batch_size(engines):
@@ -748,7 +845,8 @@ def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
     (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
     drafters = job["drafters"]
     itself = "draft model (itself) k=2"
-    assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", "ngram k=2", itself}
+    lookups = {"ngram k=2", "ngram k=2, host rounds"}  # its rounds on the device, or not
+    assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", itself} | lookups
     assert all(d["exact"] for d in drafters.values())
     assert {d["same_until"] for d in drafters.values()} == {job["steps"] + 1}  # every token
     assert drafters["oracle k=2"]["acceptance"] == 1.0

@@ -1,0 +1,298 @@
+"""Speculation's rounds on the device: draft, verify, accept and carry back, with no host
+between rounds (the drafter beside the last stage, issue 46).
+
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh, scheduled as a decode
+chunk (`pipeline.decode`) whose steps are verify passes (`pipeline.verify`) of T tokens a
+row: at tick t stage s runs group (t - s) mod period in round (t - s) // period, period
+max(groups, stages). A group's tokens for its pass, its newest token then its drafts,
+travel with its hidden state from stage to stage, with each row's step and token count
+beside them, so every stage writes the row's K/V where plain decoding would. The last
+stage, where the model's choices are:
+
+    accept   a_b = the longest run of drafts equal to the model's choices (greedy, or
+             drawn with the row's key at that step: `pipeline.speculative`); the row
+             gets its choices 0 .. a_b, appended to its context and to the chunk's output;
+    draft    the next round's drafts from the context, by prompt lookup
+             (`ngram.propose_rows`: the host drafter's rule, in jnp), at most T - 1 and
+             no further than the row's limit;
+    carry    [newest, drafts], step and count go back to stage 0 on the cyclic ppermute
+             that carries decode's sampled tokens; stage 0 files them and runs them when
+             the group comes round again, a period later.
+
+With groups >= stages no stage idles in steady state; the pipeline's fill and drain are
+paid once a chunk instead of once a pass. Round 0's drafts are the host's (the round rule
+chooses T from them). A row whose lookup finds nothing runs its newest token alone (a
+plain step in the pass). The slots of rejected drafts are written again by the row's
+next round before any query can see them (they lie at its positions and past them), so
+`cache.pos` lists every slot the chunk may reach up front and the host rolls back past
+the kept tokens at the end.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline import ngram
+from qwen3_spmd.pipeline.sampling import (
+    RowSampling,
+    Sampling,
+    gather_vocab,
+    greedy_split,
+    sample_rows,
+)
+from qwen3_spmd.pipeline.schedule import decode_period, decode_ticks
+from qwen3_spmd.pipeline.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    shift,
+    vary,
+)
+from qwen3_spmd.pipeline.verify import GroupPass, pass_stage
+
+# The most rounds a chunk runs (its output holds MAX_ROUNDS x T tokens a row).
+MAX_ROUNDS = 8
+
+
+class LoopInputs(NamedTuple):
+    """A chunk's inputs besides the weights and the cache; every field replicated
+    (P()), one per row but `rounds`."""
+
+    tokens: jax.Array  # [B, T] int32: round 0's: the row's newest token, its drafts
+    count: jax.Array  # [B] int32: round 0's tokens that run, 1 + drafts (0: an empty row)
+    step: jax.Array  # [B] int32: the decode step j of tokens[:, 0]
+    offset: jax.Array  # [B] int32: a step's position less the step (the prompt's length)
+    limit: jax.Array  # [B] int32: steps j >= limit run nothing (decode's limit)
+    prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
+    sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
+    context: jax.Array  # [B, H] int32: the row's tokens so far (prompt, then output)
+    length: jax.Array  # [B] int32: how many of them
+    rounds: jax.Array  # [] int32: rounds that run, 1 .. MAX_ROUNDS
+
+    @classmethod
+    def specs(cls) -> LoopInputs:
+        fields = {name: P() for name in cls._fields}
+        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+
+    @classmethod
+    def zeros(cls, rows: int, T: int, H: int) -> LoopInputs:
+        """Host inputs of `rows` greedy rows that run nothing, contexts of H tokens: the
+        shapes a compile ahead of time needs."""
+        none = np.zeros(rows, np.int32)
+        greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
+        return cls(
+            np.zeros((rows, T), np.int32),
+            *[none] * 5,
+            greedy,
+            np.zeros((rows, H), np.int32),
+            none,
+            np.int32(1),
+        )
+
+    def placed(self, mesh: Mesh) -> LoopInputs:
+        return jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), self, self.specs()
+        )
+
+
+class LoopOutputs(NamedTuple):
+    """What a chunk gave each row [B]: its new `tokens` [B, MAX_ROUNDS T] in order, of
+    which the first `made` count; the drafts its rounds ran and kept; how many rounds
+    ran drafts, and the last of those's drafts and kept ones (its pace's next k)."""
+
+    tokens: jax.Array
+    made: jax.Array
+    drafted: jax.Array
+    kept: jax.Array
+    passes: jax.Array
+    last_drafted: jax.Array
+    last_kept: jax.Array
+
+
+class LoopCarry(NamedTuple):
+    """The tick loop's state on one device."""
+
+    h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
+    got: jax.Array  # [B/groups, T + 2] int32: the group's [tokens, step, count] received
+    queued: jax.Array  # [B, T + 2] int32: stage 0's: each row's next [tokens, step, count]
+    cache: StageCache  # this stage's cache slice
+    context: jax.Array  # [B, H] int32: the last stage's: each row's tokens so far
+    length: jax.Array  # [B] int32: how many
+    out: LoopOutputs  # filled by the last stage
+
+
+def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.Array:
+    """buf [R, W] with new[r, :n[r]] written from column at[r] (columns past W dropped)."""
+    T = new.shape[1]
+    cols = at[:, None] + jnp.arange(T, dtype=jnp.int32)
+    cols = jnp.where(jnp.arange(T) < n[:, None], cols, buf.shape[1])
+    return buf.at[jnp.arange(buf.shape[0])[:, None], cols].set(new, mode="drop")
+
+
+def build_spec_loop(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    groups: int,
+    T: int,
+    sampled: bool,
+    n_max: int,
+    n_min: int,
+):
+    """The loop program for passes of T >= 2 tokens a row (not yet jitted).
+
+    Returns f(weights: Weights, cache: KVCache, inputs: LoopInputs) -> (LoopOutputs,
+    KVCache). `cache.pos` must list the slots of each row's steps up to
+    min(limit, step + rounds T) (`RowBook.list_ahead`); the program writes k and v
+    only, so `cache` is donated. sampled=False promises every row is greedy; n_max,
+    n_min: the prompt lookup's n-gram lengths (`SpeculativeConfig`).
+    """
+    ahead = jnp.arange(T, dtype=jnp.int32)
+    W = MAX_ROUNDS * T
+
+    def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
+        model = nnx.merge(graphdef, weights.state)
+        split = model.split
+        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
+        B = inputs.tokens.shape[0]
+        Bg = B // groups
+        period = decode_period(groups, stages)
+        busy = inputs.rounds * period
+
+        def slot_of(u):
+            """Schedule slot u = t - s -> (runs a group?, its first row)."""
+            runs = (u >= 0) & (u < busy) & (u % period < groups)
+            u = jnp.clip(u, 0, busy - 1)
+            return runs, jnp.minimum(u % period, groups - 1) * Bg
+
+        def tick(t, carry: LoopCarry) -> LoopCarry:
+            # Stage 0 files what the last stage sent at tick t - 1.
+            filed, filed_row0 = slot_of(t - stages)
+            queued = jnp.where(filed, put_rows(carry.queued, carry.got, filed_row0), carry.queued)
+
+            active, row0 = slot_of(t - s)
+            meta = jnp.where(s == 0, rows(queued, row0, Bg), carry.got)  # [Bg, T + 2]
+            fed, step, count = meta[:, :T], meta[:, T], meta[:, T + 1]
+            group = GroupPass(
+                row0,
+                step,
+                rows(inputs.offset, row0, Bg) + step,
+                count,
+                rows(inputs.prompt_slots, row0, Bg),
+            )
+            x_in = vary(jnp.where(s == 0, model.embed(fed), carry.h))
+            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
+
+            def head(x):
+                """x [Bg, T, D] -> the group's next [tokens, step, count], its rows'
+                context, length and outputs after this round."""
+                local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
+                params = jax.tree.map(
+                    lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
+                )
+                key_step = (step[:, None] + ahead + 1).reshape(-1)  # the token each makes
+                if split.size == 1 or sampled:
+                    whole = gather_vocab(local, split, cfg.V)
+                    choice = sample_rows(whole, params, key_step, sampled)
+                else:
+                    choice = greedy_split(local, params, key_step, split)
+                choice = choice.reshape(Bg, T)
+
+                ran = count > 0
+                drafted = jnp.maximum(count - 1, 0)
+                agree = (fed[:, 1:] == choice[:, :-1]) & (ahead[1:] < count[:, None])
+                kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+                made = jnp.where(ran, kept + 1, 0)
+                newest = jnp.take_along_axis(choice, kept[:, None], axis=1)[:, 0]
+
+                old = jax.tree.map(lambda a: rows(a, row0, Bg), carry.out)
+                length = rows(carry.length, row0, Bg)
+                context = _append(rows(carry.context, row0, Bg), length, choice, made)
+                length = length + made
+                tokens = _append(old.tokens, old.made, choice, made)
+
+                step_next = step + made
+                drafts, found = ngram.propose_rows(context, length, T - 1, n_max, n_min)
+                room = rows(inputs.limit, row0, Bg) - 1 - step_next  # drafts the limit allows
+                d = jnp.where(found, jnp.clip(room, 0, T - 1), 0)
+                count_next = jnp.where(ran & (room >= 0), 1 + d, 0)
+                meta_next = jnp.concatenate(
+                    [newest[:, None], drafts, step_next[:, None], count_next[:, None]], axis=1
+                )
+                with_drafts = ran & (drafted > 0)
+                out = LoopOutputs(
+                    tokens,
+                    old.made + made,
+                    old.drafted + drafted,
+                    old.kept + kept,
+                    old.passes + with_drafts,
+                    jnp.where(with_drafts, drafted, old.last_drafted),
+                    jnp.where(with_drafts, kept, old.last_kept),
+                )
+                return meta_next, context, length, out
+
+            shapes = (
+                jax.ShapeDtypeStruct((Bg, T + 2), jnp.int32),
+                jax.ShapeDtypeStruct((Bg, carry.context.shape[1]), jnp.int32),
+                jax.ShapeDtypeStruct((Bg,), jnp.int32),
+                LoopOutputs(
+                    jax.ShapeDtypeStruct((Bg, W), jnp.int32),
+                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * (len(LoopOutputs._fields) - 1),
+                ),
+            )
+            on_last, (meta_next, context, length, out) = on_last_stage(active, head, shapes, x)
+
+            def put(buf, new):
+                return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+            h_next, got = shift((x, jnp.where(on_last, meta_next, meta)), cyclic=True)
+            return LoopCarry(
+                h_next,
+                got,
+                queued,
+                kv,
+                put(carry.context, context),
+                put(carry.length, length),
+                jax.tree.map(put, carry.out, out),
+            )
+
+        zeros = lambda *shape: vary(jnp.zeros(shape, jnp.int32))  # noqa: E731
+        meta = jnp.concatenate([inputs.tokens, inputs.step[:, None], inputs.count[:, None]], axis=1)
+        carry = LoopCarry(
+            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
+            zeros(Bg, T + 2),
+            vary(meta),
+            StageCache(cache.k, cache.v),
+            vary(inputs.context),
+            vary(inputs.length),
+            LoopOutputs(zeros(B, W), *[zeros(B)] * (len(LoopOutputs._fields) - 1)),
+        )
+        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, inputs.rounds), tick, carry)
+        out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)
+        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, LoopInputs.specs()),
+        out_specs=(LoopOutputs(*[P()] * len(LoopOutputs._fields)), CACHE_SPECS),
+    )
+
+    def spec_loop(weights: Weights, cache: KVCache, inputs: LoopInputs):
+        return mapped(weights, cache, inputs)
+
+    return spec_loop
