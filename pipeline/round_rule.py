@@ -59,6 +59,12 @@ def pass_kind(n: int, T: int) -> tuple:
     return ("pass", n, T)
 
 
+def way_kind(n: int, on_device: bool) -> tuple:
+    """A prompt lookup round over n rows, looped on the device or one pass from the
+    host (its seconds over its tokens)."""
+    return ("loop" if on_device else "host", n)
+
+
 class RoundRule:
     """What the rule knows and how it chooses. `seen`: each kind of round's recent
     seconds (read as they are in a job of one process); `agreed`: in a job of several,
@@ -72,6 +78,7 @@ class RoundRule:
         self.rounds = 0
         self.drafted = self.kept = 0
         self.declined = 0
+        self.way, self.streak = True, 0  # the last way `on_device` chose, how many times
 
     def saw(self, kind: tuple, seconds: float) -> None:
         self.seen.setdefault(kind, collections.deque(maxlen=RECENT)).append(seconds)
@@ -125,6 +132,25 @@ class RoundRule:
             self.declined = 0
             return ask
         return best
+
+    def on_device(self, n: int) -> bool:
+        """Whether a prompt lookup round over n rows loops on the device
+        (`pipeline.spec_loop`) rather than running one pass from the host: the way
+        whose recent rounds gave a token in less time (the median of their seconds over
+        their tokens). Each is measured first, the device's loop before the host's;
+        after PROBE_AFTER rounds in a row one way, the other runs once (the load or the
+        machine may have changed). On a 2-core CPU the host's passes, which adapt their
+        length each round, gave tokens faster; on a GPU a round trip costs steps."""
+        loop, host = (self.seconds(way_kind(n, d)) for d in (True, False))
+        if loop is None or host is None:
+            return loop is None
+        choice = loop <= host
+        self.streak = self.streak + 1 if choice == self.way else 1
+        self.way = choice
+        if self.streak > PROBE_AFTER:
+            self.streak = 0
+            return not choice
+        return choice
 
 
 class Unmeasured(RoundRule):

@@ -14,18 +14,22 @@ stage, where the model's choices are:
              gets its choices 0 .. a_b, appended to its context and to the chunk's output;
     draft    the next round's drafts from the context, by prompt lookup
              (`ngram.propose_rows`: the host drafter's rule, in jnp), at most T - 1 and
-             no further than the row's limit;
+             no further than the row's limit, and kept only where the group's expected
+             tokens pay for a pass of T against a step (the round rule's test, on the
+             rows' kept fractions and the measured cost the host passes in);
     carry    [newest, drafts], step and count go back to stage 0 on the cyclic ppermute
              that carries decode's sampled tokens; stage 0 files them and runs them when
              the group comes round again, a period later.
 
 With groups >= stages no stage idles in steady state; the pipeline's fill and drain are
 paid once a chunk instead of once a pass. Round 0's drafts are the host's (the round rule
-chooses T from them). A row whose lookup finds nothing runs its newest token alone (a
-plain step in the pass). The slots of rejected drafts are written again by the row's
-next round before any query can see them (they lie at its positions and past them), so
-`cache.pos` lists every slot the chunk may reach up front and the host rolls back past
-the kept tokens at the end.
+chooses T from them). A row without drafts runs its newest token alone, and a group
+none of whose rows drafts runs one position a row, a decode step's work (where the
+layers hold no `seq` collective, so a `lax.cond` may choose; with `seq` > 1 every round
+is T wide, and only the head narrows). The slots of rejected drafts are written again
+by the row's next round before any query can see them (they lie at its positions and
+past them), so `cache.pos` lists every slot the chunk may reach up front and the host
+rolls back past the kept tokens at the end.
 """
 
 from __future__ import annotations
@@ -80,6 +84,13 @@ class LoopInputs(NamedTuple):
     sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
     context: jax.Array  # [B, H] int32: the row's tokens so far (prompt, then output)
     length: jax.Array  # [B] int32: how many of them
+    # [B] float32: the fraction of the row's drafts expected kept (`RoundRule.fraction`)
+    kept_fraction: jax.Array
+    # [] float32: a pass of T's seconds over a plain step's (0: unmeasured, drafts run)
+    pass_cost: jax.Array
+    # [B, 3] int32: each row's `speculative.Pace` (k, misses, wait_until), which the
+    # last stage keeps as the host does
+    pace: jax.Array
     rounds: jax.Array  # [] int32: rounds that run, 1 .. MAX_ROUNDS
 
     @classmethod
@@ -99,6 +110,9 @@ class LoopInputs(NamedTuple):
             greedy,
             np.zeros((rows, H), np.int32),
             none,
+            np.zeros(rows, np.float32),
+            np.float32(0),
+            np.zeros((rows, 3), np.int32),
             np.int32(1),
         )
 
@@ -110,16 +124,16 @@ class LoopInputs(NamedTuple):
 
 class LoopOutputs(NamedTuple):
     """What a chunk gave each row [B]: its new `tokens` [B, MAX_ROUNDS T] in order, of
-    which the first `made` count; the drafts its rounds ran and kept; how many rounds
-    ran drafts, and the last of those's drafts and kept ones (its pace's next k)."""
+    which the first `made` count; the drafts its rounds ran and kept, and how many
+    rounds ran drafts; how many of its group's rounds ran wide; its pace after them."""
 
     tokens: jax.Array
     made: jax.Array
     drafted: jax.Array
     kept: jax.Array
     passes: jax.Array
-    last_drafted: jax.Array
-    last_kept: jax.Array
+    wide: jax.Array  # rounds the row's group ran T positions wide (the others ran one)
+    pace: jax.Array  # [B, 3] int32: as LoopInputs.pace
 
 
 class LoopCarry(NamedTuple):
@@ -132,6 +146,22 @@ class LoopCarry(NamedTuple):
     context: jax.Array  # [B, H] int32: the last stage's: each row's tokens so far
     length: jax.Array  # [B] int32: how many
     out: LoopOutputs  # filled by the last stage
+
+
+def pace_after(pace, drafted, kept, tokens, k_max: int, max_wait: int):
+    """`speculative.Pace.after` for many rows, in jnp: pace [R, 3] int32 (k, misses,
+    wait_until) after a pass that kept `kept` of a row's `drafted` drafts, the row now
+    `tokens` long ([R] each; a row with no drafts keeps its pace). After a pass that
+    kept nothing: one draft at a time, not before 2, 4, .. max_wait more tokens; else
+    twice the run kept, at most k_max."""
+    k, misses, wait_until = (pace[:, i] for i in range(3))
+    drew = drafted > 0
+    missed = drew & (kept == 0)
+    misses = jnp.where(missed, misses + 1, jnp.where(drew, 0, misses))
+    wait = jnp.minimum(jnp.left_shift(1, jnp.minimum(misses, 30)), max_wait)
+    wait_until = jnp.where(missed, tokens + wait, wait_until)
+    k = jnp.where(drew, jnp.where(missed, 1, jnp.minimum(k_max, 2 * kept)), k)
+    return jnp.stack([k, misses, wait_until], axis=1)
 
 
 def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.Array:
@@ -152,6 +182,8 @@ def build_spec_loop(
     sampled: bool,
     n_max: int,
     n_min: int,
+    k_max: int,
+    max_wait: int,
 ):
     """The loop program for passes of T >= 2 tokens a row (not yet jitted).
 
@@ -159,10 +191,12 @@ def build_spec_loop(
     KVCache). `cache.pos` must list the slots of each row's steps up to
     min(limit, step + rounds T) (`RowBook.list_ahead`); the program writes k and v
     only, so `cache` is donated. sampled=False promises every row is greedy; n_max,
-    n_min: the prompt lookup's n-gram lengths (`SpeculativeConfig`).
+    n_min: the prompt lookup's n-gram lengths, k_max its drafts a row
+    (`SpeculativeConfig`); max_wait: a pace's longest wait (`speculative.MAX_WAIT`).
     """
     ahead = jnp.arange(T, dtype=jnp.int32)
     W = MAX_ROUNDS * T
+    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
         model = nnx.merge(graphdef, weights.state)
@@ -195,22 +229,46 @@ def build_spec_loop(
                 rows(inputs.prompt_slots, row0, Bg),
             )
             x_in = vary(jnp.where(s == 0, model.embed(fed), carry.h))
-            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
+            # A round whose group carries no drafts runs one position a row (a decode
+            # step's work), every stage alike: they all read the same counts.
+            wide = jnp.any(count > 1)
+
+            def layers(width):
+                def run(x_in, kv):
+                    x, kv = pass_stage(
+                        model, cfg, weights, kv, cache.pos, x_in[:, :width], group, active
+                    )
+                    return jnp.pad(x, ((0, 0), (0, T - width), (0, 0))), kv
+
+                return run
+
+            if gated:  # a cond holds no seq collective (`stage.when`)
+                x, kv = jax.lax.cond(wide, layers(T), layers(1), x_in, carry.cache)
+            else:
+                x, kv = layers(T)(x_in, carry.cache)
+
+            def choices(width):
+                def choose(x):
+                    """x [Bg, T, D] -> the model's token after each of the first `width`
+                    positions [Bg, T] (zeros past them)."""
+                    local = model.logits(x[:, :width]).reshape(Bg * width, -1)  # [Bg w, V'/X]
+                    params = jax.tree.map(
+                        lambda a: jnp.repeat(rows(a, row0, Bg), width, axis=0), inputs.sampling
+                    )
+                    key_step = (step[:, None] + ahead[:width] + 1).reshape(-1)  # token made
+                    if split.size == 1 or sampled:
+                        whole = gather_vocab(local, split, cfg.V)
+                        choice = sample_rows(whole, params, key_step, sampled)
+                    else:
+                        choice = greedy_split(local, params, key_step, split)
+                    return vary(jnp.pad(choice.reshape(Bg, width), ((0, 0), (0, T - width))))
+
+                return choose
 
             def head(x):
                 """x [Bg, T, D] -> the group's next [tokens, step, count], its rows'
                 context, length and outputs after this round."""
-                local = model.logits(x).reshape(Bg * T, -1)  # [Bg T, V'/X]
-                params = jax.tree.map(
-                    lambda a: jnp.repeat(rows(a, row0, Bg), T, axis=0), inputs.sampling
-                )
-                key_step = (step[:, None] + ahead + 1).reshape(-1)  # the token each makes
-                if split.size == 1 or sampled:
-                    whole = gather_vocab(local, split, cfg.V)
-                    choice = sample_rows(whole, params, key_step, sampled)
-                else:
-                    choice = greedy_split(local, params, key_step, split)
-                choice = choice.reshape(Bg, T)
+                choice = jax.lax.cond(wide, choices(T), choices(1), x)
 
                 ran = count > 0
                 drafted = jnp.maximum(count - 1, 0)
@@ -226,22 +284,32 @@ def build_spec_loop(
                 tokens = _append(old.tokens, old.made, choice, made)
 
                 step_next = step + made
+                with_drafts = ran & (drafted > 0)
+                pace = pace_after(
+                    old.pace, jnp.where(ran, drafted, 0), kept, step_next + 1, k_max, max_wait
+                )
+                k_b, wait_until = pace[:, 0], pace[:, 2]
                 drafts, found = ngram.propose_rows(context, length, T - 1, n_max, n_min)
                 room = rows(inputs.limit, row0, Bg) - 1 - step_next  # drafts the limit allows
-                d = jnp.where(found, jnp.clip(room, 0, T - 1), 0)
-                count_next = jnp.where(ran & (room >= 0), 1 + d, 0)
+                may = found & (step_next + 1 >= wait_until)  # tokens so far: step + 1
+                d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
+                runs_next = ran & (room >= 0)
+                # The round rule (`pipeline.round_rule`) between a pass of T and a step:
+                # drafts run where their expected tokens pay for the pass's cost.
+                expected = jnp.where(runs_next, 1 + rows(inputs.kept_fraction, row0, Bg) * d, 0)
+                worth = jnp.sum(expected) >= inputs.pass_cost * jnp.sum(runs_next)
+                count_next = jnp.where(runs_next, 1 + jnp.where(worth, d, 0), 0)
                 meta_next = jnp.concatenate(
                     [newest[:, None], drafts, step_next[:, None], count_next[:, None]], axis=1
                 )
-                with_drafts = ran & (drafted > 0)
                 out = LoopOutputs(
                     tokens,
                     old.made + made,
-                    old.drafted + drafted,
-                    old.kept + kept,
+                    old.drafted + jnp.where(ran, drafted, 0),
+                    old.kept + jnp.where(ran, kept, 0),
                     old.passes + with_drafts,
-                    jnp.where(with_drafts, drafted, old.last_drafted),
-                    jnp.where(with_drafts, kept, old.last_kept),
+                    old.wide + wide,
+                    pace,
                 )
                 return meta_next, context, length, out
 
@@ -251,7 +319,8 @@ def build_spec_loop(
                 jax.ShapeDtypeStruct((Bg,), jnp.int32),
                 LoopOutputs(
                     jax.ShapeDtypeStruct((Bg, W), jnp.int32),
-                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * (len(LoopOutputs._fields) - 1),
+                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * 5,
+                    jax.ShapeDtypeStruct((Bg, 3), jnp.int32),
                 ),
             )
             on_last, (meta_next, context, length, out) = on_last_stage(active, head, shapes, x)
@@ -279,7 +348,7 @@ def build_spec_loop(
             StageCache(cache.k, cache.v),
             vary(inputs.context),
             vary(inputs.length),
-            LoopOutputs(zeros(B, W), *[zeros(B)] * (len(LoopOutputs._fields) - 1)),
+            LoopOutputs(zeros(B, W), *[zeros(B)] * 5, vary(inputs.pace)),
         )
         carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, inputs.rounds), tick, carry)
         out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)

@@ -46,6 +46,11 @@ A pass is the round's, so every live row pays for its positions while any row
 proposes. The round rule (`pipeline.round_rule`) runs the pass length, or the plain
 chunk, expected to give the most tokens a second by the rows' drafts, their kept
 fractions and the rounds' measured times.
+
+With prompt lookup, a round whose chunk spans several passes loops on the device
+(`pipeline.spec_loop`): the last stage accepts, looks up the next drafts and sends
+them back to stage 0 itself, and the host books the chunk's tokens at its end. The
+host's drafts start it, the rule's pass length holds through it.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import numpy as np
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.programs import JitTable, Stopwatch
-from qwen3_spmd.pipeline.round_rule import RoundRule, pass_kind
+from qwen3_spmd.pipeline.round_rule import RoundRule, pass_kind, step_kind, way_kind
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -313,7 +318,15 @@ class Speculator:
         asks = any(book.rows[b].request.params.logprobs for b in live)
         if not self._loops() or rounds < 2 or proposal.allowed is not None or asks:
             return self.verify(executor, n, proposal)
-        return self._loop(executor, n, proposal, T, rounds)
+        if not self.rule.on_device(n):  # measured: the host's passes give tokens faster
+            return self._measured(n, False, self.verify(executor, n, proposal))
+        return self._measured(n, True, self._loop(executor, n, proposal, T, rounds))
+
+    def _measured(self, n: int, on_device: bool, updates: list[Update]) -> list[Update]:
+        """`updates`, the round's, after the round rule saw its seconds a token."""
+        tokens = max(1, sum(len(u.tokens) for u in updates))
+        self.rule.saw(way_kind(n, on_device), self._watch.seconds() / tokens)
+        return updates
 
     def _loops(self) -> bool:
         """Whether rounds may run as loops on the device: the drafter is prompt lookup
@@ -342,6 +355,8 @@ class Speculator:
                     *key,
                     c.prompt_lookup_max,
                     c.prompt_lookup_min,
+                    c.num_speculative_tokens,
+                    MAX_WAIT,
                 ),
                 donate_argnames="cache",
             ),
@@ -351,12 +366,13 @@ class Speculator:
         """`rounds` rounds of passes of T tokens on the device, drafting between them
         there; the same bookkeeping as `verify`'s, over the chunk."""
         eng, book = self.engine, executor.book
-        k = self.config.num_speculative_tokens
         live = sorted(proposal.tokens)
         H = eng.max_seq_len
         tokens = np.zeros((n, T), np.int32)
         step, count, limit, prompt_slots, length, reach = (np.zeros(n, np.int32) for _ in range(6))
         context = np.zeros((n, H), np.int32)
+        fraction = np.zeros(n, np.float32)
+        pace = np.zeros((n, 3), np.int32)
         per_row = [(Sampling(), 0, 0)] * n
         for b in live:
             row = book.rows[b]
@@ -370,7 +386,10 @@ class Speculator:
             context[b, : len(so_far)] = so_far
             length[b] = len(so_far)
             reach[b] = min(row.steps_left, rounds * T)
+            fraction[b] = self.rule.fraction(row.pace.drafted, row.pace.kept)
+            pace[b] = row.pace.k, row.pace.misses, row.pace.wait_until
             per_row[b] = row_sampling(row.request)
+        pass_s, step_s = self.rule.seconds(pass_kind(n, T)), self.rule.seconds(step_kind(n))
         book.list_ahead(step, reach, prompt_slots, n)
         inputs = LoopInputs(
             tokens=tokens,
@@ -382,6 +401,9 @@ class Speculator:
             sampling=RowSampling.stack(per_row),
             context=context,
             length=length,
+            kept_fraction=fraction,
+            pass_cost=np.float32(pass_s / step_s if pass_s and step_s else 0.0),
+            pace=pace,
             rounds=np.int32(rounds),
         ).placed(eng.mesh)
         cache = eng.copies.with_slot_pos(executor.cache, book.slot_pos)
@@ -408,11 +430,10 @@ class Speculator:
             self.metrics.accepted_tokens += kept
             self.rule.passed(drafted, kept)
             made = out.tokens[b, : out.made[b]]
-            if out.passes[b]:  # the pace takes all but the last pass as counts
-                last_d, last_k = int(out.last_drafted[b]), int(out.last_kept[b])
-                row.pace.drafted += drafted - last_d
-                row.pace.kept += kept - last_k
-                row.pace.after(last_k, last_d, k, len(row.generated) + len(made))
+            pace = row.pace  # as the last stage kept it
+            pace.k, pace.misses, pace.wait_until = map(int, out.pace[b])
+            pace.drafted += drafted
+            pace.kept += kept
             update = book.extend(b, made)
             if update.finish_reason is None:
                 book.roll_back(b)
@@ -420,8 +441,15 @@ class Speculator:
             acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
         # A round's time: the chunk's (its first drafts, its passes, the bookkeeping)
-        # over its rounds.
-        self.rule.saw(pass_kind(n, T), self._watch.seconds() / rounds)
+        # over its rounds, some of which ran one position wide (a step's work).
+        each = self._watch.seconds() / rounds
+        wide = float(np.mean(out.wide[:n])) / rounds  # groups are of equal size
+        if wide == 1:
+            self.rule.saw(pass_kind(n, T), each)
+        elif wide == 0:
+            self.rule.saw(step_kind(n), each)
+        elif step_s is not None:
+            self.rule.saw(pass_kind(n, T), max(each - (1 - wide) * step_s, 0.0) / wide)
         return updates
 
     def verify(self, executor, n: int, proposal: Proposal) -> list[Update]:

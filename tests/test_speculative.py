@@ -24,7 +24,7 @@ from reference import TINY, Oracle
 from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline import ngram, speculative, static_batch
+from qwen3_spmd.pipeline import ngram, spec_loop, speculative, static_batch
 from qwen3_spmd.pipeline.draft_model import DraftModel, pass_length
 from qwen3_spmd.pipeline.engine import Engine
 from qwen3_spmd.pipeline.handles import Params
@@ -32,11 +32,13 @@ from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.round_rule import (
     PRIOR_DRAFTS,
     PROBE_AFTER,
+    RECENT,
     SAMPLES,
     RoundRule,
     Unmeasured,
     pass_kind,
     step_kind,
+    way_kind,
 )
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
@@ -184,6 +186,27 @@ def test_pace_drafts_as_far_as_it_earned_and_waits_longer_after_each_miss():
     assert (p.drafted, p.kept) == (29, 14)  # what the round rule expects of it
 
 
+def test_the_device_paces_rows_as_the_host_does():
+    """`spec_loop.pace_after` (the loop of rounds on the device keeps each row's pace)
+    against `Pace.after`, over passes that kept all, some and none of their drafts, and
+    rounds without drafts, from paces that had missed 0 to 7 times."""
+    rng = np.random.default_rng(1)
+    R, k_max = 64, 8
+    paces = [Pace(int(rng.integers(1, k_max + 1)), int(rng.integers(0, 8))) for _ in range(R)]
+    for p in paces:
+        p.wait_until = int(rng.integers(0, 100))
+    drafted = rng.integers(0, k_max + 1, R)
+    kept = np.minimum(drafted, rng.integers(0, k_max + 1, R)) * (rng.random(R) < 0.6)
+    tokens = rng.integers(1, 200, R)
+    state = np.array([[p.k, p.misses, p.wait_until] for p in paces], np.int32)
+    got = np.asarray(spec_loop.pace_after(state, drafted, kept, tokens, k_max, MAX_WAIT))
+    for p, d, a, n in zip(paces, drafted, kept, tokens):
+        if d:
+            p.after(int(a), int(d), k_max, int(n))
+    assert got.tolist() == [[p.k, p.misses, p.wait_until] for p in paces]
+    assert {(d > 0, a > 0) for d, a in zip(drafted, kept)} == {(0, 0), (1, 0), (1, 1)}
+
+
 def test_a_pass_pads_its_drafts_to_the_ladder():
     assert ladder(1) == [1] and ladder(3) == [1, 2, 3]
     assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
@@ -228,6 +251,27 @@ def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
     assert rule.fraction(0, 0) == 1.0 and PRIOR_DRAFTS == 4
     rule.passed(drafted=10, kept=5)
     assert rule.fraction(0, 0) == 0.5 and rule.fraction(12, 0) == 2 / (12 + 4)
+
+
+def test_the_round_rule_loops_on_the_device_where_that_gives_tokens_faster():
+    """`RoundRule.on_device`: the device's loop is measured first, then the host's
+    passes; then the way of fewer seconds a token runs, and after PROBE_AFTER rounds in
+    a row one way, the other runs once."""
+    rule = RoundRule()
+    ways = []
+    for _ in range(SAMPLES):
+        ways.append(rule.on_device(2))
+        rule.saw(way_kind(2, True), 2.0)  # seconds a token
+    for _ in range(SAMPLES):
+        ways.append(rule.on_device(2))
+        rule.saw(way_kind(2, False), 1.0)
+    assert ways == [True] * SAMPLES + [False] * SAMPLES
+    got = [rule.on_device(2) for _ in range(2 * PROBE_AFTER + 2)]
+    assert got == ([False] * PROBE_AFTER + [True]) * 2
+    assert rule.on_device(3)  # another row count is measured apart
+    for _ in range(RECENT):
+        rule.saw(way_kind(2, True), 0.5)  # the loop got faster
+    assert [rule.on_device(2) for _ in range(3)] == [True] * 3
 
 
 def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain):
@@ -342,9 +386,10 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert m.drafts < sum(len(t) - 1 for t in tokens)
 
 
-# The tiny model's greedy runs from these repeat a token for a while (and so do its
-# sampled ones, less), so prompt lookup's drafts are kept now and then.
-LOOPING = [[1, 2], [3, 4, 3, 4, 3, 4, 3], [7]]
+# The tiny model's greedy runs from these fall into loops (the first within a few
+# tokens), so prompt lookup's drafts are kept often, and refused where a loop starts
+# or ends; its sampled runs repeat themselves less.
+LOOPING = [[33], [22], [126, 120, 8]]
 LOOP_NEW = 64
 LOOKUP = SpeculativeConfig(3, "ngram", 2, 1)
 
@@ -845,7 +890,7 @@ def test_bench_scenario_bounds_the_mechanism_and_checks_the_tokens(capsys):
     (job,) = json.loads(capsys.readouterr().out)["meshes"][0]["speculative"]
     drafters = job["drafters"]
     itself = "draft model (itself) k=2"
-    lookups = {"ngram k=2", "ngram k=2, host rounds"}  # its rounds on the device, or not
+    lookups = {"ngram k=2", "ngram k=2, device loops", "ngram k=2, host rounds"}
     assert set(drafters) == {"plain", "oracle k=2", "wrong k=2", itself} | lookups
     assert all(d["exact"] for d in drafters.values())
     assert {d["same_until"] for d in drafters.values()} == {job["steps"] + 1}  # every token
