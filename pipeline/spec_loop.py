@@ -86,8 +86,9 @@ class LoopInputs(NamedTuple):
     length: jax.Array  # [B] int32: how many of them
     # [B] float32: the fraction of the row's drafts expected kept (`RoundRule.fraction`)
     kept_fraction: jax.Array
-    # [] float32: a pass of T's seconds over a plain step's (0: unmeasured, drafts run)
-    pass_cost: jax.Array
+    # [len(widths)] float32: the measured seconds of a pass of each width over the
+    # rows (of width 1: a plain step's; 0: unmeasured), `RoundRule.seconds`
+    pass_seconds: jax.Array
     # [B, 3] int32: each row's `speculative.Pace` (k, misses, wait_until), which the
     # last stage keeps as the host does
     pace: jax.Array
@@ -99,9 +100,9 @@ class LoopInputs(NamedTuple):
         return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
 
     @classmethod
-    def zeros(cls, rows: int, T: int, H: int) -> LoopInputs:
-        """Host inputs of `rows` greedy rows that run nothing, contexts of H tokens: the
-        shapes a compile ahead of time needs."""
+    def zeros(cls, rows: int, T: int, H: int, widths: int) -> LoopInputs:
+        """Host inputs of `rows` greedy rows that run nothing, contexts of H tokens, for
+        a program of `widths` pass widths: the shapes a compile ahead of time needs."""
         none = np.zeros(rows, np.int32)
         greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
         return cls(
@@ -111,7 +112,7 @@ class LoopInputs(NamedTuple):
             np.zeros((rows, H), np.int32),
             none,
             np.zeros(rows, np.float32),
-            np.float32(0),
+            np.zeros(widths, np.float32),
             np.zeros((rows, 3), np.int32),
             np.int32(1),
         )
@@ -125,14 +126,13 @@ class LoopInputs(NamedTuple):
 class LoopOutputs(NamedTuple):
     """What a chunk gave each row [B]: its new `tokens` [B, MAX_ROUNDS T] in order, of
     which the first `made` count; the drafts its rounds ran and kept, and how many
-    rounds ran drafts; how many of its group's rounds ran wide; its pace after them."""
+    rounds ran drafts; its pace after them."""
 
     tokens: jax.Array
     made: jax.Array
     drafted: jax.Array
     kept: jax.Array
     passes: jax.Array
-    wide: jax.Array  # rounds the row's group ran T positions wide (the others ran one)
     pace: jax.Array  # [B, 3] int32: as LoopInputs.pace
 
 
@@ -164,6 +164,24 @@ def pace_after(pace, drafted, kept, tokens, k_max: int, max_wait: int):
     return jnp.stack([k, misses, wait_until], axis=1)
 
 
+def choose_width(d, f, runs, widths, seconds):
+    """`RoundRule.choose` for a group's next round, in jnp: the index into `widths`
+    ([W] int32, ascending from 1) of the pass to run, for rows' drafts d [R] (0 where
+    none), kept fractions f [R] and running rows `runs` [R] bool, by the widths'
+    measured `seconds` [W] (0: unmeasured). The drafts' own width while it is
+    unmeasured, then a step while that is; else, of the measured widths up to the
+    drafts' own, the one of most expected tokens a second, sum over rows of
+    1 + f min(d, width - 1) (the narrowest of equals). The host's probe after rounds of
+    declined drafts is the host's alone."""
+    ask = jnp.searchsorted(widths, 1 + jnp.max(d))
+    cut = jnp.minimum(d[None], widths[:, None] - 1)  # [W, R]
+    tokens = jnp.sum(jnp.where(runs[None], 1 + f[None] * cut, 0), axis=1)  # [W]
+    known = (seconds > 0) & (jnp.arange(widths.shape[0]) <= ask)
+    rate = jnp.where(known, tokens / jnp.where(known, seconds, 1), -1.0)
+    best = jnp.argmax(rate)
+    return jnp.where(seconds[ask] == 0, ask, jnp.where(seconds[0] == 0, 0, best))
+
+
 def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.Array:
     """buf [R, W] with new[r, :n[r]] written from column at[r] (columns past W dropped)."""
     T = new.shape[1]
@@ -178,14 +196,15 @@ def build_spec_loop(
     state_specs,
     mesh: Mesh,
     groups: int,
-    T: int,
+    widths: tuple[int, ...],
     sampled: bool,
     n_max: int,
     n_min: int,
     k_max: int,
     max_wait: int,
 ):
-    """The loop program for passes of T >= 2 tokens a row (not yet jitted).
+    """The loop program for passes of the `widths` (ascending from 1: 1 + the drafts
+    of the k ladder) tokens a row, T the widest (not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: LoopInputs) -> (LoopOutputs,
     KVCache). `cache.pos` must list the slots of each row's steps up to
@@ -194,9 +213,11 @@ def build_spec_loop(
     n_min: the prompt lookup's n-gram lengths, k_max its drafts a row
     (`SpeculativeConfig`); max_wait: a pace's longest wait (`speculative.MAX_WAIT`).
     """
+    T = widths[-1]
     ahead = jnp.arange(T, dtype=jnp.int32)
     W = MAX_ROUNDS * T
     gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    width_of = jnp.array(widths, jnp.int32)
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
         model = nnx.merge(graphdef, weights.state)
@@ -229,9 +250,9 @@ def build_spec_loop(
                 rows(inputs.prompt_slots, row0, Bg),
             )
             x_in = vary(jnp.where(s == 0, model.embed(fed), carry.h))
-            # A round whose group carries no drafts runs one position a row (a decode
-            # step's work), every stage alike: they all read the same counts.
-            wide = jnp.any(count > 1)
+            # The round runs the narrowest of the widths its rows' tokens fit (1: a
+            # decode step's work), every stage alike: they all read the same counts.
+            at = jnp.searchsorted(width_of, jnp.max(count))
 
             def layers(width):
                 def run(x_in, kv):
@@ -242,8 +263,8 @@ def build_spec_loop(
 
                 return run
 
-            if gated:  # a cond holds no seq collective (`stage.when`)
-                x, kv = jax.lax.cond(wide, layers(T), layers(1), x_in, carry.cache)
+            if gated:  # a switch holds no seq collective (`stage.when`)
+                x, kv = jax.lax.switch(at, [layers(w) for w in widths], x_in, carry.cache)
             else:
                 x, kv = layers(T)(x_in, carry.cache)
 
@@ -268,7 +289,7 @@ def build_spec_loop(
             def head(x):
                 """x [Bg, T, D] -> the group's next [tokens, step, count], its rows'
                 context, length and outputs after this round."""
-                choice = jax.lax.cond(wide, choices(T), choices(1), x)
+                choice = jax.lax.switch(at, [choices(w) for w in widths], x)
 
                 ran = count > 0
                 drafted = jnp.maximum(count - 1, 0)
@@ -294,11 +315,10 @@ def build_spec_loop(
                 may = found & (step_next + 1 >= wait_until)  # tokens so far: step + 1
                 d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
                 runs_next = ran & (room >= 0)
-                # The round rule (`pipeline.round_rule`) between a pass of T and a step:
-                # drafts run where their expected tokens pay for the pass's cost.
-                expected = jnp.where(runs_next, 1 + rows(inputs.kept_fraction, row0, Bg) * d, 0)
-                worth = jnp.sum(expected) >= inputs.pass_cost * jnp.sum(runs_next)
-                count_next = jnp.where(runs_next, 1 + jnp.where(worth, d, 0), 0)
+                d = jnp.where(runs_next, d, 0)
+                f = rows(inputs.kept_fraction, row0, Bg)
+                cut = width_of[choose_width(d, f, runs_next, width_of, inputs.pass_seconds)]
+                count_next = jnp.where(runs_next, jnp.minimum(1 + d, cut), 0)
                 meta_next = jnp.concatenate(
                     [newest[:, None], drafts, step_next[:, None], count_next[:, None]], axis=1
                 )
@@ -308,7 +328,6 @@ def build_spec_loop(
                     old.drafted + jnp.where(ran, drafted, 0),
                     old.kept + jnp.where(ran, kept, 0),
                     old.passes + with_drafts,
-                    old.wide + wide,
                     pace,
                 )
                 return meta_next, context, length, out
@@ -319,7 +338,7 @@ def build_spec_loop(
                 jax.ShapeDtypeStruct((Bg,), jnp.int32),
                 LoopOutputs(
                     jax.ShapeDtypeStruct((Bg, W), jnp.int32),
-                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * 5,
+                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * 4,
                     jax.ShapeDtypeStruct((Bg, 3), jnp.int32),
                 ),
             )
@@ -348,7 +367,7 @@ def build_spec_loop(
             StageCache(cache.k, cache.v),
             vary(inputs.context),
             vary(inputs.length),
-            LoopOutputs(zeros(B, W), *[zeros(B)] * 5, vary(inputs.pace)),
+            LoopOutputs(zeros(B, W), *[zeros(B)] * 4, vary(inputs.pace)),
         )
         carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, inputs.rounds), tick, carry)
         out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)

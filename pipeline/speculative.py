@@ -224,12 +224,14 @@ class Speculator:
             inputs,
             announce,
         )
-        if self._loops() and shape.T > 1 and not shape.constrained:
+        widths = self._widths()
+        if self._loops() and shape.T == widths[-1] and not shape.constrained:
+            zeros = LoopInputs.zeros(n, shape.T, eng.max_seq_len, len(widths))
             eng.programs.get(
-                *self._loop_program(groups, shape.T, shape.sampled),
+                *self._loop_program(groups, shape.sampled),
                 eng.weights,
                 eng.copies.abstract_cache(cache_rows),
-                LoopInputs.zeros(n, shape.T, eng.max_seq_len).placed(eng.mesh),
+                zeros.placed(eng.mesh),
                 announce,
             )
 
@@ -320,7 +322,7 @@ class Speculator:
             return self.verify(executor, n, proposal)
         if not self.rule.on_device(n):  # measured: the host's passes give tokens faster
             return self._measured(n, False, self.verify(executor, n, proposal))
-        return self._measured(n, True, self._loop(executor, n, proposal, T, rounds))
+        return self._measured(n, True, self._loop(executor, n, proposal, rounds))
 
     def _measured(self, n: int, on_device: bool, updates: list[Update]) -> list[Update]:
         """`updates`, the round's, after the round rule saw its seconds a token."""
@@ -339,20 +341,26 @@ class Speculator:
         longest = max(map(len, proposal.tokens.values()), default=0)
         return 1 + min(x for x in ladder(self.config.num_speculative_tokens) if x >= longest)
 
-    def _loop_program(self, groups: int, T: int, sampled: bool) -> tuple:
+    def _widths(self) -> tuple[int, ...]:
+        """The pass widths a loop of rounds chooses among: 1 (a step), 1 + the ladder."""
+        return (1, *(1 + x for x in ladder(self.config.num_speculative_tokens)))
+
+    def _loop_program(self, groups: int, sampled: bool) -> tuple:
         """(the name `Programs` keys a loop of rounds by, its jitted function)."""
         e, c = self.engine, self.config
-        key = (groups, T, sampled)
-        name = ("spec_loop", groups, T, "sampled" if sampled else "greedy")
+        widths = self._widths()
+        name = ("spec_loop", groups, widths[-1], "sampled" if sampled else "greedy")
         return name, self._verify.get(
-            ("loop", *key),
+            ("loop", groups, sampled),
             lambda: jax.jit(
                 build_spec_loop(
                     e.cfg,
                     e.graphdef,
                     e.state_specs,
                     e.mesh,
-                    *key,
+                    groups,
+                    widths,
+                    sampled,
                     c.prompt_lookup_max,
                     c.prompt_lookup_min,
                     c.num_speculative_tokens,
@@ -362,12 +370,19 @@ class Speculator:
             ),
         )
 
-    def _loop(self, executor, n: int, proposal: Proposal, T: int, rounds: int) -> list[Update]:
-        """`rounds` rounds of passes of T tokens on the device, drafting between them
-        there; the same bookkeeping as `verify`'s, over the chunk."""
+    def _pass_seconds(self, n: int) -> np.ndarray:
+        """Each loop width's measured seconds over n rows (width 1: a plain step's; 0
+        where unmeasured), as the round rule reads them."""
+        kinds = [pass_kind(n, w) if w > 1 else step_kind(n) for w in self._widths()]
+        return np.array([self.rule.seconds(kind) or 0.0 for kind in kinds], np.float32)
+
+    def _loop(self, executor, n: int, proposal: Proposal, rounds: int) -> list[Update]:
+        """`rounds` rounds of passes on the device, drafting between them there, the
+        first `proposal`'s; the same bookkeeping as `verify`'s, over the chunk."""
         eng, book = self.engine, executor.book
         live = sorted(proposal.tokens)
         H = eng.max_seq_len
+        T = self._widths()[-1]
         tokens = np.zeros((n, T), np.int32)
         step, count, limit, prompt_slots, length, reach = (np.zeros(n, np.int32) for _ in range(6))
         context = np.zeros((n, H), np.int32)
@@ -389,7 +404,6 @@ class Speculator:
             fraction[b] = self.rule.fraction(row.pace.drafted, row.pace.kept)
             pace[b] = row.pace.k, row.pace.misses, row.pace.wait_until
             per_row[b] = row_sampling(row.request)
-        pass_s, step_s = self.rule.seconds(pass_kind(n, T)), self.rule.seconds(step_kind(n))
         book.list_ahead(step, reach, prompt_slots, n)
         inputs = LoopInputs(
             tokens=tokens,
@@ -402,7 +416,7 @@ class Speculator:
             context=context,
             length=length,
             kept_fraction=fraction,
-            pass_cost=np.float32(pass_s / step_s if pass_s and step_s else 0.0),
+            pass_seconds=self._pass_seconds(n),
             pace=pace,
             rounds=np.int32(rounds),
         ).placed(eng.mesh)
@@ -411,7 +425,7 @@ class Speculator:
         clock = executor.clock
         watch = Stopwatch(clock)
         out, executor.cache = eng.run_program(
-            *self._loop_program(book.groups, T, sampled), clock, cache, inputs
+            *self._loop_program(book.groups, sampled), clock, cache, inputs
         )
         out = jax.tree.map(np.asarray, out)
         clock.decode_s += watch.seconds()
@@ -440,16 +454,6 @@ class Speculator:
             acc.busy_row_steps += len(update.tokens)
             acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
-        # A round's time: the chunk's (its first drafts, its passes, the bookkeeping)
-        # over its rounds, some of which ran one position wide (a step's work).
-        each = self._watch.seconds() / rounds
-        wide = float(np.mean(out.wide[:n])) / rounds  # groups are of equal size
-        if wide == 1:
-            self.rule.saw(pass_kind(n, T), each)
-        elif wide == 0:
-            self.rule.saw(step_kind(n), each)
-        elif step_s is not None:
-            self.rule.saw(pass_kind(n, T), max(each - (1 - wide) * step_s, 0.0) / wide)
         return updates
 
     def verify(self, executor, n: int, proposal: Proposal) -> list[Update]:
