@@ -23,6 +23,12 @@ weighed once measured (pacing makes short proposals often). A row's fraction is 
 from its passes, so after `PROBE_AFTER` rounds in a row decoded plain though rows
 proposed, the drafts' pass runs anyway.
 
+With prompt lookup, a chunk of rounds may also loop on the device
+(`pipeline.spec_loop`, which chooses each round's width by the same test,
+`spec_loop.choose_width`, on the seconds measured here) instead of returning to the host
+after every pass. `RoundRule.on_device` chooses the way by each one's measured seconds
+a token.
+
 The choice changes speed only: a pass and a plain chunk give the same tokens. But every
 process of a job must choose alike, and their clocks differ, so with several processes
 the rule reads the costs they agreed (each kind's median, averaged over the processes
@@ -137,13 +143,12 @@ class RoundRule:
         """Whether a prompt lookup round over n rows loops on the device
         (`pipeline.spec_loop`) rather than running one pass from the host: the way
         whose recent rounds gave a token in less time (the median of their seconds over
-        their tokens). Each is measured first, the device's loop before the host's;
-        after PROBE_AFTER rounds in a row one way, the other runs once (the load or the
-        machine may have changed). On a 2-core CPU the host's passes, which adapt their
-        length each round, gave tokens faster; on a GPU a round trip costs steps."""
+        their tokens). Each is measured first, the host's passes before the loop (they
+        measure the widths the loop chooses among); after PROBE_AFTER rounds in a row
+        one way, the other runs once (the load or the machine may have changed)."""
         loop, host = (self.seconds(way_kind(n, d)) for d in (True, False))
         if loop is None or host is None:
-            return loop is None
+            return host is not None
         choice = loop <= host
         self.streak = self.streak + 1 if choice == self.way else 1
         self.way = choice

@@ -254,21 +254,22 @@ def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
 
 
 def test_the_round_rule_loops_on_the_device_where_that_gives_tokens_faster():
-    """`RoundRule.on_device`: the device's loop is measured first, then the host's
-    passes; then the way of fewer seconds a token runs, and after PROBE_AFTER rounds in
-    a row one way, the other runs once."""
+    """`RoundRule.on_device`: the host's passes are measured first (they measure the
+    widths the loop chooses among), then the device's loop; then the way of fewer
+    seconds a token runs, and after PROBE_AFTER rounds in a row one way, the other runs
+    once."""
     rule = RoundRule()
     ways = []
     for _ in range(SAMPLES):
         ways.append(rule.on_device(2))
-        rule.saw(way_kind(2, True), 2.0)  # seconds a token
+        rule.saw(way_kind(2, False), 1.0)  # seconds a token
     for _ in range(SAMPLES):
         ways.append(rule.on_device(2))
-        rule.saw(way_kind(2, False), 1.0)
-    assert ways == [True] * SAMPLES + [False] * SAMPLES
+        rule.saw(way_kind(2, True), 2.0)
+    assert ways == [False] * SAMPLES + [True] * SAMPLES
     got = [rule.on_device(2) for _ in range(2 * PROBE_AFTER + 2)]
     assert got == ([False] * PROBE_AFTER + [True]) * 2
-    assert rule.on_device(3)  # another row count is measured apart
+    assert not rule.on_device(3)  # another row count is measured apart
     for _ in range(RECENT):
         rule.saw(way_kind(2, True), 0.5)  # the loop got faster
     assert [rule.on_device(2) for _ in range(3)] == [True] * 3

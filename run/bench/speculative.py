@@ -38,7 +38,7 @@ import dataclasses
 
 from qwen3_spmd.pipeline import static_batch
 from qwen3_spmd.pipeline.draft_model import DraftModel
-from qwen3_spmd.pipeline.round_rule import RoundRule, Unmeasured
+from qwen3_spmd.pipeline.round_rule import RoundRule, Unmeasured, way_kind
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
 from qwen3_spmd.pipeline.verify import common_prefix
@@ -48,10 +48,12 @@ from qwen3_spmd.run.bench.measure import prompts_for, spread
 
 class DeviceLoops(RoundRule):
     """The round rule, but prompt lookup's rounds loop on the device whenever they can
-    (`pipeline.spec_loop`): what the loop alone gives."""
+    (`pipeline.spec_loop`) once the host's passes have been measured as the rule
+    measures them first (the loop chooses its widths by their seconds): what the loop
+    alone gives."""
 
     def on_device(self, n: int) -> bool:
-        return True
+        return self.seconds(way_kind(n, False)) is not None
 
 
 @dataclasses.dataclass(frozen=True)
