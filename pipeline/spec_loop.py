@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline import ngram
+from qwen3_spmd.pipeline.round_rule import PRIOR_DRAFTS
 from qwen3_spmd.pipeline.sampling import (
     RowSampling,
     Sampling,
@@ -84,8 +85,9 @@ class LoopInputs(NamedTuple):
     sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
     context: jax.Array  # [B, H] int32: the row's tokens so far (prompt, then output)
     length: jax.Array  # [B] int32: how many of them
-    # [B] float32: the fraction of the row's drafts expected kept (`RoundRule.fraction`)
-    kept_fraction: jax.Array
+    # [B + 1, 2] int32: each row's drafts and kept drafts so far (its Pace's), then all
+    # rows' (the round rule's): the fractions kept, `RoundRule.fraction`, start from them
+    so_far: jax.Array
     # [len(widths)] float32: the measured seconds of a pass of each width over the
     # rows (of width 1: a plain step's; 0: unmeasured), `RoundRule.seconds`
     pass_seconds: jax.Array
@@ -111,7 +113,7 @@ class LoopInputs(NamedTuple):
             greedy,
             np.zeros((rows, H), np.int32),
             none,
-            np.zeros(rows, np.float32),
+            np.zeros((rows + 1, 2), np.int32),
             np.zeros(widths, np.float32),
             np.zeros((rows, 3), np.int32),
             np.int32(1),
@@ -162,6 +164,13 @@ def pace_after(pace, drafted, kept, tokens, k_max: int, max_wait: int):
     wait_until = jnp.where(missed, tokens + wait, wait_until)
     k = jnp.where(drew, jnp.where(missed, 1, jnp.minimum(k_max, 2 * kept)), k)
     return jnp.stack([k, misses, wait_until], axis=1)
+
+
+def kept_fraction(row, every):
+    """`RoundRule.fraction` for many rows, in jnp: row [R, 2] int32 (each row's drafts,
+    and those kept), every [2] (all rows') -> [R] float32."""
+    overall = jnp.where(every[0] > 0, every[1] / jnp.maximum(every[0], 1), 1.0)
+    return (row[:, 1] + PRIOR_DRAFTS * overall) / (row[:, 0] + PRIOR_DRAFTS)
 
 
 def choose_width(d, f, runs, widths, seconds):
@@ -316,7 +325,15 @@ def build_spec_loop(
                 d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
                 runs_next = ran & (room >= 0)
                 d = jnp.where(runs_next, d, 0)
-                f = rows(inputs.kept_fraction, row0, Bg)
+                # Fractions kept as the host's rule would read them now: the chunk's
+                # passes so far count, this one's included.
+                this = jnp.stack([jnp.where(ran, drafted, 0), kept], axis=1)  # [Bg, 2]
+                row_so_far = rows(inputs.so_far, row0, Bg) + jnp.stack(
+                    [old.drafted, old.kept], axis=1
+                )
+                every = jnp.stack([carry.out.drafted, carry.out.kept], axis=1)  # [B, 2]
+                all_so_far = inputs.so_far[-1] + jnp.sum(every, axis=0) + jnp.sum(this, axis=0)
+                f = kept_fraction(row_so_far + this, all_so_far)
                 cut = width_of[choose_width(d, f, runs_next, width_of, inputs.pass_seconds)]
                 count_next = jnp.where(runs_next, jnp.minimum(1 + d, cut), 0)
                 meta_next = jnp.concatenate(

@@ -386,7 +386,8 @@ class Speculator:
         tokens = np.zeros((n, T), np.int32)
         step, count, limit, prompt_slots, length, reach = (np.zeros(n, np.int32) for _ in range(6))
         context = np.zeros((n, H), np.int32)
-        fraction = np.zeros(n, np.float32)
+        so_far = np.zeros((n + 1, 2), np.int32)
+        so_far[n] = self.rule.drafted, self.rule.kept
         pace = np.zeros((n, 3), np.int32)
         per_row = [(Sampling(), 0, 0)] * n
         for b in live:
@@ -397,11 +398,11 @@ class Speculator:
             count[b] = len(feed)
             limit[b] = row.request.params.max_new_tokens - 1
             prompt_slots[b] = row.prompt_slots
-            so_far = row.request.prompt + tuple(row.generated)
-            context[b, : len(so_far)] = so_far
-            length[b] = len(so_far)
+            tokens_so_far = row.request.prompt + tuple(row.generated)
+            context[b, : len(tokens_so_far)] = tokens_so_far
+            length[b] = len(tokens_so_far)
             reach[b] = min(row.steps_left, rounds * T)
-            fraction[b] = self.rule.fraction(row.pace.drafted, row.pace.kept)
+            so_far[b] = row.pace.drafted, row.pace.kept
             pace[b] = row.pace.k, row.pace.misses, row.pace.wait_until
             per_row[b] = row_sampling(row.request)
         book.list_ahead(step, reach, prompt_slots, n)
@@ -415,7 +416,7 @@ class Speculator:
             sampling=RowSampling.stack(per_row),
             context=context,
             length=length,
-            kept_fraction=fraction,
+            so_far=so_far,
             pass_seconds=self._pass_seconds(n),
             pace=pace,
             rounds=np.int32(rounds),

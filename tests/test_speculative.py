@@ -14,6 +14,7 @@ layers over four stages), 1x2, 2x2 and 1x1x2.
 
 import dataclasses
 import json
+import math
 
 import jax
 import numpy as np
@@ -42,6 +43,7 @@ from qwen3_spmd.pipeline.round_rule import (
 )
 from qwen3_spmd.pipeline.rowbook import RowBook
 from qwen3_spmd.pipeline.sampling import Sampling
+from qwen3_spmd.pipeline.shapes import VerifyShape
 from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
 from qwen3_spmd.pipeline.speculative import MAX_WAIT, Pace, Speculator, ladder
 from qwen3_spmd.run.cli import main
@@ -300,6 +302,20 @@ def test_the_device_chooses_a_rounds_width_as_the_round_rule_does():
     assert chose == set(widths.tolist())  # every width was chosen somewhere
 
 
+def test_the_device_reads_kept_fractions_as_the_round_rule_does():
+    """`spec_loop.kept_fraction` against `RoundRule.fraction`, before any pass and
+    after some."""
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 40, (16, 2))
+    rows[:, 1] = np.minimum(rows[:, 1], rows[:, 0])
+    for every in ((0, 0), (30, 12), (7, 7)):
+        rule = RoundRule()
+        rule.passed(*every)
+        got = np.asarray(spec_loop.kept_fraction(rows, np.array(every)))
+        want = [rule.fraction(int(d), int(k)) for d, k in rows]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain):
     """The round rule in the executor's rounds: with passes measured as dear, every
     round decodes a plain chunk though the oracle drafts (fewer rounds than
@@ -416,7 +432,7 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
 # tokens), so prompt lookup's drafts are kept often, and refused where a loop starts
 # or ends; its sampled runs repeat themselves less.
 LOOPING = [[33], [22], [126, 120, 8]]
-LOOP_NEW = 64
+LOOP_NEW = 40
 LOOKUP = SpeculativeConfig(3, "ngram", 2, 1)
 
 
@@ -449,49 +465,39 @@ def looping(engines):
 def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S, C, X, how):
     """ngram's rounds run as loops on the device (`pipeline.spec_loop`: draft, verify,
     accept and carry back with no host between passes) and give plain decoding's
-    tokens, with drafts kept and refused."""
+    tokens, with drafts kept and refused. The loop compiles ahead beside its pass
+    (`Speculator.compile`, what serve runs in the background): the run compiles none."""
     engine = engines(S, C, X)
-    loops = []
+    rounds = []
     run_loop = Speculator._loop
     monkeypatch.setattr(
-        Speculator, "_loop", lambda self, *a: loops.append(a[-1]) or run_loop(self, *a)
+        Speculator, "_loop", lambda self, *a: rounds.append(a[-1]) or run_loop(self, *a)
     )
-    engine.speculator = Speculator(engine, LOOKUP)
-    try:
-        sampling = SAMPLED if how == "sampled" else Sampling()
-        out = static_batch.generate(
-            engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False
-        )
-        assert [c.token_ids for c in out.completions] == looping[how]
-        m = engine.speculator.metrics
-    finally:
-        engine.speculator = None
-    assert loops and max(loops) > 1  # loops of several rounds ran
-    assert 0 < m.accepted_tokens < m.draft_tokens
-
-
-def test_loops_compile_ahead_beside_their_passes(engines, looping):
-    """With prompt lookup, `Speculator.compile` (what serve runs in the background)
-    compiles each pass length's loop of rounds too: a run over as many rows then
-    compiles no loop program."""
-    engine = engines(1, 1, 1)
-    engine.speculator = spec = Speculator(engine, LOOKUP)
+    spec = engine.speculator = Speculator(engine, LOOKUP)
 
     def loops() -> set[str]:
         return {name for name in engine.programs.compiled if name.startswith("spec_loop ")}
 
     try:
+        groups = engine.groups_for(len(LOOPING))
+        unit = math.lcm(engine.M, groups)
+        B = -(-len(LOOPING) // unit) * unit  # static_batch's rows
         before = loops()
-        for shape in spec.shapes([2]):
-            if not shape.sampled:  # the load below is greedy
-                spec.compile(shape, 2, 1, announce=False)
+        T = 1 + LOOKUP.num_speculative_tokens
+        spec.compile(VerifyShape(B, T, how == "sampled", False), B, groups, announce=False)
         ahead = loops()
         assert len(ahead - before) == 1  # one loop, its widths those of the ladder
-        out = static_batch.generate(engine, LOOPING[:2], LOOP_NEW, with_logits=False)
-        assert [c.token_ids for c in out.completions] == looping["greedy"][:2]
+        sampling = SAMPLED if how == "sampled" else Sampling()
+        out = static_batch.generate(
+            engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False
+        )
+        assert [c.token_ids for c in out.completions] == looping[how]
         assert loops() == ahead
+        m = spec.metrics
     finally:
         engine.speculator = None
+    assert rounds and max(rounds) > 1  # loops of several rounds ran
+    assert 0 < m.accepted_tokens < m.draft_tokens
 
 
 def test_no_drafts_while_more_rows_are_busy_than_disable_by_batch_size(engines):
