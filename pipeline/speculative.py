@@ -50,8 +50,9 @@ fractions and the rounds' measured times.
 With prompt lookup, a round whose chunk spans several passes loops on the device
 (`pipeline.spec_loop`): the last stage accepts, looks up the next drafts and sends
 them back to stage 0 itself, and the host books the chunk's tokens at its end. The
-host's drafts start it, the rule's pass length holds through it.
-"""
+host's drafts start it; the last stage paces the rows and chooses each later round's
+width as the host would. Whether a round loops or runs one pass is measured too
+(`RoundRule.on_device`)."""
 
 from __future__ import annotations
 
