@@ -384,37 +384,30 @@ class Speculator:
         live = sorted(proposal.tokens)
         H = eng.max_seq_len
         T = self._widths()[-1]
-        tokens = np.zeros((n, T), np.int32)
-        step, count, limit, prompt_slots, length, reach = (np.zeros(n, np.int32) for _ in range(6))
+        feed = _feed(book, n, proposal.tokens, T)
+        limit, length, reach = (np.zeros(n, np.int32) for _ in range(3))
         context = np.zeros((n, H), np.int32)
         so_far = np.zeros((n + 1, 2), np.int32)
         so_far[n] = self.rule.drafted, self.rule.kept
         pace = np.zeros((n, 3), np.int32)
-        per_row = [(Sampling(), 0, 0)] * n
         for b in live:
             row = book.rows[b]
-            feed = [row.generated[-1], *proposal.tokens[b]]
-            tokens[b, : len(feed)] = feed
-            step[b] = len(row.generated) - 1  # decode step j feeds token j
-            count[b] = len(feed)
             limit[b] = row.request.params.max_new_tokens - 1
-            prompt_slots[b] = row.prompt_slots
             tokens_so_far = row.request.prompt + tuple(row.generated)
             context[b, : len(tokens_so_far)] = tokens_so_far
             length[b] = len(tokens_so_far)
             reach[b] = min(row.steps_left, rounds * T)
             so_far[b] = row.pace.drafted, row.pace.kept
             pace[b] = row.pace.k, row.pace.misses, row.pace.wait_until
-            per_row[b] = row_sampling(row.request)
-        book.list_ahead(step, reach, prompt_slots, n)
+        book.list_ahead(feed.step, reach, feed.prompt_slots, n)
         inputs = LoopInputs(
-            tokens=tokens,
-            count=count,
-            step=step,
+            tokens=feed.tokens,
+            count=feed.count,
+            step=feed.step,
             offset=book.lengths[:n].astype(np.int32),
             limit=limit,
-            prompt_slots=prompt_slots,
-            sampling=RowSampling.stack(per_row),
+            prompt_slots=feed.prompt_slots,
+            sampling=feed.sampling,
             context=context,
             length=length,
             so_far=so_far,
@@ -431,12 +424,7 @@ class Speculator:
         )
         out = jax.tree.map(np.asarray, out)
         clock.decode_s += watch.seconds()
-        acc = executor.accounting
-        acc.row_steps += book.B * rounds
-        ticks = decode_ticks(book.groups, eng.stages, rounds)
-        acc.decode_ticks += ticks
-        acc.verify_ticks += ticks
-        acc.verify_positions += ticks * T
+        _count_passes(executor, eng.stages, rounds, T)
         updates = []
         for b in live:
             row = book.rows[b]
@@ -450,12 +438,7 @@ class Speculator:
             pace.k, pace.misses, pace.wait_until = map(int, out.pace[b])
             pace.drafted += drafted
             pace.kept += kept
-            update = book.extend(b, made)
-            if update.finish_reason is None:
-                book.roll_back(b)
-            acc.busy_row_steps += len(update.tokens)
-            acc.early_ends += update.finish_reason == "stop"
-            updates.append(update)
+            updates.append(_extend(executor, b, made))
         return updates
 
     def verify(self, executor, n: int, proposal: Proposal) -> list[Update]:
@@ -468,28 +451,16 @@ class Speculator:
         drafts = proposal.tokens
         T = self._pass_length(proposal)
         live = sorted(drafts)
-        tokens = np.zeros((n, T), np.int32)
-        step = np.zeros(n, np.int32)
-        count = np.zeros(n, np.int32)  # an empty row runs nothing
-        prompt_slots = np.zeros(n, np.int32)
-        per_row = [(Sampling(), 0, 0)] * n
-        for b in live:
-            row = book.rows[b]
-            feed = [row.generated[-1], *drafts[b]]
-            tokens[b, : len(feed)] = feed
-            step[b] = len(row.generated) - 1  # decode step j feeds token j
-            count[b] = len(feed)
-            prompt_slots[b] = row.prompt_slots
-            per_row[b] = row_sampling(row.request)
-        book.list_ahead(step, count, prompt_slots, n)
+        feed = _feed(book, n, drafts, T)
+        book.list_ahead(feed.step, feed.count, feed.prompt_slots, n)
         constrained = proposal.allowed is not None
         inputs = VerifyInputs(
-            tokens=tokens,
-            positions=book.lengths[:n] + step,
-            step=step,
-            count=count,
-            prompt_slots=prompt_slots,
-            sampling=RowSampling.stack(per_row),
+            tokens=feed.tokens,
+            positions=book.lengths[:n] + feed.step,
+            step=feed.step,
+            count=feed.count,
+            prompt_slots=feed.prompt_slots,
+            sampling=feed.sampling,
             key_offset=np.zeros(n, np.int32),
             allowed=proposal.allowed[:, :T] if constrained else None,
         ).placed(eng.mesh)
@@ -507,12 +478,7 @@ class Speculator:
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
         clock.decode_s += watch.seconds()
-        acc = executor.accounting
-        acc.row_steps += book.B
-        ticks = decode_ticks(book.groups, eng.stages, 1)
-        acc.decode_ticks += ticks
-        acc.verify_ticks += ticks
-        acc.verify_positions += ticks * T
+        _count_passes(executor, eng.stages, 1, T)
         updates = []
         for b in live:
             d = drafts[b]
@@ -526,7 +492,7 @@ class Speculator:
                 row.pace.after(agreed, len(d), k, len(row.generated) + agreed + 1)
                 self.rule.passed(len(d), agreed)
             kept, done = executor.advance_along(request, out[b, : agreed + 1])
-            update = book.extend(b, kept, done)
+            update = _extend(executor, b, kept, done)
             if request.params.logprobs:  # each kept token's, as the pass computed it
                 update.logprobs = [
                     Logprob(
@@ -535,14 +501,62 @@ class Speculator:
                     )
                     for i in range(len(update.tokens))
                 ]
-            if update.finish_reason is None:
-                book.roll_back(b)
-            acc.busy_row_steps += len(update.tokens)
-            acc.early_ends += update.finish_reason == "stop"
             updates.append(update)
         # The round's time, its drafting (a draft model's), the pass and its bookkeeping.
         self.rule.saw(pass_kind(n, T), self._watch.seconds())
         return updates
+
+
+class Feed(NamedTuple):
+    """What a pass feeds rows 0..n-1 (host arrays): `tokens` [n, T], each live row's
+    newest token then its drafts; its decode `step` j [n] (step j feeds token j), the
+    `count` of its tokens [n] (0: an empty row, which runs nothing), its prompt's local
+    slots [n], its `sampling` (RowSampling of [n])."""
+
+    tokens: np.ndarray
+    step: np.ndarray
+    count: np.ndarray
+    prompt_slots: np.ndarray
+    sampling: RowSampling
+
+
+def _feed(book, n: int, drafts: dict[int, list[int]], T: int) -> Feed:
+    """The Feed of `book`'s rows 0..n-1 with their `drafts` ({b: drafts} of the live)."""
+    tokens = np.zeros((n, T), np.int32)
+    step, count, prompt_slots = (np.zeros(n, np.int32) for _ in range(3))
+    per_row = [(Sampling(), 0, 0)] * n
+    for b, d in drafts.items():
+        row = book.rows[b]
+        fed = [row.generated[-1], *d]
+        tokens[b, : len(fed)] = fed
+        step[b] = len(row.generated) - 1
+        count[b] = len(fed)
+        prompt_slots[b] = row.prompt_slots
+        per_row[b] = row_sampling(row.request)
+    return Feed(tokens, step, count, prompt_slots, RowSampling.stack(per_row))
+
+
+def _count_passes(executor, stages: int, passes: int, T: int) -> None:
+    """The executor's accounting after `passes` passes of T positions in a row (one
+    program's, scheduled as a decode chunk of as many steps)."""
+    acc, book = executor.accounting, executor.book
+    acc.row_steps += book.B * passes
+    ticks = decode_ticks(book.groups, stages, passes)
+    acc.decode_ticks += ticks
+    acc.verify_ticks += ticks
+    acc.verify_positions += ticks * T
+
+
+def _extend(executor, b: int, tokens, done: bool = False) -> Update:
+    """Row b's kept tokens booked (`RowBook.extend`), its slots past them unlisted
+    unless it ended, and the executor's counts of busy steps and early ends."""
+    book, acc = executor.book, executor.accounting
+    update = book.extend(b, tokens, done)
+    if update.finish_reason is None:
+        book.roll_back(b)
+    acc.busy_row_steps += len(update.tokens)
+    acc.early_ends += update.finish_reason == "stop"
+    return update
 
 
 def attach(engine: Engine, config, draft: Engine | None = None) -> Engine:
