@@ -44,6 +44,7 @@ from qwen3_spmd.pipeline.stage import (
     StageCache,
     Weights,
     cache_attend,
+    chunk_slot,
     from_device,
     on_last_stage,
     put_rows,
@@ -169,9 +170,7 @@ def build_decode(
 
         def slot_of(u):
             """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
-            runs = (u >= 0) & (u < busy) & (u % period < groups)
-            u = jnp.clip(u, 0, busy - 1)
-            return runs, jnp.minimum(u % period, groups - 1) * Bg, u // period
+            return chunk_slot(u, busy, period, groups, Bg)
 
         def tick(t, carry: DecodeCarry) -> DecodeCarry:
             # Stage 0 files the tokens the last stage sampled at tick t - 1.

@@ -59,6 +59,7 @@ from qwen3_spmd.pipeline.stage import (
     CACHE_SPECS,
     StageCache,
     Weights,
+    chunk_slot,
     from_device,
     on_last_stage,
     put_rows,
@@ -238,10 +239,9 @@ def build_spec_loop(
         busy = inputs.rounds * period
 
         def slot_of(u):
-            """Schedule slot u = t - s -> (runs a group?, its first row)."""
-            runs = (u >= 0) & (u < busy) & (u % period < groups)
-            u = jnp.clip(u, 0, busy - 1)
-            return runs, jnp.minimum(u % period, groups - 1) * Bg
+            """Schedule slot u = t - s -> (runs a group?, its first row): a round is a
+            decode chunk's step."""
+            return chunk_slot(u, busy, period, groups, Bg)[:2]
 
         def tick(t, carry: LoopCarry) -> LoopCarry:
             # Stage 0 files what the last stage sent at tick t - 1.

@@ -269,6 +269,15 @@ def when(
     return jnp.where(active, y, x), cache
 
 
+def chunk_slot(u, busy, period: int, groups: int, size: int):
+    """A decode chunk's schedule slot u = t - s (`pipeline.schedule`: period ticks a
+    step, `busy` = steps x period slots) -> (whether it runs a group, the group's first
+    row, groups of `size` rows; the chunk's step it runs)."""
+    runs = (u >= 0) & (u < busy) & (u % period < groups)
+    u = jnp.clip(u, 0, busy - 1)
+    return runs, jnp.minimum(u % period, groups - 1) * size, u // period
+
+
 def rows(x: jax.Array, start, size: int, axis: int = 0) -> jax.Array:
     """x[start : start + size] along `axis` (start may be traced)."""
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
