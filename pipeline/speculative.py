@@ -164,9 +164,6 @@ class Speculator:
         self.rule = RoundRule()  # pipeline.round_rule: a pass or a plain chunk
         self._watch = None  # since this round's drafting: its pass's time
         self._verify = JitTable()
-        # ngram's rounds run on the device while a chunk spans several passes
-        # (`pipeline.spec_loop`); False: one pass a round, the host drafting between.
-        self.on_device = True
 
     def takes(self, chunk: DecodeChunk, book) -> bool:
         """Whether this decode chunk may run as a verify round: no per-step logits are
@@ -333,9 +330,8 @@ class Speculator:
 
     def _loops(self) -> bool:
         """Whether rounds may run as loops on the device: the drafter is prompt lookup
-        (which the device runs too) and `on_device` is set."""
-        lookup = getattr(self.config, "method", None) == "ngram" and self.drafter is None
-        return self.on_device and lookup
+        (which the device runs too); whether they do is the round rule's."""
+        return getattr(self.config, "method", None) == "ngram" and self.drafter is None
 
     def _pass_length(self, proposal: Proposal) -> int:
         """T of the pass that carries `proposal`: 1 + the ladder's count for its longest."""

@@ -46,6 +46,13 @@ from qwen3_spmd.run.bench.jobs import decode_cache_len
 from qwen3_spmd.run.bench.measure import prompts_for, spread
 
 
+class HostRounds(RoundRule):
+    """The round rule, but every prompt lookup round runs one pass from the host."""
+
+    def on_device(self, n: int) -> bool:
+        return False
+
+
 class DeviceLoops(RoundRule):
     """The round rule, but prompt lookup's rounds loop on the device whenever they can
     (`pipeline.spec_loop`) once the host's passes have been measured as the rule
@@ -110,13 +117,13 @@ def speculative_job(engines, B: int, say) -> dict:
     rules = {name: RoundRule() for name in drafters}
     rules[itself_name] = Unmeasured()
     rules[device_loops] = DeviceLoops()
+    rules[host_rounds] = HostRounds()
     seen = {name: SpecMetrics() for name in drafters}  # every run's, for the acceptance
 
     def run(name) -> dict:
         drafter = drafters[name]
         spec.config, spec.drafter = drafter if isinstance(drafter, tuple) else (drafter, None)
         spec.metrics, spec.rule = SpecMetrics(), rules[name]
-        spec.on_device = name != host_rounds
         engine.speculator = spec if drafter is not None else None
         out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
         m = spec.metrics if drafter is not None else None
