@@ -116,6 +116,13 @@ class RoundRule:
         overall = self.kept / self.drafted if self.drafted else 1.0
         return (kept + PRIOR_DRAFTS * overall) / (drafted + PRIOR_DRAFTS)
 
+    def loop_rounds(self, steps: int, T: int) -> int:
+        """Rounds a loop on the device runs for a chunk the planner gave `steps` steps,
+        its first pass T wide: as many as those tokens are expected to take, a round
+        giving 1 + f (T - 1) (f: all rows' fraction of drafts kept), so a load whose
+        drafts are refused loops longer, not back to the host after a token or two."""
+        return -(-steps // max(1, round(1 + self.fraction(0, 0) * (T - 1))))
+
     def choose(self, n: int, rows: list[tuple[int, float]], lengths: list[int]) -> int:
         """The pass length T to run over n rows (1: a plain chunk). rows: each live
         row's (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may

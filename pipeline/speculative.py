@@ -312,7 +312,7 @@ class Speculator:
         live = sorted(proposal.tokens)
         rounds = min(
             MAX_ROUNDS,
-            -(-steps // T),
+            self.rule.loop_rounds(steps, T),
             max(book.rows[b].steps_left for b in live),  # each round gives a row a token
         )
         asks = any(book.rows[b].request.params.logprobs for b in live)

@@ -277,6 +277,18 @@ def test_the_round_rule_loops_on_the_device_where_that_gives_tokens_faster():
     assert [rule.on_device(2) for _ in range(3)] == [True] * 3
 
 
+def test_a_loop_runs_the_rounds_its_chunks_tokens_are_expected_to_take():
+    """`RoundRule.loop_rounds`: a round is expected to give 1 + f (T - 1) tokens, so a
+    chunk of 16 steps loops 2 passes of 9 while every draft is kept, more as fewer are."""
+    rule = RoundRule()
+    assert rule.loop_rounds(16, 9) == 2  # before any pass: every draft kept
+    rule.passed(drafted=8, kept=4)
+    assert rule.loop_rounds(16, 9) == 4  # 5 tokens a round
+    rule.passed(drafted=8, kept=0)
+    assert rule.loop_rounds(16, 9) == 6  # a quarter kept: 3 tokens a round
+    assert rule.loop_rounds(16, 1) == 16  # no drafts: a token a round
+
+
 def test_the_device_chooses_a_rounds_width_as_the_round_rule_does():
     """`spec_loop.choose_width` (a loop of rounds chooses each round's pass on the
     device) against `RoundRule.choose`, on random drafts, kept fractions and measured
