@@ -47,7 +47,8 @@ proposes. The round rule (`pipeline.round_rule`) runs the pass length, or the pl
 chunk, expected to give the most tokens a second by the rows' drafts, their kept
 fractions and the rounds' measured times.
 
-With prompt lookup, a round whose chunk spans several passes loops on the device
+With prompt lookup, a round whose chunk is expected to take several passes (by the
+fraction of drafts kept so far, `RoundRule.loop_rounds`) loops on the device
 (`pipeline.spec_loop`): the last stage accepts, looks up the next drafts and sends
 them back to stage 0 itself, and the host books the chunk's tokens at its end. The
 host's drafts start it; the last stage paces the rows and chooses each later round's
@@ -305,7 +306,7 @@ class Speculator:
         """The round over rows 0..n-1 of `executor`'s book with `proposal`'s drafts: one
         verify pass, or, where the drafter can run on the device (prompt lookup, no row
         asking log-probabilities or under a constraint) and the planner's chunk of
-        `steps` steps spans more than one pass, a loop of passes there
+        `steps` steps is expected to take more than one pass, a loop of passes there
         (`pipeline.spec_loop`), the proposal its first round's drafts."""
         T = self._pass_length(proposal)
         book = executor.book
