@@ -103,3 +103,18 @@ def test_hlo_kernels_counts_the_work_of_the_entry_and_each_loop_body(tmp_path):
         "(fusion 1, custom-call 1, all-reduce 1)",
         "    custom calls: __cublas$gemm 1",
     ]
+
+
+def test_lookup_replay_drafts_after_every_token_or_after_plain_chunks():
+    """The host's way decodes k + 1 plain steps after a lookup that found nothing; the
+    loop's looks up again a token later, so it drafts where the host's chunk ran."""
+    replay = load("lookup_replay").replay
+    prompt, tokens = [1, 2], [3, 1, 2, 3, 1, 2, 3]
+    # Host: [1, 2, 3] has no earlier n-gram; 3 plain steps, then [1, 2, 3] drafts [1, 2].
+    assert replay(prompt, tokens, 2, every_token=False) == {
+        "drafted": 2,
+        "kept": 2,
+        "passes": 1,
+    }
+    # Loop: after [.., 3, 1] it drafts [2, 3]; then one (the last token left) [2].
+    assert replay(prompt, tokens, 2, every_token=True) == {"drafted": 3, "kept": 3, "passes": 2}
