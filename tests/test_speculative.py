@@ -472,6 +472,7 @@ def looping(engines):
         (4, 1, 1, "greedy"),  # three groups over four stages: bubbles
         (2, 2, 1, "greedy"),  # each pass's K/V split over seq
         (1, 1, 2, "sampled"),  # the vocabulary split over tensor, rows drawn
+        (1, 1, 2, "greedy"),  # the greedy choice over a split vocabulary (greedy_split)
     ],
 )
 def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S, C, X, how):
