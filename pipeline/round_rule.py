@@ -124,26 +124,6 @@ class RoundRule:
         drafts are refused loops longer, not back to the host after a token or two."""
         return -(-steps // max(1, round(1 + self.fraction(0, 0) * (T - 1))))
 
-    def loop_seconds(self, n: int, widths: list[int]) -> list[float]:
-        """Each pass width's seconds over n rows (`widths` ascending from 1, a plain
-        step) for a loop on the device to choose among (`spec_loop.choose_width`),
-        which cannot measure a width itself: the measured median, else the line between
-        the nearest measured widths either side (a pass's cost grows about with its
-        width, less at small widths, so the line errs dear), else 0 (unknown: the loop
-        runs no wider)."""
-        kinds = [step_kind(n) if w == 1 else pass_kind(n, w) for w in widths]
-        got = [self.seconds(kind) for kind in kinds]
-        known = [(w, t) for w, t in zip(widths, got) if t is not None]
-        out = []
-        for w, t in zip(widths, got):
-            below = [(a, s) for a, s in known if a < w]
-            above = [(a, s) for a, s in known if a > w]
-            if t is None and below and above:
-                (a, s), (b, u) = below[-1], above[0]
-                t = s + (u - s) * (w - a) / (b - a)
-            out.append(t or 0.0)
-        return out
-
     def choose(self, n: int, rows: list[tuple[int, float]], lengths: list[int]) -> int:
         """The pass length T to run over n rows (1: a plain chunk). rows: each live
         row's (drafts d_b, kept fraction f_b); lengths: the pass lengths the drafts may

@@ -89,8 +89,8 @@ class LoopInputs(NamedTuple):
     # [B + 1, 2] int32: each row's drafts and kept drafts so far (its Pace's), then all
     # rows' (the round rule's): the fractions kept, `RoundRule.fraction`, start from them
     so_far: jax.Array
-    # [len(widths)] float32: the seconds of a pass of each width over the rows (of
-    # width 1: a plain step's; 0: unknown), `RoundRule.loop_seconds`
+    # [len(widths)] float32: the measured seconds of a pass of each width over the
+    # rows (of width 1: a plain step's; 0: unmeasured), `RoundRule.seconds`
     pass_seconds: jax.Array
     # [B, 3] int32: each row's `speculative.Pace` (k, misses, wait_until), which the
     # last stage keeps as the host does
@@ -178,18 +178,18 @@ def choose_width(d, f, runs, widths, seconds):
     """`RoundRule.choose` for a group's next round, in jnp: the index into `widths`
     ([W] int32, ascending from 1) of the pass to run, for rows' drafts d [R] (0 where
     none), kept fractions f [R] and running rows `runs` [R] bool, by the widths'
-    `seconds` [W] (`RoundRule.loop_seconds`; 0: unknown). Of the known widths up to the
+    measured `seconds` [W] (0: unmeasured). The drafts' own width while it is
+    unmeasured, then a step while that is; else, of the measured widths up to the
     drafts' own, the one of most expected tokens a second, sum over rows of
-    1 + f min(d, width - 1) (the narrowest of equals); a step while the step's seconds
-    are unknown. Unlike the host, the loop never runs a width to measure it (its rounds
-    are timed together, not each), and the host's probe after rounds of declined
-    drafts is the host's alone."""
+    1 + f min(d, width - 1) (the narrowest of equals). The host's probe after rounds of
+    declined drafts is the host's alone."""
     ask = jnp.searchsorted(widths, 1 + jnp.max(d))
     cut = jnp.minimum(d[None], widths[:, None] - 1)  # [W, R]
     tokens = jnp.sum(jnp.where(runs[None], 1 + f[None] * cut, 0), axis=1)  # [W]
     known = (seconds > 0) & (jnp.arange(widths.shape[0]) <= ask)
     rate = jnp.where(known, tokens / jnp.where(known, seconds, 1), -1.0)
-    return jnp.where(seconds[0] == 0, 0, jnp.argmax(rate))
+    best = jnp.argmax(rate)
+    return jnp.where(seconds[ask] == 0, ask, jnp.where(seconds[0] == 0, 0, best))
 
 
 def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.Array:

@@ -66,7 +66,7 @@ import numpy as np
 from qwen3_spmd.pipeline.draft_model import DraftModel
 from qwen3_spmd.pipeline.handles import Logprob
 from qwen3_spmd.pipeline.programs import JitTable, Stopwatch
-from qwen3_spmd.pipeline.round_rule import RoundRule, pass_kind, way_kind
+from qwen3_spmd.pipeline.round_rule import RoundRule, pass_kind, step_kind, way_kind
 from qwen3_spmd.pipeline.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.schedule import decode_ticks
@@ -369,9 +369,10 @@ class Speculator:
         )
 
     def _pass_seconds(self, n: int) -> np.ndarray:
-        """Each loop width's seconds over n rows (width 1: a plain step's; 0 where
-        unknown), as the round rule reckons them (`RoundRule.loop_seconds`)."""
-        return np.array(self.rule.loop_seconds(n, list(self._widths())), np.float32)
+        """Each loop width's measured seconds over n rows (width 1: a plain step's; 0
+        where unmeasured), as the round rule reads them."""
+        kinds = [pass_kind(n, w) if w > 1 else step_kind(n) for w in self._widths()]
+        return np.array([self.rule.seconds(kind) or 0.0 for kind in kinds], np.float32)
 
     def _loop(self, executor, n: int, proposal: Proposal, rounds: int) -> list[Update]:
         """`rounds` rounds of passes on the device, drafting between them there, the
