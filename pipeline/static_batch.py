@@ -53,6 +53,15 @@ def _timing(clock: Clock, prompt_tokens: int, new_tokens: int) -> dict:
     }
 
 
+def batch_rows(engine: Engine, n: int) -> tuple[int, int]:
+    """(rows, groups) of the batch `generate` runs for n prompts: n rounded up to a
+    multiple of both the microbatches and the decode groups (the rows past n are
+    padding)."""
+    groups = engine.groups_for(n)
+    unit = math.lcm(engine.M, groups)
+    return -(-n // unit) * unit, groups
+
+
 def generate(
     engine: Engine,
     prompts: list[list[int]],
@@ -85,9 +94,9 @@ def generate(
         if grammars is None:
             raise RequestError("a $constraint needs the model's grammars", "constraint")
         grammars.compile(constraint)
-    n, groups = len(prompts), engine.groups_for(len(prompts))
-    unit = math.lcm(engine.M, groups)
-    shape = PrefillShape(-(-n // unit) * unit, padded_length(max(map(len, prompts)), engine.C))
+    n = len(prompts)
+    rows, groups = batch_rows(engine, n)
+    shape = PrefillShape(rows, padded_length(max(map(len, prompts)), engine.C))
     params = Params(max_new_tokens, sampling, seed, tuple(eos_ids), constraint=constraint)
     requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
     # Rows past the prompts are copies of request 0 (its key too), dropped at the end.

@@ -14,7 +14,6 @@ layers over four stages), 1x2, 2x2 and 1x1x2.
 
 import dataclasses
 import json
-import math
 
 import jax
 import numpy as np
@@ -492,9 +491,7 @@ def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S
         return {name for name in engine.programs.compiled if name.startswith("spec_loop ")}
 
     try:
-        groups = engine.groups_for(len(LOOPING))
-        unit = math.lcm(engine.M, groups)
-        B = -(-len(LOOPING) // unit) * unit  # static_batch's rows
+        B, groups = static_batch.batch_rows(engine, len(LOOPING))
         before = loops()
         T = 1 + LOOKUP.num_speculative_tokens
         spec.compile(VerifyShape(B, T, how == "sampled", False), B, groups, announce=False)
