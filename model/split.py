@@ -6,7 +6,7 @@
   for its heads; one `psum` over `tensor` adds the partial outputs.
 - MLP: gate and up split by columns (F'/X), down by rows; one `psum`.
 - Embedding and lm_head by vocabulary rows (V'/X): the lookup takes a device's own
-  rows (zeros elsewhere) and a `psum`; the logits stay split (pipeline.sampling gathers
+  rows (zeros elsewhere) and a `psum`; the logits stay split (pipeline.programs.sampling gathers
   what its rule needs).
 - Experts: "tp" (the default) splits every expert's columns as the dense MLP's, so every
   device does 1/X of each chosen expert's work; "ep" gives each device E/X whole
@@ -115,7 +115,7 @@ class TensorSplit:
     def local(self, cfg: Qwen3Config) -> Qwen3Config:
         """The model as one device of the split sees it: N/X query heads, K'/X KV heads,
         F'/X columns, V'/X vocabulary rows, E/X experts ("ep") or the experts' F/X
-        columns ("tp"); for per-device costs (pipeline.cp_cost)."""
+        columns ("tp"); for per-device costs (pipeline.runtime.cp_cost)."""
         X = self.size
         moe = {}
         if cfg.has_sparse:

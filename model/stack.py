@@ -2,7 +2,7 @@
 merging one layer's slice of the NNX state back into a `DecoderLayer`.
 
 This is the single-device reference path (`forward`); a pipeline stage holds its layers
-as separate per-slot buffers instead and applies them with `pipeline.stage.run_stage`.
+as separate per-slot buffers instead and applies them with `pipeline.programs.stage.run_stage`.
 A padded (identity) layer is skipped with `lax.cond`.
 """
 

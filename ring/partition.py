@@ -63,7 +63,7 @@ def zigzag_blocks(seq_len: int, n: int, block: int) -> list[np.ndarray]:
     2n-1-c. Every device still does the same causal work, and a block's share sits at
     the same local slots (block j: slots [j*block/n, (j+1)*block/n)) whatever the
     sequence's length, which is what lets a prefix cache copy a block's K/V between
-    prompts (`pipeline.prefix`). block >= P is `zigzag`.
+    prompts (`pipeline.batch.prefix`). block >= P is `zigzag`.
 
     Returns: n int32 arrays of P/n positions each; padding positions are -1.
     """

@@ -8,7 +8,7 @@ line names the nearest real one and the subcommand's `--help`.
 
 Building the parser imports no JAX (no subcommand module imports it at its top, nor
 anything of the library that does): `--help` and flag errors answer before JAX would
-have loaded; tests/test_cli.py checks it.
+have loaded; tests/run/test_cli.py checks it.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import os
 import sys
 import traceback
 
-from qwen3_spmd.run import convert, generate, plan, ring_demo
+from qwen3_spmd.run import convert, generate, ring_demo
 from qwen3_spmd.run.bench import command as bench
 from qwen3_spmd.run.flags import CLIError, in_flags
 from qwen3_spmd.run.flags import size_cpu_threads as size_cpu_threads  # tests/conftest.py's
+from qwen3_spmd.run.plan import command as plan
 from qwen3_spmd.run.serve import command as serve
 
 SUBCOMMANDS = (generate, ring_demo, bench, convert, serve, plan)

@@ -77,7 +77,7 @@ class EngineArgs:
       own KV cache). The static batch of generate has no scheduler, so none of these.
     speculative_config (vLLM's flag and keys): speculative decoding, JSON text or a
       mapping, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
-      4} (`pipeline.spec_config`); decode rounds then run as verify rounds, with
+      4} (`pipeline.speculative.config`); decode rounds then run as verify rounds, with
       the same tokens. None: plain decoding.
     compile_cache: a folder for compiled programs, reused by later runs of the same
       shapes; "off" (None: $QWEN3_SPMD_COMPILE_CACHE, else ~/.cache/qwen3-spmd/xla).
@@ -248,7 +248,7 @@ class EngineArgs:
                 f"--no-enable-prefix-caching and --prefix-cache-mib {self.prefix_cache_mib} "
                 "disagree: give one"
             )
-        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig, SpeculativeConfigError
+        from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
         try:
             SpeculativeConfig.parse(self.speculative_config)
@@ -351,21 +351,21 @@ class EngineArgs:
         """The Engine of these settings on `mesh` (the one place an Engine is built from
         them). door: what a door adds that is not a setting (on_compile; bench: cp per
         run, dtype and the measured rates)."""
-        from qwen3_spmd.pipeline import speculative
-        from qwen3_spmd.pipeline.engine import Engine
-        from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
+        from qwen3_spmd.pipeline.runtime.engine import Engine
+        from qwen3_spmd.pipeline.speculative import speculator
+        from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 
         kwargs = {**self.engine_kwargs(max_seq_len), **door}
         engine = Engine(spec_cfg, source, mesh, **kwargs)
         spec = SpeculativeConfig.parse(self.speculative_config)
-        return speculative.attach(engine, spec, self._draft(spec, engine, kwargs))
+        return speculator.attach(engine, spec, self._draft(spec, engine, kwargs))
 
     def _draft(self, spec, engine, kwargs: dict):
         """The draft model of `spec` (a SpeculativeConfig of method draft_model; else
         None): opened as the main model is, on the same mesh with the same settings
-        (`pipeline.draft_model`)."""
+        (`pipeline.speculative.draft_model`)."""
         from qwen3_spmd.model.config import ConfigError
-        from qwen3_spmd.pipeline.engine import Engine
+        from qwen3_spmd.pipeline.runtime.engine import Engine
         from qwen3_spmd.run.models import open_model
 
         if spec is None or spec.method != "draft_model":
@@ -404,7 +404,7 @@ class EngineArgs:
         """The continuous-batching Scheduler over `engine` with these settings (door:
         what a door adds that is not a setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
-        from qwen3_spmd.pipeline.scheduler import Scheduler
+        from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 
         try:
             return Scheduler(
@@ -446,7 +446,7 @@ class EngineArgs:
     def build(self, mesh=None) -> Built:
         """Everything at once, in one process: started, the model opened, its weights on
         the mesh (or on `mesh`, a jax Mesh given as it is), the scheduler over them."""
-        from qwen3_spmd.pipeline.constraints import Grammars
+        from qwen3_spmd.pipeline.structured.constraints import Grammars
 
         runtime = self.start()
         spec = self.open_model()
@@ -481,8 +481,8 @@ class Runtime:
 class Built:
     runtime: Runtime
     spec: object  # run.models.ModelSpec
-    engine: object  # pipeline.engine.Engine
-    scheduler: object  # pipeline.scheduler.Scheduler
+    engine: object  # pipeline.runtime.engine.Engine
+    scheduler: object  # pipeline.scheduling.scheduler.Scheduler
 
 
 def _flag(name: str) -> str:

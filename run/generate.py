@@ -122,13 +122,15 @@ class _Job:
     prompts: list[list[int]]
     demo: bool
     dtype_name: str
-    sampling: object  # pipeline.sampling.Sampling
+    sampling: object  # pipeline.programs.sampling.Sampling
     max_seq_len: int
     eos: tuple[int, ...]
     mesh: object  # jax.sharding.Mesh
     unused_devices: int  # devices this process sees that the mesh leaves out
-    constraint: object = None  # pipeline.constraints.Constraint: --json-schema, --regex, --choice
-    grammars: object = None  # pipeline.constraints.Grammars, with a constraint
+    constraint: object = (
+        None  # pipeline.structured.constraints.Constraint: --json-schema, --regex, --choice
+    )
+    grammars: object = None  # pipeline.structured.constraints.Grammars, with a constraint
 
 
 def _run(args, engine_args: EngineArgs, runtime) -> int:
@@ -166,9 +168,9 @@ def _job(args, engine_args: EngineArgs, runtime) -> _Job:
     import jax
 
     from qwen3_spmd.model.split import TensorSplit
-    from qwen3_spmd.pipeline import cp_cost
+    from qwen3_spmd.pipeline.programs.sampling import Sampling
     from qwen3_spmd.pipeline.requests import check_request, fitting_seq_len
-    from qwen3_spmd.pipeline.sampling import Sampling
+    from qwen3_spmd.pipeline.runtime import cp_cost
 
     procs, shape = runtime.procs, runtime.shape
     dtype = engine_args.dtype_name()
@@ -282,7 +284,7 @@ def _mesh_line(job: _Job, procs) -> str:
 
 def _report(args, job: _Job, engine, out, procs, cache) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
-    from qwen3_spmd.pipeline import traffic
+    from qwen3_spmd.run import traffic
 
     cfg, mesh = job.spec.cfg, job.mesh
     S, C, X = mesh.shape["stage"], mesh.shape["seq"], mesh.shape["tensor"]
@@ -354,8 +356,9 @@ def _check_single_device(args, engine_args: EngineArgs, job: _Job, out) -> dict:
     """--check: the same requests on one device; do the tokens and logits agree?"""
     import jax
 
-    from qwen3_spmd.pipeline import static_batch, traffic
     from qwen3_spmd.pipeline.requests import key_seed
+    from qwen3_spmd.pipeline.scheduling import static_batch
+    from qwen3_spmd.run import traffic
     from qwen3_spmd.sharding.mesh import make_mesh
 
     # The same settings on one device: one microbatch and group, ring (nothing to split).
@@ -392,7 +395,7 @@ def _write_logits(path: str, logits) -> None:
 
 
 def _timelines(engine, layout: dict) -> tuple[str, str]:
-    from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid, timeline
+    from qwen3_spmd.pipeline.programs.schedule import decode_grid, prefill_grid, timeline
 
     steps = min(layout["chunk"], max(layout["decode_steps"], 1))
     return (
@@ -403,7 +406,7 @@ def _timelines(engine, layout: dict) -> tuple[str, str]:
 
 def _cp_report(layout: dict, timing: dict) -> dict:
     """The strategy prefill ran along `seq`, the bytes it moved per device (cost model,
-    pipeline.cp_cost) and the model's time next to the measured one."""
+    pipeline.runtime.cp_cost) and the model's time next to the measured one."""
     chosen = layout["cp"][layout["cp_strategy"]]
     return {
         "cp_strategy": layout["cp_strategy"],
@@ -416,7 +419,7 @@ def _cp_report(layout: dict, timing: dict) -> dict:
 def _constraint(args):
     """The structured output --json-schema, --regex or --choice asks for (one at most),
     or None."""
-    from qwen3_spmd.pipeline.constraints import Constraint
+    from qwen3_spmd.pipeline.structured.constraints import Constraint
 
     given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f) is not None]
     if len(given) > 1:
@@ -440,7 +443,7 @@ def _constraint(args):
 def _grammars(constraint, text, vocab: int, eos: tuple[int, ...]):
     """The grammar engine for `constraint` (compiled now, before any weight is loaded),
     or None without one."""
-    from qwen3_spmd.pipeline.constraints import ConstraintError, Grammars
+    from qwen3_spmd.pipeline.structured.constraints import ConstraintError, Grammars
 
     if constraint is None:
         return None
@@ -461,8 +464,8 @@ def _generate(engine, args, prompts, sampling, eos, stream, job=None):
 
     import jax
 
-    from qwen3_spmd.pipeline import static_batch
     from qwen3_spmd.pipeline.requests import key_seed
+    from qwen3_spmd.pipeline.scheduling import static_batch
 
     # Per-step logits only when something reads them (--logits-out, --check).
     with_logits = bool(args.logits_out or args.check)
@@ -569,7 +572,7 @@ class _DoneStreamer:
     id, or --max-new-tokens), in the order they finish."""
 
     def __init__(self, text, progress, prompts, max_new_tokens: int, eos):
-        from qwen3_spmd.pipeline.handles import Params
+        from qwen3_spmd.pipeline.batch.handles import Params
 
         self.text, self.progress, self.prompts = text, progress, prompts
         self.params = Params(max_new_tokens, eos_ids=tuple(eos))

@@ -9,7 +9,7 @@
 vLLM's `LLM` + `SamplingParams`, over this project's pieces: `run.models.open_model`
 resolves the model (a Hugging Face or orbax checkpoint folder, or a preset with seeded
 random weights), `run.text.Text` tokenizes and renders the chat template, and every
-prompt goes to one continuous-batching `pipeline.scheduler.Scheduler` over an
+prompt goes to one continuous-batching `pipeline.scheduling.scheduler.Scheduler` over an
 `Engine`, so prompts of different lengths and budgets share the decode rows, and
 requests submitted later (`submit`) join the running ones. Prompt i of a `generate`
 call samples with key (seed, i, step), as in `static_batch.generate`: the same tokens.
@@ -26,10 +26,10 @@ import numbers
 import re
 import string
 
-from qwen3_spmd.pipeline.handles import Handle, Params, prompt_positions
-from qwen3_spmd.pipeline.handles import Logprob as TokenLogprob
+from qwen3_spmd.pipeline.batch.handles import Handle, Params, prompt_positions
+from qwen3_spmd.pipeline.batch.handles import Logprob as TokenLogprob
+from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
-from qwen3_spmd.pipeline.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
 
@@ -68,7 +68,7 @@ class StructuredOutputsParams:
 
     def constraint(self):
         """The engine's `Constraint` (from the first token)."""
-        from qwen3_spmd.pipeline.constraints import Constraint
+        from qwen3_spmd.pipeline.structured.constraints import Constraint
 
         if self.json_object:
             return Constraint.json_schema({"type": "object"})
@@ -316,7 +316,7 @@ class LLM:
     def _queue(self, ids: list[int], sampling: SamplingParams, index: int) -> Handle:
         """submit, running rounds while the scheduler's queue is full: a batch larger
         than max_batch + max_queue goes in as rows free up."""
-        from qwen3_spmd.pipeline.scheduler import QueueFull
+        from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull
 
         while True:
             try:

@@ -93,7 +93,7 @@ def place_params(
     Args:
       abstract_state: state of ShapeDtypeStructs with stacked layers [L, ...].
       plan: the stage plan; each layer leaf becomes a tuple of L_pad / S per-slot arrays
-        [S, ...] sharded P('stage') (slot j of every stage: see pipeline.stage.run_stage),
+        [S, ...] sharded P('stage') (slot j of every stage: see pipeline.programs.stage.run_stage),
         zeros in identity slots.
       source: its `cfg` gives the checkpoint's sizes.
       split: the tensor split (model.split): each parameter's `tensor` axis (by

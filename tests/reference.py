@@ -9,7 +9,8 @@ import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
 
-FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+FIXTURES = ROOT / "tests" / "fixtures"
 TINY = FIXTURES / "tiny"
 
 

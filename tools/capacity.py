@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from qwen3_spmd.pipeline import static_batch
-    from qwen3_spmd.pipeline.engine import Engine
+    from qwen3_spmd.pipeline.runtime.engine import Engine
+    from qwen3_spmd.pipeline.scheduling import static_batch
     from qwen3_spmd.run.models import open_model
     from qwen3_spmd.sharding.mesh import make_mesh
 

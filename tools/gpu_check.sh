@@ -59,7 +59,7 @@ $PY -c 'import qwen3_spmd.run.cli, fastapi' || exit 1
 if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
     platform=cpu model=tiny sizes=(--smoke) fp8_sizes=(--smoke) spec=(--smoke) structured=(--smoke)
     moe=(--rows 1 --repeat 1 --experts 16)
-    tests=(tests/test_rope.py tests/test_ring_merge.py)
+    tests=(tests/model/test_rope.py tests/ring/test_ring_merge.py)
 else
     platform=cuda model=0.6B
     sizes=(--prompt-lens 128,512,2048,8192 --batches 1,8,32 --repeats 3)
@@ -69,9 +69,9 @@ else
     structured=(--serve-requests 2 --serve-prompt-lens 16,128 --serve-output-lens 16,64)
     moe=(--rows 1,8,512 --repeat 5)
     # The tests that need one device; a mesh's tests need as many as it has.
-    tests=(tests/test_model.py tests/test_rope.py tests/test_ring_merge.py tests/test_sampling.py
-        tests/test_ring_attention.py::test_prompt_attention_is_block_attention_on_real_rows
-        tests/test_fp8.py tests/test_speculative.py
+    tests=(tests/model/test_model.py tests/model/test_rope.py tests/ring/test_ring_merge.py tests/pipeline/programs/test_sampling.py
+        tests/ring/test_ring_attention.py::test_prompt_attention_is_block_attention_on_real_rows
+        tests/model/test_fp8.py tests/pipeline/speculative/test_speculative.py
         -k "not 2x and not x2 and not 4x and not x4 and not 2-1-1 and not 1-2-1 and not 1-1-2 and not through_orbax and not one_byte_on")
 fi
 bench=($PY -m qwen3_spmd.run bench --dtype bfloat16 --json)

@@ -1,5 +1,5 @@
 """Prompt lookup replayed on a greedy run's tokens: how many drafts it proposes and keeps
-when it looks up after every token (the device's loop of rounds, `pipeline.spec_loop`)
+when it looks up after every token (the device's loop of rounds, `pipeline.speculative.loop`)
 and when a round that finds nothing decodes k + 1 plain steps before it looks again
 (the host's rounds, `Speculator.plain_steps`).
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from qwen3_spmd.pipeline.ngram import propose
-from qwen3_spmd.pipeline.speculative import Pace
+from qwen3_spmd.pipeline.speculative.ngram import propose
+from qwen3_spmd.pipeline.speculative.speculator import Pace
 
 
 def replay(prompt: list[int], tokens: list[int], k: int, every_token: bool) -> dict:

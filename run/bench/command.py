@@ -24,7 +24,7 @@ Scenarios (--scenario, repeatable; default all but peer):
             Qwen3's vocabulary).
 Every --mesh runs each job, once per --cp strategy where C > 1 (the seq attention:
 ring, ulysses or auto; each prefill job then reports the bytes each device received
-along seq and pipeline.cp_cost's predicted time next to the measured one; roofline then
+along seq and pipeline.runtime.cp_cost's predicted time next to the measured one; roofline then
 also measures ppermute and all-to-all bandwidth over the seq devices, which the
 prediction uses); 1x1 always runs too and each other mesh reports its time
 ratio against it (mesh / 1x1, same job, same process). Each job compiles first (timed
@@ -329,8 +329,8 @@ def _meshes(args) -> list:
 def _cps(args, cfg, meshes) -> list[str]:
     """The --cp strategies (default ring), each checked against every mesh first."""
     from qwen3_spmd.model.split import TensorSplit
-    from qwen3_spmd.pipeline import cp_cost
     from qwen3_spmd.pipeline.requests import RequestError
+    from qwen3_spmd.pipeline.runtime import cp_cost
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
     for m in meshes:
@@ -475,7 +475,7 @@ def _scenarios(args, meshes) -> set[str]:
 def _grammars(spec):
     """The structured scenario's grammar engine on the model's tokenizer, or on Qwen3's
     (shipped with the package) for a preset with Qwen3's vocabulary; None: neither."""
-    from qwen3_spmd.pipeline.constraints import Grammars
+    from qwen3_spmd.pipeline.structured.constraints import Grammars
     from qwen3_spmd.run import qwen_tokenizer
     from qwen3_spmd.run.text import Text
 

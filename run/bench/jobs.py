@@ -7,10 +7,10 @@ from __future__ import annotations
 import gc
 
 from qwen3_spmd.model.cache import KVCache
-from qwen3_spmd.pipeline import traffic
-from qwen3_spmd.pipeline.engine import Engine
+from qwen3_spmd.pipeline.programs.schedule import decode_grid, prefill_grid
 from qwen3_spmd.pipeline.requests import fitting_seq_len
-from qwen3_spmd.pipeline.schedule import decode_grid, prefill_grid
+from qwen3_spmd.pipeline.runtime.engine import Engine
+from qwen3_spmd.run import traffic
 from qwen3_spmd.run.bench.measure import (
     PlacedSource,
     all_reduce_time,
@@ -264,7 +264,7 @@ def run_mesh(
     `cp` says. `engines` (kept by the caller to reuse the compiled programs later, as
     the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
     named in the entry's mesh label ("1x4 ulysses"). grammars: the model's
-    (`pipeline.constraints.Grammars`) for the structured scenario; None: skipped."""
+    (`pipeline.structured.constraints.Grammars`) for the structured scenario; None: skipped."""
     shape = MeshShape(*mesh.devices.shape)
     label = str(shape) if cp == "ring" else f"{shape} {cp}"
     say(f"mesh {label}:")

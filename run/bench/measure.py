@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline import static_batch
+from qwen3_spmd.pipeline.scheduling import static_batch
 
 
 def spread(samples: Sequence[float]) -> dict:

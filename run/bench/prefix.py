@@ -22,8 +22,8 @@ import time
 import jax
 import numpy as np
 
-from qwen3_spmd.pipeline.handles import Params
-from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.pipeline.batch.handles import Params
+from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 from qwen3_spmd.run.bench.serve import _loop_requests, closed_loop, finished_figures
 
 SHARED_REQUESTS, USER_TURN = 16, (16, 64)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from qwen3_spmd.pipeline.layout import lay_out
-from qwen3_spmd.pipeline.programs import Clock
+from qwen3_spmd.pipeline.programs.layout import lay_out
+from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.requests import fitting_seq_len
-from qwen3_spmd.pipeline.sampling import RowSampling, Sampling
+from qwen3_spmd.pipeline.runtime.registry import Clock
 from qwen3_spmd.run.bench.measure import prompts_for, spread
 
 

@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
-from qwen3_spmd.pipeline import static_batch
-from qwen3_spmd.pipeline.handles import Params
+from qwen3_spmd.pipeline.batch.handles import Params
+from qwen3_spmd.pipeline.programs.schedule import decode_grid, stats
 from qwen3_spmd.pipeline.requests import fitting_seq_len
-from qwen3_spmd.pipeline.schedule import decode_grid, stats
-from qwen3_spmd.pipeline.scheduler import Scheduler
+from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 
 
 def serve_requests(cfg, n: int, prompt_lens, output_lens, seed: int):
@@ -229,8 +229,8 @@ def structured_job(engine, s: dict, B_max: int, rows: int, grammars, say) -> dic
     `min(repeats, 3)` pairs of the two loops run back to back (the host's speed drifts
     over minutes; a request's TPOT depends on its length and on the prefills beside it),
     and the pairs' median ratio is quoted. grammars: the model's
-    (`pipeline.constraints.Grammars`)."""
-    from qwen3_spmd.pipeline.constraints import Constraint
+    (`pipeline.structured.constraints.Grammars`)."""
+    from qwen3_spmd.pipeline.structured.constraints import Constraint
 
     constraint = Constraint.json_schema(STRUCTURED_SCHEMA)
     reqs = _loop_requests(engine.cfg, s, rows)

@@ -10,7 +10,7 @@ the scenario measures the mechanism between two bounds (issue 46):
   and the round rule turn to plain chunks;
 - ngram (prompt lookup, k the largest, n-grams 4 down to 1) on the same prompts:
   acceptance and tokens/s as they come, each round looped on the device
-  (`pipeline.spec_loop`) or run a pass at a time from the host as the round rule
+  (`pipeline.speculative.loop`) or run a pass at a time from the host as the round rule
   measures faster; then each way alone ("device loops", "host rounds");
 - draft_model with the model drafting for itself (k the largest): every draft kept, and
   each draft costs a pass of the model, so this is what the drafter's passes cost
@@ -18,7 +18,7 @@ the scenario measures the mechanism between two bounds (issue 46):
   verifies every round (`round_rule.Unmeasured`): the round rule would decode plain.
 
 Each drafter keeps its own round rule (its costs and kept drafts) from run to run
-(`pipeline.round_rule`), as a server's speculator does from its first requests on, so
+(`pipeline.speculative.round_rule`), as a server's speculator does from its first requests on, so
 the warm-up runs measure them.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from qwen3_spmd.pipeline import static_batch
-from qwen3_spmd.pipeline.draft_model import DraftModel
-from qwen3_spmd.pipeline.round_rule import RoundRule, Unmeasured, way_kind
-from qwen3_spmd.pipeline.spec_config import SpeculativeConfig
-from qwen3_spmd.pipeline.speculative import SpecMetrics, Speculator
-from qwen3_spmd.pipeline.verify import common_prefix
+from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
+from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
+from qwen3_spmd.pipeline.speculative.round_rule import RoundRule, Unmeasured, way_kind
+from qwen3_spmd.pipeline.speculative.speculator import SpecMetrics, Speculator
+from qwen3_spmd.pipeline.speculative.verify import common_prefix
 from qwen3_spmd.run.bench.jobs import decode_cache_len
 from qwen3_spmd.run.bench.measure import prompts_for, spread
 
@@ -55,7 +55,7 @@ class HostRounds(RoundRule):
 
 class DeviceLoops(RoundRule):
     """The round rule, but prompt lookup's rounds loop on the device whenever they can
-    (`pipeline.spec_loop`) once the host's passes have been measured as the rule
+    (`pipeline.speculative.loop`) once the host's passes have been measured as the rule
     measures them first (the loop chooses its widths by their seconds): what the loop
     alone gives."""
 

@@ -1,5 +1,5 @@
 """`qwen3-spmd serve`: an OpenAI-compatible HTTP server over the continuous-batching
-scheduler (`pipeline.scheduler`).
+scheduler (`pipeline.scheduling.scheduler`).
 
     detok     token ids -> text deltas: whole UTF-8 characters, stop strings held back
     protocol  the request bodies (pydantic), the error body, the response objects

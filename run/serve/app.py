@@ -11,7 +11,7 @@ disconnects. Everything about generating lives in `service`.
     GET  /tokenizer_info       the tokenizer's settings (lm-evaluation-harness reads it)
 
 The prompt's log-probabilities (echo with logprobs; vLLM's prompt_logprobs) come from
-the prefill (`pipeline.prefill`), which scores every prompt token for such a request.
+the prefill (`pipeline.programs.prefill`), which scores every prompt token for such a request.
 In a top_logprobs dict each token id has its own key: a token whose text another id of
 the same dict already has is keyed "token_id:N" (vLLM's return_tokens_as_token_ids
 spelling), so harnesses that read "greedy" off those dicts lose no id.
@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.pipeline.handles import prompt_positions
+from qwen3_spmd.pipeline.batch.handles import prompt_positions
 from qwen3_spmd.run.serve import protocol, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (

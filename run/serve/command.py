@@ -198,9 +198,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
-    from qwen3_spmd.pipeline.constraints import Grammars
-    from qwen3_spmd.pipeline.decisions import SharedDecisions
-    from qwen3_spmd.pipeline.handles import Params
+    from qwen3_spmd.pipeline.batch.handles import Params
+    from qwen3_spmd.pipeline.scheduling.decisions import SharedDecisions
+    from qwen3_spmd.pipeline.structured.constraints import Grammars
 
     procs = runtime.procs
     mesh = runtime.mesh()
@@ -322,7 +322,7 @@ def _service(scheduler, spec, text, name: str, max_seq_len: int):
 def _default_sampling(spec):
     """A request's sampling when it names none: generation_config.json's (as vLLM), else
     the OpenAI API's (temperature 1)."""
-    from qwen3_spmd.pipeline.sampling import Sampling
+    from qwen3_spmd.pipeline.programs.sampling import Sampling
 
     config = spec.generation_config()
     if config and not config.get("do_sample", False):

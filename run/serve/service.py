@@ -19,11 +19,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
-from qwen3_spmd.pipeline.constraints import Constraint
-from qwen3_spmd.pipeline.handles import Handle, Logprob, Params
+from qwen3_spmd.pipeline.batch.handles import Handle, Logprob, Params
+from qwen3_spmd.pipeline.programs.sampling import Sampling, SamplingError
 from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
-from qwen3_spmd.pipeline.sampling import Sampling, SamplingError
-from qwen3_spmd.pipeline.scheduler import QueueFull, Scheduler
+from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull, Scheduler
+from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics

@@ -1,4 +1,4 @@
-"""Structured outputs as the API asks for them -> one `pipeline.constraints.Constraint`.
+"""Structured outputs as the API asks for them -> one `pipeline.structured.constraints.Constraint`.
 
 A request may ask in one of these ways (two at once is a 400 naming both):
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from qwen3_spmd.pipeline.constraints import JSON_OPTIONS, Constraint
+from qwen3_spmd.pipeline.structured.constraints import JSON_OPTIONS, Constraint
 from qwen3_spmd.run.serve.protocol import APIError
 from qwen3_spmd.run.serve.tools import CLOSE, OPEN
 

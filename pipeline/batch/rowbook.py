@@ -1,0 +1,260 @@
+"""The row book: which request each decode row holds, and where its K/V sits.
+
+The decode batch is B rows in round-robin groups. A row holds one request: its tokens
+so far, the local cache slots its prompt took, and (in `slot_pos`) the position each of
+its cache slots holds. A long prompt being prefilled a chunk a round holds a row too
+(`chunking`) until its last chunk. The methods below are the only writers of this
+state; the planner reads it, the executor writes it through them, and every process
+of a job applies the same writes in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from qwen3_spmd.pipeline.batch.handles import Logprob, Request
+from qwen3_spmd.pipeline.programs.decode import DecodeInputs
+from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
+from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
+
+
+@dataclasses.dataclass
+class Update:
+    """What one round gave a request: its new tokens, and why it ended (None: it goes
+    on). finish_reason is "stop" (an EOS id, kept as the last token), "length" or
+    "cancelled"."""
+
+    id: int
+    tokens: list[int]
+    finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None  # one per token, when the request asks
+    cached_tokens: int = 0  # with its first token: prompt tokens the prefix cache gave
+    # with its first token, when the request asks: each prompt token's after the first
+    prompt_logprobs: list[Logprob] | None = None
+
+
+@dataclasses.dataclass
+class Row:
+    """A request in a decode row."""
+
+    request: Request
+    generated: list[int]  # every token so far (token 0 came from the prefill)
+    prompt_slots: int  # local cache slots its prompt took (P_pad / C of its admission)
+    pace: object | None = (
+        None  # how far it drafts (pipeline.speculative.speculator.Pace), if it does
+    )
+
+    @property
+    def steps_left(self) -> int:
+        """Decode steps it may still run (each gives one token)."""
+        return self.request.params.max_new_tokens - len(self.generated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """A request that ended in decode row `row` last round: the tokens whose K/V the row
+    still holds (its prompt and generated tokens but the last), and the position each
+    of the row's slots held (slot_pos [C, S_loc]), until the next round writes to it."""
+
+    row: int
+    tokens: tuple[int, ...]
+    slot_pos: np.ndarray
+
+
+@dataclasses.dataclass
+class Chunking:
+    """A long prompt being prefilled a chunk a round, holding decode row `row` for when
+    it is done."""
+
+    request: Request
+    row: int
+    done: int = 0  # prompt tokens prefilled so far
+    offset: int = 0  # local cache slots its chunks hold so far (on every device)
+    slot_pos: np.ndarray | None = None  # [C, S_loc] positions its chunks' slots hold
+    cached_tokens: int = 0  # its first tokens, whose K/V came from the prefix cache
+
+
+class RowBook:
+    """B rows of a decode batch in `groups` groups, on C seq devices of `slots` local
+    cache slots each."""
+
+    def __init__(self, rows: int, groups: int, C: int, slots: int):
+        self.B, self.groups = rows, groups
+        self.rows: list[Row | None] = [None] * rows
+        self.slot_pos = np.full((rows, C, slots), -1, np.int32)  # [B, C, S_loc], -1 = empty
+        self.lengths = np.zeros(rows, np.int32)  # [B] prompt lengths
+        self.chunking: Chunking | None = None
+        # The requests that ended in a decode chunk since the last round began: the
+        # prefix cache saves their blocks (`Round.ended_saves`) before their rows change.
+        self.ended: list[Ended] = []
+
+    # ---- reading -----------------------------------------------------------------
+
+    def live(self) -> list[int]:
+        """The rows that hold a decoding request."""
+        return [b for b, r in enumerate(self.rows) if r is not None]
+
+    def free_rows(self) -> list[int]:
+        """The rows that hold nothing (a long prompt's held row is not free)."""
+        held = self.chunking.row if self.chunking is not None else None
+        return [b for b, r in enumerate(self.rows) if r is None and b != held]
+
+    def row_of(self, id: int) -> int | None:
+        return next((b for b, r in enumerate(self.rows) if r and r.request.id == id), None)
+
+    # ---- writing -----------------------------------------------------------------
+
+    def start(
+        self,
+        b: int,
+        request: Request,
+        token: int,
+        prompt_slots: int,
+        slot_pos: np.ndarray,
+        done: bool = False,
+    ) -> Update:
+        """Request `request`, prefilled (its first token `token`, its slots' positions
+        slot_pos [C, S_loc]), decodes in row b from now on, unless that token ends it
+        (done: its constraint admits nothing more, an end for "stop")."""
+        self.rows[b] = Row(request, [token], prompt_slots)
+        self.slot_pos[b] = slot_pos
+        self.lengths[b] = len(request.prompt)
+        reason = request.params.finish_reason([token]) or ("stop" if done else None)
+        update = Update(request.id, [token], reason)
+        if update.finish_reason:
+            self.free(b)
+        return update
+
+    def extend(self, b: int, tokens, done: bool = False) -> Update:
+        """Row b's new tokens from a decode chunk, up to the first that ends it (the
+        rest were never asked for); the row is freed when it ends. done: after these
+        tokens the row's constraint admits nothing more (an end for "stop")."""
+        row = self.rows[b]
+        params, got, reason = row.request.params, [], None
+        for t in tokens:
+            got.append(int(t))
+            row.generated.append(int(t))
+            reason = params.finish_reason(row.generated)
+            if reason:
+                break
+        reason = reason or ("stop" if done else None)
+        if reason:
+            tokens = row.request.prompt + tuple(row.generated[:-1])
+            self.ended.append(Ended(b, tokens, self.slot_pos[b].copy()))
+            self.free(b)
+        return Update(row.request.id, got, reason)
+
+    def free(self, b: int) -> None:
+        """Row b holds no request: it writes nothing from now on, and the slot positions
+        of its last request are cleared, so a later request in the row sees none."""
+        self.rows[b] = None
+        self.slot_pos[b] = -1
+        self.lengths[b] = 0
+
+    def cancel(self, id: int) -> bool:
+        """Ends request `id` where it runs (a row, or the long prompt being chunked);
+        False when it holds neither."""
+        b = self.row_of(id)
+        if b is not None:
+            self.free(b)
+            return True
+        if self.chunking is not None and self.chunking.request.id == id:
+            self.chunking = None
+            return True
+        return False
+
+    def move(self, src: int, dst: int) -> None:
+        """The request in row src now sits in row dst (its K/V copied by the caller)."""
+        self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
+        self.slot_pos[dst] = self.slot_pos[src]
+        self.free(src)
+
+    def hold(
+        self,
+        request: Request,
+        row: int,
+        done: int = 0,
+        offset: int = 0,
+        slot_pos: np.ndarray | None = None,
+    ) -> Chunking:
+        """A long prompt starts chunking, holding `row`; after a prefix cache's hit its
+        first `done` tokens are in already, in `offset` local slots listed in slot_pos
+        [C, S_loc]."""
+        self.chunking = Chunking(request, row, done, offset, slot_pos)
+        return self.chunking
+
+    def chunk_prefilled(self, batch: Batch, end: int) -> None:
+        """The chunking prompt's chunk `batch` ran: its tokens up to `end` are in, and
+        its slots are listed."""
+        ch = self.chunking
+        if ch.slot_pos is None:
+            ch.slot_pos = batch.slot_pos[0].copy()
+        else:
+            mine = slice(ch.offset, batch.prompt_slots)
+            ch.slot_pos[:, mine] = batch.slot_pos[0][:, mine]
+        ch.done, ch.offset = end, batch.prompt_slots
+
+    def chunked_in(self) -> Chunking:
+        """The chunking prompt's last chunk ran: it leaves the chunking seat (the caller
+        starts its row)."""
+        ch, self.chunking = self.chunking, None
+        return ch
+
+    def list_ahead(
+        self, step: np.ndarray, count: np.ndarray, prompt_slots: np.ndarray, n: int
+    ) -> None:
+        """Lists in slot_pos the slots a verify pass writes (`pipeline.speculative.verify`): row b's
+        steps step[b] .. step[b] + count[b] - 1, for rows 0..n-1 (count 0: none)."""
+        list_decode_slots(
+            self.slot_pos,
+            step,
+            int(max(count, default=0)),
+            step + count,
+            self.lengths[:n],
+            prompt_slots,
+        )
+
+    def roll_back(self, b: int) -> None:
+        """Row b keeps K/V only for its tokens but the newest (the next step feeds it):
+        the slots listed past them (a verify pass's rejected drafts) hold nothing now."""
+        kept = self.lengths[b] + len(self.rows[b].generated) - 1  # positions below it
+        self.slot_pos[b][self.slot_pos[b] >= kept] = -1
+
+    def decode_inputs(self, n: int, steps: int) -> DecodeInputs:
+        """The inputs of a decode chunk over rows 0..n-1 that runs `steps` steps, each
+        busy row at its own step (empty rows write nothing); lists in slot_pos the slots
+        those steps write. Host arrays."""
+        step = np.zeros(n, np.int32)
+        limit = np.zeros(n, np.int32)  # an empty row: no step writes
+        prompt_slots = np.zeros(n, np.int32)
+        tokens = np.zeros(n, np.int32)
+        per_row = [(Sampling(), 0, 0)] * n
+        for b in self.live():
+            if b >= n:
+                continue
+            row = self.rows[b]
+            step[b] = len(row.generated) - 1  # decode step j feeds token j
+            limit[b] = row.request.params.max_new_tokens - 1
+            prompt_slots[b] = row.prompt_slots
+            tokens[b] = row.generated[-1]
+            per_row[b] = row_sampling(row.request)
+        list_decode_slots(self.slot_pos, step, steps, limit, self.lengths[:n], prompt_slots)
+        return DecodeInputs(
+            tokens=tokens,
+            positions=self.lengths[:n] + step,
+            step=step,
+            limit=limit,
+            prompt_slots=prompt_slots,
+            sampling=RowSampling.stack(per_row),
+            run_steps=np.int32(steps),
+        )
+
+
+def row_sampling(request: Request) -> tuple:
+    """A request's row of RowSampling.stack: its settings, seed and sample index, and its
+    end ids banned before step min_tokens."""
+    p = request.params
+    ban = (p.min_tokens, p.eos_ids) if p.min_tokens > 0 else (0, ())
+    return (p.sampling, p.seed, request.sample_index, ban)

@@ -1,0 +1,312 @@
+"""Decode: round-robin groups along `stage`, sharded-KV attention along `seq`.
+
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh runs a chunk of decode steps for
+every request. The batch is cut into `groups` groups of B / groups requests. At tick t
+stage s runs group (t - s) mod period, when that is a group (`pipeline.programs.schedule`: the
+period is max(groups, stages)). Per tick, one cyclic `ppermute` along `stage` carries
+the hidden state [B/groups, 1, D] from stage s to s + 1 and, from the last stage back to
+stage 0, the tokens it just sampled; stage 0 files those and embeds them when the group
+comes round again, a period >= stages ticks later. With groups >= stages no stage is
+ever idle in steady state; a batch smaller than the stage count runs with bubbles.
+
+Inside a layer the new token's hidden state is the same on every `seq` device. Decode
+step j writes its K/V where `ring.decode_slot` puts it (device j mod C, after the
+prompt's slots), so every device's cache fills at the same rate; attention runs over
+each device's own slots and the partial results merge with LSE (ring.decode_attention).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.programs.sampling import (
+    TOP_LOGPROBS,
+    RowSampling,
+    Sampling,
+    TokenLogprobs,
+    gather_vocab,
+    greedy_split,
+    sample_rows,
+    token_logprobs,
+)
+from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
+from qwen3_spmd.pipeline.programs.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    cache_attend,
+    chunk_slot,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    run_stage,
+    shift,
+    vary,
+    when,
+)
+from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+class DecodeInputs(NamedTuple):
+    """What a decode chunk starts from, besides the weights and the cache. Every field is
+    replicated (P()) and, but for run_steps, one per row: each row is a request at its
+    own step (continuous batching), and a new per-row field is one line here."""
+
+    tokens: jax.Array  # [B] int32: the token each row feeds at its step `step`
+    positions: jax.Array  # [B] int32: its position
+    step: jax.Array  # [B] int32: the row's decode step index j at the chunk's first step
+    limit: jax.Array  # [B] int32: steps j >= limit write nothing (0: an empty row)
+    prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took (P_pad / C)
+    sampling: RowSampling  # [B] each: the row's sampling parameters and key
+    run_steps: jax.Array  # [] int32: steps of the chunk that run (the last chunk may need fewer)
+    # [B, ceil(V/32)] int32: each row's allowed next tokens as packed bits
+    # (`sampling.only_allowed`; all ones for a row under no constraint), for a chunk of
+    # one step; None (no input at all, today's program) when no row is constrained.
+    allowed: jax.Array | None = None
+
+    @classmethod
+    def empty(cls, rows: int) -> DecodeInputs:
+        """A chunk's inputs over `rows` empty rows (no step writes), as host arrays: the
+        shapes a decode program is lowered for ahead (`RowBook.decode_inputs` of an empty
+        book gives the same)."""
+        zeros = lambda: np.zeros(rows, np.int32)  # noqa: E731
+        return cls(
+            tokens=zeros(),
+            positions=zeros(),
+            step=zeros(),
+            limit=zeros(),
+            prompt_slots=zeros(),
+            sampling=RowSampling.stack([(Sampling(), 0, 0)] * rows),
+            run_steps=np.int32(0),
+        )
+
+    @classmethod
+    def specs(cls, constrained: bool = False) -> DecodeInputs:
+        fields = {name: P() for name in cls._fields}
+        return cls(
+            **{
+                **fields,
+                "sampling": RowSampling(*[P()] * len(RowSampling._fields)),
+                "allowed": P() if constrained else None,
+            }
+        )
+
+
+class DecodeOutputs(NamedTuple):
+    tokens: jax.Array  # [B, steps] int32, P(): each row's new tokens
+    logits: jax.Array  # [steps, V] float32, P(): row 0's logits at each step ([0, V] without)
+    # Each new token's TokenLogprobs, fields [B, steps] and [B, steps, TOP_LOGPROBS]
+    # (steps 0 without `logprobs`).
+    logprobs: TokenLogprobs
+
+
+class DecodeCarry(NamedTuple):
+    """The tick loop's state on one device."""
+
+    h: jax.Array  # [B/groups, 1, D]: the hidden state received from the previous stage
+    tok_recv: jax.Array  # [B/groups] int32: tokens received from the last stage
+    tok_buf: jax.Array  # [B] int32: the token each row feeds next (stage 0 files them)
+    cache: StageCache  # this stage's cache slice
+    out: DecodeOutputs  # filled by the last stage
+
+
+# One shard_map program, read top to bottom as the decode schedule of the module's
+# docstring: the tick closure shares the group sizes, the slot placement and the
+# sampling set up here.
+def build_decode(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    groups: int,
+    steps: int,
+    sampled: bool,
+    with_logits: bool = True,
+    logprobs: bool = False,
+    constrained: bool = False,
+):
+    """The decode program for a chunk of `steps` steps (not yet jitted).
+
+    Returns f(weights: Weights, cache: KVCache, inputs: DecodeInputs) ->
+    (DecodeOutputs, KVCache). `cache.pos` must already list the slots this chunk
+    writes (positions ahead of a query are masked anyway); the program writes k and v
+    only, so `cache` is donated and updated in place. sampled=False promises every row
+    is greedy (no sort of the vocabulary compiled); sampled=True samples where a row
+    asks to (a chunk whose rows are all greedy skips the sort, and the vocabulary's
+    gather over `tensor`, at run time). with_logits=False leaves row 0's per-step
+    logits out, sparing a [steps, V] buffer per chunk. logprobs=True also reports each
+    new token's log-probability and the top TOP_LOGPROBS (`sampling.token_logprobs`).
+    constrained=True: `inputs.allowed` masks each row's choice (a structured output's
+    grammar); its bits are those of the row's next token, so such a chunk runs one step
+    (`run_steps` 1: the host advances the grammar between tokens). The whole mask is
+    on every device (a row's is V/8 bytes); under `tensor` each device reads its
+    vocabulary block's bits.
+    """
+    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
+    # One stage has no bubbles (period = groups): no cond is needed around its layers.
+    always_active = mesh.shape["stage"] == 1
+    scale = cfg.head_dim**-0.5
+
+    def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
+        model = nnx.merge(graphdef, weights.state)
+        split = model.split
+        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
+        C = jax.lax.axis_size("seq")
+        c = jax.lax.axis_index("seq")
+        B = inputs.tokens.shape[0]
+        Bg = B // groups
+        period = decode_period(groups, stages)
+        busy = inputs.run_steps * period
+
+        def slot_of(u):
+            """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
+            return chunk_slot(u, busy, period, groups, Bg)
+
+        def tick(t, carry: DecodeCarry) -> DecodeCarry:
+            # Stage 0 files the tokens the last stage sampled at tick t - 1.
+            got, got_row0, _ = slot_of(t - stages)
+            tok_buf = jnp.where(
+                got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf
+            )
+
+            active, row0, i = slot_of(t - s)
+            j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
+            q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
+            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
+            device, slot = decode_slot(j, rows(inputs.prompt_slots, row0, Bg), C)
+            mine = active & (c == device) & (j < rows(inputs.limit, row0, Bg))
+            group_slot_pos = rows(cache.pos, row0, Bg)
+
+            def attend_at(layer):
+                def attention(q, k, v, kv: StageCache):
+                    # Slots past this step's hold nothing the group can see yet.
+                    o, _ = decode_attention(
+                        q,
+                        kv.k,
+                        kv.v,
+                        q_pos,
+                        group_slot_pos,
+                        axis_name="seq",
+                        scale=scale,
+                        at=(layer, row0),
+                        filled=slot + 1,
+                    )
+                    return o
+
+                return cache_attend(layer, row0, slot, mine, attention)
+
+            def compute(x, kv, gate):
+                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+                return vary(x), kv
+
+            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
+
+            def head(x):
+                """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
+                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
+                params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
+
+                def whole():
+                    # Sampling's filters and the log-probabilities need a row's whole
+                    # distribution: the rows' logits, gathered (small beside the weights).
+                    logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
+                    tok = sample_rows(logits, params, j + 1, sampled, allowed)
+                    return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
+
+                if split.size == 1 or logprobs:
+                    return whole()
+
+                def best_pairs():
+                    # Greedy rows need each device's best pair only (sampling.greedy_split).
+                    tok = greedy_split(local, params, j + 1, split, allowed)
+                    row0_logits = (
+                        gather_vocab(local[:1], split, cfg.V)
+                        if with_logits
+                        else jnp.zeros((1, cfg.V), jnp.float32)
+                    )
+                    return row0_logits, tok, None
+
+                if not sampled:
+                    return best_pairs()
+                # Every tensor device holds the same rows' parameters: all take one branch
+                # (whose outputs are typed varying alike, as on_last_stage's).
+                return jax.lax.cond(
+                    jnp.any(params.temperature > 0),
+                    lambda: jax.tree.map(vary, whole()),
+                    lambda: jax.tree.map(vary, best_pairs()),
+                )
+
+            shapes = (
+                jax.ShapeDtypeStruct((1, cfg.V), jnp.float32),
+                jax.ShapeDtypeStruct((Bg,), jnp.int32),
+                _logprob_shapes(Bg) if logprobs else None,
+            )
+            on_last, (logits, tok, lp) = on_last_stage(active, head, shapes, x)
+
+            def at_step(buf, new):  # row0's group of rows, chunk step i
+                put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
+                return jnp.where(on_last, put, buf)
+
+            out = carry.out._replace(tokens=at_step(carry.out.tokens, tok))
+            if logprobs:
+                out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, lp))
+            if with_logits:
+                out = out._replace(
+                    logits=jnp.where(
+                        on_last & (row0 == 0), put_rows(out.logits, logits, i), out.logits
+                    )
+                )
+            h_next, tok_next = shift((x, tok), cyclic=True)
+            return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
+
+        lp_steps = steps if logprobs else 0
+        out = DecodeOutputs(
+            vary(jnp.zeros((B, steps), jnp.int32)),
+            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)),
+            jax.tree.map(
+                lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)),
+                _logprob_shapes(B),
+            ),
+        )
+        carry = DecodeCarry(
+            vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
+            vary(jnp.zeros((Bg,), jnp.int32)),
+            vary(inputs.tokens),
+            StageCache(cache.k, cache.v),
+            out,
+        )
+        ticks = decode_ticks(groups, stages, inputs.run_steps)
+        carry = jax.lax.fori_loop(0, ticks, tick, carry)
+        out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
+        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs(constrained)),
+        out_specs=(DecodeOutputs(P(), P(), TokenLogprobs(P(), P(), P())), CACHE_SPECS),
+    )
+
+    def decode(weights: Weights, cache: KVCache, inputs: DecodeInputs):
+        return mapped(weights, cache, inputs)
+
+    return decode
+
+
+def _logprob_shapes(B: int) -> TokenLogprobs:
+    return TokenLogprobs(
+        jax.ShapeDtypeStruct((B,), jnp.float32),
+        jax.ShapeDtypeStruct((B, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, TOP_LOGPROBS), jnp.int32),
+    )

@@ -1,0 +1,482 @@
+"""The engine: one code path for every mesh shape, 1x1 included.
+
+`Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the
+programs, prefill and the decode chunk, each compiled once per shape; the cache's other
+programs (in-place K/V inserts, row moves, the prefix cache's block copies) are its
+`copies` (`pipeline.runtime.copies`). It knows nothing of requests and rounds: the
+executor (`pipeline.scheduling.executor`) runs a Round's programs through it, and a static batch
+(`pipeline.scheduling.static_batch.generate`) is a round of those.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.pipeline.programs.decode import DecodeInputs, build_decode
+from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
+from qwen3_spmd.pipeline.programs.prefill import PrefillInputs, build_prefill
+from qwen3_spmd.pipeline.programs.sampling import (
+    PromptLogprobs,
+    RowSampling,
+    Sampling,
+    TokenLogprobs,
+    sample_rows,
+    token_logprobs,
+)
+from qwen3_spmd.pipeline.programs.schedule import decode_grid, prefill_grid, stats
+from qwen3_spmd.pipeline.programs.stage import Weights
+from qwen3_spmd.pipeline.requests import RequestError, check_request
+from qwen3_spmd.pipeline.runtime import cp_cost
+from qwen3_spmd.pipeline.runtime.copies import Copies
+from qwen3_spmd.pipeline.runtime.registry import Clock, JitTable, OnCompile, Programs, Stopwatch
+from qwen3_spmd.sharding.mesh import AXES, MeshError
+from qwen3_spmd.sharding.place import WeightSource, place_state
+from qwen3_spmd.sharding.specs import SPECS, param_spec
+from qwen3_spmd.sharding.stages import StagePlan
+
+
+class Engine:
+    """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
+
+    Args:
+      cfg: the model config.
+      source: where weights come from (HFCheckpoint, RandomWeights, ...).
+      mesh: a ('stage', 'seq', 'tensor') mesh (sharding.make_mesh).
+      dtype: compute and storage dtype.
+      max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
+        device holds ceil(max_seq_len / C) slots.
+      microbatches: M for prefill.
+      groups: decode groups (default: the stage count, or the number of requests when
+        fewer; a batch smaller than the stage count then runs with bubbles).
+      chunk: decode steps per on-device chunk.
+      poison: NaN in pipeline bubbles (tests).
+      on_compile: called with a program's name around each compile the caller waits for
+        (`pipeline.runtime.registry.OnCompile`).
+      cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
+        the N query heads) or "auto" (per batch, the smaller time of
+        pipeline.runtime.cp_cost's model). The KV cache left behind is the same either way.
+      experts: Qwen3-MoE over `tensor`: "tp" every expert's columns split (default),
+        "ep" whole experts per device (model.split).
+      link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
+        collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
+        cp_cost.nominal for the platform; bench measures them). On CPU the throughput
+        is the host's, shared by the mesh's emulated devices.
+    """
+
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        source: WeightSource,
+        mesh: Mesh,
+        dtype=jnp.float32,
+        max_seq_len: int = 512,
+        microbatches: int = 1,
+        groups: int | None = None,
+        chunk: int = 16,
+        poison: bool = False,
+        on_compile: OnCompile | None = None,
+        cp: str = "ring",
+        link_bytes_per_s: float | dict | None = None,
+        flops_per_s: float | None = None,
+        experts: str = "tp",
+    ):
+        if tuple(mesh.axis_names) != AXES:
+            raise MeshError(
+                f"the mesh's axes are {tuple(mesh.axis_names)}, not {AXES}: build it with "
+                "qwen3_spmd.sharding.mesh.make_mesh(stage, seq, devices, tensor=X)"
+            )
+        self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
+        self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
+        self.split = TensorSplit(mesh.shape["tensor"], experts)
+        self.split.check(cfg)
+        self.plan = StagePlan(cfg.L, self.stages)
+        for name, value, least in (
+            ("microbatches", microbatches, 1),
+            ("groups", groups, 1),
+            ("max_seq_len", max_seq_len, 1),
+            ("chunk", chunk, 1),
+        ):
+            if value is not None and value < least:
+                raise RequestError(f"${name} {value} must be at least {least}", name)
+        self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
+        self.max_seq_len = max_seq_len
+        cp_cost.check_cp(self.split.local(cfg), self.C, cp)
+        self.cp = cp
+        platform = mesh.devices.flat[0].platform
+        link, flops = cp_cost.nominal(platform)
+        self.link_bytes_per_s = link_bytes_per_s or link
+        # CPU devices are emulated on one host: working at once, they share its rate.
+        shared = mesh.devices.size if platform == "cpu" else 1
+        self.flops_per_s = (flops_per_s or flops) / shared
+        self.slots_per_device = math.ceil(max_seq_len / self.C)
+        graphdef, abstract = abstract_model(cfg, self.dtype, self.split)
+        self.graphdef = graphdef
+        state = place_state(abstract, self.plan, mesh, source, self.split)
+        self.weights = Weights(
+            state, jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
+        )
+        self.state_specs = map_params(lambda path, x: param_spec(path, experts), state)
+        self.programs = Programs(self.dtype, on_compile)
+        self._prefill = JitTable()  # (cp strategy, with context, ...) -> jitted
+        self._decode = JitTable()
+        # The cache's other programs: zeros, row inserts and moves, block copies.
+        self.copies = Copies(mesh, self.dtype, self.cache_shape)
+        # A pipeline.speculative.speculator.Speculator (set by speculative.attach) makes decode
+        # rounds verify its drafts, with the same tokens; None: plain decoding.
+        self.speculator = None
+        self._sample = jax.jit(sample_rows, static_argnames="sampled")
+        self._logprobs = jax.jit(token_logprobs)
+
+    # ---- checks and sizes ----------------------------------------------------------
+
+    def check(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        min_tokens: int = 0,
+        eos_ids: tuple[int, ...] = (),
+    ) -> None:
+        """Every precondition of a request, in words, before anything compiles
+        (`requests.check_request` on this engine's model and cache)."""
+        check_request(
+            self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids
+        )
+
+    def groups_for(self, n: int) -> int:
+        """Decode groups for n requests."""
+        return self.groups if self.groups is not None else min(self.stages, n)
+
+    def lay_out(self, prompts: list[list[int]]) -> Batch:
+        return lay_out(
+            prompts, self.M, self.groups_for(len(prompts)), self.C, self.slots_per_device
+        )
+
+    def cache_shape(self, B: int) -> tuple[int, ...]:
+        """k and v [L_pad, B, K', S_cap, H] (heads-major: model.cache; K' the KV heads as
+        placed, repeats included: model.split)."""
+        K = self.split.kv_heads(self.cfg)
+        return (self.plan.padded_layers, B, K, self.slots_per_device * self.C, self.cfg.H)
+
+    def prefill_memory(self, batch: int, prompt_len: int) -> dict:
+        """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
+        tokens, from XLA's memory analysis of the compiled program (nothing runs).
+
+        total = arguments (weights, cache, tokens) + outputs + temporaries - aliased
+        (the donated cache is updated in place, so it counts once).
+        """
+        laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
+        inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs())
+        prefill = self._prefill_fn(self.cp_plan(batch, laid.P_pad)[0])
+        m = (
+            prefill.lower(self.weights, self.copies.abstract_cache(batch), inputs)
+            .compile()
+            .memory_analysis()
+        )
+        out = {
+            "argument": m.argument_size_in_bytes,
+            "output": m.output_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+            "alias": m.alias_size_in_bytes,
+        }
+        out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+        return out
+
+    # ---- the programs --------------------------------------------------------------
+
+    def _prefill_fn(
+        self,
+        strategy: str,
+        with_context: bool = False,
+        block: int | None = None,
+        prompt_logprobs: bool = False,
+    ):
+        key = (strategy, with_context, block, prompt_logprobs)
+        return self._prefill.get(
+            key,
+            lambda: jax.jit(
+                build_prefill(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    self.M,
+                    self.dtype,
+                    self.poison,
+                    strategy,
+                    with_context,
+                    block,
+                    prompt_logprobs,
+                ),
+                donate_argnames="cache",
+            ),
+        )
+
+    def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
+        """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
+        pipeline.runtime.cp_cost.predict's figures for each strategy that can run)."""
+        prefill = cp_cost.Prefill(
+            cfg=self.split.local(self.cfg),  # per device: its heads and columns
+            seq=self.C,
+            stages=self.stages,
+            microbatches=self.M,
+            batch=batch,
+            padded_len=padded_len,
+            itemsize=self.dtype.itemsize,
+        )
+        return cp_cost.choose(
+            self.cp,
+            prefill,
+            cp_cost.Rates(link_bytes_per_s=self.link_bytes_per_s, flops_per_s=self.flops_per_s),
+        )
+
+    @staticmethod
+    def prefill_name(
+        strategy: str, with_context: bool, block: int | None = None, prompt_logprobs: bool = False
+    ) -> tuple:
+        """The prefill program's name: its cp strategy, whether it continues a cache, the
+        block of a prefix cache's layout, and whether it scores every prompt token."""
+        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
+        name += ("context",) if with_context else ()
+        name += ("blocks", block) if block is not None else ()
+        return name + (("prompt_logprobs",) if prompt_logprobs else ())
+
+    @staticmethod
+    def decode_name(
+        groups: int,
+        steps: int,
+        sampled: bool,
+        with_logits: bool,
+        logprobs: bool = False,
+        constrained: bool = False,
+    ) -> tuple:
+        """The decode program's name: every static choice that shapes it."""
+        name = ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
+        return name + (("logprobs",) if logprobs else ()) + (("allowed",) if constrained else ())
+
+    def _decode_fn(
+        self,
+        groups: int,
+        steps: int,
+        sampled: bool,
+        with_logits: bool,
+        logprobs: bool = False,
+        constrained: bool = False,
+    ):
+        key = (groups, steps, sampled, with_logits, logprobs, constrained)
+        return self._decode.get(
+            key,
+            lambda: jax.jit(
+                build_decode(
+                    self.cfg,
+                    self.graphdef,
+                    self.state_specs,
+                    self.mesh,
+                    groups,
+                    steps,
+                    sampled,
+                    with_logits,
+                    logprobs,
+                    constrained,
+                ),
+                donate_argnames="cache",
+            ),
+        )
+
+    def _abstract_decode_inputs(self, rows: int, constrained: bool = False) -> DecodeInputs:
+        """A decode chunk's inputs over `rows` rows as shapes on the mesh (for lowering
+        ahead); constrained: with each row's allowed tokens."""
+        inputs = DecodeInputs.empty(rows)
+        if constrained:
+            inputs = inputs._replace(allowed=np.zeros((rows, self.mask_words), np.int32))
+        return self.copies.abstract(inputs, DecodeInputs.specs(constrained))
+
+    @property
+    def mask_words(self) -> int:
+        """W: int32 words of a row's allowed tokens, ceil(V / 32) (`sampling.only_allowed`)."""
+        return -(-self.cfg.V // 32)
+
+    def compile_decode_ahead(self, B: int, groups: int, sampled: bool, with_logits: bool):
+        """Starts compiling a decode chunk's program over B rows while the prefill
+        compiles and runs."""
+        self.programs.ahead(
+            self.decode_name(groups, self.chunk, sampled, with_logits),
+            self._decode_fn(groups, self.chunk, sampled, with_logits),
+            self.weights,
+            self.copies.abstract_cache(B),
+            self._abstract_decode_inputs(B),
+        )
+
+    def _place_inputs(self, inputs, specs):
+        """Host inputs onto the mesh as `specs` say (before the clock starts, as the old
+        positional arguments were)."""
+        return jax.tree.map(self.copies.placed, inputs, specs)
+
+    def run_program(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
+        """The compiled program `name` on (weights, cache, inputs placed on the mesh); the
+        seconds waited for its compile go to clock.compile_s (the caller times the run)."""
+        program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
+        clock.compile_s += waited
+        return program(self.weights, cache, inputs)
+
+    def prefill(
+        self,
+        batch: Batch,
+        strategy: str,
+        params: RowSampling,
+        sampled: bool,
+        clock: Clock,
+        cache: KVCache | None = None,
+        allowed: np.ndarray | None = None,
+    ):
+        """Runs the prefill of `batch` into a new cache and samples each row's first token
+        with its `params` (host arrays [B]; sampled=False: every row is greedy) within
+        its `allowed` tokens ([B, ceil(V/32)] packed bits, `sampling.only_allowed`;
+        None: no row is constrained).
+        A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
+        must list the earlier chunks' slots; its prefill attends to them too. A batch
+        laid out with targets (`layout.lay_out`) scores its prompts' tokens too.
+        Returns (first tokens [B] numpy, logits [B, V], the cache, PromptLogprobs of
+        numpy arrays [B, P_pad, ...] in the batch's device order, or None without
+        targets)."""
+        with_context = batch.offset > 0
+        scored = batch.prefill.targets is not None
+        if cache is None:
+            cache = self.copies.new_cache(batch.B, batch.slot_pos)
+        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
+        fn = self._prefill_fn(strategy, with_context, batch.block, scored)
+        name = self.prefill_name(strategy, with_context, batch.block, scored)
+        watch = Stopwatch(clock)
+        logits, cache, *prompt = self.run_program(name, fn, clock, cache, inputs)
+        first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
+        first = np.asarray(first)
+        prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
+        clock.prefill_s += watch.seconds()
+        return first, logits, cache, prompt
+
+    def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
+        """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
+        the top ones: TokenLogprobs of numpy arrays."""
+        out = self._logprobs(logits, jnp.asarray(tokens, jnp.int32))
+        return TokenLogprobs(*(np.asarray(x) for x in out))
+
+    def decode(
+        self,
+        cache: KVCache,
+        slot_pos: np.ndarray,
+        inputs: DecodeInputs,
+        groups: int,
+        sampled: bool,
+        with_logits: bool,
+        clock: Clock,
+        logprobs: bool = False,
+    ):
+        """One decode chunk (the program of `self.chunk` steps, `inputs.run_steps` of
+        them run) on `cache`, donated, with its slot positions replaced by the host's
+        slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
+        `layout.list_decode_slots`). inputs: host arrays (with `allowed`: the program
+        that masks each row's choice). logprobs: also each new token's
+        log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on device,
+        the cache)."""
+        constrained = inputs.allowed is not None
+        cache = self.copies.with_slot_pos(cache, slot_pos)
+        inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
+        name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs, constrained)
+        fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
+        watch = Stopwatch(clock)
+        out, cache = self.run_program(name, fn, clock, cache, inputs)
+        out.tokens.block_until_ready()
+        clock.decode_s += watch.seconds()
+        return out, cache
+
+    # ---- compiling ahead: what a server compiles at start -----------------------------
+
+    def compile_prefill(
+        self,
+        B: int,
+        P_pad: int,
+        strategy: str,
+        cache_rows: int,
+        with_context: bool,
+        announce: bool = True,
+        block: int | None = None,
+        prompt_logprobs: bool = False,
+    ) -> None:
+        """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
+        P_pad runs with the cp `strategy` (the planner's for the shape; with_context:
+        later chunks of prompts, continuing a cache; prompt_logprobs: scoring every
+        prompt token): a new cache's zeros, the prefill
+        program, the first tokens' sampling (greedy and sampled) and log-probabilities,
+        and `insert` of its rows into a cache of `cache_rows` rows. Nothing runs
+        (compiling is local to this process: no collective, so a background thread may
+        compile while rounds run). announce=False: no on_compile for the program.
+        block: a prefix cache's layout."""
+        targets = [[0] * P_pad] * B if prompt_logprobs else None
+        laid = lay_out(
+            [[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block, targets=targets
+        )
+        program, _ = self.programs.get(
+            self.prefill_name(strategy, with_context, block, prompt_logprobs),
+            self._prefill_fn(strategy, with_context, block, prompt_logprobs),
+            self.weights,
+            self.copies.abstract_cache(B),
+            self.copies.abstract(laid.prefill, PrefillInputs.specs(prompt_logprobs)),
+            announce,
+        )
+        logits, new, *_ = (
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
+            for out in program.out_info
+        )
+        params = RowSampling.of(Sampling(), 0, laid.request)
+        tokens = jax.ShapeDtypeStruct((B,), jnp.int32)
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
+            self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
+        self._logprobs.lower(logits, tokens).compile()
+        if with_context:
+            self.copies.compile_insert(new, cache_rows)
+        else:
+            self.copies.compile_new(B, new, cache_rows)
+
+    def compile_decode(
+        self,
+        rows: int,
+        cache_rows: int,
+        groups: int,
+        sampled: bool,
+        logprobs: bool,
+        announce: bool = True,
+        constrained: bool = False,
+    ) -> None:
+        """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
+        logits) over `rows` rows of a cache of `cache_rows` rows (constrained: with each
+        row's allowed tokens). Nothing runs. announce=False: no on_compile."""
+        self.programs.get(
+            self.decode_name(groups, self.chunk, sampled, False, logprobs, constrained),
+            self._decode_fn(groups, self.chunk, sampled, False, logprobs, constrained),
+            self.weights,
+            self.copies.abstract_cache(cache_rows),
+            self._abstract_decode_inputs(rows, constrained),
+            announce,
+        )
+
+    # ---- reporting -------------------------------------------------------------------
+
+    def schedules(self, layout: dict) -> dict:
+        pre = prefill_grid(self.M, self.stages)
+        dec = decode_grid(
+            layout["groups"], self.stages, min(layout["chunk"], max(layout["decode_steps"], 1))
+        )
+        steady = stats(dec, skip_edges=self.stages - 1)
+        return {
+            "prefill": stats(pre),
+            "decode": {**stats(dec), "steady_idle_fraction": steady["idle_fraction"]},
+        }

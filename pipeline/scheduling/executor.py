@@ -1,0 +1,412 @@
+"""The executor: runs a planned `Round`'s programs and writes what came out.
+
+It owns the device state of continuous batching (the KV cache of every row, and the
+cache a long prompt's chunks fill before they join it), runs each part of a `Round` on
+the `Engine` (prefills, in-place K/V inserts and row moves, the decode chunk), and
+writes the results into the row book through its methods. It decides nothing: every
+process of a job executes the same `Round` alike, and gets the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.pipeline.batch.handles import Logprob, Request
+from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_slot_pos, block_slots
+from qwen3_spmd.pipeline.batch.rowbook import Chunking, RowBook, Update, row_sampling
+from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
+from qwen3_spmd.pipeline.programs.sampling import (
+    PromptLogprobs,
+    RowSampling,
+    Sampling,
+    TokenLogprobs,
+)
+from qwen3_spmd.pipeline.programs.schedule import decode_ticks
+from qwen3_spmd.pipeline.runtime.copies import BlockPool
+from qwen3_spmd.pipeline.runtime.engine import Engine
+from qwen3_spmd.pipeline.runtime.registry import Clock, Stopwatch
+from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, Chunk, DecodeChunk, Round
+from qwen3_spmd.pipeline.speculative.round_rule import step_kind
+from qwen3_spmd.pipeline.structured.constraints import Grammars, RowMatcher
+
+
+class Executor:
+    """Runs rounds on `engine` for the rows of `book`, timing its programs on `clock`
+    and counting decode work in `accounting`.
+
+    cache: the KV cache of the book's rows (a server allocates it at start); None: the
+    first admission makes it (an admission that fills every row, as a static batch's,
+    becomes it without a copy). prefix, pool: the prefix cache's book and blocks
+    (`pipeline.batch.prefix`), None without one; block_layout: the block prompts are laid out
+    by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
+    constraint (`pipeline.structured.constraints`), None when none can have one.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        book: RowBook,
+        accounting: Accounting,
+        clock: Clock,
+        cache: KVCache | None,
+        prefix: PrefixBook | None = None,
+        pool: BlockPool | None = None,
+        block_layout: int | None = None,
+        grammars: Grammars | None = None,
+    ):
+        self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
+        self.cache = cache
+        self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
+        self.grammars = grammars
+        # Each constrained request's grammar state, by request id, from its first token's
+        # sampling to its end: every process advances its own on the same tokens.
+        self.matchers: dict[int, RowMatcher] = {}
+        self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
+        self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
+        # The last program's logits on device: a prefill's [B, V], or a decode chunk's
+        # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
+        self.logits = None
+
+    def admit(self, round: Round) -> list[Update]:
+        """The round's cancellations, long-prompt chunk and admissions: the first tokens
+        of the requests prefilled (and the ends of those cancelled in rows)."""
+        updates = []
+        if self.prefix is not None:
+            self.prefix.tick()
+        if round.ended_saves:  # before anything writes to the rows they read
+            block, where = self.prefix.block, {}
+            for e in self.book.ended:  # its blocks' slots (one seq device: slot_pos[0])
+                where[e.row] = block_slots(e.slot_pos[0], block, len(e.tokens) // block)
+            self._save(round.ended_saves, [where[s.row][s.block] for s in round.ended_saves])
+        self.book.ended.clear()
+        for id in round.cancels:
+            in_row = self.book.row_of(id) is not None
+            self.matchers.pop(id, None)
+            if self.book.cancel(id):
+                updates.append(Update(id, [], "cancelled"))
+                self.accounting.early_ends += in_row  # a row freed before its budget
+                if not in_row:  # the long prompt being chunked
+                    self._chunk_cache, self._chunk_prompt = None, []
+        if round.chunk is not None:
+            updates += self._chunk(round.chunk)
+        for admission in round.admissions:
+            updates += self._prefill(admission)
+        if round.saves:  # before any later write to the rows they read
+            self._save(round.saves)
+        return self._forget(updates)
+
+    def decode(self, round: Round) -> list[Update]:
+        """The round's row moves and decode chunk: every busy row's new tokens."""
+        if round.moves:
+            src, dst = (np.array(rows) for rows in zip(*round.moves))
+            self.cache = self.engine.copies.move_rows(self.cache, src, dst)
+            for a, b in round.moves:
+                self.book.move(a, b)
+        if round.decode is None:
+            return []
+        chunk, spec = round.decode, self.engine.speculator
+        if spec is not None and spec.takes(chunk.with_logits, len(self.book.live())):
+            proposal = spec.drafts(self, chunk.shape.rows)
+            if any(proposal.tokens.values()):
+                return self._forget(spec.run(self, chunk.shape.rows, proposal, chunk.steps))
+            steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
+            chunk = dataclasses.replace(chunk, steps=steps)
+            watch = Stopwatch(self.clock)
+            updates = self._decode(chunk)
+            spec.rule.saw(step_kind(chunk.shape.rows), watch.seconds() / steps)
+            return self._forget(updates)
+        return self._forget(self._decode(chunk))
+
+    # ---- the parts of a round ------------------------------------------------------
+
+    def _chunk(self, chunk: Chunk) -> list[Update]:
+        """The next chunk of the long prompt; after its last, the request decodes."""
+        eng, book = self.engine, self.book
+        if chunk.request is None:
+            held = book.chunking
+        elif chunk.cached:
+            held = self._hit(chunk)
+        else:
+            held = book.hold(chunk.request, chunk.row)
+            self._count(chunk.request, ())
+        request = held.request
+        if chunk.request is not None:  # its first chunk
+            self._chunk_prompt = []
+        scored = chunk.shape.prompt_logprobs
+        batch = lay_out(
+            [list(request.prompt[chunk.start : chunk.end])],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            start=chunk.start,
+            offset=held.offset,
+            P_pad=chunk.shape.P_pad,
+            rows=chunk.shape.B,
+            block=self.block_layout,
+            targets=[_targets(request.prompt, chunk.start, chunk.end)] if scored else None,
+        )
+        book.chunk_prefilled(batch, chunk.end)
+        cache = self._chunk_cache
+        if cache is not None:  # the chunk's context: the earlier chunks' slots
+            cache = eng.copies.with_slot_pos(
+                cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape)
+            )
+        params = RowSampling.stack([row_sampling(request)] * batch.B)
+        sampled = request.params.sampling.temperature > 0
+        last = chunk.end == len(request.prompt)  # its sampled token is the request's first
+        allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
+        first, logits, cache, prompt = eng.prefill(
+            batch, chunk.cp, params, sampled, self.clock, cache, allowed
+        )
+        if scored:
+            self._chunk_prompt += _prompt_rows(batch, prompt, 0)
+        if not last:
+            self._chunk_cache = cache
+            return []
+        self._chunk_cache = None
+        held = book.chunked_in()
+        rows = np.full(batch.B, book.B, np.int32)  # the copies past the first: dropped
+        rows[0] = held.row
+        self._insert(cache, rows)
+        done = self._advance({request.id: int(first[0])})
+        update = book.start(
+            held.row, request, int(first[0]), held.offset, held.slot_pos, request.id in done
+        )
+        update.cached_tokens = held.cached_tokens
+        if scored:
+            update.prompt_logprobs, self._chunk_prompt = self._chunk_prompt, []
+        if request.params.logprobs:
+            update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
+        return [update]
+
+    def _hit(self, chunk: Chunk) -> Chunking:
+        """A prompt whose first blocks the prefix cache holds starts chunking past them:
+        its chunk cache holds their K/V, copied from the pool."""
+        eng, block = self.engine, self.prefix.block
+        done = len(chunk.cached) * block
+        slot_pos = block_slot_pos(len(chunk.cached), block, eng.C, eng.slots_per_device)
+        held = self.book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
+        held.cached_tokens = done
+        cache = eng.copies.empty_cache(chunk.shape.B)  # rows past the first are dropped copies
+        self._chunk_cache = eng.copies.load_blocks(cache, self.pool, 0, chunk.cached)
+        self._count(chunk.request, chunk.cached)
+        return held
+
+    def _save(self, saves, slots=None) -> None:
+        """Runs `saves` (the rows' slots of each block: `Copies.save_blocks`)."""
+        self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, slots)
+        for save in saves:
+            self.prefix.store(save)
+
+    def _count(self, request: Request, cached: tuple[int, ...]) -> None:
+        """A prompt starts its prefill, its first blocks from `cached` pool slots."""
+        if self.prefix is not None:
+            self.prefix.use(cached, len(request.prompt))
+
+    def _prefill(self, admission: Admission) -> list[Update]:
+        """Short prompts prefilled together into their rows; their first tokens."""
+        eng, book, requests = self.engine, self.book, admission.requests
+        scored = admission.shape.prompt_logprobs
+        targets = [_targets(r.prompt, 0, len(r.prompt)) for r in requests] if scored else None
+        batch = lay_out(
+            [list(r.prompt) for r in requests],
+            eng.M,
+            1,
+            eng.C,
+            eng.slots_per_device,
+            P_pad=admission.shape.P_pad,
+            rows=admission.shape.B,
+            block=self.block_layout,
+            targets=targets,
+        )
+        for r in requests:
+            self._count(r, ())
+        params = RowSampling.stack(
+            [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
+        )
+        sampled = any(r.params.sampling.temperature > 0 for r in requests)
+        allowed = self._masks(list(requests) + [None] * (batch.B - len(requests)))
+        first, self.logits, new, prompt = eng.prefill(
+            batch, admission.cp, params, sampled, self.clock, None, allowed
+        )
+        into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
+        into[: len(requests)] = admission.rows
+        self._insert(new, into)
+        logits = self.logits
+        lp = eng.logprobs(logits, first) if any(r.params.logprobs for r in requests) else None
+        done = self._advance({r.id: int(first[i]) for i, r in enumerate(requests)})
+        updates = []
+        for i, (b, r) in enumerate(zip(admission.rows, requests)):
+            update = book.start(
+                b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i], r.id in done
+            )
+            if r.params.logprobs:
+                update.logprobs = [_logprob(lp, i)]
+            if r.params.prompt_logprobs:
+                update.prompt_logprobs = _prompt_rows(batch, prompt, i)
+            updates.append(update)
+        return updates
+
+    def _decode(self, chunk: DecodeChunk) -> list[Update]:
+        """One decode chunk over the first rows; hands out the new tokens, retires the
+        rows that end."""
+        eng, book, acc = self.engine, self.book, self.accounting
+        n, take = chunk.shape.rows, chunk.steps
+        inputs = book.decode_inputs(n, take)
+        if chunk.shape.constrained:  # a chunk of one step (the planner's rule)
+            held = [book.rows[b].request if book.rows[b] else None for b in range(n)]
+            inputs = inputs._replace(allowed=self._masks(held, always=True))
+        out, self.cache = eng.decode(
+            self.cache,
+            book.slot_pos,
+            inputs,
+            groups=book.groups,
+            sampled=chunk.shape.sampled,
+            with_logits=chunk.with_logits,
+            clock=self.clock,
+            logprobs=chunk.shape.logprobs,
+        )
+        self.logits = out.logits
+        tokens = np.asarray(out.tokens)
+        lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if chunk.shape.logprobs else None
+        acc.row_steps += book.B * take
+        acc.decode_ticks += decode_ticks(book.groups, eng.stages, take)
+        live = [b for b in book.live() if b < n]
+        done = self._advance({book.rows[b].request.id: int(tokens[b, 0]) for b in live})
+        updates = []
+        for b in live:
+            request = book.rows[b].request
+            update = book.extend(b, tokens[b, :take], request.id in done)
+            acc.busy_row_steps += len(update.tokens)
+            acc.early_ends += update.finish_reason == "stop"
+            if request.params.logprobs:
+                at_step = TokenLogprobs(*(x[b] for x in lp))
+                update.logprobs = [_logprob(at_step, k) for k in range(len(update.tokens))]
+            updates.append(update)
+        return updates
+
+    # ---- constraints (structured outputs) -------------------------------------------
+
+    def _masks(self, requests: list[Request | None], always: bool = False) -> np.ndarray | None:
+        """Each row's allowed tokens [len(requests), W] (`sampling.only_allowed`; all for
+        a row of no constrained request, or of none), starting the matcher of a request
+        met for the first time; None when no row is constrained (the programs of old),
+        unless `always`."""
+        if not _constrained(requests):
+            return self.grammars.masks(len(requests)) if always and self.grammars else None
+        t0 = time.perf_counter()
+        masks = self.grammars.masks(len(requests))
+        for i, r in enumerate(requests):
+            matcher = None if r is None else self.grammar_of(r)
+            if matcher is not None:
+                matcher.fill(masks, i)
+                self.accounting.masks += 1
+        self.clock.mask_s += time.perf_counter() - t0
+        return masks
+
+    def grammar_of(self, request: Request) -> RowMatcher | None:
+        """The request's grammar state (started when first asked), None without a
+        constraint. A drafter steers by it inside `RowMatcher.trial`, which leaves it
+        as it was."""
+        if request.params.constraint is None:
+            return None
+        if request.id not in self.matchers:
+            self.matchers[request.id] = self.grammars.matcher(request.params.constraint)
+        return self.matchers[request.id]
+
+    def draft_masks(self, requests: list[Request | None], drafts: list[list[int]], T: int):
+        """A speculative pass's checks by the rows' constraints: (each row's drafts cut
+        to the run its constraint allows (`RowMatcher.along`), the allowed tokens at
+        each of the pass's T > len(drafts[i]) positions [len(requests), T, W], all for
+        a row without a constraint); (drafts, None) when no row has one."""
+        if not _constrained(requests):
+            return drafts, None
+        t0 = time.perf_counter()
+        masks = np.full((len(requests), T, self.grammars.words), -1, np.int32)
+        cut = []
+        for i, (r, d) in enumerate(zip(requests, drafts)):
+            matcher = None if r is None else self.grammar_of(r)
+            if matcher is not None:
+                d = d[: matcher.along(d, masks[i])]
+                self.accounting.masks += len(d) + 1
+            cut.append(d)
+        self.clock.mask_s += time.perf_counter() - t0
+        return cut, masks
+
+    def advance_along(self, request: Request, tokens) -> tuple[list[int], bool]:
+        """The request's kept tokens of a speculative pass, taken one by one by its
+        matcher: (those up to where its answer is done, whether it is)."""
+        matcher = self.grammar_of(request)
+        tokens = [int(t) for t in tokens]
+        if matcher is None:
+            return tokens, False
+        t0 = time.perf_counter()
+        try:
+            for i, t in enumerate(tokens):
+                if matcher.take(t):
+                    return tokens[: i + 1], True
+            return tokens, False
+        finally:
+            self.clock.mask_s += time.perf_counter() - t0
+
+    def _advance(self, tokens: dict[int, int]) -> set[int]:
+        """Each constrained request's matcher takes its new token ({request id: token});
+        returns the ids whose answers are done (their grammar admits nothing more)."""
+        t0 = time.perf_counter()
+        done = {id for id, t in tokens.items() if id in self.matchers and self.matchers[id].take(t)}
+        self.clock.mask_s += time.perf_counter() - t0
+        return done
+
+    def _forget(self, updates: list[Update]) -> list[Update]:
+        """The matchers of the requests that ended are dropped."""
+        for u in updates:
+            if u.finish_reason:
+                self.matchers.pop(u.id, None)
+        return updates
+
+    def _insert(self, new: KVCache, rows: np.ndarray) -> None:
+        """Row r of a prefill's cache `new` into the book's row rows[r] (past the rows:
+        left out), in place."""
+        if self.cache is None and rows.tolist() == list(range(self.book.B)):
+            self.cache = new  # it holds every row already
+            return
+        if self.cache is None:
+            self.cache = self.engine.copies.empty_cache(self.book.B)
+        self.cache = self.engine.copies.insert(self.cache, new, rows)
+
+
+def _logprob(lp: TokenLogprobs, r: int) -> Logprob:
+    """Row r of TokenLogprobs (numpy) as the handle keeps it."""
+    top = [(int(i), float(v)) for i, v in zip(lp.top_ids[r], lp.top[r])]
+    return Logprob(float(lp.chosen[r]), top)
+
+
+def _targets(prompt: tuple[int, ...], start: int, end: int) -> list[int]:
+    """The next prompt token after each of prompt[start:end] (-1 after the last)."""
+    return list(prompt[start + 1 : end + 1]) + [-1] * (end == len(prompt))
+
+
+def _prompt_rows(batch: Batch, lp: PromptLogprobs, b: int) -> list[Logprob]:
+    """Row b's PromptLogprobs (numpy, the batch's device order) as Logprobs in position
+    order, one per token that has a next prompt token (its log-probability's)."""
+    positions, targets = batch.prefill.positions[b], batch.prefill.targets[b]
+    at = np.flatnonzero(targets >= 0)
+    at = at[np.argsort(positions[at])]
+    return [
+        Logprob(
+            float(lp.chosen[b, i]),
+            [(int(t), float(v)) for t, v in zip(lp.top_ids[b, i], lp.top[b, i])],
+            int(lp.rank[b, i]),
+        )
+        for i in at
+    ]
+
+
+def _constrained(requests: list[Request | None]) -> bool:
+    """Whether any of these rows' requests has a constraint (a structured output)."""
+    return any(r is not None and r.params.constraint is not None for r in requests)

@@ -1,0 +1,471 @@
+"""The planner: what a scheduler round runs, decided from the books alone.
+
+`Planner.plan` reads the row book, the waiting requests and the cancellations, and
+returns a `Round`, a frozen record of everything the round runs: the cancellations it
+takes in, the next chunk of a long prompt, the admissions (their requests, rows and
+padded shapes, from `pipeline.runtime.shapes`), the row moves, and the decode chunk (its rows and
+steps). It touches no device and writes nothing: tests drive it with hand-made books,
+and with several processes process 0 plans and sends the `Round` itself, so a rule that
+reads a clock or a measured cost can never put the others out of step.
+
+The policy, in the order a round runs:
+
+    cancel  the requests cancelled since the last round, wherever they are;
+    chunk   a prompt longer than a chunk (`prefill_tokens`, a multiple of 2C) holds a
+            row and is prefilled a chunk a round, each chunk attending to the earlier
+            ones in its cache (`ring.context_attention`), so it never stalls the rows
+            that decode meanwhile;
+    admit   waiting short prompts into free rows within the round's prompt tokens, each
+            length bucket in whole batches of its own;
+    move    requests left in high rows down into free low ones, so a light load after a
+            burst decodes few rows;
+    decode  one chunk over the rows up to the highest busy one, each at its own step
+            (short while requests wait for a row, so finished rows free up soon; long
+            when none wait).
+
+A request that ends at its first token by an EOS id is only known once its prefill
+ran: the round's decode plan counts it busy (its row then runs empty), and the next
+round sees it gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Iterable
+
+from qwen3_spmd.pipeline.batch.handles import Params, Request
+from qwen3_spmd.pipeline.batch.prefix import PrefixBook, Save, plan_saves
+from qwen3_spmd.pipeline.batch.rowbook import RowBook
+from qwen3_spmd.pipeline.programs.layout import whole_batch
+from qwen3_spmd.pipeline.programs.sampling import Sampling
+from qwen3_spmd.pipeline.runtime.shapes import (
+    DecodeShape,
+    MoveShape,
+    PrefillShape,
+    Shape,
+    ShapeRules,
+)
+from qwen3_spmd.pipeline.structured.constraints import Constraint
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """The next chunk of the long prompt in row `row`: its tokens start..end.
+    request: the request when this is its first chunk (it then takes the row), None for
+    the one the row book holds already."""
+
+    row: int
+    start: int
+    end: int
+    shape: PrefillShape
+    request: Request | None = None
+    cached: tuple[int, ...] = ()  # a first chunk's prefix-cache hit: the pool slots of
+    # its first blocks, in order (its tokens before `start`)
+    cp: str = "ring"  # how its prompt attention splits along seq (Engine.cp_plan's choice)
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """Short prompts prefilled together (`shape`), request i into row rows[i]."""
+
+    requests: tuple[Request, ...]
+    rows: tuple[int, ...]
+    shape: PrefillShape
+    cp: str = "ring"  # how their prompt attention splits along seq (Engine.cp_plan's choice)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChunk:
+    """A decode chunk over rows 0..shape.rows-1 that runs `steps` steps. with_logits:
+    row 0's logits at each step come back too (a static batch's first request)."""
+
+    shape: DecodeShape
+    steps: int
+    with_logits: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """Everything one round runs, in this order (ended_saves before anything writes to
+    the rows, saves right after the prefills). close: process 0 has stopped (the
+    followers stop after this)."""
+
+    cancels: tuple[int, ...] = ()  # request ids
+    chunk: Chunk | None = None
+    admissions: tuple[Admission, ...] = ()
+    moves: tuple[tuple[int, int], ...] = ()  # (from row, to row)
+    decode: DecodeChunk | None = None
+    close: bool = False
+    saves: tuple[Save, ...] = ()  # prompt blocks into the prefix cache, after the prefills
+    # the blocks of the requests that ended last round (`RowBook.ended`), first
+    ended_saves: tuple[Save, ...] = ()
+
+    def taken(self) -> set[int]:
+        """The waiting requests this round takes out of the queue."""
+        ids = {r.id for a in self.admissions for r in a.requests} | set(self.cancels)
+        if self.chunk is not None and self.chunk.request is not None:
+            ids.add(self.chunk.request.id)
+        return ids
+
+    def shapes(self, rules: ShapeRules) -> set[Shape]:
+        """The program shapes the round runs (besides the prefix cache's copies)."""
+        shapes: set[Shape] = {a.shape for a in self.admissions}
+        if self.chunk is not None:
+            shapes.add(self.chunk.shape)
+        if self.moves:
+            shapes.add(MoveShape(rules.moved(len(self.moves))))
+        if self.decode is not None:
+            shapes.add(self.decode.shape)
+        return shapes
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> Round:
+        d = json.loads(text)
+        chunk = decode = None
+        if d["chunk"]:
+            c = d["chunk"]
+            shape, request = PrefillShape(**c.pop("shape")), _request(c.pop("request"))
+            chunk = Chunk(**{**c, "cached": tuple(c["cached"])}, shape=shape, request=request)
+        if d["decode"]:
+            decode = DecodeChunk(**{**d["decode"], "shape": DecodeShape(**d["decode"]["shape"])})
+        return Round(
+            cancels=tuple(d["cancels"]),
+            chunk=chunk,
+            admissions=tuple(
+                Admission(
+                    tuple(_request(r) for r in a["requests"]),
+                    tuple(a["rows"]),
+                    PrefillShape(**a["shape"]),
+                    a["cp"],
+                )
+                for a in d["admissions"]
+            ),
+            moves=tuple(tuple(m) for m in d["moves"]),
+            decode=decode,
+            close=d["close"],
+            saves=tuple(Save(**x) for x in d["saves"]),
+            ended_saves=tuple(Save(**x) for x in d["ended_saves"]),
+        )
+
+
+def _request(d: dict | None) -> Request | None:
+    if d is None:
+        return None
+    p = d["params"]
+    constraint = Constraint(**p["constraint"]) if p.get("constraint") else None
+    params = Params(
+        **{
+            **p,
+            "sampling": Sampling(**p["sampling"]),
+            "eos_ids": tuple(p["eos_ids"]),
+            "constraint": constraint,
+        }
+    )
+    return Request(d["id"], tuple(d["prompt"]), params, d["sample_index"])
+
+
+@dataclasses.dataclass
+class Accounting:
+    """Decode row-steps the rounds ran (all rows x steps), those that gave a request a
+    token, pipeline ticks (a stage works on one group a tick), and rows freed before
+    their budget (an end id, a cancel): how often a busy row ends unforeseen, which sets
+    the chunk length while requests wait."""
+
+    row_steps: int = 0
+    busy_row_steps: int = 0
+    decode_ticks: int = 0  # verify passes' included
+    verify_ticks: int = 0  # of decode_ticks, those of verify passes
+    verify_positions: int = 0  # a verify pass's ticks x its positions a row (k + 1)
+    early_ends: int = 0
+    masks: int = 0  # constrained rows' allowed-token masks filled (one per token)
+
+
+class Planner:
+    """Plans rounds for a row book padded by `rules`, on `stages` pipeline stages.
+    short_chunk: decode steps a round runs while a row is free; long_chunk: the
+    engine's chunk, the most a round runs. prefix: the prefix cache's book (read only),
+    None without a cache. cp: a prefill shape's CP strategy, "ring" or "ulysses"
+    (`Engine.cp_plan`): chosen here, on process 0, so that every process runs the same
+    program even where their measured rates would choose differently."""
+
+    def __init__(
+        self,
+        rules: ShapeRules,
+        stages: int,
+        short_chunk: int,
+        long_chunk: int,
+        prefix: PrefixBook | None = None,
+        cp: Callable[[PrefillShape], str] = lambda shape: "ring",
+    ):
+        self.rules, self.stages = rules, stages
+        self.cp = cp
+        self.short_chunk, self.long_chunk = short_chunk, long_chunk
+        self.prefix = prefix
+        # Whether a shape's program is compiled; while the rest compile in the
+        # background (`Scheduler.compile_later`), a round takes a compiled shape that does
+        # the same work (fewer prompts, a longer padding, more decode rows, no move) over
+        # waiting for one.
+        self.ready: Callable[[Shape], bool] = lambda shape: True
+
+    def long(self, request: Request) -> bool:
+        """Whether a prompt is prefilled in chunks."""
+        return len(request.prompt) > self.rules.chunk_tokens
+
+    def cached(self, request: Request, prefix: PrefixBook | None) -> tuple[int, ...]:
+        """The pool slots of the prompt's first blocks `prefix` (the prefix cache's book
+        as the round will read it) holds: a hit is prefilled from its first uncached
+        token on, as a long prompt's later chunks. None for a request that asks for its
+        prompt's log-probabilities: a hit would skip the positions it asks for (vLLM
+        bypasses the cache for it too)."""
+        if prefix is None or request.params.prompt_logprobs:
+            return ()
+        return prefix.lookup(request.prompt)
+
+    def plan(
+        self,
+        book: RowBook,
+        waiting: Iterable[Request],
+        cancels: Iterable[int] = (),
+        accounting: Accounting | None = None,
+    ) -> Round:
+        """The next round for `book` with `waiting` requests (in arrival order) and the
+        ids of requests `cancels` ends. Reads, writes nothing."""
+        rules, cancels = self.rules, set(cancels)
+        queue = list(waiting)
+        found = [r.id for r in queue if r.id in cancels]
+        # Rows after the round's writes, as far as the plan knows: request and tokens.
+        busy, early_ends = {}, (accounting or Accounting()).early_ends
+        for b in book.live():
+            row = book.rows[b]
+            if row.request.id in cancels:
+                found.append(row.request.id)
+                early_ends += 1  # a row freed before its budget, this round
+            else:
+                busy[b] = (row.request, len(row.generated))
+        held = book.chunking
+        if held is not None and held.request.id in cancels:
+            found.append(held.request.id)
+            held = None
+        queue = [r for r in queue if r.id not in cancels]
+        free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
+
+        # The requests that ended last round save their blocks first (generated tokens
+        # are in a block's layout on one seq device only); this round's hits see them.
+        prefix, ended = self.prefix, ()
+        if prefix is not None and rules.C == 1 and book.ended:
+            ended = plan_saves(prefix, [(e.row, e.tokens) for e in book.ended], keep=set())
+            prefix = prefix.after(ended)
+        budget, chunk = rules.prefill_tokens, None
+        if held is None and queue and free:
+            hit = self.cached(queue[0], prefix)
+            if hit or self.long(queue[0]):
+                request, row = queue.pop(0), free.pop(0)
+                chunk = self._chunk(request, row, done=0, offset=0, first=True, cached=hit)
+        elif held is not None:
+            chunk = self._chunk(held.request, held.row, held.done, held.offset, first=False)
+        held_row = None  # the row a long prompt holds after this round
+        prefilled = []  # (row, prompt) of the prompts whose prefill ends this round
+        if chunk is not None:
+            budget -= chunk.shape.P_pad  # the padded tokens it computes
+            request = chunk.request or held.request
+            if chunk.end == len(request.prompt):
+                busy[chunk.row] = (request, 1)
+                prefilled.append((chunk.row, request.prompt))
+            else:
+                held_row = chunk.row
+
+        admissions, queue = self._admit(queue, free, max(budget, 0), prefix)
+        for a in admissions:
+            busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
+            prefilled += [(b, r.prompt) for r, b in zip(a.requests, a.rows)]
+        saves = ()
+        if prefix is not None:
+            hits = set(chunk.cached) if chunk is not None else set()
+            saves = plan_saves(prefix, prefilled, keep=hits)
+        # A request whose budget is its first token ends at its prefill.
+        busy = {b: (r, n) for b, (r, n) in busy.items() if n < r.params.max_new_tokens}
+        moves, decode = (), None
+        if busy:
+            moves = self._compact(busy, held_row)
+            acc = accounting or Accounting()
+            decode = self._decode(
+                busy, bool(queue), book.B, book.groups, early_ends, acc.busy_row_steps
+            )
+        return Round(
+            tuple(found), chunk, tuple(admissions), moves, decode, saves=saves, ended_saves=ended
+        )
+
+    def _chunk(
+        self,
+        request: Request,
+        row: int,
+        done: int,
+        offset: int,
+        first: bool,
+        cached: tuple[int, ...] = (),
+    ) -> Chunk:
+        """The next chunk of `request` in `row` after `done` tokens in `offset` local
+        slots; a first chunk after a hit of `cached` pool slots starts past them."""
+        if cached:
+            done = len(cached) * self.rules.block
+            offset = done // self.rules.C
+        end = min(done + self.rules.chunk_tokens, len(request.prompt))
+        new_tokens = request.params.max_new_tokens
+        shape = self.rules.chunk(end - done, offset, new_tokens)
+        shape = dataclasses.replace(shape, prompt_logprobs=request.params.prompt_logprobs)
+        shape = self._stand_in(self.rules.prefill_stand_ins, shape, [new_tokens], offset) or shape
+        return Chunk(row, done, end, shape, request if first else None, cached, self.cp(shape))
+
+    def _admit(
+        self, queue: list[Request], free: list[int], budget: int, prefix: PrefixBook | None
+    ) -> tuple[list[Admission], list[Request]]:
+        """Waiting short prompts, in their order, into the free rows within `budget`
+        tokens (one at least, when no chunk runs this round). Prompts of one length
+        bucket go together (padded to one length, a short prompt would cost a long
+        one's compute), in whole bucketed batches (padding rows compute for nobody): 7
+        prompts of a bucket are batches of 4, 2 and 1; a prefix cache's hit (in
+        `prefix`) waits for the chunking seat. Returns the admissions and the queue
+        left."""
+        rules = self.rules
+        by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
+        n = tokens = 0
+        for request in queue:
+            if n == len(free) or self.long(request) or self.cached(request, prefix):
+                break  # a long prompt (or a hit) starts chunking when the one before is done
+            length = len(request.prompt)
+            if tokens + length > budget and (n or budget < rules.prefill_tokens):
+                break
+            together = by_bucket.setdefault(rules.prompt_length(length), [])
+            if not _fits(rules, together + [request]):
+                break  # padded with longer prompts it would not fit: next round
+            together.append(request)
+            n, tokens = n + 1, tokens + length
+        admissions, rows = [], iter(free)
+        for P_pad, together in by_bucket.items():
+            while together:
+                k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
+                batch, together = together[:k], together[k:]
+                into = tuple(next(rows) for _ in batch)
+                admissions.append(Admission(tuple(batch), into, shape, self.cp(shape)))
+        return admissions, queue[n:]
+
+    def _batch(self, together: list[Request], k: int) -> tuple[int, PrefillShape]:
+        """(prompts, shape) of a prefill of the first k of `together`; where its program
+        is not ready, the largest batch of them (k, or a smaller bucketed one) with a
+        ready stand-in (`ShapeRules.prefill_stand_ins`), else a microbatch's own shape
+        (one the background compiles before the batched ones)."""
+        rules, M = self.rules, self.rules.microbatches
+        n = k
+        while True:
+            batch = together[:n]
+            new_tokens = [r.params.max_new_tokens for r in batch]
+            shape = rules.prefill(n, max(len(r.prompt) for r in batch), new_tokens)
+            # One row that asks makes the program score every row's prompt.
+            scored = any(r.params.prompt_logprobs for r in batch)
+            shape = dataclasses.replace(shape, prompt_logprobs=scored)
+            ready = self._stand_in(rules.prefill_stand_ins, shape, new_tokens)
+            if ready is not None or n <= M:
+                return n, ready or shape
+            n = whole_batch(n - 1, M)
+
+    def _compact(self, busy: dict, held_row: int | None) -> tuple[tuple[int, int], ...]:
+        """Moves the requests in rows past the fewest a chunk could run over into free
+        rows below (one in-place copy of their K/V), so that a light load after a burst
+        decodes few rows: one request left in the last row would keep every row's
+        products running to its end. Updates `busy` to the rows after the moves."""
+        fewest = self.rules.compact_below(len(busy))
+        above = sorted(b for b in busy if b >= fewest)
+        if not above:
+            return ()
+        free = [b for b in range(fewest) if b not in busy and b != held_row]
+        below = free[: len(above)]
+        if len(below) < len(above) or not self.ready(MoveShape(self.rules.moved(len(above)))):
+            return ()
+        for a, b in zip(above, below):
+            busy[b] = busy.pop(a)
+        return tuple(zip(above, below))
+
+    def _decode(
+        self, busy: dict, waiting: bool, rows: int, groups: int, early_ends: int, row_steps: int
+    ) -> DecodeChunk:
+        """The decode chunk over the `busy` rows of `rows` in `groups` groups, with
+        requests `waiting` for a row or not, after `early_ends` rows ended before their
+        budget in `row_steps` busy row-steps."""
+        if len(busy) < rows:  # one may arrive during the chunk, and waits for its end
+            chunk = self.short_chunk
+        elif waiting:
+            chunk = chunk_while_waiting(
+                stages=self.stages,
+                groups=groups,
+                early_ends=early_ends,
+                row_steps=row_steps,
+                short=self.short_chunk,
+                long=self.long_chunk,
+            )
+        else:
+            chunk = self.long_chunk
+        left = [r.params.max_new_tokens - n for r, n in busy.values()]
+        take, first = min(chunk, self.long_chunk, max(left)), min(left)
+        # Past the first row's budget that row sits empty to the chunk's end, while a
+        # waiting (or the next) request could use it; ending the chunk there costs one
+        # more pipeline fill and drain, S (S - 1) stage-ticks, against the empty row's
+        # S G / B stage-ticks a step. End it there when that is the smaller loss (on
+        # one stage, always).
+        if (take - first) * groups > (self.stages - 1) * rows:
+            take = first
+        # A row under a constraint needs the host between its tokens (its grammar's
+        # matcher takes each and gives the next mask): the chunk runs one step.
+        constrained = any(r.params.constraint is not None for r, _ in busy.values())
+        if constrained:
+            take = 1
+        # One program samples or not (all-greedy rows skip the sort at run time), so a
+        # server compiles one per row count where it would two.
+        shape = DecodeShape(
+            self.rules.decode_rows(max(busy)),
+            sampled=True,
+            logprobs=any(r.params.logprobs for r, _ in busy.values()),
+            constrained=constrained,
+        )
+        shape = self._stand_in(self.rules.decode_stand_ins, shape) or shape
+        return DecodeChunk(shape, take)
+
+    def _stand_in(self, stand_ins: Callable[..., list], shape: Shape, *args) -> Shape | None:
+        """`shape` where its program is ready, else the first ready of
+        stand_ins(shape, *args) (cheapest first; a `ShapeRules` method, called only
+        then: while nothing compiles in the background every shape is ready), else None."""
+        if self.ready(shape):
+            return shape
+        return next(filter(self.ready, stand_ins(shape, *args)), None)
+
+
+def _fits(rules: ShapeRules, requests: list[Request]) -> bool:
+    """Whether requests prefilled together (padded as long as the longest) leave each
+    its new tokens room in a row."""
+    longest = max(len(r.prompt) for r in requests)
+    return rules.fits(longest, [r.params.max_new_tokens for r in requests])
+
+
+def chunk_while_waiting(
+    stages: int, groups: int, early_ends: int, row_steps: int, short: int, long: int
+) -> int:
+    """Decode steps of a chunk over full rows while requests wait for one.
+
+    A row frees before its budget only at an unforeseen end (an end id, a cancel), then
+    sits empty to the chunk's end, and the request waiting for it with it. At q such
+    ends per busy row-step (`early_ends` / `row_steps` so far), a chunk of n steps
+    leaves about B q n^2 / 2 row-steps empty, S G / B stage-ticks each, against one
+    pipeline fill and drain a chunk, S (S - 1) stage-ticks: per row-step run, the sum is
+    least at n = sqrt(2 (S - 1) / (G q)). On one stage a fill costs nothing, so chunks
+    stay `short` (a freed row is refilled soonest); with no early end seen yet they are
+    `long`. Between the two otherwise."""
+    if stages == 1:
+        return short
+    if early_ends == 0:
+        return long
+    n = math.sqrt(2 * (stages - 1) * row_steps / (groups * early_ends))
+    return max(short, min(long, round(n)))

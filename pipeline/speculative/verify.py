@@ -1,0 +1,329 @@
+"""Verify: one pass of the model over T = k + 1 tokens a row, each row after its own
+cached context (speculative decoding's check).
+
+One `shard_map` over the whole ('stage', 'seq', 'tensor') mesh, scheduled as a decode
+chunk of one step (`pipeline.programs.decode`): the batch is cut into `groups` groups of B /
+groups rows, and at tick t stage s runs group t - s. A row feeds its newest token
+(whose K/V is not cached yet) and then its k draft tokens, at positions p .. p + k.
+Token i of the row is decode step j + i and writes its K/V where that step would
+(`ring.decode_slot`: device (j + i) mod C, after the prompt's slots), so the cache a
+verify leaves is the cache plain decoding leaves for the positions it keeps. The T
+queries attend over each `seq` device's own slots, masked by position (so token i sees
+the context and tokens 0 .. i of its own row, which it has just written), and the C
+partial results merge with LSE (`ring.decode_attention`, whose T may exceed 1).
+
+The last stage gives each position's token as decode would choose it there
+(`sampling.sample_rows` with the row's parameters, bans and key (seed, request, step)
+at that step, and its grammar's allowed tokens there when it has one, or
+`sampling.greedy_split` for greedy rows under `tensor`): out[b, i] is the model's
+choice after tokens 0 .. i of row b. A sampled row's draw at a position is the one
+plain decoding makes there from the same logits, since its key depends on the step
+alone. Which of them to keep is the host's (`pipeline.speculative.speculator`); the slots of
+positions it rejects are unlisted there, and written again by later steps before any
+query can see them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from qwen3_spmd.model.cache import KVCache
+from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.programs.sampling import (
+    TOP_LOGPROBS,
+    RowSampling,
+    Sampling,
+    TokenLogprobs,
+    gather_vocab,
+    greedy_split,
+    sample_rows,
+    token_logprobs,
+)
+from qwen3_spmd.pipeline.programs.schedule import decode_ticks
+from qwen3_spmd.pipeline.programs.stage import (
+    CACHE_SPECS,
+    StageCache,
+    Weights,
+    from_device,
+    on_last_stage,
+    put_rows,
+    rows,
+    run_stage,
+    shift,
+    vary,
+    when,
+    write_kv_rows,
+)
+from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+class VerifyInputs(NamedTuple):
+    """A verify pass's inputs besides the weights and the cache; every field replicated
+    (P()), one per row."""
+
+    tokens: jax.Array  # [B, T] int32: the row's newest token, its drafts, then padding
+    positions: jax.Array  # [B] int32: the position of tokens[:, 0]
+    step: jax.Array  # [B] int32: the decode step index j of tokens[:, 0]
+    count: jax.Array  # [B] int32: tokens of the row that run, 1 + drafts (0: an empty row)
+    prompt_slots: jax.Array  # [B] int32: the local slots the row's prompt took
+    sampling: RowSampling  # [B] each: the row's sampling parameters, key and bans
+    # [B] int32: the steps of a row before its first generated token (a draft model's,
+    # whose steps count the prompt's tokens too; 0 for the model's, whose steps count
+    # generated tokens): a token's sampling key and bans take its step less these.
+    key_offset: jax.Array
+    # [B, T, ceil(V/32)] int32: the tokens allowed at each position as packed bits
+    # (`sampling.only_allowed`; a structured output's grammar after the drafts before
+    # it, all ones for a row under none), for a pass with a constrained row; else None.
+    allowed: jax.Array | None = None
+
+    @classmethod
+    def specs(cls, constrained: bool = False) -> VerifyInputs:
+        fields = {name: P() for name in cls._fields}
+        fields["sampling"] = RowSampling(*[P()] * len(RowSampling._fields))
+        return cls(**{**fields, "allowed": P() if constrained else None})
+
+    @classmethod
+    def zeros(cls, rows: int, T: int, words: int | None = None) -> VerifyInputs:
+        """Host inputs of `rows` greedy rows that run nothing: the shapes a compile
+        ahead of time needs (with masks of `words` int32 words a position, if given)."""
+        none = np.zeros(rows, np.int32)
+        greedy = RowSampling.stack([(Sampling(), 0, 0)] * rows)
+        allowed = None if words is None else np.full((rows, T, words), -1, np.int32)
+        return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, none, allowed)
+
+    def placed(self, mesh: Mesh) -> VerifyInputs:
+        """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
+        program is keyed by."""
+        return jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
+            self,
+            self.specs(self.allowed is not None),
+        )
+
+
+class VerifyCarry(NamedTuple):
+    """The tick loop's state on one device."""
+
+    h: jax.Array  # [B/groups, T, D]: the hidden state received from the previous stage
+    cache: StageCache  # this stage's cache slice
+    out: jax.Array  # [B, T'] int32: each position's token (filled by the last stage)
+    # Each position's TokenLogprobs, fields [B, T'] and [B, T', TOP_LOGPROBS] (a program
+    # with logprobs; else None).
+    logprobs: TokenLogprobs | None = None
+
+
+def build_verify(
+    cfg: Qwen3Config,
+    graphdef: nnx.GraphDef,
+    state_specs,
+    mesh: Mesh,
+    groups: int,
+    T: int,
+    sampled: bool = False,
+    logprobs: bool = False,
+    constrained: bool = False,
+    last_only: bool = False,
+):
+    """The verify program for T tokens a row (not yet jitted).
+
+    Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T']
+    int32, TokenLogprobs of [B, T'] / [B, T', TOP_LOGPROBS] or None, KVCache), T' = T,
+    or 1 with last_only: each row's token after its last running position only (a
+    draft model's pass, which reads no other; the head's logits, and a sampled row's
+    sort of the vocabulary, for one position instead of T). `cache.pos` must already
+    list the slots of each row's `count` tokens (`RowBook.list_ahead`); the program
+    writes k and v only, so `cache` is donated and updated in place. sampled=False promises every row is greedy (no sort of the
+    vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
+    row asks to. logprobs=True also gives each position's token's log-probability and
+    the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
+    `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
+    """
+    T_out = 1 if last_only else T
+    ahead = jnp.arange(T, dtype=jnp.int32)
+
+    def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
+        model = nnx.merge(graphdef, weights.state)
+        split = model.split
+        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
+        B = inputs.tokens.shape[0]
+        Bg = B // groups
+
+        def tick(t, carry: VerifyCarry) -> VerifyCarry:
+            u = t - s  # one step: stage s runs group t - s, if that is a group
+            active = (u >= 0) & (u < groups)
+            row0 = jnp.clip(u, 0, groups - 1) * Bg
+            j = rows(inputs.step, row0, Bg)[:, None] + ahead  # [Bg, T]: each token's step
+            group = GroupPass(
+                row0,
+                rows(inputs.step, row0, Bg),
+                rows(inputs.positions, row0, Bg),
+                rows(inputs.count, row0, Bg),
+                rows(inputs.prompt_slots, row0, Bg),
+            )
+            x_in = vary(jnp.where(s == 0, model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
+            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
+
+            def head(x):
+                """x [Bg, T, D] -> each position's token [Bg, T'], TokenLogprobs or None."""
+                steps = j  # [Bg, T]
+                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
+                if last_only:
+                    at = jnp.maximum(rows(inputs.count, row0, Bg) - 1, 0)[:, None]  # [Bg, 1]
+                    x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+                    steps = jnp.take_along_axis(j, at, axis=1)
+                    if constrained:
+                        allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
+                local = model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
+                params = jax.tree.map(
+                    lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling
+                )
+                # The index of the token each position produces, as its key counts it.
+                step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
+                if constrained:
+                    allowed = allowed.reshape(Bg * T_out, -1)
+                if split.size == 1 or sampled or logprobs:
+                    whole = gather_vocab(local, split, cfg.V)  # [Bg T', V]
+                    tok = sample_rows(whole, params, step, sampled, allowed)
+                    lp = token_logprobs(whole, tok) if logprobs else None
+                else:
+                    tok, lp = greedy_split(local, params, step, split, allowed), None
+                lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
+                return tok.reshape(Bg, T_out), lp
+
+            shapes = (
+                jax.ShapeDtypeStruct((Bg, T_out), jnp.int32),
+                _logprob_shapes(Bg, T_out, logprobs),
+            )
+            on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
+
+            def put(buf, new):
+                return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+            out = put(carry.out, tok)
+            lp = jax.tree.map(put, carry.logprobs, lp) if logprobs else None
+            return VerifyCarry(shift(x, cyclic=False), kv, out, lp)
+
+        carry = VerifyCarry(
+            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
+            StageCache(cache.k, cache.v),
+            vary(jnp.zeros((B, T_out), jnp.int32)),
+            jax.tree.map(
+                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, logprobs)
+            ),
+        )
+        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)
+        out = from_device(carry.out, stages - 1, 0)
+        lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
+        return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(constrained)),
+        out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
+    )
+
+    def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):
+        return mapped(weights, cache, inputs)
+
+    return verify
+
+
+class GroupPass(NamedTuple):
+    """One group's rows in a pass of T tokens a row: `row0`, its first row in the
+    batch, and per row [Bg]: the `step` and `position` of its first token, the `count`
+    of its tokens that run (0: none) and its prompt's local slots."""
+
+    row0: jax.Array
+    step: jax.Array
+    position: jax.Array
+    count: jax.Array
+    prompt_slots: jax.Array
+
+
+def pass_stage(
+    model,
+    cfg: Qwen3Config,
+    weights: Weights,
+    kv: StageCache,
+    slot_pos,
+    x_in,
+    group: GroupPass,
+    active,
+):
+    """This stage's layers over a group's T tokens a row, x_in [Bg, T, D] -> (x [Bg, T,
+    D], kv): token i of a row is decode step step + i and writes its K/V where that step
+    would (`ring.decode_slot`), then the T queries attend over each `seq` device's own
+    slots (`slot_pos` [B, slots/C], masked by position, so token i sees the context and
+    tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not `active`."""
+    gated = jax.lax.axis_size("seq") == 1  # no collectives inside the layers
+    always_active = jax.lax.axis_size("stage") == 1
+    C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
+    T = x_in.shape[1]
+    ahead = jnp.arange(T, dtype=jnp.int32)
+    row0 = group.row0
+    j = group.step[:, None] + ahead  # [Bg, T]: each token's step
+    q_pos = group.position[:, None] + ahead  # [Bg, T]
+    prompt_slots = group.prompt_slots[:, None]
+    device, slot = decode_slot(j, prompt_slots, C)  # [Bg, T] each
+    runs = ahead < group.count[:, None]  # [Bg, T]
+    mine = active & runs & (c == device)
+    # A bound on the local slots the row's tokens reach on any device: slots past it
+    # hold nothing the row may see.
+    filled = decode_slot(j[:, -1], group.prompt_slots, C)[1] + 1  # [Bg]
+    group_slot_pos = rows(slot_pos, row0, x_in.shape[0])
+    scale = cfg.head_dim**-0.5
+
+    def attend_at(layer):
+        def attend(q, k, v, kv: StageCache):
+            # Every token's K/V first (each at its own step's slot), then the queries
+            # over the cache: token i sees tokens 0 .. i by position.
+            ck = write_kv_rows(kv.k, k, layer, row0, slot, mine)
+            cv = write_kv_rows(kv.v, v, layer, row0, slot, mine)
+            o, _ = decode_attention(
+                q,
+                ck,
+                cv,
+                q_pos,
+                group_slot_pos,
+                axis_name="seq",
+                scale=scale,
+                at=(layer, row0),
+                filled=filled,
+            )
+            return o, StageCache(ck, cv)
+
+        return attend
+
+    def compute(x, kv, gate):
+        x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+        return vary(x), kv
+
+    return when(active, compute, x_in, kv, gated, always_active)
+
+
+def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
+    if not logprobs:
+        return None
+    return TokenLogprobs(
+        jax.ShapeDtypeStruct((B, T), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, TOP_LOGPROBS), jnp.int32),
+    )
+
+
+def common_prefix(a, b) -> int:
+    """How many tokens sequences a and b share from the start (a row's drafts and the
+    pass's tokens; a draft model's cached tokens and a row's; a run's tokens and plain
+    decoding's)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
