@@ -80,10 +80,6 @@ def weight_name(name: str) -> str:
     return name.removesuffix(SCALE_SUFFIX)
 
 
-def is_scale(name: str) -> bool:
-    return name.endswith(SCALE_SUFFIX) and weight_name(name) in D_AXIS
-
-
 def scale_shape(name: str, shape: tuple[int, ...], blocks: FP8Blocks) -> tuple[int, ...]:
     """The shape of weight `name`'s scales, from the weight's (one layer's, experts
     leading): D cut to ceil(D / block), every other axis whole."""

@@ -95,10 +95,6 @@ class TensorSplit:
         """K': the KV heads placed, repeats included."""
         return max(cfg.K, self.size)
 
-    def kv_repeat(self, cfg: Qwen3Config) -> int:
-        """How many devices hold each KV head (1: none repeated)."""
-        return max(1, self.size // cfg.K)
-
     def width(self, cfg: Qwen3Config) -> int:
         """F': the dense MLP's width, padded to a multiple of X."""
         return _round_up(cfg.F, self.size)

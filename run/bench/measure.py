@@ -170,14 +170,6 @@ def all_reduce_time(mesh, rows: int, count: int, width: int, dtype, repeats: int
 # ---- model arithmetic ------------------------------------------------------------------
 
 
-def layer_params(cfg: Qwen3Config) -> int:
-    D, F, N, K, H = cfg.D, cfg.F, cfg.N, cfg.K, cfg.H
-    per = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D + 2 * H
-    if cfg.attention_bias:
-        per += N * H + 2 * K * H + D
-    return per
-
-
 def non_embedding_params(cfg: Qwen3Config, active: bool = True) -> int:
     """Parameters a token's hidden state meets in the decoder layers and final norm (of a
     mixture of experts, the A experts it is routed to; active=False: all of them)."""
