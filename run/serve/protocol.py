@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-MAX_LOGPROBS = 5  # top log-probabilities per token, at most (the API's legacy limit)
 MAX_N = 16  # choices per request, at most
 
 

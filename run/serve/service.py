@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import NamedTuple
 
 from qwen3_spmd.pipeline.batch.handles import Handle, Logprob, Params
-from qwen3_spmd.pipeline.programs.sampling import Sampling, SamplingError
+from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling, SamplingError
 from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
 from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull, Scheduler
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.run.flags import in_flags
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics
-from qwen3_spmd.run.serve.protocol import MAX_LOGPROBS, MAX_N, APIError
+from qwen3_spmd.run.serve.protocol import MAX_N, APIError
 
 # The library's parameter names (RequestError.params) as the API's fields; the rest
 # (temperature, top_k, top_p, min_tokens) are the same in both. max_seq_len is no field:
@@ -261,9 +261,11 @@ class Service:
             raise APIError(400, f"min_tokens {min_tokens} must be >= 0", "min_tokens")
         min_tokens = min(min_tokens, max(budgets))  # past the budget it holds back nothing more
         for field, k in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            # At most the top log-probabilities the engine computes a token (the
+            # completions API's legacy limit is the same 5).
+            if k is not None and not 0 <= k <= TOP_LOGPROBS:
                 raise APIError(
-                    400, f"{field} {k} must be between 0 and {MAX_LOGPROBS}", field, "invalid_value"
+                    400, f"{field} {k} must be between 0 and {TOP_LOGPROBS}", field, "invalid_value"
                 )
         extra = tuple(ask.stop_token_ids)
         for t in extra:
