@@ -419,7 +419,7 @@ def _cp_report(layout: dict, timing: dict) -> dict:
 def _constraint(args):
     """The structured output --json-schema, --regex or --choice asks for (one at most),
     or None."""
-    from qwen3_spmd.pipeline.structured.constraints import Constraint
+    from qwen3_spmd.run.request_fields import constraint
 
     given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f) is not None]
     if len(given) > 1:
@@ -427,16 +427,16 @@ def _constraint(args):
     if args.json_schema is not None:
         try:
             with open(args.json_schema) as f:
-                return Constraint.json_schema(json.load(f))
+                return constraint("json", json.load(f))
         except (OSError, ValueError) as e:
             raise CLIError(f"--json-schema {args.json_schema}: cannot read it ({e})") from None
     if args.regex is not None:
-        return Constraint("regex", args.regex)
+        return constraint("regex", args.regex)
     if args.choice is not None:
         options = [c for c in args.choice.split(",") if c]
         if not options:
             raise CLIError("--choice: give at least one option (A,B,...)")
-        return Constraint.choice(options)
+        return constraint("choice", options)
     return None
 
 

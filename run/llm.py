@@ -32,6 +32,7 @@ from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.run.request_fields import constraint, end_ids, one_format
 
 __all__ = ["LLM", "Logprob", "Output", "SamplingParams", "StructuredOutputsParams"]
 
@@ -54,31 +55,19 @@ class StructuredOutputsParams:
     json_object: bool | None = None
 
     def __post_init__(self):
-        given = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) not in (None,)]
-        if self.json_object is False:
-            given.remove("json_object")
-        if len(given) != 1:
-            raise RequestError(
-                "$structured_outputs takes exactly one of json, regex, choice, grammar or "
-                f"json_object ({', '.join(given) or 'none'} given)",
-                "structured_outputs",
-            )
+        try:
+            one_format(self._fields())
+        except ValueError as e:
+            raise RequestError(f"$structured_outputs {e}", "structured_outputs") from None
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
 
     def constraint(self):
         """The engine's `Constraint` (from the first token)."""
-        from qwen3_spmd.pipeline.structured.constraints import Constraint
+        return constraint(*one_format(self._fields()))
 
-        if self.json_object:
-            return Constraint.json_schema({"type": "object"})
-        if self.json is not None:
-            return Constraint.json_schema(self.json)
-        if self.choice is not None:
-            return Constraint.choice(self.choice)
-        if self.regex is not None:
-            return Constraint("regex", self.regex)
-        return Constraint("grammar", self.grammar)
+    def _fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +118,11 @@ class SamplingParams:
 
     def params(self, eos_ids: tuple[int, ...]) -> Params:
         """The scheduler's Params, with the model's EOS ids."""
-        stop = (() if self.ignore_eos else tuple(eos_ids)) + self.stop_token_ids
         return Params(
             max_new_tokens=self.max_tokens,
             sampling=Sampling(self.temperature, self.top_k, self.top_p),
             seed=key_seed(self.seed),
-            eos_ids=tuple(dict.fromkeys(stop)),
+            eos_ids=end_ids(eos_ids, self.stop_token_ids, self.ignore_eos),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs is not None,
             constraint=(self.structured_outputs.constraint() if self.structured_outputs else None),

@@ -25,6 +25,7 @@ from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
 from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull, Scheduler
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.run.flags import in_flags
+from qwen3_spmd.run.request_fields import end_ids
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics
 from qwen3_spmd.run.serve.protocol import MAX_N, APIError
@@ -275,7 +276,7 @@ class Service:
                 )
         if any(not isinstance(x, str) or not x for x in ask.stops):
             raise APIError(400, "stop strings must be non-empty", "stop")
-        stop_ids = tuple(dict.fromkeys((() if ask.ignore_eos else s.eos_ids) + extra))
+        stop_ids = end_ids(s.eos_ids, extra, ask.ignore_eos)
         for i, (p, budget) in enumerate(zip(prompts, budgets)):
             try:  # prompts, lengths, end ids: the check every door calls
                 s.check([p], budget, min_tokens, stop_ids)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 
 from qwen3_spmd.pipeline.structured.constraints import JSON_OPTIONS, Constraint
+from qwen3_spmd.run.request_fields import constraint, one_format
 from qwen3_spmd.run.serve.protocol import APIError
 from qwen3_spmd.run.serve.tools import CLOSE, OPEN
 
@@ -92,7 +93,7 @@ def _response_format(rf) -> tuple[str, str | None, str | None]:
     if rf.type == "text":
         return "response_format", None, None
     if rf.type == "json_object":
-        return "response_format", "json", json.dumps({"type": "object"})
+        return "response_format", "json", constraint("json_object", True).spec
     if rf.json_schema is None or rf.json_schema.schema_ is None:
         raise APIError(
             400,
@@ -113,29 +114,15 @@ def _structured_outputs(so) -> tuple[str, str, str]:
             "structured_outputs.structural_tag",
             "unsupported_value",
         )
-    given = [
-        (name, value)
-        for name, value in (
-            ("json", so.json_),
-            ("regex", so.regex),
-            ("choice", so.choice),
-            ("grammar", so.grammar),
-            ("json_object", so.json_object or None),
-        )
-        if value is not None
-    ]
-    if len(given) != 1:
-        named = ", ".join(name for name, _ in given) or "none"
+    values = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+    try:
+        name, value = one_format({**values, "json_object": so.json_object})
+    except ValueError as e:
         raise APIError(
-            400,
-            f"structured_outputs takes exactly one of json, regex, choice, grammar or "
-            f"json_object ({named} given)",
-            "structured_outputs",
-            "invalid_value",
-        )
-    name, value = given[0]
+            400, f"structured_outputs {e}", "structured_outputs", "invalid_value"
+        ) from None
     if name == "json_object":
-        return name, "json", json.dumps({"type": "object"})
+        return name, "json", constraint(name, value).spec
     return name, name, _spec(name, value, f"structured_outputs.{name}")
 
 
@@ -149,13 +136,13 @@ def _spec(kind: str, value, field: str) -> str:
                 raise APIError(400, f"{field}: not JSON ({e})", field, "invalid_value") from None
         if not isinstance(value, dict | bool):
             raise APIError(400, f"{field}: a JSON Schema is an object", field, "invalid_value")
-        return Constraint.json_schema(value).spec
+        return constraint(kind, value).spec
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise APIError(
                 400, f"{field}: a choice is a non-empty list of strings", field, "invalid_value"
             )
-        return Constraint.choice(value).spec
+        return constraint(kind, value).spec
     if not isinstance(value, str) or not value:
         raise APIError(400, f"{field}: a non-empty string is needed", field, "invalid_value")
     return value
