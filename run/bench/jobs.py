@@ -15,7 +15,6 @@ from qwen3_spmd.run.bench.measure import (
     PlacedSource,
     all_reduce_time,
     decode_bytes_per_step,
-    prefill_flops,
     program_memory,
     prompts_for,
     ring_bytes,
@@ -24,6 +23,7 @@ from qwen3_spmd.run.bench.measure import (
 )
 from qwen3_spmd.run.engine_args import EngineArgs
 from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.run.flops import prefill_flops
 from qwen3_spmd.sharding.mesh import MeshShape
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.run.flops import non_embedding_params
 
 
 def spread(samples: Sequence[float]) -> dict:
@@ -170,26 +171,10 @@ def all_reduce_time(mesh, rows: int, count: int, width: int, dtype, repeats: int
 # ---- model arithmetic ------------------------------------------------------------------
 
 
-def non_embedding_params(cfg: Qwen3Config, active: bool = True) -> int:
-    """Parameters a token's hidden state meets in the decoder layers and final norm (of a
-    mixture of experts, the A experts it is routed to; active=False: all of them)."""
-    embed = cfg.V * cfg.D * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.param_count(active=active) - embed
-
-
 def distinct_experts(cfg: Qwen3Config, B: int) -> float:
     """Experts B tokens reach in one sparse layer, expected under uniform routing:
     E * (1 - (1 - A/E)^B) (exactly A for one token)."""
     return cfg.E * (1 - (1 - cfg.A / cfg.E) ** B) if cfg.E else 0.0
-
-
-def prefill_flops(cfg: Qwen3Config, T: int, B: int) -> float:
-    """2 * non-embedding params * tokens + causal attention (QK^T and PV over the lower
-    triangle: 4 * T^2/2 * N * H per layer) + lm_head on each request's last token."""
-    dense = 2.0 * non_embedding_params(cfg) * T * B
-    attn = 4.0 * (T * T / 2) * cfg.N * cfg.H * cfg.L * B
-    head = 2.0 * cfg.D * cfg.V * B
-    return dense + attn + head
 
 
 def _projections(cfg: Qwen3Config, B: int) -> tuple[float, float]:

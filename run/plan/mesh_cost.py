@@ -31,7 +31,9 @@ import jax.numpy as jnp
 
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.run.flops import attention_flops, dense_flops
 from qwen3_spmd.run.plan.machines import TARGETS, Machine
+from qwen3_spmd.run.traffic import all_reduces_per_tick
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import MeshShape
 
@@ -92,7 +94,7 @@ def predict(
         if stage_crosses
         else (machine.host_link_bytes_per_s, machine.host_latency_s)
     )
-    reduces = 2 * slots + 1
+    reduces = all_reduces_per_tick(cfg, S)
     reduce_factor = 2 * (X - 1) / X
 
     def all_reduce_s(rows: float) -> float:
@@ -129,8 +131,7 @@ def predict(
     # Prefill of one prompt: each stage's share of the flops at the matmul roofline,
     # its all-reduces, and the hidden state across each stage boundary.
     T = load.prompt_len
-    flops = 2.0 * (cfg.param_count(active=True) - cfg.V * cfg.D) * T / S
-    flops += 4.0 * T * T / 2 * cfg.N * cfg.H * slots
+    flops = dense_flops(cfg, T) / S + attention_flops(cfg, T) * slots
     prefill_s = S * (
         flops / (C * X) / machine.flops_per_s
         + all_reduce_s(T / C)
