@@ -330,7 +330,7 @@ def write_random_hf(cfg, folder: str | Path, seed: int = 0) -> None:
     """A single-file float32 Hugging Face checkpoint with `RandomWeights(cfg, seed)`."""
     from safetensors.numpy import save_file
 
-    from qwen3_spmd.model.checkpoint.hf import name_table
+    from qwen3_spmd.model.checkpoint.hf_names import name_table
     from qwen3_spmd.model.checkpoint.random_weights import RandomWeights
 
     folder = Path(folder)

@@ -1,6 +1,7 @@
 """Checkpoint IO: where weights come from, kept apart from the model itself.
 
-- `hf`: Hugging Face safetensors folders (the name table, strict checks, lazy reads).
+- `hf_names`: the name table: Hugging Face's tensor name and shape of each parameter.
+- `hf`: Hugging Face safetensors folders (strict checks, lazy reads).
 - `orbax_io`: orbax checkpoints written by `qwen3-spmd convert`, for fast sharded restore.
 - `random_weights`: seeded random weights for presets, demos and tests.
 

@@ -40,7 +40,7 @@ def _import():
 # and copies each tensor under transformers' name: one table, read together.
 def hf_model(spec, source, dtype_name: str):
     torch, transformers = _import()
-    from qwen3_spmd.model.checkpoint.hf import name_table
+    from qwen3_spmd.model.checkpoint.hf_names import name_table
 
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
     cfg = spec.cfg

@@ -16,7 +16,8 @@ from flax import nnx
 from reference import FIXTURES, split_parts
 from safetensors.numpy import load_file, save_file
 
-from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model, name_table
+from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model
+from qwen3_spmd.model.checkpoint.hf_names import name_table
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 
