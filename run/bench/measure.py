@@ -1,4 +1,5 @@
-"""Measurements behind `qwen3-spmd bench`: rooflines, timed engine jobs, memory, traffic.
+"""Measurements behind `qwen3-spmd bench`: the machine, rooflines, timed engine jobs,
+memory, traffic.
 
 Every timed figure is the median of `repeats` runs after `warmup` runs (which also
 compile), with the spread (min, max) kept next to it. Times are wall-clock as a caller
@@ -14,6 +15,7 @@ The engine's own program-only times (`timing["prefill_s"]`, `["decode_s"]`) are 
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +45,40 @@ def timed(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+# ---- the machine ----------------------------------------------------------------------
+
+
+def machine(device_count: int) -> dict:
+    """Platform, CPU or GPU model, device count and versions."""
+    import flax
+    import jax
+    import jaxlib
+    import numpy as np
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+            )
+    except OSError:
+        pass
+    dev = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": dev.device_kind,
+        "device_count": device_count,
+        "cpu_model": cpu or platform.processor(),
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
+    }
 
 
 # ---- rooflines ------------------------------------------------------------------------
