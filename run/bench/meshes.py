@@ -273,6 +273,9 @@ def bench_meshes(args, settings: dict) -> int:
         spec.cfg, source, make_mesh(1, 1, jax.devices()[:1]), dtype, settings, "ring", roof
     )
     report["meshes"] = []
+    # What every mesh's jobs share.
+    common = dict(dtype=dtype, settings=settings, scenarios=scenarios, roof=roof, say=say)
+    common["grammars"] = grammars
     for m in meshes:
         alone = m.devices == 1
         mesh = (
@@ -282,21 +285,8 @@ def bench_meshes(args, settings: dict) -> int:
         )
         engines = single if alone else None
         for cp in cps if m.seq > 1 else ["ring"]:
-            report["meshes"].append(
-                run_mesh(
-                    spec.cfg,
-                    source,
-                    mesh,
-                    dtype,
-                    settings,
-                    scenarios,
-                    roof,
-                    say,
-                    engines,
-                    cp,
-                    grammars=grammars,
-                )
-            )
+            entry = run_mesh(spec.cfg, source, mesh, engines=engines, cp=cp, **common)
+            report["meshes"].append(entry)
     add_ratios(report["meshes"])
 
     if "peer" in scenarios:
