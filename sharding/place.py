@@ -49,7 +49,7 @@ def host_cut(
     """This process's rows of parameter `path`'s `tensor` axis, placed as `shape` under
     `sharding`, and the rows of the `checkpoint` shape they come from (None: the
     parameter has no `tensor` axis). What a host reads of it, here and in the load
-    bar's total (run.generate)."""
+    bar's total (run.generate.load)."""
     axis = tensor_axis(path, split.experts)
     if axis is None:
         return None
