@@ -11,10 +11,8 @@ disconnects. Everything about generating lives in `service`.
     GET  /tokenizer_info       the tokenizer's settings (lm-evaluation-harness reads it)
 
 The prompt's log-probabilities (echo with logprobs; vLLM's prompt_logprobs) come from
-the prefill (`pipeline.programs.prefill`), which scores every prompt token for such a request.
-In a top_logprobs dict each token id has its own key: a token whose text another id of
-the same dict already has is keyed "token_id:N" (vLLM's return_tokens_as_token_ids
-spelling), so harnesses that read "greedy" off those dicts lose no id.
+the prefill (`pipeline.programs.prefill`), which scores every prompt token for such a request;
+`protocol` writes every log-probability object.
 
 A stream is `data: <json>\\n\\n` chunks ending with `data: [DONE]\\n\\n`. A client that
 goes away mid-request (streamed or not) cancels its choices, which frees their rows.
@@ -36,7 +34,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.pipeline.batch.handles import prompt_positions
 from qwen3_spmd.run.serve import protocol, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
@@ -72,196 +69,239 @@ class ServerState:
 
 
 def make_app(state: ServerState) -> FastAPI:
+    """The app over `state`, which every route reads as `request.app.state.server`."""
     app = FastAPI(title="qwen3-spmd", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException):  # unknown routes, methods
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
-
-    @app.exception_handler(ClientDisconnect)
-    async def client_gone(request: Request, e: ClientDisconnect):
-        # Normal traffic, not a server error: a line at INFO rather than uvicorn's
-        # "Exception in ASGI application" traceback. No one reads the answer.
-        _log.info("%s %s: the client left mid-body", request.method, request.url.path)
-        return JSONResponse(_client_gone().body(), 400)
-
-    @app.get("/health")
-    async def health():
-        if state.status != "ready":
-            return JSONResponse({"status": state.status}, status_code=503)
-        service = state.service
-        return {
-            "status": "ok",
-            "running": service.scheduler.running,
-            "waiting": service.scheduler.waiting,
-            "finished": dict(service.finished),
-        }
-
-    @app.get("/metrics")
-    async def metrics():  # no API key, as /health and vLLM's /metrics
-        if state.service is None:
-            return JSONResponse({"status": state.status}, status_code=503)
-        registry = state.service.metrics.registry
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        service = _ready(state, request)
-        model = {
-            "id": state.model_name,
-            "object": "model",
-            "created": protocol.now(),
-            "owned_by": "qwen3-spmd",
-            "max_model_len": service.settings.max_seq_len,
-        }
-        return {"object": "list", "data": [model]}
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        service = _ready(state, request)
-        body = protocol.parse(CompletionRequest, await request.body())
-        _check_model(state, body.model)
-        prompts = _prompt_ids(state, body.prompt)
-        constraint = structured.constraint_of(body)
-        ask = _ask(body, 16, logprobs=body.logprobs, echo=body.echo, constraint=constraint)
-        job = service.job(prompts, ask)
-        await service.compile(job)
-        meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
-        echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
-        events = service.run(service.submit(job))
-        prompt_tokens = sum(len(p) for p in prompts)
-        as_ids = body.return_tokens_as_token_ids
-
-        def choice(i, text, reason, tokens, prompt=None):
-            logprobs = None
-            if job.logprobs is not None:
-                logprobs = _completion_logprobs(state, tokens, job.logprobs, as_ids)
-            out = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
-            if prompt is not None and job.prompt_logprobs is not None:
-                ids = job.prompts[i // job.n]
-                out["prompt_logprobs"] = _prompt_logprobs(state, ids, prompt, job.prompt_logprobs)
-            return out
-
-        if body.stream:
-            pieces = lambda e, reason: ([e.text] if e.text else [], reason)
-            return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces, job.n))
-        out = await _collect(request, events, len(echo))
-        choices = [
-            choice(i, echo[i] + t, r, ts, p)
-            for i, (t, r, ts, p) in enumerate(zip(*out[:3], out[5]))
-        ]
-        cached = _cached_tokens(out[4], job.n)
-        usage = protocol.usage(prompt_tokens, out[3], cached)
-        return {**meta.head(), "choices": choices, "usage": usage}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        service = _ready(state, request)
-        body = protocol.parse(ChatRequest, await request.body())
-        _check_model(state, body.model)
-        read_tools = tools.check_request(body.tools, body.tool_choice, state.tool_call_parser)
-        rendered, prompt = _render_chat(state, body)
-        constraint = structured.constraint_of(
-            body, read_tools, _think_end(state, rendered), _tag_tokens(state)
-        )
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        ask = _ask(body, None, logprobs=top, constraint=constraint)
-        if body.max_completion_tokens is not None:  # the newer name wins
-            ask = dataclasses.replace(ask, max_tokens=body.max_completion_tokens)
-        job = service.job([prompt], ask)
-        await service.compile(job)
-        meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
-        events = service.run(service.submit(job))
-
-        def choice(i, piece, reason, tokens, prompt=None, key="delta"):
-            logprobs = _chat_logprobs(state, tokens, top) if top is not None else None
-            out = {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
-            if prompt is not None and job.prompt_logprobs is not None:  # a stream's chunk
-                out["prompt_logprobs"] = _prompt_logprobs(
-                    state, job.prompts[0], prompt, job.prompt_logprobs
-                )
-            return out
-
-        def reply() -> ChatReply:  # one per choice
-            reasoning = Qwen3Reasoning.for_prompt(rendered) if state.reasoning_parser else None
-            return ChatReply(reasoning, tools.HermesToolCalls() if read_tools else None)
-
-        if body.stream:
-            first = [{"role": "assistant", "content": ""}] * job.n
-            replies = [reply() for _ in range(job.n)]
-
-            def pieces(e, reason):
-                r = replies[e.index]
-                return r.add(e.text) + (r.end() if e.finish_reason else []), r.finish_reason(reason)
-
-            return _sse(_chunks(events, meta, len(prompt), body, choice, first, pieces, job.n))
-        out = await _collect(request, events, job.n)
-        choices = []
-        for i, (t, r, ts) in enumerate(zip(*out[:3])):
-            whole = reply()
-            message = fold(whole.add(t) + whole.end(), reasoning=bool(state.reasoning_parser))
-            choices.append(choice(i, message, whole.finish_reason(r), ts, key="message"))
-        usage = protocol.usage(len(prompt), out[3], _cached_tokens(out[4], job.n))
-        reply_body = {**meta.head(), "choices": choices, "usage": usage}
-        scored = next((p for p in out[5] if p is not None), None)
-        if job.prompt_logprobs is not None and scored is not None:  # vLLM's: beside the
-            # choices (one prompt, the same for each)
-            reply_body["prompt_logprobs"] = _prompt_logprobs(
-                state, prompt, scored, job.prompt_logprobs
-            )
-        return reply_body
-
-    # ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as
-    # vLLM's): what an evaluation harness needs instead of tokenizer files of its own
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        text = _tokenizer(state)
-        body = protocol.parse(TokenizeRequest, await request.body())
-        _check_model(state, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send one of prompt or messages", "prompt", "invalid_value")
-        if body.messages is not None:
-            chat = ChatRequest(
-                messages=body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
-            tokens = _render_chat(state, chat)[1]
-        else:
-            tokens = text.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        max_len = state.service.settings.max_seq_len if state.service is not None else None
-        return {"count": len(tokens), "max_model_len": max_len, "tokens": tokens}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        text = _tokenizer(state)
-        body = protocol.parse(DetokenizeRequest, await request.body())
-        _check_model(state, body.model)
-        bad = next((t for t in body.tokens if t < 0), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is negative", "tokens", "invalid_value")
-        return {"prompt": text.decode(body.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        text = _tokenizer(state)
-        config = text.config
-        info = {
-            "tokenizer_class": config.get("tokenizer_class"),
-            "model_max_length": config.get("model_max_length"),
-            "chat_template": config.get("chat_template"),
-        }
-        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
-            token = config.get(name)
-            info[name] = token.get("content") if isinstance(token, dict) else token
-        return info
-
+    app.state.server = state
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_left)
+    for method, path, route in ROUTES:
+        app.add_api_route(path, route, methods=[method])
     return app
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+async def _api_error(request: Request, e: APIError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(request: Request, e: HTTPException):  # unknown routes, methods
+    return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+
+async def _client_left(request: Request, e: ClientDisconnect):
+    # Normal traffic, not a server error: a line at INFO rather than uvicorn's
+    # "Exception in ASGI application" traceback. No one reads the answer.
+    _log.info("%s %s: the client left mid-body", request.method, request.url.path)
+    return JSONResponse(_client_gone().body(), 400)
+
+
+# ---- routes ------------------------------------------------------------------------------
+
+
+async def health(request: Request):
+    state = _server(request)
+    if state.status != "ready":
+        return JSONResponse({"status": state.status}, status_code=503)
+    service = state.service
+    return {
+        "status": "ok",
+        "running": service.scheduler.running,
+        "waiting": service.scheduler.waiting,
+        "finished": dict(service.finished),
+    }
+
+
+async def metrics(request: Request):  # no API key, as /health and vLLM's /metrics
+    state = _server(request)
+    if state.service is None:
+        return JSONResponse({"status": state.status}, status_code=503)
+    registry = state.service.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": protocol.now(),
+        "owned_by": "qwen3-spmd",
+        "max_model_len": service.settings.max_seq_len,
+    }
+    return {"object": "list", "data": [model]}
+
+
+async def completions(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(CompletionRequest, await request.body())
+    _check_model(state, body.model)
+    prompts = _prompt_ids(state, body.prompt)
+    constraint = structured.constraint_of(body)
+    ask = _ask(body, 16, logprobs=body.logprobs, echo=body.echo, constraint=constraint)
+    job = service.job(prompts, ask)
+    await service.compile(job)
+    meta = _Meta(protocol.new_id("cmpl"), "text_completion", state.model_name)
+    echo = [service.decode(p) if body.echo else "" for p in prompts for _ in range(job.n)]
+    events = service.run(service.submit(job))
+    prompt_tokens = sum(len(p) for p in prompts)
+    as_ids = body.return_tokens_as_token_ids
+
+    def choice(i, text, reason, tokens, prompt=None):
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = protocol.completion_logprobs(state.text, tokens, job.logprobs, as_ids)
+        out = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if prompt is not None and job.prompt_logprobs is not None:
+            ids = job.prompts[i // job.n]
+            out["prompt_logprobs"] = protocol.prompt_logprobs(
+                state.text, ids, prompt, job.prompt_logprobs
+            )
+        return out
+
+    if body.stream:
+        pieces = lambda e, reason: ([e.text] if e.text else [], reason)
+        return _sse(_chunks(events, meta, prompt_tokens, body, choice, echo, pieces, job.n))
+    out = await _collect(request, events, len(echo))
+    choices = [
+        choice(i, echo[i] + t, r, ts, p) for i, (t, r, ts, p) in enumerate(zip(*out[:3], out[5]))
+    ]
+    cached = _cached_tokens(out[4], job.n)
+    usage = protocol.usage(prompt_tokens, out[3], cached)
+    return {**meta.head(), "choices": choices, "usage": usage}
+
+
+async def chat(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(ChatRequest, await request.body())
+    _check_model(state, body.model)
+    read_tools = tools.check_request(body.tools, body.tool_choice, state.tool_call_parser)
+    rendered, prompt = _render_chat(state, body)
+    constraint = structured.constraint_of(
+        body, read_tools, _think_end(state, rendered), _tag_tokens(state)
+    )
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    ask = _ask(body, None, logprobs=top, constraint=constraint)
+    if body.max_completion_tokens is not None:  # the newer name wins
+        ask = dataclasses.replace(ask, max_tokens=body.max_completion_tokens)
+    job = service.job([prompt], ask)
+    await service.compile(job)
+    meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
+    events = service.run(service.submit(job))
+
+    def choice(i, piece, reason, tokens, prompt=None, key="delta"):
+        logprobs = protocol.chat_logprobs(state.text, tokens, top) if top is not None else None
+        out = {"index": i, key: piece, "logprobs": logprobs, "finish_reason": reason}
+        if prompt is not None and job.prompt_logprobs is not None:  # a stream's chunk
+            out["prompt_logprobs"] = protocol.prompt_logprobs(
+                state.text, job.prompts[0], prompt, job.prompt_logprobs
+            )
+        return out
+
+    def reply() -> ChatReply:  # one per choice
+        reasoning = Qwen3Reasoning.for_prompt(rendered) if state.reasoning_parser else None
+        return ChatReply(reasoning, tools.HermesToolCalls() if read_tools else None)
+
+    if body.stream:
+        first = [{"role": "assistant", "content": ""}] * job.n
+        replies = [reply() for _ in range(job.n)]
+
+        def pieces(e, reason):
+            r = replies[e.index]
+            return r.add(e.text) + (r.end() if e.finish_reason else []), r.finish_reason(reason)
+
+        return _sse(_chunks(events, meta, len(prompt), body, choice, first, pieces, job.n))
+    out = await _collect(request, events, job.n)
+    return _chat_body(state, meta, job, prompt, out, choice, reply)
+
+
+def _chat_body(state: ServerState, meta, job, prompt: list[int], out, choice, reply) -> dict:
+    """A chat completion's whole (not streamed) body from what `_collect` gathered:
+    each choice's message read by a fresh `reply()`, the usage, and (vLLM's, beside the
+    choices) the one prompt's log-probabilities."""
+    choices = []
+    for i, (t, r, ts) in enumerate(zip(*out[:3])):
+        whole = reply()
+        message = fold(whole.add(t) + whole.end(), reasoning=bool(state.reasoning_parser))
+        choices.append(choice(i, message, whole.finish_reason(r), ts, key="message"))
+    usage = protocol.usage(len(prompt), out[3], _cached_tokens(out[4], job.n))
+    body = {**meta.head(), "choices": choices, "usage": usage}
+    scored = next((p for p in out[5] if p is not None), None)
+    if job.prompt_logprobs is not None and scored is not None:
+        body["prompt_logprobs"] = protocol.prompt_logprobs(
+            state.text, prompt, scored, job.prompt_logprobs
+        )
+    return body
+
+
+# ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as vLLM's):
+# what an evaluation harness needs instead of tokenizer files of its own
+
+
+async def tokenize(request: Request):
+    state = _server(request)
+    text = _tokenizer(state)
+    body = protocol.parse(TokenizeRequest, await request.body())
+    _check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send one of prompt or messages", "prompt", "invalid_value")
+    if body.messages is not None:
+        chat = ChatRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        tokens = _render_chat(state, chat)[1]
+    else:
+        tokens = text.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    max_len = state.service.settings.max_seq_len if state.service is not None else None
+    return {"count": len(tokens), "max_model_len": max_len, "tokens": tokens}
+
+
+async def detokenize(request: Request):
+    state = _server(request)
+    text = _tokenizer(state)
+    body = protocol.parse(DetokenizeRequest, await request.body())
+    _check_model(state, body.model)
+    bad = next((t for t in body.tokens if t < 0), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is negative", "tokens", "invalid_value")
+    return {"prompt": text.decode(body.tokens)}
+
+
+async def tokenizer_info(request: Request):
+    config = _tokenizer(_server(request)).config
+    info = {
+        "tokenizer_class": config.get("tokenizer_class"),
+        "model_max_length": config.get("model_max_length"),
+        "chat_template": config.get("chat_template"),
+    }
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        token = config.get(name)
+        info[name] = token.get("content") if isinstance(token, dict) else token
+    return info
+
+
+# (method, path, route): the module docstring's table.
+ROUTES = (
+    ("GET", "/health", health),
+    ("GET", "/metrics", metrics),
+    ("GET", "/v1/models", models),
+    ("POST", "/v1/completions", completions),
+    ("POST", "/v1/chat/completions", chat),
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
+    ("GET", "/tokenizer_info", tokenizer_info),
+)
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -521,75 +561,3 @@ def _cached_tokens(per_choice: list[int], n: int) -> int:
     """Prompt tokens the prefix cache gave, each prompt counted once as prompt_tokens
     counts it (its n choices are requests of their own; the most any of them got)."""
     return sum(max(per_choice[i : i + n]) for i in range(0, len(per_choice), n))
-
-
-def _completion_logprobs(state: ServerState, tokens, k: int, as_ids: bool = False) -> dict:
-    """The completions API's (legacy) logprobs object, as vLLM writes it: per token its
-    text, log-probability and a dict of the token itself and the k most likely (an
-    echoed prompt's first token has none: null), and its offset into the text (the
-    echo's included). as_ids: every token spelled "token_id:N"."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t in tokens:
-        out["tokens"].append(_key(state, t.id, as_ids))
-        out["text_offset"].append(t.offset)
-        if t.logprob is None:
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
-            continue
-        out["token_logprobs"].append(_finite(t.logprob.chosen))
-        top: dict[str, float] = {}
-        seen = set()
-        for id, value in [(t.id, t.logprob.chosen), *t.logprob.top[:k]]:
-            if id in seen:
-                continue
-            seen.add(id)
-            key = _key(state, id, as_ids)
-            top[f"token_id:{id}" if key in top else key] = _finite(value)  # one key an id
-        out["top_logprobs"].append(top)
-    return out
-
-
-def _key(state: ServerState, id: int, as_ids: bool) -> str:
-    """A token as the completions API names it: its text, or "token_id:N"."""
-    return f"token_id:{id}" if as_ids else _token(state, id)[0]
-
-
-def _prompt_logprobs(state: ServerState, ids: list[int], scored, k: int) -> list:
-    """vLLM's prompt_logprobs: null for the first token, then per token {id: {logprob,
-    rank, decoded_token}} of the token itself and its position's k most likely."""
-
-    def entry(id: int, logprob: float, rank: int) -> dict:
-        shown = state.text.decode([id]) if state.text is not None else f"<|id:{id}|>"
-        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": shown}
-
-    return prompt_positions(ids, scored, k, entry)
-
-
-def _chat_logprobs(state: ServerState, tokens, k: int) -> dict:
-    def entry(id: int, logprob: float) -> dict:
-        text, raw = _token(state, id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
-
-    return {
-        "content": [
-            {
-                **entry(t.id, t.logprob.chosen),
-                "top_logprobs": [entry(*x) for x in t.logprob.top[:k]],
-            }
-            for t in tokens
-        ]
-    }
-
-
-def _token(state: ServerState, id: int) -> tuple[str, bytes]:
-    """A token as text and as bytes. A token holding part of a character is
-    'bytes:\\xe6\\x97' (as the OpenAI API writes it): distinct tokens, distinct keys."""
-    raw = state.text.token_bytes(id) if state.text is not None else f"<|id:{id}|>".encode()
-    try:
-        return raw.decode("utf-8"), raw
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
-
-
-def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # JSON has no -inf (vLLM's floor)

@@ -1,10 +1,14 @@
 """The OpenAI API's shapes: request bodies (pydantic, unknown fields ignored), the
-error body, and the response and stream-chunk objects.
+error body, and the response and stream-chunk objects, log-probabilities included.
 
 Only what the server reads is modelled; a field of the wrong type is a 400 that names
 it (`APIError.from_validation`), a field the server does not know is ignored, as the
 OpenAI API and vLLM do, but for the known fields that would change the answer and are
 not served (`NEUTRAL`), which are a 400 naming them.
+
+In a top_logprobs dict each token id has its own key: a token whose text another id of
+the same dict already has is keyed "token_id:N" (vLLM's return_tokens_as_token_ids
+spelling), so harnesses that read "greedy" off those dicts lose no id.
 """
 
 from __future__ import annotations
@@ -286,3 +290,84 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+# ---- log-probabilities, as each API writes them ------------------------------------------
+# `text` is the checkpoint's run.text.Text, or None without tokenizer.json (tokens are
+# then "<|id:N|>"); `tokens` a choice's service.TokenInfo list.
+
+
+def completion_logprobs(text, tokens, k: int, as_ids: bool = False) -> dict:
+    """The completions API's (legacy) logprobs object, as vLLM writes it: per token its
+    text, log-probability and a dict of the token itself and the k most likely (an
+    echoed prompt's first token has none: null), and its offset into the text (the
+    echo's included). as_ids: every token spelled "token_id:N"."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        out["tokens"].append(_key(text, t.id, as_ids))
+        out["text_offset"].append(t.offset)
+        if t.logprob is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_finite(t.logprob.chosen))
+        top: dict[str, float] = {}
+        seen = set()
+        for id, value in [(t.id, t.logprob.chosen), *t.logprob.top[:k]]:
+            if id in seen:
+                continue
+            seen.add(id)
+            key = _key(text, id, as_ids)
+            top[f"token_id:{id}" if key in top else key] = _finite(value)  # one key an id
+        out["top_logprobs"].append(top)
+    return out
+
+
+def _key(text, id: int, as_ids: bool) -> str:
+    """A token as the completions API names it: its text, or "token_id:N"."""
+    return f"token_id:{id}" if as_ids else _token(text, id)[0]
+
+
+def prompt_logprobs(text, ids: list[int], scored, k: int) -> list:
+    """vLLM's prompt_logprobs: null for the first token, then per token {id: {logprob,
+    rank, decoded_token}} of the token itself and its position's k most likely."""
+    from qwen3_spmd.pipeline.batch.handles import prompt_positions
+
+    def entry(id: int, logprob: float, rank: int) -> dict:
+        shown = text.decode([id]) if text is not None else f"<|id:{id}|>"
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": shown}
+
+    return prompt_positions(ids, scored, k, entry)
+
+
+def chat_logprobs(text, tokens, k: int) -> dict:
+    """The chat API's logprobs object: per token its text, log-probability and bytes,
+    and the k most likely as the same."""
+
+    def entry(id: int, logprob: float) -> dict:
+        shown, raw = _token(text, id)
+        return {"token": shown, "logprob": _finite(logprob), "bytes": list(raw)}
+
+    return {
+        "content": [
+            {
+                **entry(t.id, t.logprob.chosen),
+                "top_logprobs": [entry(*x) for x in t.logprob.top[:k]],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def _token(text, id: int) -> tuple[str, bytes]:
+    """A token as text and as bytes. A token holding part of a character is
+    'bytes:\\xe6\\x97' (as the OpenAI API writes it): distinct tokens, distinct keys."""
+    raw = text.token_bytes(id) if text is not None else f"<|id:{id}|>".encode()
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf (vLLM's floor)
