@@ -231,13 +231,14 @@ def test_refuses_sliding_window():
 def test_sliding_window_switched_on_for_no_layer_is_full_attention():
     """transformers slides the window only in layers max_window_layers and up (none
     here, nor with a null window), so these are plain Qwen3 configs."""
+    plain = Qwen3Config.from_hf(_raw("tiny"))
     raw = _raw("tiny")
     raw["use_sliding_window"] = True
     raw["sliding_window"] = 16
     raw["max_window_layers"] = raw["num_hidden_layers"]
     del raw["layer_types"]
-    Qwen3Config.from_hf(raw)
-    Qwen3Config.from_hf({**raw, "max_window_layers": 1, "sliding_window": None})
+    assert Qwen3Config.from_hf(raw) == plain
+    assert Qwen3Config.from_hf({**raw, "max_window_layers": 1, "sliding_window": None}) == plain
 
 
 @pytest.mark.parametrize("layout", ["5.x", "4.x"])

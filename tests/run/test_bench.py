@@ -1,18 +1,25 @@
 """`qwen3-spmd bench` in smoke mode: every scenario runs on the tiny preset and its JSON
-holds every field with sane values. Never a timing threshold: only signs, bounds of
-fractions and finiteness."""
+holds every field with sane values. Never a timing threshold: times are checked for
+signs, finiteness and their relations to each other; the counts (FLOPs, bytes) for
+their exact values, computed here from the config and the mesh."""
 
 import json
 import math
 import os
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import FIXTURES
 
 from qwen3_spmd.model.config import PRESETS
+from qwen3_spmd.model.params import abstract_model, map_params
+from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.run.bench.report import add_ratios, print_table
 from qwen3_spmd.run.cli import main
+from qwen3_spmd.sharding.footprint import bytes_per_device
+
+TINY = PRESETS["tiny"]  # bench's model without --model
 
 
 def run_json(capsys, *argv, cache: bool = True) -> dict:
@@ -27,10 +34,28 @@ def run_json(capsys, *argv, cache: bool = True) -> dict:
     return out
 
 
-def check_spread(x: dict) -> None:
+def check_spread(x: dict, n: int = 2) -> None:
+    """A spread of n positive samples (--smoke: 2 repeats; the rooflines and links take
+    at least 3)."""
     assert set(x) == {"median", "min", "max", "n"}
     assert 0 < x["min"] <= x["median"] <= x["max"] < math.inf
-    assert x["n"] == 2  # --smoke: 2 repeats
+    assert x["n"] == n
+
+
+def param_bytes(cfg, layers_only: bool = False) -> int:
+    """float32 bytes of the model's parameters, counted from the model's own shapes (not
+    from the config's formulas); layers_only: without the embedding and lm_head."""
+    sizes = {}
+    map_params(lambda path, x: sizes.__setitem__(path, x.size), abstract_model(cfg, jnp.float32)[1])
+    tables = ("embed_vd", "lm_head_vd") if layers_only else ()
+    return 4 * sum(n for path, n in sizes.items() if path[0] not in tables)
+
+
+def prefill_flops(cfg, T: int, B: int) -> float:
+    """2 FLOPs a weight a token of the layers, causal attention's QK^T and PV over the
+    lower triangle (4 * T^2/2 * N * H a layer) and lm_head on the last token."""
+    dense = 2.0 * param_bytes(cfg, layers_only=True) / 4 * T * B
+    return dense + 4.0 * (T * T / 2) * cfg.N * cfg.H * cfg.L * B + 2.0 * cfg.D * cfg.V * B
 
 
 def in_unit(x: float) -> bool:
@@ -55,7 +80,11 @@ def check_common(out: dict, meshes: list[str]) -> None:
         "serve_c8_vs_static_batch_8_1x1",
         "serve_loaded_idle_fraction_2x1",
     }
-    assert out["targets"]["compile_s_max"]["value"] > 0
+    for mesh in out["meshes"]:
+        compiles = [j["compile_s"] for k in ("prefill", "decode") for j in mesh.get(k, [])]
+        assert mesh["compile_s_max"] == max(compiles) > 0
+    worst = max(m["compile_s_max"] for m in out["meshes"])
+    assert out["targets"]["compile_s_max"]["value"] == worst
     for mesh in out["meshes"]:
         assert set(mesh["timeline"]) == {"prefill", "decode"}
         assert len(mesh["timeline"]["decode"]) == mesh["stage"]
@@ -75,27 +104,41 @@ def test_prefill_and_rooflines_on_2x2(capsys):
     )
     check_common(out, ["1x1", "2x2"])
     roof = out["roofline"]
-    assert roof["bandwidth_bytes_per_s"]["median"] > 0 and roof["matmul_flops_per_s"]["median"] > 0
+    for key in ("bandwidth_bytes_per_s", "matmul_flops_per_s"):
+        check_spread(roof[key], n=3)
+    kernels = roof["bandwidth_by_kernel"]  # the fastest kernel's figure is quoted
+    fastest = max(kernels.values(), key=lambda x: x["median"])
+    assert roof["bandwidth_bytes_per_s"] == kernels[roof["bandwidth_kernel"]] == fastest
+    assert roof["bandwidth_array_bytes"] == 32 * 2**20 and roof["matmul_size"] == 512  # --smoke
     for mesh in out["meshes"]:
         assert "decode" not in mesh and "memory" not in mesh
         (job,) = mesh["prefill"]
         assert job["prompt_len"] == 16 and job["batch"] == 1 and job["padded_prompt"] >= 16
         for key in ("time_s", "tokens_per_s", "program_time_s"):
             check_spread(job[key])
-        assert job["compile_s"] > 0 and job["flops"] > 0
+        assert job["flops"] == prefill_flops(TINY, 16, 1)
         assert in_unit(job["compute_roofline_fraction"])
         assert 0 < job["time_ratio_vs_1x1"] < math.inf
+        # A program's arguments hold at least the device's weights.
+        weights = bytes_per_device(TINY, mesh["stage"], mesh["seq"], jnp.float32, 1, 0)["weights"]
         assert set(job["programs"]) and all(
-            a is None or a["argument_size_in_bytes"] > 0 for a in job["programs"].values()
+            a is None or a["argument_size_in_bytes"] >= weights for a in job["programs"].values()
         )
     one, two = out["meshes"]
     assert one["prefill"][0]["time_ratio_vs_1x1"] == 1.0
     assert one["prefill"][0]["idle_fraction"] == 0.0
     assert one["prefill"][0]["stage_bytes_per_token"] == 0
     assert one["prefill"][0]["ring_bytes_per_token"] == 0
-    assert two["prefill"][0]["idle_fraction"] == pytest.approx(0.5)  # M=1, S=2
-    assert two["prefill"][0]["stage_bytes_per_token"] > 0
-    assert two["prefill"][0]["ring_bytes_per_token"] > 0
+    job = two["prefill"][0]
+    assert job["idle_fraction"] == pytest.approx(0.5)  # M=1, S=2
+    # The padded prompt's hidden states [P, D] float32 (P/C from each seq device) leave
+    # stage 0 on each of the M + S - 1 = 2 ticks, the bubble's included.
+    P, C = job["padded_prompt"], 2
+    assert job["stage_bytes_per_token"] == 2 * P * TINY.D * 4 / 16
+    # Each of the C devices passes its K and V blocks [P/C, K, H] and positions [P/C]
+    # int32 on C - 1 hops in every layer: C times what one device receives (cp_cost).
+    ring = TINY.L * C * (C - 1) * (P // C) * (2 * TINY.K * TINY.H * 4 + 4)
+    assert job["ring_bytes_per_token"] == ring / 16 == job["cp_bytes_per_device"] * C / 16
     # The table shows the measurements; the targets only when asked (--targets).
     print_table(out)
     text = capsys.readouterr().out
@@ -150,19 +193,30 @@ def test_decode_and_memory_on_2x1(capsys):
         assert in_unit(job["bandwidth_roofline_fraction"])
         assert 0 < job["time_ratio_vs_1x1"] < math.inf
         read = job["bytes_read_per_step"]
-        assert read["total"] == read["weights"] + read["kv"] and read["kv"] > 0
+        # K and V of every layer for 2 requests over the steps' mean context, 16 + 1.5
+        kv = 2 * TINY.L * 2 * (16 + (4 - 1) / 2) * TINY.K * TINY.H * 4
+        assert read["total"] == read["weights"] + read["kv"] and read["kv"] == kv
         assert job["steady_idle_fraction"] == 0.0 and 0 <= job["idle_fraction"] < 1
         assert job["ring_bytes_per_token"] == 0  # no seq axis
         mem = mesh["memory"]
         assert len(mem["weight_bytes_per_device"]) == mesh["devices"]
-        assert mem["max_weight_bytes"] > 0 and mem["max_kv_bytes"] > 0
+        # What the shardings put on a device (sharding.footprint, from shapes alone).
+        S = mesh["stage"]
+        expected = bytes_per_device(TINY, S, 1, jnp.float32, 2, 41)
+        assert mem["max_weight_bytes"] == expected["weights"]
+        assert mem["max_kv_bytes"] == expected["kv"]
+        held = mem["max_weight_bytes"] + mem["max_kv_bytes"]  # a program's arguments
         for analysis in mem["programs"].values():
             assert analysis is None or (
-                analysis["temp_size_in_bytes"] >= 0 and analysis["argument_size_in_bytes"] > 0
+                analysis["temp_size_in_bytes"] >= 0 and analysis["argument_size_in_bytes"] >= held
             )
     one, two = out["meshes"]
+    assert one["memory"]["max_weight_bytes"] == param_bytes(TINY)  # every weight, once
     assert one["decode"][0]["stage_bytes_per_token"] == 0
-    assert two["decode"][0]["stage_bytes_per_token"] > 0
+    # Every tick of the chunk, each stage sends its group's hidden state [B/G, D] float32
+    # and sampled token int32 on (cyclic): ticks x S x (D * 4 + 4), over B x steps tokens.
+    ticks = len(two["timeline"]["decode"][0])
+    assert two["decode"][0]["stage_bytes_per_token"] == ticks * 2 * (TINY.D * 4 + 4) / (2 * 4)
     assert one["decode"][0]["groups"] == 1 and two["decode"][0]["groups"] == 2
     # Groups of 1 were not run on 1x1: no ratio to them.
     assert "time_ratio_vs_1x1_groups_in_turn" not in two["decode"][0]
@@ -214,7 +268,7 @@ def test_table_and_plot(capsys, tmp_path):
     text = capsys.readouterr().out
     for heading in ("machine:", "prefill", "targets"):
         assert heading in text
-    assert plot.stat().st_size > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a PNG image, not an empty file
 
 
 def test_peer_transformers(capsys):
@@ -250,7 +304,9 @@ def test_peer_transformers(capsys):
         ):
             check_spread(job[key])
         assert len(job["speedup_pairs"]) == 2
-    assert out["targets"]["decode_b1_speedup_vs_peer"]["value"] > 0
+    (decode,) = peer["decode"]
+    speedup = out["targets"]["decode_b1_speedup_vs_peer"]["value"]
+    assert speedup == decode["speedup"]["median"] > 0
 
 
 @pytest.mark.parametrize(
@@ -338,8 +394,13 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
     assert [m["mesh"] for m in out["meshes"]] == ["1x1", "1x2", "1x2 ulysses"]
     (link,) = out["roofline"]["links"]
     assert link["devices"] == 2
-    assert link["ppermute"]["median"] > 0 and link["all_to_all"]["median"] > 0
+    # --smoke: 1 MiB a device; all-to-all keeps its own half on 2 devices.
+    for op, received in (("ppermute", 2**20), ("all_to_all", 2**19)):
+        assert link[op]["bytes_received"] == received
+        check_spread({k: link[op][k] for k in ("median", "min", "max", "n")}, n=3)
     one, ring, uly = (m["prefill"][0] for m in out["meshes"])
+    T = ring["padded_prompt"] // 2  # each device's K, V [T, K, H] and positions [T] int32
+    assert ring["cp_bytes_per_device_per_layer"] == T * (2 * TINY.K * TINY.H * 4 + 4)
     assert [j["cp_strategy"] for j in (one, ring, uly)] == ["ring", "ring", "ulysses"]
     assert one["cp_bytes_per_device"] == 0
     from qwen3_spmd.run.models import open_model
@@ -349,7 +410,9 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         per_layer = cp_cost.bytes_per_layer(job["cp_strategy"], cfg, 2, 1, job["padded_prompt"], 4)
         assert job["cp_bytes_per_device_per_layer"] == per_layer > 0
         assert job["cp_bytes_per_device"] == per_layer * cfg.L
-        assert job["cp_predicted_s"] > 0
+        # At least its bytes at the measured rate of its collective.
+        rate = link["ppermute" if job["cp_strategy"] == "ring" else "all_to_all"]["median"]
+        assert job["cp_predicted_s"] >= job["cp_bytes_per_device"] / rate
         assert set(job["cp_model"]) == {"ring", "ulysses"}
     assert (
         main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp", "ulysses"]) == 2
@@ -404,7 +467,12 @@ def test_serve_closed_loops_beside_static_batches(capsys):
         G = m["stage"]
         assert serve["max_batch"] == 2 and serve["groups"] == G
         assert [j["concurrency"] for j in serve["concurrency"]] == sorted({1, G, 2, 4})
-        assert serve["kv_bytes_per_device"] > 0
+        # The rows' caches, [L_pad, rows, K, slots, H] for k and v, over the devices; the
+        # slots fit a 4-token prompt padded to twice (a bucket) and --smoke's 6 outputs.
+        S, C, rows = m["stage"], m["seq"], serve["max_batch"]
+        L_pad = S * -(-TINY.L // S)
+        cache = 2 * L_pad * rows * TINY.K * fitting_seq_len(2 * 4, 6, C) * TINY.H * 4
+        assert serve["kv_bytes_per_device"] == cache // m["devices"]
         for j in serve["concurrency"]:
             assert j["requests"] == 2 * j["concurrency"] and j["output_tokens"] >= j["requests"]
             for key in ("output_tokens_per_s", "requests_per_s", "time_s"):
@@ -415,7 +483,10 @@ def test_serve_closed_loops_beside_static_batches(capsys):
             drain = j["before_drain"]  # the last of 2c requests goes in after a round
             assert in_unit(drain["row_occupancy"]) and 0 <= drain["stage_idle_fraction"] < 1
             assert j["static"]["output_tokens"] == j["output_tokens"]
-            assert j["speedup_vs_static"] > 0
+            for loop in (j, j["static"]):
+                assert loop["output_tokens_per_s"] == loop["output_tokens"] / loop["time_s"]
+            speedup = j["output_tokens_per_s"] / j["static"]["output_tokens_per_s"]
+            assert j["speedup_vs_static"] == speedup
         equal = serve["static_equal_batch"]
         assert equal["batch"] == 2
         assert equal["output_tokens"] == 2 * equal["new_tokens_per_request"]
@@ -450,7 +521,8 @@ def test_structured_load_against_the_same_load_unconstrained(capsys):
     free, full, half = job["unconstrained"], job["constrained"], job["half"]
     assert job["concurrency"] == 2 and full["requests"] == free["requests"] == 2
     assert full["completion_tokens"] == free["completion_tokens"]  # the same tokens to make
-    assert full["mask_s_per_token"] > 0 and "mask_s_per_token" not in free
+    # The host's mask time is part of the loop's (one mask at least was made).
+    assert 0 < full["mask_s_per_token"] <= full["time_s"] and "mask_s_per_token" not in free
     ratio = full["output_tokens_per_s"] / free["output_tokens_per_s"]
     assert job["constrained_vs_unconstrained_tokens_per_s"] == ratio > 0
     assert half["unconstrained"]["requests"] == 1  # request 1 of 2 follows no schema
@@ -467,7 +539,8 @@ def check_http_rows(endpoint: dict, concurrencies: list[int]) -> None:
     assert [r["concurrency"] for r in endpoint["concurrency"]] == concurrencies
     for r in endpoint["concurrency"]:
         assert r["failed"] == 0 and r["requests"] == max(r["concurrency"], 2)  # --smoke: 1 each
-        assert r["output_tokens"] >= r["requests"] and r["output_tokens_per_s"] > 0
+        assert r["output_tokens"] >= r["requests"] and 0 < r["time_s"] < math.inf
+        assert r["output_tokens_per_s"] == r["output_tokens"] / r["time_s"]
         for key in ("ttft_s", "latency_s", "itl_s"):
             p = r[key]
             assert 0 <= p["p50"] <= p["p90"] <= p["p99"] < math.inf
@@ -510,7 +583,11 @@ def test_serve_over_http_beside_transformers_serve(capsys):
     assert peer["name"] == "transformers"
     check_http_rows(ours, [8])
     check_http_rows(peer, [8])
-    assert out["http"]["targets"]["serve_http_c8_vs_transformers"]["value"] > 0
+    ratio = (
+        ours["concurrency"][0]["output_tokens_per_s"]
+        / peer["concurrency"][0]["output_tokens_per_s"]
+    )
+    assert out["http"]["targets"]["serve_http_c8_vs_transformers"]["value"] == ratio > 0
 
 
 def test_url_goes_with_the_serve_scenario_only(capsys):

@@ -258,8 +258,13 @@ def test_streamed_equals_whole_with_usage(server, reference):
 
 
 def test_echo_prepends_the_prompt(server, text):
-    out = _post(server, "/v1/completions", _greedy("The quick", 3, echo=True)).json()
-    assert out["choices"][0]["text"].startswith("The quick")
+    """echo's text is the prompt's, then the very answer the same request gets without
+    echo (greedy): nothing of the answer dropped or repeated."""
+    body = _greedy("The quick", 3)
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]
+    echoed = _post(server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "The quick" + plain["text"]
+    assert echoed["finish_reason"] == plain["finish_reason"]
 
 
 def test_chat_prompt_tokens_are_the_template(server, client, text):
