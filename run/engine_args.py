@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from qwen3_spmd.pipeline.bounds import LEAST
 from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.distributed import DEFAULT_PEER_TIMEOUT
 from qwen3_spmd.run.flags import (
@@ -224,19 +225,19 @@ class EngineArgs:
 
     def check(self) -> None:
         """The values alone, in words, before JAX loads (CLIError naming the flags)."""
-        for name, least in (
-            ("microbatches", 1),
-            ("groups", 1),
-            ("chunk", 1),
-            ("max_seq_len", 2),
-            ("max_batch", 1),
-            ("prefill_tokens", 1),
-            ("max_queue", 1),
-            ("tensor_parallel_size", 1),
-            ("pipeline_parallel_size", 1),
-            ("cpu_devices", 1),
+        for name in (
+            "microbatches",
+            "groups",
+            "chunk",
+            "max_seq_len",
+            "max_batch",
+            "prefill_tokens",
+            "max_queue",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "cpu_devices",
         ):
-            value = getattr(self, name)
+            value, least = getattr(self, name), LEAST.get(name, 1)
             if value is not None and value < least:
                 raise CLIError(f"{_flag(name)} {value} must be at least {least}")
         if self.cp not in CP:
