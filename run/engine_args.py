@@ -28,6 +28,7 @@ from qwen3_spmd.run.flags import (
     add_dtype,
     add_expert_split,
     add_model,
+    flag,
     local_cpu_devices,
     mesh_devices,
     platform_is_cpu,
@@ -36,6 +37,18 @@ from qwen3_spmd.run.flags import (
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 CP = ("ring", "ulysses", "auto")
+
+# Our name (a field below, or a request's parameter) -> the one users bring from vLLM,
+# which every door that has the thing takes too: the command line as a flag
+# (--max-model-len), LLM as a keyword (max_model_len), SamplingParams as its field
+# (max_tokens). expert_split's is LLM's keyword from before it had that name.
+ALIASES = {
+    "max_seq_len": "max_model_len",
+    "max_batch": "max_num_seqs",
+    "prefill_tokens": "max_num_batched_tokens",
+    "max_new_tokens": "max_tokens",
+    "expert_split": "experts",
+}
 
 
 @dataclasses.dataclass
@@ -162,8 +175,7 @@ class EngineArgs:
         add_expert_split(parser)
         if not bench:
             parser.add_argument(
-                "--max-seq-len",
-                "--max-model-len",
+                *_flags("max_seq_len"),
                 type=int,
                 metavar="N",
                 help="prompt + new tokens per request at most (default: the model's positions, "
@@ -239,7 +251,7 @@ class EngineArgs:
         ):
             value, least = getattr(self, name), LEAST.get(name, 1)
             if value is not None and value < least:
-                raise CLIError(f"{_flag(name)} {value} must be at least {least}")
+                raise CLIError(f"{flag(name)} {value} must be at least {least}")
         if self.cp not in CP:
             raise CLIError(f"--cp {self.cp} is not one of {', '.join(CP)}")
         if self.prefix_cache_mib is not None and not self.prefix_cache_mib >= 0:
@@ -278,7 +290,7 @@ class EngineArgs:
             given = getattr(self, name)
             if given is not None and given != size:
                 raise CLIError(
-                    f"--mesh {self.mesh} has {size} where {_flag(name)} says {given}: "
+                    f"--mesh {self.mesh} has {size} where {flag(name)} says {given}: "
                     "give one of them"
                 )
         return shape
@@ -486,14 +498,14 @@ class Built:
     scheduler: object  # pipeline.scheduling.scheduler.Scheduler
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flags(name: str) -> tuple[str, str]:
+    """A setting's flag and its vLLM alias (ALIASES)."""
+    return flag(name), flag(ALIASES[name])
 
 
 def _add_scheduler_args(parser, d: EngineArgs) -> None:
     parser.add_argument(
-        "--max-batch",
-        "--max-num-seqs",
+        *_flags("max_batch"),
         type=int,
         metavar="N",
         default=d.max_batch,
@@ -506,8 +518,7 @@ def _add_scheduler_args(parser, d: EngineArgs) -> None:
         help=f"requests waiting for a row at most; more get 503 (default {d.max_queue})",
     )
     parser.add_argument(
-        "--prefill-tokens",
-        "--max-num-batched-tokens",
+        *_flags("prefill_tokens"),
         type=int,
         metavar="N",
         default=d.prefill_tokens,
