@@ -365,7 +365,8 @@ class EngineArgs:
         try:
             return build.scheduler(
                 engine,
-                **self.prefix_pool(),
+                self.max_batch,
+                self.prefix_pool(),
                 many=many,
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
@@ -377,15 +378,13 @@ class EngineArgs:
                 raise
             raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib}: {e}") from None
 
-    def prefix_pool(self) -> dict:
-        """The prefix cache's settings as `pipeline.scheduling.build.prefix_pool_bytes`
-        takes them (the pool's MiB in bytes)."""
+    def prefix_pool(self):
+        """The prefix cache's pool as these settings ask it
+        (`pipeline.scheduling.build.PrefixPool`)."""
+        from qwen3_spmd.pipeline.scheduling.build import PrefixPool
+
         mib = self.prefix_cache_mib
-        return dict(
-            max_batch=self.max_batch,
-            enable_prefix_caching=self.enable_prefix_caching,
-            prefix_cache_bytes=None if mib is None else int(mib * 2**20),
-        )
+        return PrefixPool(self.enable_prefix_caching, None if mib is None else int(mib * 2**20))
 
     def build(self, mesh=None) -> Built:
         """Everything at once, in one process: started, the model opened, its weights on

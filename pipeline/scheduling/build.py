@@ -6,6 +6,7 @@ it sits in the last room because it needs the engine, speculation and the schedu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from qwen3_spmd.pipeline.runtime.engine import Engine
@@ -52,48 +53,44 @@ def _draft(main: Engine, name: str, cfg, source, kwargs: dict) -> Engine:
         raise DraftError(f"model {name}: {e}") from None
 
 
-def prefix_pool_bytes(
-    engine,
-    max_batch: int,
-    enable_prefix_caching: bool | None = None,
-    prefix_cache_bytes: int | None = None,
-    many: bool = False,
-) -> int:
-    """Each device's bytes for the prefix cache's pool over `engine` with `max_batch`
-    rows. enable_prefix_caching: None turns it on with one seq device and off with
-    several (a mesh for long prompts would pay the block layout on every prompt).
-    prefix_cache_bytes: the pool asked for, else half the memory free after the weights
-    and every row's cache (a draft model's too) where the device tells its memory on one
-    process, and as much as the rows' own KV cache where it does not (CPU) or with
-    several processes (`many`: their pools must hold the same blocks, and their free
-    memory may differ)."""
-    if enable_prefix_caching is False:
-        return 0
-    if prefix_cache_bytes is not None:
-        return prefix_cache_bytes
-    if engine.C > 1 and not enable_prefix_caching:
-        return 0  # long prompts: the block layout would cost the ring's skipped pairs
-    rows = engine.copies.cache_bytes_per_device(max_batch)
-    stats = None if many else engine.mesh.devices.flat[0].memory_stats()
-    if stats and "bytes_limit" in stats:
-        drafter = getattr(engine.speculator, "drafter", None)
-        draft_rows = 0  # made at its first proposal, after the pool: set aside now
-        if drafter is not None:
-            draft_rows = drafter.engine.copies.cache_bytes_per_device(max_batch)
-        return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows - draft_rows) // 2)
-    return rows
+@dataclasses.dataclass(frozen=True)
+class PrefixPool:
+    """The prefix cache's pool as asked. enabled: None turns it on with one seq device
+    and off with several (a mesh for long prompts would pay the block layout on every
+    prompt). size: each device's bytes (None: `bytes_per_device` sizes it)."""
+
+    enabled: bool | None = None
+    size: int | None = None
+
+    def bytes_per_device(self, engine, max_batch: int, many: bool = False) -> int:
+        """The pool's bytes on each device of `engine` with `max_batch` rows: `size`, else
+        half the memory free after the weights and every row's cache (a draft model's
+        too) where the device tells its memory on one process, and as much as the rows'
+        own KV cache where it does not (CPU) or with several processes (`many`: their
+        pools must hold the same blocks, and their free memory may differ)."""
+        if self.enabled is False:
+            return 0
+        if self.size is not None:
+            return self.size
+        if engine.C > 1 and not self.enabled:
+            return 0  # long prompts: the block layout would cost the ring's skipped pairs
+        rows = engine.copies.cache_bytes_per_device(max_batch)
+        stats = None if many else engine.mesh.devices.flat[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            drafter = getattr(engine.speculator, "drafter", None)
+            draft_rows = 0  # made at its first proposal, after the pool: set aside now
+            if drafter is not None:
+                draft_rows = drafter.engine.copies.cache_bytes_per_device(max_batch)
+            free = stats["bytes_limit"] - stats["bytes_in_use"] - rows - draft_rows
+            return max(0, free // 2)
+        return rows
 
 
 def scheduler(
-    engine,
-    max_batch: int,
-    enable_prefix_caching: bool | None = None,
-    prefix_cache_bytes: int | None = None,
-    many: bool = False,
-    **kwargs,
+    engine, max_batch: int, pool: PrefixPool = PrefixPool(), many: bool = False, **kwargs
 ) -> Scheduler:
-    """The continuous-batching Scheduler over `engine` with `max_batch` rows and the pool
-    `prefix_pool_bytes` sizes; kwargs: Scheduler's (prefill_tokens, max_queue,
-    decisions, grammars, ...)."""
-    pool = prefix_pool_bytes(engine, max_batch, enable_prefix_caching, prefix_cache_bytes, many)
-    return Scheduler(engine, max_batch, prefix_cache_bytes=pool, **kwargs)
+    """The continuous-batching Scheduler over `engine` with `max_batch` rows and the
+    prefix cache's `pool` (many: several processes); kwargs: Scheduler's
+    (prefill_tokens, max_queue, decisions, grammars, ...)."""
+    pool_bytes = pool.bytes_per_device(engine, max_batch, many)
+    return Scheduler(engine, max_batch, prefix_cache_bytes=pool_bytes, **kwargs)
