@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # What a run of several processes re-runs as its supervised child
+    # (run.distributed.supervise): this process's own command line; None when called
+    # from Python with another.
+    given = sys.argv[1:] if argv is None else list(argv)
+    args.command_line = given if given == sys.argv[1:] else None
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

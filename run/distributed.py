@@ -205,8 +205,9 @@ def supervise(args) -> int | None:
     """Runs this command as a supervised child if it joins several processes.
 
     Returns the exit status to end with, or None: go on in this process (a single
-    process, or we are the child). In the child, Python's stderr is pointed back at
-    the terminal and SIGINT ends the process at once with one line.
+    process, or we are the child, or `args` has no command line to re-run:
+    `args.command_line`, which run.cli.main sets). In the child, Python's stderr is
+    pointed back at the terminal and SIGINT ends the process at once with one line.
     """
     fds = os.environ.get(WORKER_ENV)
     if fds:
@@ -219,7 +220,7 @@ def supervise(args) -> int | None:
     if not requested(args):
         return None
     check_flags(args)
-    argv = _own_argv(args)
+    argv = getattr(args, "command_line", None)  # run.cli.main's
     if argv is None:
         return None  # called from Python with its own argv: nothing to re-run
     sys.stdout.flush()
@@ -335,17 +336,6 @@ def _drain(stream, log: list[str]) -> None:
         log.append(raw.decode(errors="replace"))
         if len(log) > 2000:
             del log[:1000]
-
-
-def _own_argv(args) -> list[str] | None:
-    """sys.argv[1:] if it is what `args` was parsed from."""
-    from qwen3_spmd.run.cli import build_parser  # here: run.cli imports this module
-
-    try:
-        again = build_parser().parse_args(sys.argv[1:])
-    except SystemExit:
-        return None
-    return sys.argv[1:] if vars(again) == vars(args) else None
 
 
 def explain(log: list[str], args, gave_up: bool = False) -> tuple[int, str]:

@@ -1,15 +1,15 @@
 """One set of engine arguments for every door (vLLM's `EngineArgs`): `generate`, `serve`,
 `bench` and `qwen3_spmd.LLM` take the same settings under the same names, with one
-default each, documented once (the fields below), and start and build the same way.
+default each and one check, and start the same way.
 
     args = EngineArgs(model="tests/fixtures/tiny", mesh="2x2", max_seq_len=64)
     built = args.build()          # processes, devices, compile cache, weights: an Engine
 
 `build()` is `start()` (the processes of a multi-host job, the emulated CPU devices, the
-compile cache), `open_model()`, `Runtime.mesh()` and `engine()` in turn. `LLM` calls it;
-the commands call the steps, for they work between them (generate checks its prompts
-before it loads anything, serve binds its port). Each door adds only its own flags.
-vLLM's names are aliases (`--max-model-len`, `--tensor-parallel-size`/`-tp`, ...).
+compile cache), `open_model()`, `Runtime.mesh()`, `engine()` and `scheduler()` in turn,
+the last two through `pipeline.scheduling.build`. `LLM` calls it; the commands call the
+steps, for they work between them (generate checks its prompts before it loads
+anything, serve binds its port). Each door adds only its own flags.
 
 Imports no JAX at module level: `add_cli_args` runs while `--help` is built, and the
 checks of the values alone (`check`) answer before JAX loads.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from qwen3_spmd.pipeline.bounds import LEAST
 from qwen3_spmd.run import compile_cache, distributed
 from qwen3_spmd.run.distributed import DEFAULT_PEER_TIMEOUT
 from qwen3_spmd.run.flags import (
@@ -27,6 +28,7 @@ from qwen3_spmd.run.flags import (
     add_dtype,
     add_expert_split,
     add_model,
+    flag,
     local_cpu_devices,
     mesh_devices,
     platform_is_cpu,
@@ -36,59 +38,28 @@ from qwen3_spmd.run.flags import (
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 CP = ("ring", "ulysses", "auto")
 
+# Our name (a field below, or a request's parameter) -> the one users bring from vLLM,
+# which every door that has the thing takes too: the command line as a flag
+# (--max-model-len), LLM as a keyword (max_model_len), SamplingParams as its field
+# (max_tokens). expert_split's is LLM's keyword from before it had that name.
+ALIASES = {
+    "max_seq_len": "max_model_len",
+    "max_batch": "max_num_seqs",
+    "prefill_tokens": "max_num_batched_tokens",
+    "max_new_tokens": "max_tokens",
+    "expert_split": "experts",
+}
+
 
 @dataclasses.dataclass
 class EngineArgs:
-    """The engine's settings, one default each. The flag of each is its name with dashes
-    (`max_seq_len`: `--max-seq-len`); vLLM's names are aliases (listed below).
+    """The engine's settings, one default each: a setting's flag is its name with dashes
+    (`flags.flag`), and says what it means in its help (`add_cli_args`); vLLM's names are
+    ALIASES. The comments note what no flag's help says."""
 
-    model: a Hugging Face checkpoint folder, an orbax folder written by `convert`, a hub
-      id (downloaded on first use), or a preset name (tiny, 0.6B, ..., 32B: seeded random
-      weights). None: the demo, the tiny preset's layers with Qwen3's tokenizer and
-      vocabulary, seeded random weights. bench differs: None is the tiny preset itself
-      (its figures are of a model, and Qwen3's 151,936-row vocabulary would dwarf
-      tiny's layers).
-    revision: with a hub id, its branch, tag or commit (None: main).
-    weights_seed: a preset's random weights' seed (generate and bench: their --seed).
-    mesh: "SxC" or "SxCxX" (S stages x C seq devices x X tensor devices). None:
-      pipeline_parallel_size x 1 x tensor_parallel_size when either is given, else 1x1,
-      but 2x2 emulated CPU devices on a CPU for the demo (no model) or several processes.
-      bench compares meshes: its --mesh (and --cp) repeat, and 1x1 always runs.
-    tensor_parallel_size, pipeline_parallel_size (vLLM's `-tp`, `-pp`): X and S of the
-      mesh when `mesh` is None; with a mesh, they must agree with it.
-    cpu_devices: CPU devices to emulate (None: the mesh's; an accelerator refuses it).
-    dtype: "float32" or "bfloat16" (None: float32 on CPU, bfloat16 elsewhere).
-    max_seq_len (vLLM's `max_model_len`): a request's prompt + new tokens at most; each
-      seq device holds ceil(max_seq_len / C) cache slots. None: the model's positions, at
-      most 4096, rounded up to a multiple of C. generate differs: its static batch is
-      known before it starts, so None there is just enough for its prompts (a smaller
-      cache decodes faster).
-    microbatches: prefill microbatches M. groups: decode groups G (None: S). chunk:
-      decode steps per on-device chunk. cp: prefill's split of attention along seq:
-      ring, ulysses or auto (the cost model's pick). expert_split: Qwen3-MoE over tensor,
-      tp (every expert's columns split) or ep (E/X whole experts a device).
-    max_batch (vLLM's `max_num_seqs`): decode rows, requests running at once.
-    prefill_tokens (vLLM's `max_num_batched_tokens`): prompt tokens a round prefills;
-      longer prompts go in chunks. max_queue: requests waiting for a row at most.
-    enable_prefix_caching: None: a prefix cache with one seq device, none with several
-      (a mesh for long prompts would pay the block layout on every prompt); True or
-      False: on or off. prefix_cache_mib: its pool's MiB a device (None: half the memory
-      free after weights and rows on one process with a GPU, else as much as the rows'
-      own KV cache). The static batch of generate has no scheduler, so none of these.
-    speculative_config (vLLM's flag and keys): speculative decoding, JSON text or a
-      mapping, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max":
-      4} (`pipeline.speculative.config`); decode rounds then run as verify rounds, with
-      the same tokens. None: plain decoding.
-    compile_cache: a folder for compiled programs, reused by later runs of the same
-      shapes; "off" (None: $QWEN3_SPMD_COMPILE_CACHE, else ~/.cache/qwen3-spmd/xla).
-      bench turns it off: its compile times are part of its figures.
-    coordinator, num_processes, process_id, distributed, peer_timeout: a job of several
-      processes (run.distributed).
-    """
-
-    model: str | None = None
+    model: str | None = None  # bench: None is the tiny preset, not the demo
     revision: str | None = None
-    weights_seed: int = 0
+    weights_seed: int = 0  # a preset's random weights' (generate's and bench's --seed)
     mesh: str | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
@@ -105,8 +76,8 @@ class EngineArgs:
     max_queue: int = 256
     enable_prefix_caching: bool | None = None
     prefix_cache_mib: float | None = None
-    speculative_config: str | dict | None = None
-    compile_cache: str | None = None
+    speculative_config: str | dict | None = None  # JSON text or a mapping
+    compile_cache: str | None = None  # bench: off, its compile times are its figures
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -161,8 +132,7 @@ class EngineArgs:
         add_expert_split(parser)
         if not bench:
             parser.add_argument(
-                "--max-seq-len",
-                "--max-model-len",
+                *_flags("max_seq_len"),
                 type=int,
                 metavar="N",
                 help="prompt + new tokens per request at most (default: the model's positions, "
@@ -224,21 +194,21 @@ class EngineArgs:
 
     def check(self) -> None:
         """The values alone, in words, before JAX loads (CLIError naming the flags)."""
-        for name, least in (
-            ("microbatches", 1),
-            ("groups", 1),
-            ("chunk", 1),
-            ("max_seq_len", 2),
-            ("max_batch", 1),
-            ("prefill_tokens", 1),
-            ("max_queue", 1),
-            ("tensor_parallel_size", 1),
-            ("pipeline_parallel_size", 1),
-            ("cpu_devices", 1),
+        for name in (
+            "microbatches",
+            "groups",
+            "chunk",
+            "max_seq_len",
+            "max_batch",
+            "prefill_tokens",
+            "max_queue",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "cpu_devices",
         ):
-            value = getattr(self, name)
+            value, least = getattr(self, name), LEAST.get(name, 1)
             if value is not None and value < least:
-                raise CLIError(f"{_flag(name)} {value} must be at least {least}")
+                raise CLIError(f"{flag(name)} {value} must be at least {least}")
         if self.cp not in CP:
             raise CLIError(f"--cp {self.cp} is not one of {', '.join(CP)}")
         if self.prefix_cache_mib is not None and not self.prefix_cache_mib >= 0:
@@ -257,7 +227,7 @@ class EngineArgs:
         distributed.check_flags(self)
 
     def mesh_text(self, on_cpu: bool) -> str:
-        """--mesh, or the one default rule (see the `mesh` field)."""
+        """--mesh, or the one default rule (said in --mesh's help)."""
         if self.mesh is not None:
             return self.mesh
         if self.tensor_parallel_size is not None or self.pipeline_parallel_size is not None:
@@ -277,7 +247,7 @@ class EngineArgs:
             given = getattr(self, name)
             if given is not None and given != size:
                 raise CLIError(
-                    f"--mesh {self.mesh} has {size} where {_flag(name)} says {given}: "
+                    f"--mesh {self.mesh} has {size} where {flag(name)} says {given}: "
                     "give one of them"
                 )
         return shape
@@ -348,42 +318,27 @@ class EngineArgs:
     # ---- the engine ----------------------------------------------------------------------
 
     def engine(self, spec_cfg, source, mesh, max_seq_len: int, **door):
-        """The Engine of these settings on `mesh` (the one place an Engine is built from
-        them). door: what a door adds that is not a setting (on_compile; bench: cp per
-        run, dtype and the measured rates)."""
-        from qwen3_spmd.pipeline.runtime.engine import Engine
-        from qwen3_spmd.pipeline.speculative import speculator
-        from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
-
-        kwargs = {**self.engine_kwargs(max_seq_len), **door}
-        engine = Engine(spec_cfg, source, mesh, **kwargs)
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        return speculator.attach(engine, spec, self._draft(spec, engine, kwargs))
-
-    def _draft(self, spec, engine, kwargs: dict):
-        """The draft model of `spec` (a SpeculativeConfig of method draft_model; else
-        None): opened as the main model is, on the same mesh with the same settings
-        (`pipeline.speculative.draft_model`)."""
+        """The Engine of these settings on `mesh` (`pipeline.scheduling.build.engine`: the
+        one place an Engine is built from them). door: what a door adds that is not a
+        setting (on_compile; bench: cp per run, dtype and the measured rates)."""
         from qwen3_spmd.model.config import ConfigError
-        from qwen3_spmd.pipeline.runtime.engine import Engine
+        from qwen3_spmd.pipeline.scheduling import build
         from qwen3_spmd.run.models import open_model
 
-        if spec is None or spec.method != "draft_model":
-            return None
-        where = f"--speculative-config: model {spec.model}"
+        def open_draft(name: str):
+            try:
+                draft = open_model(name, self.weights_seed)
+            except ConfigError as e:
+                raise CLIError(f"--speculative-config: model {name}: {e}") from None
+            return draft.cfg, draft.source
+
+        kwargs = {**self.engine_kwargs(max_seq_len), **door}
         try:
-            draft = open_model(spec.model, self.weights_seed)
-        except ConfigError as e:
-            raise CLIError(f"{where}: {e}") from None
-        if draft.cfg.V != engine.cfg.V:
-            raise CLIError(
-                f"{where}: its vocabulary has {draft.cfg.V} tokens and the model's "
-                f"{engine.cfg.V}: a drafter must share the model's tokenizer"
+            return build.engine(
+                spec_cfg, source, mesh, self.speculative_config, open_draft, **kwargs
             )
-        try:
-            return Engine(draft.cfg, draft.source, engine.mesh, **kwargs)
-        except ValueError as e:  # a mesh the draft model cannot take (heads, layers)
-            raise CLIError(f"{where}: {e}") from None
+        except build.DraftError as e:
+            raise CLIError(f"--speculative-config: {e}") from None
 
     def engine_kwargs(self, max_seq_len: int) -> dict:
         """Engine's keyword arguments of these settings (asks JAX for the backend when
@@ -401,19 +356,21 @@ class EngineArgs:
         )
 
     def scheduler(self, engine, many: bool = False, decisions=None, **door):
-        """The continuous-batching Scheduler over `engine` with these settings (door:
-        what a door adds that is not a setting)."""
+        """The continuous-batching Scheduler over `engine` with these settings
+        (`pipeline.scheduling.build.scheduler`; many: several processes; door: what a
+        door adds that is not a setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
-        from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
+        from qwen3_spmd.pipeline.scheduling import build
 
         try:
-            return Scheduler(
+            return build.scheduler(
                 engine,
                 self.max_batch,
+                self.prefix_pool(),
+                many=many,
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
                 decisions=decisions,
-                prefix_cache_bytes=self.prefix_cache_bytes(engine, many),
                 **door,
             )
         except RequestError as e:  # a --prefix-cache-mib under one block
@@ -421,27 +378,13 @@ class EngineArgs:
                 raise
             raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib}: {e}") from None
 
-    def prefix_cache_bytes(self, engine, many: bool) -> int:
-        """Each device's bytes for the prefix cache's pool (see the fields). Where the
-        device says nothing of its memory (CPU), or with several processes (whose pools
-        must hold the same blocks, and whose free memory may differ), as much as the rows'
-        own KV cache. Free memory is what the weights (a draft model's too) leave, less
-        the rows' caches (a draft model's too)."""
-        if self.enable_prefix_caching is False:
-            return 0
-        if self.prefix_cache_mib is not None:
-            return int(self.prefix_cache_mib * 2**20)
-        if engine.C > 1 and not self.enable_prefix_caching:
-            return 0  # long prompts: the block layout would cost the ring's skipped pairs
-        rows = engine.copies.cache_bytes_per_device(self.max_batch)
-        stats = None if many else engine.mesh.devices.flat[0].memory_stats()
-        if stats and "bytes_limit" in stats:
-            drafter = getattr(engine.speculator, "drafter", None)
-            draft_rows = 0  # made at its first proposal, after the pool: set aside now
-            if drafter is not None:
-                draft_rows = drafter.engine.copies.cache_bytes_per_device(self.max_batch)
-            return max(0, (stats["bytes_limit"] - stats["bytes_in_use"] - rows - draft_rows) // 2)
-        return rows
+    def prefix_pool(self):
+        """The prefix cache's pool as these settings ask it
+        (`pipeline.scheduling.build.PrefixPool`)."""
+        from qwen3_spmd.pipeline.scheduling.build import PrefixPool
+
+        mib = self.prefix_cache_mib
+        return PrefixPool(self.enable_prefix_caching, None if mib is None else int(mib * 2**20))
 
     def build(self, mesh=None) -> Built:
         """Everything at once, in one process: started, the model opened, its weights on
@@ -485,14 +428,14 @@ class Built:
     scheduler: object  # pipeline.scheduling.scheduler.Scheduler
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flags(name: str) -> tuple[str, str]:
+    """A setting's flag and its vLLM alias (ALIASES)."""
+    return flag(name), flag(ALIASES[name])
 
 
 def _add_scheduler_args(parser, d: EngineArgs) -> None:
     parser.add_argument(
-        "--max-batch",
-        "--max-num-seqs",
+        *_flags("max_batch"),
         type=int,
         metavar="N",
         default=d.max_batch,
@@ -505,8 +448,7 @@ def _add_scheduler_args(parser, d: EngineArgs) -> None:
         help=f"requests waiting for a row at most; more get 503 (default {d.max_queue})",
     )
     parser.add_argument(
-        "--prefill-tokens",
-        "--max-num-batched-tokens",
+        *_flags("prefill_tokens"),
         type=int,
         metavar="N",
         default=d.prefill_tokens,

@@ -8,34 +8,47 @@ parser is built, before `--cpu-devices` has set the device count.
 from __future__ import annotations
 
 import os
+import re
 
 
 class CLIError(ValueError):
     """Bad command-line input: the message names the problem and the fix."""
 
 
+def flag(name: str) -> str:
+    """The flag of a setting or parameter: its Python name with dashes (max_seq_len:
+    --max-seq-len). vLLM's names, taken besides, are `engine_args.ALIASES`."""
+    return "--" + name.replace("_", "-")
+
+
+def in_names(text: str) -> str:
+    """A command line's message said in the Python API's names (`flag` undone: "--chunk 0
+    must be ..." -> "chunk 0 must be ...")."""
+    return re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), text)
+
+
 # The library names a parameter as its Python API does (pipeline.requests.RequestError
-# carries the names apart from the text); the command line says them as its flags.
-FLAGS = {
-    "max_new_tokens": "--max-new-tokens",
-    "max_seq_len": "--max-seq-len",
-    "max_batch": "--max-batch",
-    "max_queue": "--max-queue",
-    "microbatches": "--microbatches",
-    "groups": "--groups",
-    "chunk": "--chunk",
-    "cp": "--cp",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-}
+# carries the names apart from the text); the command line says these as their flags.
+FLAGGED = (
+    "max_new_tokens",
+    "max_seq_len",
+    "max_batch",
+    "max_queue",
+    "microbatches",
+    "groups",
+    "chunk",
+    "cp",
+    "temperature",
+    "top_k",
+    "top_p",
+)
 
 
 def in_flags(e: BaseException) -> str:
     """An error's message for the command line: the parameters a RequestError names
-    (its `spelled`, read without importing the pipeline here) said as FLAGS."""
+    (its `spelled`, read without importing the pipeline here) said as flags (FLAGGED)."""
     spelled = getattr(e, "spelled", None)
-    return spelled(FLAGS) if callable(spelled) else str(e)
+    return spelled({name: flag(name) for name in FLAGGED}) if callable(spelled) else str(e)
 
 
 def int_list(text: str, flag: str) -> list[int]:

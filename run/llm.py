@@ -23,21 +23,17 @@ import contextlib
 import dataclasses
 import difflib
 import numbers
-import re
 import string
 
 from qwen3_spmd.pipeline.batch.handles import Handle, Params, prompt_positions
 from qwen3_spmd.pipeline.batch.handles import Logprob as TokenLogprob
 from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
-from qwen3_spmd.run.engine_args import EngineArgs
-from qwen3_spmd.run.flags import CLIError
+from qwen3_spmd.run.engine_args import ALIASES, EngineArgs
+from qwen3_spmd.run.flags import CLIError, in_names
 from qwen3_spmd.run.request_fields import constraint, end_ids, one_format
 
 __all__ = ["LLM", "Logprob", "Output", "SamplingParams", "StructuredOutputsParams"]
-
-# The engine's parameter names that this API spells its own way (vLLM's).
-_NAMES = {"max_new_tokens": "max_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,28 +371,22 @@ def _renamed(e: RequestError, index: int = 0) -> RequestError:
     """The engine's error with its parameters named as this API names them (and, for a
     check of one prompt of several, that prompt's index)."""
     e = e.at_prompt(index)
-    template = string.Template(e.template).safe_substitute({k: f"${v}" for k, v in _NAMES.items()})
-    return type(e)(template, *(_NAMES.get(p, p) for p in e.params))
-
-
-# vLLM's names of EngineArgs' fields (and `experts`, expert_split's name here before).
-ALIASES = {
-    "max_model_len": "max_seq_len",
-    "max_num_seqs": "max_batch",
-    "max_num_batched_tokens": "prefill_tokens",
-    "experts": "expert_split",
-}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    names = {p: alias for p, alias in ALIASES.items() if alias in fields}  # max_tokens
+    template = string.Template(e.template).safe_substitute({k: f"${v}" for k, v in names.items()})
+    return type(e)(template, *(names.get(p, p) for p in e.params))
 
 
 def engine_args(**settings) -> EngineArgs:
     """LLM's arguments as the EngineArgs every door builds from (vLLM's names accepted;
     a name that is neither is refused with the nearest one)."""
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    aliases = {alias: name for name, alias in ALIASES.items() if name in fields}
     given = {}
     for name, value in settings.items():
-        field = ALIASES.get(name, name)
+        field = aliases.get(name, name)
         if field not in fields:
-            near = difflib.get_close_matches(name, [*fields, *ALIASES], n=1)
+            near = difflib.get_close_matches(name, [*fields, *aliases], n=1)
             hint = f": did you mean {near[0]}?" if near else ""
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
         if field in given:
@@ -421,12 +411,9 @@ def _as_arguments():
     from qwen3_spmd.model.split import TensorError
     from qwen3_spmd.sharding.mesh import MeshError
 
-    def said(e) -> str:
-        return re.sub(r"--([a-z][a-z-]*)", lambda m: m.group(1).replace("-", "_"), str(e))
-
     try:
         yield
     except (ConfigError, MeshError, TensorError) as e:
-        raise type(e)(said(e)) from None
+        raise type(e)(in_names(str(e))) from None
     except CLIError as e:
-        raise RequestError(said(e)) from None
+        raise RequestError(in_names(str(e))) from None

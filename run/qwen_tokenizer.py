@@ -86,6 +86,19 @@ def write(folder: str | Path, max_positions: int) -> None:
     (folder / "generation_config.json").write_text(gen + "\n")
 
 
+@functools.cache
+def bytes_of_symbols() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which Qwen's tokenizers use): each byte is
+    a printable character, itself for most printable ASCII and Latin-1, 256 + n for
+    the rest."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in kept}
+    moved = [b for b in range(256) if b not in kept]
+    table.update({chr(256 + n): b for n, b in enumerate(moved)})
+    return table
+
+
 # ---- building tokenizer.json from the ranks (once, by the maintainer) -----------------
 
 
@@ -122,10 +135,8 @@ def merges_of(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def build(ranks: dict[bytes, int]) -> dict:
     """tokenizer.json as a dict: byte-level BPE over `ranks` plus ADDED from FIRST_ADDED."""
-    from qwen3_spmd.run.text import _bytes_of_symbols
-
     assert sorted(ranks.values()) == list(range(FIRST_ADDED)), "ranks 0..151642 expected"
-    symbol = {b: ch for ch, b in _bytes_of_symbols().items()}
+    symbol = {b: ch for ch, b in bytes_of_symbols().items()}
     word = lambda bs: "".join(symbol[b] for b in bs)
     added = [
         {

@@ -6,9 +6,10 @@ error that says to pass ids.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
+
+from qwen3_spmd.run import qwen_tokenizer
 
 
 class TextError(ValueError):
@@ -41,8 +42,6 @@ class Text:
     def qwen(cls) -> Text:
         """Qwen3's own tokenizer and chat template, shipped with the package
         (run.qwen_tokenizer): the text of the demo and of random presets."""
-        from qwen3_spmd.run import qwen_tokenizer
-
         self = cls.__new__(cls)
         self.folder = None
         self.tokenizer = qwen_tokenizer.tokenizer()
@@ -85,7 +84,7 @@ class Text:
         if not 0 <= id < self.vocab:
             return f"<|id:{id}|>".encode()
         piece = self.tokenizer.id_to_token(id) or ""
-        table = _bytes_of_symbols()
+        table = qwen_tokenizer.bytes_of_symbols()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return piece.encode()  # an added token outside the byte alphabet: its own text
@@ -127,16 +126,3 @@ class Text:
             )
         except Exception as e:  # TemplateError, or a TypeError on a message's odd field
             raise TextError(f"the chat template of this checkpoint failed ({e})") from None
-
-
-@functools.cache
-def _bytes_of_symbols() -> dict[str, int]:
-    """Byte-level BPE's alphabet (GPT-2's, which Qwen's tokenizers use): each byte is
-    a printable character, itself for most printable ASCII and Latin-1, 256 + n for
-    the rest."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    kept += range(ord("®"), ord("ÿ") + 1)
-    table = {chr(b): b for b in kept}
-    moved = [b for b in range(256) if b not in kept]
-    table.update({chr(256 + n): b for n, b in enumerate(moved)})
-    return table

@@ -21,6 +21,7 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.pipeline.bounds import LEAST
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs, build_decode
 from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
 from qwen3_spmd.pipeline.programs.prefill import PrefillInputs, build_prefill
@@ -52,8 +53,8 @@ class Engine:
       source: where weights come from (HFCheckpoint, RandomWeights, ...).
       mesh: a ('stage', 'seq', 'tensor') mesh (sharding.make_mesh).
       dtype: compute and storage dtype.
-      max_seq_len: KV cache capacity per request (prompt + new tokens); each `seq`
-        device holds ceil(max_seq_len / C) slots.
+      max_seq_len: KV cache capacity per request (prompt + new tokens, so at least 2);
+        each `seq` device holds ceil(max_seq_len / C) slots.
       microbatches: M for prefill.
       groups: decode groups (default: the stage count, or the number of requests when
         fewer; a batch smaller than the stage count then runs with bubbles).
@@ -99,14 +100,14 @@ class Engine:
         self.split = TensorSplit(mesh.shape["tensor"], experts)
         self.split.check(cfg)
         self.plan = StagePlan(cfg.L, self.stages)
-        for name, value, least in (
-            ("microbatches", microbatches, 1),
-            ("groups", groups, 1),
-            ("max_seq_len", max_seq_len, 1),
-            ("chunk", chunk, 1),
+        for name, value in (
+            ("microbatches", microbatches),
+            ("groups", groups),
+            ("max_seq_len", max_seq_len),
+            ("chunk", chunk),
         ):
-            if value is not None and value < least:
-                raise RequestError(f"${name} {value} must be at least {least}", name)
+            if value is not None and value < LEAST[name]:
+                raise RequestError(f"${name} {value} must be at least {LEAST[name]}", name)
         self.M, self.groups, self.chunk, self.poison = microbatches, groups, chunk, poison
         self.max_seq_len = max_seq_len
         cp_cost.check_cp(self.split.local(cfg), self.C, cp)

@@ -261,7 +261,7 @@ def _settings(args) -> dict:
     if s["serve_shared_prefix"] < 0:
         raise CLIError(f"--serve-shared-prefix {s['serve_shared_prefix']} must not be negative")
     if s["decode_cache_len"] is not None:
-        from qwen3_spmd.run.bench.jobs import decode_cache_len
+        from qwen3_spmd.run.bench.measure import decode_cache_len
 
         decode_cache_len(s, 1)  # too small for one device is too small for any mesh
     return s

@@ -15,6 +15,7 @@ from qwen3_spmd.run.bench.measure import (
     PlacedSource,
     all_reduce_time,
     decode_bytes_per_step,
+    decode_cache_len,
     program_memory,
     prompts_for,
     ring_bytes,
@@ -22,7 +23,6 @@ from qwen3_spmd.run.bench.measure import (
     spread,
 )
 from qwen3_spmd.run.engine_args import EngineArgs
-from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.run.flops import prefill_flops
 from qwen3_spmd.sharding.mesh import MeshShape
 
@@ -145,22 +145,6 @@ def _all_reduces(engines: MeshEngines, rows: int) -> dict | None:
     return all_reduce_time(
         engines.mesh, rows, count, engines.cfg.D, engines.dtype, engines.s["repeats"]
     )
-
-
-def decode_cache_len(s: dict, C: int) -> int:
-    """Cache slots per request of the decode jobs on C `seq` devices: --decode-cache-len
-    rounded up to a multiple of C, or just enough for the prompt and the steps."""
-    T, N = s["decode_prompt_len"], s["decode_steps"]
-    need = fitting_seq_len(T, N + 1, C)
-    asked = s.get("decode_cache_len")
-    if asked is None:
-        return need
-    if asked < need:
-        raise CLIError(
-            f"--decode-cache-len {asked} is below the {need} slots a decode job of "
-            f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}"
-        )
-    return C * -(-asked // C)
 
 
 def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Engine, KVCache]]:

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.requests import fitting_seq_len
 from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.run.flops import non_embedding_params
 
 
@@ -284,6 +286,22 @@ def ring_bytes(cfg: Qwen3Config, C: int, B: int, P_len: int, itemsize: int) -> d
 def prompts_for(cfg: Qwen3Config, B: int, T: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng([seed, B, T])
     return rng.integers(0, cfg.V, size=(B, T)).tolist()
+
+
+def decode_cache_len(s: dict, C: int) -> int:
+    """Cache slots per request of the decode jobs on C `seq` devices: --decode-cache-len
+    rounded up to a multiple of C, or just enough for the prompt and the steps."""
+    T, N = s["decode_prompt_len"], s["decode_steps"]
+    need = fitting_seq_len(T, N + 1, C)
+    asked = s.get("decode_cache_len")
+    if asked is None:
+        return need
+    if asked < need:
+        raise CLIError(
+            f"--decode-cache-len {asked} is below the {need} slots a decode job of "
+            f"{T} prompt tokens and {N} steps needs with seq={C}; give at least {need}"
+        )
+    return C * -(-asked // C)
 
 
 def run_once(engine, prompts, new_tokens: int) -> dict:

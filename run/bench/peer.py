@@ -19,8 +19,7 @@ import time
 import numpy as np
 
 from qwen3_spmd.pipeline.requests import fitting_seq_len
-from qwen3_spmd.run.bench.jobs import decode_cache_len
-from qwen3_spmd.run.bench.measure import prompts_for, run_once, spread
+from qwen3_spmd.run.bench.measure import decode_cache_len, prompts_for, run_once, spread
 from qwen3_spmd.run.flags import CLIError
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from qwen3_spmd.pipeline.batch.handles import Params
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
-from qwen3_spmd.run.bench.serve import _loop_requests, closed_loop, finished_figures
+from qwen3_spmd.run.bench.loops import closed_loop, finished_figures, loop_requests
 
 SHARED_REQUESTS, USER_TURN = 16, (16, 64)
 CONVERSATIONS, TURNS = 4, 4
@@ -50,7 +50,7 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
     ]
     for c in conversations:  # every conversation opens with the system prompt
         c[0] = (system + c[0][0], c[0][1])
-    unshared = _loop_requests(engine.cfg, s, B_max)
+    unshared = loop_requests(engine.cfg, s, B_max)
     pool = engine.copies.cache_bytes_per_device(B_max)
 
     def scheduler(cache: bool) -> Scheduler:

@@ -42,8 +42,7 @@ from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
 from qwen3_spmd.pipeline.speculative.round_rule import RoundRule, Unmeasured, way_kind
 from qwen3_spmd.pipeline.speculative.speculator import SpecMetrics, Speculator
 from qwen3_spmd.pipeline.speculative.verify import common_prefix
-from qwen3_spmd.run.bench.jobs import decode_cache_len
-from qwen3_spmd.run.bench.measure import prompts_for, spread
+from qwen3_spmd.run.bench.measure import decode_cache_len, prompts_for, spread
 
 
 class HostRounds(RoundRule):

@@ -10,7 +10,7 @@ import json
 import sys
 
 from qwen3_spmd.run.engine_args import EngineArgs
-from qwen3_spmd.run.flags import CLIError, check_output_file, check_output_folder, int_list
+from qwen3_spmd.run.flags import CLIError, check_output_file, check_output_folder, flag, int_list
 
 DEMO_PROMPTS = ["The river flows", "Why is the sky blue?"]
 
@@ -122,7 +122,7 @@ def _constraint(args):
 
     given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f) is not None]
     if len(given) > 1:
-        raise CLIError(f"{' and '.join('--' + f.replace('_', '-') for f in given)}: give one")
+        raise CLIError(f"{' and '.join(map(flag, given))}: give one")
     if args.json_schema is not None:
         try:
             with open(args.json_schema) as f:

@@ -89,7 +89,7 @@ def test_parallel_sizes_build_the_mesh():
 
 
 def _engine(C: int, stats: dict | None = None, draft_row_bytes: int | None = None):
-    """What prefix_cache_bytes reads of an Engine: C, the rows' KV bytes (1000 a row),
+    """What PrefixPool.bytes_per_device reads of an Engine: C, the rows' KV bytes (1000 a row),
     its device's memory `stats` (a CPU says nothing) and a draft model's rows' KV bytes
     (None: no draft model)."""
     device = SimpleNamespace(memory_stats=lambda: stats)
@@ -117,17 +117,20 @@ def _engine(C: int, stats: dict | None = None, draft_row_bytes: int | None = Non
     ],
 )
 def test_prefix_caching_switch(flags, C, expected):
-    assert _cli("serve", *flags).prefix_cache_bytes(_engine(C), many=False) == expected
+    args = _cli("serve", *flags)
+    assert args.prefix_pool().bytes_per_device(_engine(C), args.max_batch) == expected
 
 
 def test_the_default_pool_is_half_the_memory_the_weights_and_every_cache_leave():
     """On a device that tells its memory: (limit - in use - the rows' KV - a draft
     model's rows' KV) / 2; 8 rows (the default max_batch)."""
     stats = {"bytes_limit": 100_000, "bytes_in_use": 20_000}
-    args = _cli("serve")
-    assert args.prefix_cache_bytes(_engine(1, stats), many=False) == (80_000 - 8000) // 2
+    pool = _cli("serve").prefix_pool()
+    assert pool.bytes_per_device(_engine(1, stats), 8) == (80_000 - 8000) // 2
     with_drafter = _engine(1, stats, draft_row_bytes=500)
-    assert args.prefix_cache_bytes(with_drafter, many=False) == (80_000 - 8000 - 4000) // 2
+    assert pool.bytes_per_device(with_drafter, 8) == (80_000 - 8000 - 4000) // 2
+    # several processes: the rows' own KV cache, whatever each device has free
+    assert pool.bytes_per_device(_engine(1, stats), 8, many=True) == 8000
 
 
 def test_llm_takes_vllm_names_and_refuses_unknown_ones():

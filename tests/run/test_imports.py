@@ -1,9 +1,10 @@
 """Imports point one way (docs/architecture.md, Layout): between the packages
 `run -> pipeline -> {sharding -> model, ring} -> ops`, and inside `model/` and
-`pipeline/` down the layout's list, each module importing only those listed before it.
-Every `qwen3_spmd` import counts: at the top, under `if TYPE_CHECKING`, or inside a
-function (a function-local import must not dodge a circle). Reads the sources with
-`ast`; imports nothing of the package, so it costs milliseconds."""
+`pipeline/` down the layout's list, each module importing only those listed before it;
+and no modules of the package, run/'s included, import each other in a circle. Every
+`qwen3_spmd` import counts: at the top, under `if TYPE_CHECKING`, or inside a function
+(a function-local import must not dodge a circle). Reads the sources with `ast`;
+imports nothing of the package, so it costs milliseconds."""
 
 import ast
 import re
@@ -21,6 +22,7 @@ ALLOWED = {
     "ring": {"ops", "ring"},
     "sharding": {"ops", "model", "sharding"},
     "pipeline": {"ops", "model", "ring", "sharding", "pipeline"},
+    "run": {"ops", "model", "ring", "sharding", "pipeline", "run"},
 }
 
 # The folders whose modules import only those listed before them in the layout.
@@ -69,7 +71,7 @@ def imported_modules(source: str, path: str) -> list[tuple[int, str]]:
                 raise AssertionError(f"{path}:{node.lineno}: a relative import")
             base = node.module or ""
             names = [(node.lineno, f"{base}.{a.name}") for a in node.names]
-            names = [(line, n if _file(n) else base) for line, n in names]
+            names = [(line, n if _file(n, package=True) else base) for line, n in names]
         else:
             continue
         out += [(line, _file(n) or _file(n, package=True)) for line, n in names]
@@ -77,16 +79,18 @@ def imported_modules(source: str, path: str) -> list[tuple[int, str]]:
 
 
 def _file(dotted: str, package: bool = False) -> str | None:
-    """ "qwen3_spmd.pipeline.runtime.engine" -> "pipeline/runtime/engine.py" (a package: its __init__.py,
-    with package=True); None outside qwen3_spmd or for a name that is no module."""
+    """ "qwen3_spmd.pipeline.runtime.engine" -> "pipeline/runtime/engine.py" (a package: its
+    __init__.py, with package=True; "qwen3_spmd" itself: "__init__.py"); None outside
+    qwen3_spmd or for a name that is no module."""
     parts = dotted.split(".")
-    if parts[0] != "qwen3_spmd" or len(parts) < 2:
+    if parts[0] != "qwen3_spmd":
         return None
     rel = "/".join(parts[1:])
-    if (ROOT / f"{rel}.py").is_file():
+    if rel and (ROOT / f"{rel}.py").is_file():
         return f"{rel}.py"
-    if package and (ROOT / rel / "__init__.py").is_file():
-        return f"{rel}/__init__.py"
+    init = f"{rel}/__init__.py" if rel else "__init__.py"
+    if package and (ROOT / init).is_file():
+        return init
     return None
 
 
@@ -119,6 +123,42 @@ def _modules(package: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py"))
 
 
+def package_sources() -> dict[str, str]:
+    """Every module of the package (the root's __init__.py and each package's) -> its
+    source."""
+    paths = ["__init__.py", *(m for package in ALLOWED for m in _modules(package))]
+    return {path: (ROOT / path).read_text() for path in paths}
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of the package it imports, wherever the import stands."""
+    return {path: {t for _, t in imported_modules(s, path)} for path, s in sources.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles a depth-first walk of `graph` meets, each as its modules in
+    import order with the first again at the end ([] when there is none: the imports
+    form a tree or a DAG). An import of a module still on the walk's path closes one."""
+    path: list[str] = []
+    done: set[str] = set()
+    found = []
+
+    def walk(module: str) -> None:
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                found.append([*path[path.index(target) :], target])
+            elif target not in done:
+                walk(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            walk(module)
+    return found
+
+
 def test_the_layout_lists_every_module_of_model_and_pipeline_once():
     order = layout_order()
     for package, folders in ORDERED.items():
@@ -128,7 +168,7 @@ def test_the_layout_lists_every_module_of_model_and_pipeline_once():
         assert sorted(listed) == on_disk, f"docs/architecture.md's layout of {package}/"
 
 
-def test_model_and_pipeline_import_only_downward():
+def test_every_package_imports_only_downward():
     order = layout_order()
     found = {}
     for package in ALLOWED:
@@ -177,3 +217,25 @@ def test_a_downward_import_passes():
         "from qwen3_spmd.pipeline import sampling\nfrom qwen3_spmd.model.config import PRESETS\n"
     )
     assert upward_imports("pipeline/programs/prefill.py", source, layout_order()) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Not even through a function-local import: a circle means the two modules are one
+    piece cut in two, or that a piece both need belongs below them."""
+    found = circles(import_graph(package_sources()))
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_a_circle_is_caught_and_named():
+    """The check can fail: a synthetic circle, and one a function-local import would close
+    in the package (run.distributed reaching up for the parser of run.cli, which imports
+    the commands that import it)."""
+    graph = {"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}
+    assert circles(graph) == [["a.py", "b.py", "c.py", "a.py"]]
+    assert circles({"a.py": {"a.py"}}) == [["a.py", "a.py"]]
+    assert circles({"a.py": {"b.py"}, "b.py": set(), "c.py": {"a.py", "b.py"}}) == []
+    sources = package_sources()
+    sources["run/distributed.py"] += "\ndef f():\n    from qwen3_spmd.run.cli import build_parser\n"
+    found = circles(import_graph(sources))
+    assert found and all(c[0] == c[-1] for c in found)
+    assert any({"run/cli.py", "run/distributed.py"} <= set(c) for c in found), found

@@ -128,19 +128,21 @@ def test_max_new_tokens_below_one(engine, n):
 
 
 @pytest.mark.parametrize(
-    "kwargs,word",
+    "word,value,least",
     [
-        (dict(microbatches=0), "microbatches"),
-        (dict(groups=0), "groups"),
-        (dict(max_seq_len=0), "max_seq_len"),
+        ("microbatches", 0, 1),
+        ("groups", 0, 1),
+        ("max_seq_len", 0, 2),
+        ("max_seq_len", 1, 2),  # a prompt token and a new one at least
+        ("chunk", 0, 1),
     ],
 )
-def test_bad_engine_settings(cfg, kwargs, word):
+def test_bad_engine_settings(cfg, word, value, least):
     """The error names the parameter as Engine does (the CLI spells it as its flag)."""
-    with pytest.raises(RequestError, match=f"^{word} 0 must be at least 1$") as e:
-        Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), **kwargs)
+    with pytest.raises(RequestError, match=f"^{word} {value} must be at least {least}$") as e:
+        Engine(cfg, HFCheckpoint(TINY, cfg), make_mesh(1, 1, jax.devices()[:1]), **{word: value})
     assert e.value.param == word
-    assert e.value.spelled({word: "--flag"}) == "--flag 0 must be at least 1"
+    assert e.value.spelled({word: "--flag"}) == f"--flag {value} must be at least {least}"
 
 
 def test_more_stages_than_layers_is_refused(cfg):

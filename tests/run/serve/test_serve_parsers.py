@@ -33,7 +33,7 @@ from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
 from qwen3_spmd.run.serve.service import Service, Settings
 from qwen3_spmd.run.serve.tools import HermesToolCalls
-from qwen3_spmd.run.text import Text, _bytes_of_symbols
+from qwen3_spmd.run.text import Text
 
 THINK, TOOL_CALL, IM_END = 151667, 151657, 151645
 
@@ -145,7 +145,9 @@ def _token_streams(qwen, text):
     yield qwen.encode(text)
     for i in range(1, len(text)):
         yield qwen.encode(text[:i]) + qwen.encode(text[i:])
-    byte_token = {b: qwen.tokenizer.token_to_id(ch) for ch, b in _bytes_of_symbols().items()}
+    byte_token = {
+        b: qwen.tokenizer.token_to_id(ch) for ch, b in qwen_tokenizer.bytes_of_symbols().items()
+    }
     yield [byte_token[b] for b in text.encode()]
 
 
