@@ -30,13 +30,11 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.programs.sampling import (
     TOP_LOGPROBS,
+    Chosen,
     RowSampling,
     Sampling,
     TokenLogprobs,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
-    token_logprobs,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
@@ -211,48 +209,23 @@ def build_decode(
 
             x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
 
+            keep = 1 if with_logits else 0  # row 0's logits, where asked
+
             def head(x):
-                """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
-                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
+                """x [Bg, 1, D] -> the group's tokens (`sampling.choose_tokens`)."""
                 params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
                 allowed = rows(inputs.allowed, row0, Bg) if constrained else None
-
-                def whole():
-                    # Sampling's filters and the log-probabilities need a row's whole
-                    # distribution: the rows' logits, gathered (small beside the weights).
-                    logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
-                    tok = sample_rows(logits, params, j + 1, sampled, allowed)
-                    return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
-
-                if split.size == 1 or logprobs:
-                    return whole()
-
-                def best_pairs():
-                    # Greedy rows need each device's best pair only (sampling.greedy_split).
-                    tok = greedy_split(local, params, j + 1, split, allowed)
-                    row0_logits = (
-                        gather_vocab(local[:1], split, cfg.V)
-                        if with_logits
-                        else jnp.zeros((1, cfg.V), jnp.float32)
-                    )
-                    return row0_logits, tok, None
-
-                if not sampled:
-                    return best_pairs()
-                # Every tensor device holds the same rows' parameters: all take one branch
-                # (whose outputs are typed varying alike, as on_last_stage's).
-                return jax.lax.cond(
-                    jnp.any(params.temperature > 0),
-                    lambda: jax.tree.map(vary, whole()),
-                    lambda: jax.tree.map(vary, best_pairs()),
+                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
+                return choose_tokens(
+                    local, params, j + 1, split, cfg.V, sampled, allowed, logprobs, keep, lazy=True
                 )
 
-            shapes = (
-                jax.ShapeDtypeStruct((1, cfg.V), jnp.float32),
+            shapes = Chosen(
                 jax.ShapeDtypeStruct((Bg,), jnp.int32),
                 _logprob_shapes(Bg) if logprobs else None,
+                jax.ShapeDtypeStruct((keep, cfg.V), jnp.float32),
             )
-            on_last, (logits, tok, lp) = on_last_stage(active, head, shapes, x)
+            on_last, (tok, lp, logits) = on_last_stage(active, head, shapes, x)
 
             def at_step(buf, new):  # row0's group of rows, chunk step i
                 put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])

@@ -48,9 +48,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
@@ -286,11 +284,7 @@ def build_spec_loop(
                         lambda a: jnp.repeat(rows(a, row0, Bg), width, axis=0), inputs.sampling
                     )
                     key_step = (step[:, None] + ahead[:width] + 1).reshape(-1)  # token made
-                    if split.size == 1 or sampled:
-                        whole = gather_vocab(local, split, cfg.V)
-                        choice = sample_rows(whole, params, key_step, sampled)
-                    else:
-                        choice = greedy_split(local, params, key_step, split)
+                    choice = choose_tokens(local, params, key_step, split, cfg.V, sampled).tokens
                     return vary(jnp.pad(choice.reshape(Bg, width), ((0, 0), (0, T - width))))
 
                 return choose

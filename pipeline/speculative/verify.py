@@ -41,10 +41,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
     TokenLogprobs,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
-    token_logprobs,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
@@ -188,12 +185,9 @@ def build_verify(
                 step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
                 if constrained:
                     allowed = allowed.reshape(Bg * T_out, -1)
-                if split.size == 1 or sampled or logprobs:
-                    whole = gather_vocab(local, split, cfg.V)  # [Bg T', V]
-                    tok = sample_rows(whole, params, step, sampled, allowed)
-                    lp = token_logprobs(whole, tok) if logprobs else None
-                else:
-                    tok, lp = greedy_split(local, params, step, split, allowed), None
+                tok, lp, _ = choose_tokens(
+                    local, params, step, split, cfg.V, sampled, allowed, logprobs
+                )
                 lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
                 return tok.reshape(Bg, T_out), lp
 
