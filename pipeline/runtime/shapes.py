@@ -21,9 +21,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
+from qwen3_spmd.pipeline.programs.decode import build_decode
 from qwen3_spmd.pipeline.programs.layout import bucket, length_bucket, whole_batch
+from qwen3_spmd.pipeline.programs.prefill import build_prefill
 from qwen3_spmd.ring import padded_length, slots_per_device
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What a scheduler's rounds run every shape's program with, beside the shape: a
+    cache of `cache_rows` rows in `groups` decode groups, prompts laid out by `block`
+    (`ShapeRules.layout_block`), each prefill's cp strategy `cp(shape)` (the planner's),
+    and the prefix cache's block `pool` (None without one)."""
+
+    cache_rows: int
+    groups: int
+    block: int | None = None
+    cp: Callable[[PrefillShape], str] = lambda shape: "ring"
+    pool: Any = None
+
+
+# A shape record that names a compiled program (`pipeline.runtime.registry.Program`) is
+# the program's key: every static choice that shapes it. The planner's shapes leave the
+# runner's choices (cp and block, groups and steps) at their defaults; the engine, or
+# `compile` with a scheduler's RoundSettings, fills them in.
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -32,12 +56,46 @@ class PrefillShape:
     with_context: later chunks of a long prompt, attending to its cached earlier ones;
     prompt_logprobs: scoring every prompt token (`prefill.build_prefill`). Those are
     not among `ShapeRules.declared()`: few requests ask (evaluation harnesses), and a
-    server would compile every prefill twice for them; the first to meet one compiles it."""
+    server would compile every prefill twice for them; the first to meet one compiles it.
+    cp: how attention splits along `seq` ("ring" or "ulysses"); block: the prefix
+    cache's layout (`layout.lay_out`), None without one."""
 
     B: int
     P_pad: int
     with_context: bool = False
     prompt_logprobs: bool = False
+    cp: str = "ring"
+    block: int | None = None
+
+    def name(self) -> tuple:
+        """Its static choices, readably (B and P_pad show in its arrays' shapes)."""
+        name = ("prefill",) if self.cp == "ring" else ("prefill", self.cp)
+        name += ("context",) if self.with_context else ()
+        name += ("blocks", self.block) if self.block is not None else ()
+        return name + (("prompt_logprobs",) if self.prompt_logprobs else ())
+
+    def build(self, engine) -> Callable:
+        """The program on `engine` (`pipeline.runtime.engine.Engine`: its model, mesh,
+        microbatches, dtype and poison), not yet jitted."""
+        return build_prefill(
+            engine.cfg,
+            engine.graphdef,
+            engine.state_specs,
+            engine.mesh,
+            engine.M,
+            engine.dtype,
+            engine.poison,
+            self.cp,
+            self.with_context,
+            self.block,
+            self.prompt_logprobs,
+        )
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this prefill as the rounds run it (their cp
+        strategy and layout) and its helpers (`Engine.compile_prefill`)."""
+        program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
+        engine.compile_prefill(program, settings.cache_rows, announce)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -48,12 +106,43 @@ class DecodeShape:
     Constrained shapes are not among `ShapeRules.declared()` (a scheduler without a
     tokenizer never meets them): a server that has one compiles them last, in the
     background (`ShapeRules.constrained_decodes`), and a round that meets one before
-    that compiles it."""
+    that compiles it. groups, steps: the rows' decode groups and the chunk's steps (the
+    engine's; None in the planner's shapes); with_logits: row 0's logits at each step."""
 
     rows: int
     sampled: bool
     logprobs: bool
     constrained: bool = False
+    groups: int | None = None
+    steps: int | None = None
+    with_logits: bool = False
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        name = ("decode", self.groups, self.steps, "sampled" if self.sampled else "greedy")
+        name += (self.with_logits,) + (("logprobs",) if self.logprobs else ())
+        return name + (("allowed",) if self.constrained else ())
+
+    def build(self, engine) -> Callable:
+        """The program on `engine` (its model and mesh), not yet jitted."""
+        return build_decode(
+            engine.cfg,
+            engine.graphdef,
+            engine.state_specs,
+            engine.mesh,
+            self.groups,
+            self.steps,
+            self.sampled,
+            self.with_logits,
+            self.logprobs,
+            self.constrained,
+        )
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this chunk in the rounds' groups, of the engine's
+        steps, without logits (`Engine.compile_decode`)."""
+        program = dataclasses.replace(self, groups=settings.groups, steps=engine.chunk)
+        engine.compile_decode(program, settings.cache_rows, announce)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -61,6 +150,9 @@ class MoveShape:
     """A move of `rows` rows (padded to a power of two) down into free rows."""
 
     rows: int
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        engine.copies.compile_move(self.rows, settings.cache_rows)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -70,21 +162,17 @@ class CopyShape:
 
     direction: str
 
-
-@dataclasses.dataclass(frozen=True, order=True)
-class VerifyShape:
-    """A speculative verify pass over the first `rows` rows, T positions a row, greedy
-    or sampled, constrained (each position's tokens masked by a grammar) or not
-    (`pipeline.speculative.speculator`). Not among `declared()`: a server with a speculative
-    config compiles them last, in the background (`Speculator.shapes`)."""
-
-    rows: int
-    T: int
-    sampled: bool
-    constrained: bool = False
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles the copy between the pool and the rows' cache ("save") or a chunk's
+        cache of a microbatch's rows ("load")."""
+        save = self.direction == "save"
+        rows = settings.cache_rows if save else engine.M
+        engine.copies.compile_copy(settings.pool, rows, into_pool=save)
 
 
-Shape = PrefillShape | DecodeShape | MoveShape | CopyShape | VerifyShape
+# The shapes a scheduler's rounds run; a speculative pass's VerifyShape
+# (`pipeline.speculative.verify`) compiles alike.
+Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
 
 # A light load's prompts: at most this many tokens. A few words: each first-set shape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the

@@ -34,6 +34,8 @@ rolls back past the kept tokens at the end.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -69,6 +71,43 @@ from qwen3_spmd.pipeline.speculative.verify import GroupPass, pass_stage
 
 # The most rounds a chunk runs (its output holds MAX_ROUNDS x T tokens a row).
 MAX_ROUNDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopShape:
+    """A loop of speculative rounds over the first `rows` rows in `groups` groups, passes
+    of the `widths` (ascending from 1), greedy or sampled; prompt lookup's n-gram
+    lengths n_max, n_min and drafts a row k_max, and a pace's longest wait max_wait
+    (`build_spec_loop`)."""
+
+    rows: int
+    groups: int
+    widths: tuple[int, ...]
+    sampled: bool
+    n_max: int
+    n_min: int
+    k_max: int
+    max_wait: int
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        return ("spec_loop", self.groups, self.widths[-1], "sampled" if self.sampled else "greedy")
+
+    def build(self, engine) -> Callable:
+        """The loop on `engine`, not yet jitted."""
+        return build_spec_loop(
+            engine.cfg,
+            engine.graphdef,
+            engine.state_specs,
+            engine.mesh,
+            self.groups,
+            self.widths,
+            self.sampled,
+            self.n_max,
+            self.n_min,
+            self.k_max,
+            self.max_wait,
+        )
 
 
 class LoopInputs(NamedTuple):

@@ -25,6 +25,8 @@ query can see them.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -58,7 +60,54 @@ from qwen3_spmd.pipeline.programs.stage import (
     when,
     write_kv_rows,
 )
+from qwen3_spmd.pipeline.runtime.shapes import RoundSettings
 from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class VerifyShape:
+    """A verify pass over the first `rows` rows, T positions a row, greedy or sampled,
+    constrained (each position's tokens masked by a grammar) or not
+    (`pipeline.speculative.speculator`). Not among `ShapeRules.declared()`: a server with a
+    speculative config compiles them last, in the background (`Speculator.shapes`).
+    groups: the rows' decode groups (the runner's: None in that list); logprobs: each
+    position's log-probabilities too; last_only: a draft model's pass, each row's token
+    after its last position only (`build_verify`)."""
+
+    rows: int
+    T: int
+    sampled: bool
+    constrained: bool = False
+    groups: int | None = None
+    logprobs: bool = False
+    last_only: bool = False
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        name = ("draft" if self.last_only else "verify", self.groups, self.T)
+        name += ("sampled" if self.sampled else "greedy",)
+        name += ("logprobs",) if self.logprobs else ()
+        return name + (("constrained",) if self.constrained else ())
+
+    def build(self, engine) -> Callable:
+        """The pass on `engine` (the model's, or a draft model's), not yet jitted."""
+        return build_verify(
+            engine.cfg,
+            engine.graphdef,
+            engine.state_specs,
+            engine.mesh,
+            self.groups,
+            self.T,
+            self.sampled,
+            self.logprobs,
+            self.constrained,
+            self.last_only,
+        )
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this pass in the rounds' groups and what it runs
+        beside it (`Speculator.compile`: a draft model's passes, a loop of rounds)."""
+        engine.speculator.compile(self, settings.cache_rows, settings.groups, announce)
 
 
 class VerifyInputs(NamedTuple):
