@@ -17,6 +17,7 @@ each device's own slots and the partial results merge with LSE (ring.decode_atte
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.pipeline.programs.sampling import (
     TOP_LOGPROBS,
     Chosen,
@@ -118,9 +120,45 @@ class DecodeCarry(NamedTuple):
     out: DecodeOutputs  # filled by the last stage
 
 
-# One shard_map program, read top to bottom as the decode schedule of the module's
-# docstring: the tick closure shares the group sizes, the slot placement and the
-# sampling set up here.
+class DecodeRun(NamedTuple):
+    """One device's decode chunk as its ticks read it: the model merged from this
+    device's weights, the chunk's inputs, the cache's slot positions, and the program's
+    static choices (`build_decode`'s arguments)."""
+
+    model: Qwen3
+    cfg: Qwen3Config
+    real: jax.Array  # [L_pad / S] bool: this stage's real layer slots
+    inputs: DecodeInputs
+    slot_pos: jax.Array  # [B, S_cap / C] int32: the cache's slot positions
+    groups: int
+    steps: int
+    sampled: bool
+    with_logits: bool
+    logprobs: bool
+    constrained: bool
+    gated: bool  # no collectives inside the layers (`seq` of 1)
+    always_active: bool  # one stage: no bubbles, no cond around its layers
+
+    @property
+    def Bg(self) -> int:
+        """Rows a group."""
+        return self.inputs.tokens.shape[0] // self.groups
+
+    @property
+    def keep(self) -> int:
+        """Rows whose whole logits the head returns: row 0's, where asked."""
+        return 1 if self.with_logits else 0
+
+    def slot_of(self, u):
+        """Schedule slot u = t - s -> (runs a group?, its first row, its step in the
+        chunk) (`stage.chunk_slot`)."""
+        period = decode_period(self.groups, jax.lax.axis_size("stage"))
+        busy = self.inputs.run_steps * period
+        return chunk_slot(u, busy, period, self.groups, self.Bg)
+
+
+# One shard_map program; the functions below it, read top to bottom, are the decode
+# schedule of the module's docstring: a tick, a stage's layers, the sampling head.
 def build_decode(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,
@@ -150,117 +188,25 @@ def build_decode(
     on every device (a row's is V/8 bytes); under `tensor` each device reads its
     vocabulary block's bits.
     """
-    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    # One stage has no bubbles (period = groups): no cond is needed around its layers.
-    always_active = mesh.shape["stage"] == 1
-    scale = cfg.head_dim**-0.5
+    static = dict(
+        groups=groups,
+        steps=steps,
+        sampled=sampled,
+        with_logits=with_logits,
+        logprobs=logprobs,
+        constrained=constrained,
+        gated=mesh.shape["seq"] == 1,
+        always_active=mesh.shape["stage"] == 1,
+    )
 
     def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
         model = nnx.merge(graphdef, weights.state)
-        split = model.split
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        C = jax.lax.axis_size("seq")
-        c = jax.lax.axis_index("seq")
-        B = inputs.tokens.shape[0]
-        Bg = B // groups
-        period = decode_period(groups, stages)
-        busy = inputs.run_steps * period
-
-        def slot_of(u):
-            """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
-            return chunk_slot(u, busy, period, groups, Bg)
-
-        def tick(t, carry: DecodeCarry) -> DecodeCarry:
-            # Stage 0 files the tokens the last stage sampled at tick t - 1.
-            got, got_row0, _ = slot_of(t - stages)
-            tok_buf = jnp.where(
-                got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf
-            )
-
-            active, row0, i = slot_of(t - s)
-            j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
-            q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
-            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
-            device, slot = decode_slot(j, rows(inputs.prompt_slots, row0, Bg), C)
-            mine = active & (c == device) & (j < rows(inputs.limit, row0, Bg))
-            group_slot_pos = rows(cache.pos, row0, Bg)
-
-            def attend_at(layer):
-                def attention(q, k, v, kv: StageCache):
-                    # Slots past this step's hold nothing the group can see yet.
-                    o, _ = decode_attention(
-                        q,
-                        kv.k,
-                        kv.v,
-                        q_pos,
-                        group_slot_pos,
-                        axis_name="seq",
-                        scale=scale,
-                        at=(layer, row0),
-                        filled=slot + 1,
-                    )
-                    return o
-
-                return cache_attend(layer, row0, slot, mine, attention)
-
-            def compute(x, kv, gate):
-                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
-                return vary(x), kv
-
-            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
-
-            keep = 1 if with_logits else 0  # row 0's logits, where asked
-
-            def head(x):
-                """x [Bg, 1, D] -> the group's tokens (`sampling.choose_tokens`)."""
-                params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
-                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
-                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
-                return choose_tokens(
-                    local, params, j + 1, split, cfg.V, sampled, allowed, logprobs, keep, lazy=True
-                )
-
-            shapes = Chosen(
-                jax.ShapeDtypeStruct((Bg,), jnp.int32),
-                _logprob_shapes(Bg) if logprobs else None,
-                jax.ShapeDtypeStruct((keep, cfg.V), jnp.float32),
-            )
-            on_last, (tok, lp, logits) = on_last_stage(active, head, shapes, x)
-
-            def at_step(buf, new):  # row0's group of rows, chunk step i
-                put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
-                return jnp.where(on_last, put, buf)
-
-            out = carry.out._replace(tokens=at_step(carry.out.tokens, tok))
-            if logprobs:
-                out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, lp))
-            if with_logits:
-                out = out._replace(
-                    logits=jnp.where(
-                        on_last & (row0 == 0), put_rows(out.logits, logits, i), out.logits
-                    )
-                )
-            h_next, tok_next = shift((x, tok), cyclic=True)
-            return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
-
-        lp_steps = steps if logprobs else 0
-        out = DecodeOutputs(
-            vary(jnp.zeros((B, steps), jnp.int32)),
-            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)),
-            jax.tree.map(
-                lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)),
-                _logprob_shapes(B),
-            ),
-        )
-        carry = DecodeCarry(
-            vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
-            vary(jnp.zeros((Bg,), jnp.int32)),
-            vary(inputs.tokens),
-            StageCache(cache.k, cache.v),
-            out,
-        )
+        run = DecodeRun(model, cfg, weights.real, inputs, cache.pos, **static)
+        stages = jax.lax.axis_size("stage")
         ticks = decode_ticks(groups, stages, inputs.run_steps)
-        carry = jax.lax.fori_loop(0, ticks, tick, carry)
+        carry = jax.lax.fori_loop(
+            0, ticks, functools.partial(decode_tick, run), first_carry(run, cache)
+        )
         out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
         return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
@@ -275,6 +221,128 @@ def build_decode(
         return mapped(weights, cache, inputs)
 
     return decode
+
+
+def first_carry(run: DecodeRun, cache: KVCache) -> DecodeCarry:
+    """The loop's state before tick 0: nothing received, each row's token to feed
+    [B], the stage's cache slice, the outputs zero (tokens [B, steps], row 0's logits
+    [steps, V] where asked, log-probabilities [B, steps, ...] where asked)."""
+    B, steps, V = run.inputs.tokens.shape[0], run.steps, run.cfg.V
+    lp_steps = steps if run.logprobs else 0
+    out = DecodeOutputs(
+        vary(jnp.zeros((B, steps), jnp.int32)),
+        vary(jnp.zeros((steps if run.with_logits else 0, V), jnp.float32)),
+        jax.tree.map(
+            lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)), _logprob_shapes(B)
+        ),
+    )
+    return DecodeCarry(
+        vary(jnp.zeros((run.Bg, 1, run.cfg.D), cache.k.dtype)),
+        vary(jnp.zeros((run.Bg,), jnp.int32)),
+        vary(run.inputs.tokens),
+        StageCache(cache.k, cache.v),
+        out,
+    )
+
+
+def decode_tick(run: DecodeRun, t, carry: DecodeCarry) -> DecodeCarry:
+    """Tick t on this device: stage 0 files the tokens [Bg] the last stage chose at
+    tick t - 1; stage s runs group (t - s) mod period at its step i of the chunk through
+    its layers, x [Bg, 1, D]; the last stage chooses the group's next tokens and writes
+    them to the outputs; hidden states and tokens move one stage on (the last stage's
+    back to stage 0)."""
+    s, stages = jax.lax.axis_index("stage"), jax.lax.axis_size("stage")
+    Bg, inputs = run.Bg, run.inputs
+    got, got_row0, _ = run.slot_of(t - stages)
+    tok_buf = jnp.where(got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf)
+
+    active, row0, i = run.slot_of(t - s)
+    j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
+    q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
+    x_in = vary(jnp.where(s == 0, run.model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
+    x, kv = decode_stage(run, x_in, carry.cache, active, row0, j, q_pos)
+
+    shapes = Chosen(
+        jax.ShapeDtypeStruct((Bg,), jnp.int32),
+        _logprob_shapes(Bg) if run.logprobs else None,
+        jax.ShapeDtypeStruct((run.keep, run.cfg.V), jnp.float32),
+    )
+    head = functools.partial(decode_head, run, row0, j)
+    on_last, chosen = on_last_stage(active, head, shapes, x)
+    out = write_step(run, carry.out, on_last, row0, i, chosen)
+    h_next, tok_next = shift((x, chosen.tokens), cyclic=True)
+    return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
+
+
+def decode_stage(run: DecodeRun, x, kv: StageCache, active, row0, j, q_pos):
+    """This stage's layers on a group's new tokens, x [Bg, 1, D] at positions q_pos
+    [Bg, 1], decode steps j [Bg] -> (x [Bg, 1, D], kv). Each row writes its K/V where
+    `ring.decode_slot` puts step j (one `seq` device's slot; none past the row's limit)
+    and attends over every `seq` device's own slots, merged with LSE. Where not
+    `active` (a bubble) x and the cache stay as they were."""
+    Bg = x.shape[0]
+    C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
+    device, slot = decode_slot(j, rows(run.inputs.prompt_slots, row0, Bg), C)
+    mine = active & (c == device) & (j < rows(run.inputs.limit, row0, Bg))
+    group_slot_pos = rows(run.slot_pos, row0, Bg)
+    scale = run.cfg.head_dim**-0.5
+
+    def attend_at(layer):
+        def attention(q, k, v, kv: StageCache):
+            # Slots past this step's hold nothing the group can see yet.
+            o, _ = decode_attention(
+                q,
+                kv.k,
+                kv.v,
+                q_pos,
+                group_slot_pos,
+                axis_name="seq",
+                scale=scale,
+                at=(layer, row0),
+                filled=slot + 1,
+            )
+            return o
+
+        return cache_attend(layer, row0, slot, mine, attention)
+
+    def compute(x, kv, gate):
+        x, kv = run_stage(run.model, run.cfg, run.real, x, q_pos, kv, attend_at, run.gated, gate)
+        return vary(x), kv
+
+    return when(active, compute, x, kv, run.gated, run.always_active)
+
+
+def decode_head(run: DecodeRun, row0, j, x) -> Chosen:
+    """The last stage's sampling head for the group of rows row0 .., x [Bg, 1, D] ->
+    Chosen: its tokens [Bg] for steps j + 1 [Bg] (each row's parameters, key, bans and
+    allowed tokens), their log-probabilities where asked, and row 0's logits [1, V]
+    where asked (`sampling.choose_tokens`)."""
+    Bg, inputs = x.shape[0], run.inputs
+    params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+    allowed = rows(inputs.allowed, row0, Bg) if run.constrained else None
+    local = run.model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
+    split, V = run.model.split, run.cfg.V
+    return choose_tokens(
+        local, params, j + 1, split, V, run.sampled, allowed, run.logprobs, run.keep, lazy=True
+    )
+
+
+def write_step(run: DecodeRun, out: DecodeOutputs, on_last, row0, i, chosen: Chosen):
+    """`out` with the group's choice at chunk step i written where `on_last` (the last
+    stage, on a tick that runs a group): tokens and log-probabilities at [row0 .., i],
+    row 0's logits at [i]."""
+
+    def at_step(buf, new):  # row0's group of rows, chunk step i
+        put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
+        return jnp.where(on_last, put, buf)
+
+    out = out._replace(tokens=at_step(out.tokens, chosen.tokens))
+    if run.logprobs:
+        out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, chosen.logprobs))
+    if run.with_logits:
+        row0_steps = put_rows(out.logits, chosen.logits, i)
+        out = out._replace(logits=jnp.where(on_last & (row0 == 0), row0_steps, out.logits))
+    return out
 
 
 def _logprob_shapes(B: int) -> TokenLogprobs:
