@@ -26,6 +26,7 @@ query can see them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.pipeline.programs.sampling import (
     TOP_LOGPROBS,
     RowSampling,
@@ -165,6 +167,34 @@ class VerifyCarry(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
+class VerifyRun(NamedTuple):
+    """One device's verify pass as its ticks read it: the model merged from this
+    device's weights, the pass's inputs, the cache's slot positions, and the program's
+    static choices (`build_verify`'s arguments)."""
+
+    model: Qwen3
+    cfg: Qwen3Config
+    weights: Weights
+    inputs: VerifyInputs
+    slot_pos: jax.Array  # [B, S_cap / C] int32: the cache's slot positions
+    groups: int
+    T: int
+    sampled: bool
+    logprobs: bool
+    constrained: bool
+    last_only: bool
+
+    @property
+    def Bg(self) -> int:
+        """Rows a group."""
+        return self.inputs.tokens.shape[0] // self.groups
+
+    @property
+    def T_out(self) -> int:
+        """Positions a row's output holds: T, or 1 with last_only."""
+        return 1 if self.last_only else self.T
+
+
 def build_verify(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,
@@ -185,83 +215,23 @@ def build_verify(
     draft model's pass, which reads no other; the head's logits, and a sampled row's
     sort of the vocabulary, for one position instead of T). `cache.pos` must already
     list the slots of each row's `count` tokens (`RowBook.list_ahead`); the program
-    writes k and v only, so `cache` is donated and updated in place. sampled=False promises every row is greedy (no sort of the
-    vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
-    row asks to. logprobs=True also gives each position's token's log-probability and
-    the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
-    `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
+    writes k and v only, so `cache` is donated and updated in place. sampled=False
+    promises every row is greedy (no sort of the vocabulary compiled, and under
+    `tensor` no gather of it); sampled=True draws where a row asks to. logprobs=True
+    also gives each position's token's log-probability and the top TOP_LOGPROBS, from
+    the raw logits as decode reports them. constrained=True: `inputs.allowed` masks
+    each position's choice, as a constrained decode chunk's.
     """
-    T_out = 1 if last_only else T
-    ahead = jnp.arange(T, dtype=jnp.int32)
+    static = (groups, T, sampled, logprobs, constrained, last_only)
 
     def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
-        model = nnx.merge(graphdef, weights.state)
-        split = model.split
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        B = inputs.tokens.shape[0]
-        Bg = B // groups
-
-        def tick(t, carry: VerifyCarry) -> VerifyCarry:
-            u = t - s  # one step: stage s runs group t - s, if that is a group
-            active = (u >= 0) & (u < groups)
-            row0 = jnp.clip(u, 0, groups - 1) * Bg
-            j = rows(inputs.step, row0, Bg)[:, None] + ahead  # [Bg, T]: each token's step
-            group = GroupPass(
-                row0,
-                rows(inputs.step, row0, Bg),
-                rows(inputs.positions, row0, Bg),
-                rows(inputs.count, row0, Bg),
-                rows(inputs.prompt_slots, row0, Bg),
-            )
-            x_in = vary(jnp.where(s == 0, model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
-            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
-
-            def head(x):
-                """x [Bg, T, D] -> each position's token [Bg, T'], TokenLogprobs or None."""
-                steps = j  # [Bg, T]
-                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
-                if last_only:
-                    at = jnp.maximum(rows(inputs.count, row0, Bg) - 1, 0)[:, None]  # [Bg, 1]
-                    x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-                    steps = jnp.take_along_axis(j, at, axis=1)
-                    if constrained:
-                        allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
-                local = model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
-                params = jax.tree.map(
-                    lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling
-                )
-                # The index of the token each position produces, as its key counts it.
-                step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
-                if constrained:
-                    allowed = allowed.reshape(Bg * T_out, -1)
-                tok, lp, _ = choose_tokens(
-                    local, params, step, split, cfg.V, sampled, allowed, logprobs
-                )
-                lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
-                return tok.reshape(Bg, T_out), lp
-
-            shapes = (
-                jax.ShapeDtypeStruct((Bg, T_out), jnp.int32),
-                _logprob_shapes(Bg, T_out, logprobs),
-            )
-            on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
-
-            def put(buf, new):
-                return jnp.where(on_last, put_rows(buf, new, row0), buf)
-
-            out = put(carry.out, tok)
-            lp = jax.tree.map(put, carry.logprobs, lp) if logprobs else None
-            return VerifyCarry(shift(x, cyclic=False), kv, out, lp)
-
-        carry = VerifyCarry(
-            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
-            StageCache(cache.k, cache.v),
-            vary(jnp.zeros((B, T_out), jnp.int32)),
-            jax.tree.map(
-                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, logprobs)
-            ),
+        run = VerifyRun(
+            nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, *static
         )
-        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)
+        stages = jax.lax.axis_size("stage")
+        ticks = decode_ticks(groups, stages, 1)
+        tick = functools.partial(verify_tick, run)
+        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = from_device(carry.out, stages - 1, 0)
         lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
         return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
@@ -277,6 +247,82 @@ def build_verify(
         return mapped(weights, cache, inputs)
 
     return verify
+
+
+def first_carry(run: VerifyRun, cache: KVCache) -> VerifyCarry:
+    """The loop's state before tick 0: nothing received, the stage's cache slice, the
+    outputs zero ([B, T'], and log-probabilities where asked)."""
+    B, T_out = run.inputs.tokens.shape[0], run.T_out
+    return VerifyCarry(
+        vary(jnp.zeros((run.Bg, run.T, run.cfg.D), cache.k.dtype)),
+        StageCache(cache.k, cache.v),
+        vary(jnp.zeros((B, T_out), jnp.int32)),
+        jax.tree.map(
+            lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, run.logprobs)
+        ),
+    )
+
+
+def verify_tick(run: VerifyRun, t, carry: VerifyCarry) -> VerifyCarry:
+    """Tick t on this device (one step of the decode schedule): stage s runs group t - s
+    (if that is a group), its T tokens a row, x [Bg, T, D], through its layers
+    (`pass_stage`); the last stage writes each position's token; hidden states move one
+    stage on."""
+    s, inputs, Bg = jax.lax.axis_index("stage"), run.inputs, run.Bg
+    u = t - s
+    active = (u >= 0) & (u < run.groups)
+    row0 = jnp.clip(u, 0, run.groups - 1) * Bg
+    group = GroupPass(
+        row0,
+        rows(inputs.step, row0, Bg),
+        rows(inputs.positions, row0, Bg),
+        rows(inputs.count, row0, Bg),
+        rows(inputs.prompt_slots, row0, Bg),
+    )
+    x_in = vary(jnp.where(s == 0, run.model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
+    x, kv = pass_stage(
+        run.model, run.cfg, run.weights, carry.cache, run.slot_pos, x_in, group, active
+    )
+
+    shapes = (
+        jax.ShapeDtypeStruct((Bg, run.T_out), jnp.int32),
+        _logprob_shapes(Bg, run.T_out, run.logprobs),
+    )
+    on_last, (tok, lp) = on_last_stage(
+        active, functools.partial(verify_head, run, group), shapes, x
+    )
+
+    def put(buf, new):
+        return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+    lp = jax.tree.map(put, carry.logprobs, lp) if run.logprobs else None
+    return VerifyCarry(shift(x, cyclic=False), kv, put(carry.out, tok), lp)
+
+
+def verify_head(run: VerifyRun, group: GroupPass, x):
+    """The last stage's sampling head for a group, x [Bg, T, D] -> (each position's
+    token [Bg, T'], its TokenLogprobs [Bg, T', ...] or None): position i of a row is
+    decode step j + i, and its token is drawn with the row's key at that step (less
+    its key_offset) among the tokens allowed there (`sampling.choose_tokens`)."""
+    Bg, T_out, inputs, row0 = x.shape[0], run.T_out, run.inputs, group.row0
+    steps = group.step[:, None] + jnp.arange(run.T, dtype=jnp.int32)  # [Bg, T]
+    allowed = rows(inputs.allowed, row0, Bg) if run.constrained else None
+    if run.last_only:
+        at = jnp.maximum(group.count - 1, 0)[:, None]  # [Bg, 1]
+        x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+        steps = jnp.take_along_axis(steps, at, axis=1)
+        if run.constrained:
+            allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
+    local = run.model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
+    params = jax.tree.map(lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling)
+    # The index of the token each position produces, as its key counts it.
+    step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
+    if run.constrained:
+        allowed = allowed.reshape(Bg * T_out, -1)
+    split, V = run.model.split, run.cfg.V
+    tok, lp, _ = choose_tokens(local, params, step, split, V, run.sampled, allowed, run.logprobs)
+    lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
+    return tok.reshape(Bg, T_out), lp
 
 
 class GroupPass(NamedTuple):
