@@ -21,7 +21,9 @@ Every device sends only its own 1/C of the hidden state between stages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -32,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.pipeline.programs.sampling import (
     PromptLogprobs,
     gather_vocab,
@@ -41,6 +42,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
 )
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     cache_attend,
@@ -68,6 +70,45 @@ from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.sharding.specs import SPECS
 
 CP_STRATEGIES = ("ring", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PrefillShape:
+    """A prefill program, its key (`pipeline.runtime.registry.Program`): B prompts
+    (rows, padding included) padded to P_pad tokens; with_context: later chunks of a
+    long prompt, attending to its cached earlier ones; prompt_logprobs: scoring every
+    prompt token. Those are not among `ShapeRules.declared()`: few requests ask
+    (evaluation harnesses), and a server would compile every prefill twice for them;
+    the first to meet one compiles it. cp: how attention splits along `seq` ("ring" or
+    "ulysses"); block: the prefix cache's layout (`layout.lay_out`), None without one
+    (the runner's choices: defaults in the planner's shapes)."""
+
+    B: int
+    P_pad: int
+    with_context: bool = False
+    prompt_logprobs: bool = False
+    cp: str = "ring"
+    block: int | None = None
+
+    def name(self) -> tuple:
+        """Its static choices, readably (B and P_pad show in its arrays' shapes)."""
+        name = ("prefill",) if self.cp == "ring" else ("prefill", self.cp)
+        name += ("context",) if self.with_context else ()
+        name += ("blocks", self.block) if self.block is not None else ()
+        return name + (("prompt_logprobs",) if self.prompt_logprobs else ())
+
+    def build(self, engine) -> Callable:
+        """The program on `engine` (`pipeline.runtime.engine.Engine`: its model, mesh,
+        microbatches, dtype and poison), not yet jitted."""
+        e = engine
+        return build_prefill(e.cfg, e.graphdef, e.state_specs, e.mesh, self, e.M, e.dtype, e.poison)
+
+    def compile(self, engine, settings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this prefill as a scheduler's rounds run it
+        (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their cp strategy and
+        layout) and its helpers (`Engine.compile_prefill`)."""
+        program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
+        engine.compile_prefill(program, settings.cache_rows, announce)
 
 
 class PrefillInputs(NamedTuple):
@@ -102,24 +143,13 @@ class PrefillCarry(NamedTuple):
     #                    device's tokens' (last stage)
 
 
-class PrefillRun(NamedTuple):
-    """One device's prefill as its ticks read it: the model merged from this device's
-    weights, the prompts' inputs, the cache's slot positions, and the program's static
-    choices (`build_prefill`'s arguments)."""
+@dataclasses.dataclass(frozen=True)
+class PrefillRun(Run):
+    """One device's prefill as its ticks read it (`stage.Run`), with the engine's
+    microbatches, poison and fused kernels."""
 
-    model: Qwen3
-    cfg: Qwen3Config
-    real: jax.Array  # [L_pad / S] bool: this stage's real layer slots
-    inputs: PrefillInputs
-    slot_pos: jax.Array  # [B, S_cap / C] int32: the cache's slot positions
     microbatches: int
-    cp: str
-    with_context: bool
-    block: int | None
-    prompt_logprobs: bool
     poison: bool
-    gated: bool  # no collectives inside the layers (`seq` of 1)
-    always_active: bool  # one stage: no bubbles, no cond around its layers
     # Without a ring a device holds its prompts whole, in position order (zigzag with
     # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
     fused: bool
@@ -130,7 +160,7 @@ class PrefillRun(NamedTuple):
     @property
     def Bm(self) -> int:
         """Rows a microbatch."""
-        return self.inputs.tokens.shape[0] // self.microbatches
+        return self.B // self.microbatches
 
     @property
     def V_local(self) -> int:
@@ -146,15 +176,12 @@ def build_prefill(
     graphdef: nnx.GraphDef,
     state_specs,
     mesh: Mesh,
+    shape: PrefillShape,
     microbatches: int,
     dtype,
     poison: bool = False,
-    cp: str = "ring",
-    with_context: bool = False,
-    block: int | None = None,
-    prompt_logprobs: bool = False,
 ):
-    """The prefill program (not yet jitted).
+    """The prefill program for `shape`'s choices (not yet jitted), in `microbatches`.
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
     (logits [B, V] float32, KVCache). It writes k and v [L_pad, B, K, S_cap, H] (in
@@ -169,35 +196,26 @@ def build_prefill(
     with the chunk's own attention, ring or Ulysses). block: the prompts are laid out
     block by block (`ring.zigzag_blocks`; the position order fused Ulysses restores).
     """
-    if cp not in CP_STRATEGIES:
-        raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
-    static = dict(
-        microbatches=microbatches,
-        cp=cp,
-        with_context=with_context,
-        block=block,
-        prompt_logprobs=prompt_logprobs,
-        poison=poison,
-        gated=mesh.shape["seq"] == 1,
-        always_active=mesh.shape["stage"] == 1,
-        # (not with context: the merge needs the log-sum-exp, which the kernel keeps)
-        fused=mesh.shape["seq"] == 1
-        and not with_context
-        and fused_attention_available(dtype, cfg.head_dim),
-        fused_ulysses=cp == "ulysses" and fused_attention_available(dtype, cfg.head_dim),
-    )
+    if shape.cp not in CP_STRATEGIES:
+        raise ValueError(f"cp {shape.cp!r} is not one of {CP_STRATEGIES}")
+    fusable = fused_attention_available(dtype, cfg.head_dim)
+    # (not with context: the merge needs the log-sum-exp, which the kernel keeps)
+    fused = mesh.shape["seq"] == 1 and not shape.with_context and fusable
+    fused_ulysses = shape.cp == "ulysses" and fusable
 
     def local(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         model = nnx.merge(graphdef, weights.state)
-        run = PrefillRun(model, cfg, weights.real, inputs, cache.pos, **static)
+        device = (model, cfg, weights, inputs, cache.pos, shape)
+        run = PrefillRun(*device, microbatches, poison, fused, fused_ulysses)
         ticks = microbatches + jax.lax.axis_size("stage") - 1
         tick = functools.partial(prefill_tick, run)
         carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         return prefill_outputs(run, carry, cache)
 
-    in_specs = (Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(prompt_logprobs))
+    scored = shape.prompt_logprobs
+    in_specs = (Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(scored))
     out_specs = (P(), CACHE_SPECS)
-    if prompt_logprobs:  # each seq device keeps its own tokens'
+    if scored:  # each seq device keeps its own tokens'
         along = SPECS.tokens_bt
         out_specs += (PromptLogprobs(along, along, P(*along, None), P(*along, None)),)
     mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
@@ -213,7 +231,7 @@ def first_carry(run: PrefillRun, cache: KVCache) -> PrefillCarry:
     cache slice, the last tokens' logits [B, V'/X] zero, the prompt's scores zero."""
     B, T = run.inputs.tokens.shape
     fill = jnp.nan if run.poison else 0.0
-    scores = prompt_logprob_shapes(B, T) if run.prompt_logprobs else None
+    scores = prompt_logprob_shapes(B, T) if run.shape.prompt_logprobs else None
     return PrefillCarry(
         vary(jnp.full((run.Bm, T, run.cfg.D), fill, cache.k.dtype)),
         StageCache(cache.k, cache.v),
@@ -229,7 +247,7 @@ def prefill_outputs(run: PrefillRun, carry: PrefillCarry, cache: KVCache) -> tup
     stages = jax.lax.axis_size("stage")
     logits = gather_vocab(carry.logits, run.model.split, run.cfg.V)
     out = (from_device(logits, stages - 1, 0), KVCache(carry.cache.k, carry.cache.v, cache.pos))
-    if run.prompt_logprobs:
+    if run.shape.prompt_logprobs:
         out += (jax.tree.map(from_last_stage, carry.prompt),)
     return out
 
@@ -250,7 +268,7 @@ def prefill_tick(run: PrefillRun, t, carry: PrefillCarry) -> PrefillCarry:
         x = jnp.where(active, x, jnp.nan)
     logits = last_token_logits(run, x, active, row0, pos, carry.logits)
     prompt = carry.prompt
-    if run.prompt_logprobs:
+    if run.shape.prompt_logprobs:
         prompt = score_prompt(run, x, active, row0, prompt)
     return PrefillCarry(shift(x, cyclic=False), kv, logits, prompt)
 
@@ -268,7 +286,9 @@ def prefill_stage(run: PrefillRun, x, kv: StageCache, active, row0, pos):
         return cache_attend(layer, row0, run.inputs.offset, active, at_layer)
 
     def compute(x, kv, gate):
-        x, kv = run_stage(run.model, run.cfg, run.real, x, pos, kv, attend_at, run.gated, gate)
+        x, kv = run_stage(
+            run.model, run.cfg, run.weights.real, x, pos, kv, attend_at, run.gated, gate
+        )
         return vary(x), kv
 
     return when(active, compute, x, kv, run.gated, run.always_active)
@@ -281,11 +301,11 @@ def prefill_attention(run: PrefillRun, row0, pos, q, k, v, kv: StageCache, layer
     merged by LSE with the attention to the earlier chunks' cached slots (kv, the
     stage's cache, below `inputs.offset`)."""
     scale, T = run.cfg.head_dim**-0.5, run.inputs.tokens.shape[1]
-    if run.with_context:
+    if run.shape.with_context:
         args = (q, k, v, pos, pos)
         o, lse = (
             ulysses_attention(*args, axis_name="seq", scale=scale, with_lse=True)
-            if run.cp == "ulysses"
+            if run.shape.cp == "ulysses"
             else ring_attention(*args, axis_name="seq", scale=scale)
         )
         o2, lse2 = context_attention(
@@ -302,9 +322,9 @@ def prefill_attention(run: PrefillRun, row0, pos, q, k, v, kv: StageCache, layer
         return merge(o, lse, o2, lse2)[0]
     if run.fused:
         return prompt_attention(q, k, v, scale=scale)
-    if run.cp == "ulysses":
+    if run.shape.cp == "ulysses":
         C = jax.lax.axis_size("seq")
-        block = run.block
+        block = run.shape.block
         part = zigzag(T * C, C) if block is None else zigzag_blocks(T * C, C, block)
         order = device_positions(part) if run.fused_ulysses else None
         return ulysses_attention(q, k, v, pos, pos, axis_name="seq", scale=scale, fused_order=order)

@@ -24,9 +24,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qwen3_spmd.pipeline.programs.decode import build_decode
+from qwen3_spmd.pipeline.programs.decode import DecodeShape
 from qwen3_spmd.pipeline.programs.layout import bucket, length_bucket, whole_batch
-from qwen3_spmd.pipeline.programs.prefill import build_prefill
+from qwen3_spmd.pipeline.programs.prefill import PrefillShape
 from qwen3_spmd.ring import padded_length, slots_per_device
 
 
@@ -44,105 +44,11 @@ class RoundSettings:
     pool: Any = None
 
 
-# A shape record that names a compiled program (`pipeline.runtime.registry.Program`) is
-# the program's key: every static choice that shapes it. The planner's shapes leave the
-# runner's choices (cp and block, groups and steps) at their defaults; the engine, or
-# `compile` with a scheduler's RoundSettings, fills them in.
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class PrefillShape:
-    """A prefill program: B prompts (rows, padding included) padded to P_pad tokens;
-    with_context: later chunks of a long prompt, attending to its cached earlier ones;
-    prompt_logprobs: scoring every prompt token (`prefill.build_prefill`). Those are
-    not among `ShapeRules.declared()`: few requests ask (evaluation harnesses), and a
-    server would compile every prefill twice for them; the first to meet one compiles it.
-    cp: how attention splits along `seq` ("ring" or "ulysses"); block: the prefix
-    cache's layout (`layout.lay_out`), None without one."""
-
-    B: int
-    P_pad: int
-    with_context: bool = False
-    prompt_logprobs: bool = False
-    cp: str = "ring"
-    block: int | None = None
-
-    def name(self) -> tuple:
-        """Its static choices, readably (B and P_pad show in its arrays' shapes)."""
-        name = ("prefill",) if self.cp == "ring" else ("prefill", self.cp)
-        name += ("context",) if self.with_context else ()
-        name += ("blocks", self.block) if self.block is not None else ()
-        return name + (("prompt_logprobs",) if self.prompt_logprobs else ())
-
-    def build(self, engine) -> Callable:
-        """The program on `engine` (`pipeline.runtime.engine.Engine`: its model, mesh,
-        microbatches, dtype and poison), not yet jitted."""
-        return build_prefill(
-            engine.cfg,
-            engine.graphdef,
-            engine.state_specs,
-            engine.mesh,
-            engine.M,
-            engine.dtype,
-            engine.poison,
-            self.cp,
-            self.with_context,
-            self.block,
-            self.prompt_logprobs,
-        )
-
-    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
-        """Compiles, unless compiled, this prefill as the rounds run it (their cp
-        strategy and layout) and its helpers (`Engine.compile_prefill`)."""
-        program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
-        engine.compile_prefill(program, settings.cache_rows, announce)
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class DecodeShape:
-    """A decode chunk over the first `rows` rows, greedy only or sampled where a row
-    asks to (`decode.build_decode`), with or without log-probabilities; constrained:
-    with each row's allowed tokens (a structured output's grammar: a chunk of one step).
-    Constrained shapes are not among `ShapeRules.declared()` (a scheduler without a
-    tokenizer never meets them): a server that has one compiles them last, in the
-    background (`ShapeRules.constrained_decodes`), and a round that meets one before
-    that compiles it. groups, steps: the rows' decode groups and the chunk's steps (the
-    engine's; None in the planner's shapes); with_logits: row 0's logits at each step."""
-
-    rows: int
-    sampled: bool
-    logprobs: bool
-    constrained: bool = False
-    groups: int | None = None
-    steps: int | None = None
-    with_logits: bool = False
-
-    def name(self) -> tuple:
-        """Its static choices, readably (rows show in its arrays' shapes)."""
-        name = ("decode", self.groups, self.steps, "sampled" if self.sampled else "greedy")
-        name += (self.with_logits,) + (("logprobs",) if self.logprobs else ())
-        return name + (("allowed",) if self.constrained else ())
-
-    def build(self, engine) -> Callable:
-        """The program on `engine` (its model and mesh), not yet jitted."""
-        return build_decode(
-            engine.cfg,
-            engine.graphdef,
-            engine.state_specs,
-            engine.mesh,
-            self.groups,
-            self.steps,
-            self.sampled,
-            self.with_logits,
-            self.logprobs,
-            self.constrained,
-        )
-
-    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
-        """Compiles, unless compiled, this chunk in the rounds' groups, of the engine's
-        steps, without logits (`Engine.compile_decode`)."""
-        program = dataclasses.replace(self, groups=settings.groups, steps=engine.chunk)
-        engine.compile_decode(program, settings.cache_rows, announce)
+# A program's shape record is its key (`pipeline.runtime.registry.Program`): every static
+# choice that shapes it. PrefillShape and DecodeShape live beside their programs
+# (`pipeline.programs.prefill`, `.decode`); the planner's leave the runner's choices (cp
+# and block, groups and steps) at their defaults, which the engine, or `compile` with a
+# scheduler's RoundSettings, fills in.
 
 
 @dataclasses.dataclass(frozen=True, order=True)

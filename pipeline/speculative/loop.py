@@ -48,7 +48,6 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
@@ -57,6 +56,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
 from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     chunk_slot,
@@ -95,21 +95,14 @@ class LoopShape:
         """Its static choices, readably (rows show in its arrays' shapes)."""
         return ("spec_loop", self.groups, self.widths[-1], "sampled" if self.sampled else "greedy")
 
+    @property
+    def T(self) -> int:
+        """The widest pass's positions a row."""
+        return self.widths[-1]
+
     def build(self, engine) -> Callable:
         """The loop on `engine`, not yet jitted."""
-        return build_spec_loop(
-            engine.cfg,
-            engine.graphdef,
-            engine.state_specs,
-            engine.mesh,
-            self.groups,
-            self.widths,
-            self.sampled,
-            self.n_max,
-            self.n_min,
-            self.k_max,
-            self.max_wait,
-        )
+        return build_spec_loop(engine.cfg, engine.graphdef, engine.state_specs, engine.mesh, self)
 
 
 class LoopInputs(NamedTuple):
@@ -239,61 +232,10 @@ def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.
     return buf.at[jnp.arange(buf.shape[0])[:, None], cols].set(new, mode="drop")
 
 
-class LoopRun(NamedTuple):
-    """One device's loop of rounds as its ticks read it: the model merged from this
-    device's weights, the chunk's inputs, the cache's slot positions, and the program's
-    static choices (`build_spec_loop`'s arguments)."""
-
-    model: Qwen3
-    cfg: Qwen3Config
-    weights: Weights
-    inputs: LoopInputs
-    slot_pos: jax.Array  # [B, S_cap / C] int32: the cache's slot positions
-    groups: int
-    widths: tuple[int, ...]
-    sampled: bool
-    n_max: int
-    n_min: int
-    k_max: int
-    max_wait: int
-    gated: bool  # no collectives inside the layers (`seq` of 1)
-
-    @property
-    def T(self) -> int:
-        """The widest pass's positions a row."""
-        return self.widths[-1]
-
-    @property
-    def Bg(self) -> int:
-        """Rows a group."""
-        return self.inputs.tokens.shape[0] // self.groups
-
-    def width_of(self) -> jax.Array:
-        """The widths as an array [len(widths)] int32."""
-        return jnp.array(self.widths, jnp.int32)
-
-    def slot_of(self, u):
-        """Schedule slot u = t - s -> (runs a group?, its first row): a round is a decode
-        chunk's step (`stage.chunk_slot`)."""
-        period = decode_period(self.groups, jax.lax.axis_size("stage"))
-        busy = self.inputs.rounds * period
-        return chunk_slot(u, busy, period, self.groups, self.Bg)[:2]
-
-
 # One shard_map program; the functions below it, read top to bottom, are the rounds of
 # the module's docstring: a tick, a stage's pass, the model's choices, accept, draft.
 def build_spec_loop(
-    cfg: Qwen3Config,
-    graphdef: nnx.GraphDef,
-    state_specs,
-    mesh: Mesh,
-    groups: int,
-    widths: tuple[int, ...],
-    sampled: bool,
-    n_max: int,
-    n_min: int,
-    k_max: int,
-    max_wait: int,
+    cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape: LoopShape
 ):
     """The loop program for passes of the `widths` (ascending from 1: 1 + the drafts
     of the k ladder) tokens a row, T the widest (not yet jitted).
@@ -305,12 +247,11 @@ def build_spec_loop(
     n_min: the prompt lookup's n-gram lengths, k_max its drafts a row
     (`SpeculativeConfig`); max_wait: a pace's longest wait (`speculative.MAX_WAIT`).
     """
-    static = (groups, widths, sampled, n_max, n_min, k_max, max_wait, mesh.shape["seq"] == 1)
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
-        run = LoopRun(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, *static)
+        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
         stages = jax.lax.axis_size("stage")
-        ticks = decode_ticks(groups, stages, inputs.rounds)
+        ticks = decode_ticks(shape.groups, stages, inputs.rounds)
         tick = functools.partial(loop_tick, run)
         carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)
@@ -329,17 +270,30 @@ def build_spec_loop(
     return spec_loop
 
 
-def first_carry(run: LoopRun, cache: KVCache) -> LoopCarry:
+def slot_of(run: Run, u):
+    """Schedule slot u = t - s -> (runs a group?, its first row): a round is a decode
+    chunk's step (`stage.chunk_slot`)."""
+    groups = run.shape.groups
+    period = decode_period(groups, jax.lax.axis_size("stage"))
+    return chunk_slot(u, run.inputs.rounds * period, period, groups, run.B // groups)[:2]
+
+
+def _width_of(run: Run) -> jax.Array:
+    """The pass widths as an array [len(widths)] int32."""
+    return jnp.array(run.shape.widths, jnp.int32)
+
+
+def first_carry(run: Run, cache: KVCache) -> LoopCarry:
     """The loop's state before tick 0: nothing received, round 0's [tokens, step, count]
     queued for every row [B, T + 2], the stage's cache slice, the rows' contexts and
     paces as the host sent them, the outputs zero."""
-    inputs, T = run.inputs, run.T
-    B = inputs.tokens.shape[0]
+    inputs, T, B = run.inputs, run.shape.T, run.B
+    Bg = B // run.shape.groups
     zeros = lambda *shape: vary(jnp.zeros(shape, jnp.int32))  # noqa: E731
     meta = jnp.concatenate([inputs.tokens, inputs.step[:, None], inputs.count[:, None]], axis=1)
     return LoopCarry(
-        vary(jnp.zeros((run.Bg, T, run.cfg.D), cache.k.dtype)),
-        zeros(run.Bg, T + 2),
+        vary(jnp.zeros((Bg, T, run.cfg.D), cache.k.dtype)),
+        zeros(Bg, T + 2),
         vary(meta),
         StageCache(cache.k, cache.v),
         vary(inputs.context),
@@ -348,18 +302,18 @@ def first_carry(run: LoopRun, cache: KVCache) -> LoopCarry:
     )
 
 
-def loop_tick(run: LoopRun, t, carry: LoopCarry) -> LoopCarry:
+def loop_tick(run: Run, t, carry: LoopCarry) -> LoopCarry:
     """Tick t on this device: stage 0 files the [tokens, step, count] the last stage sent
     at tick t - 1; stage s runs group (t - s) mod period's round, x [Bg, T, D], through
     its layers; the last stage accepts, books the round and drafts the next; hidden
     states and the next round's [tokens, step, count] move one stage on (the last
     stage's back to stage 0)."""
     s, stages = jax.lax.axis_index("stage"), jax.lax.axis_size("stage")
-    Bg, T, inputs = run.Bg, run.T, run.inputs
-    filed, filed_row0 = run.slot_of(t - stages)
+    Bg, T, inputs = run.B // run.shape.groups, run.shape.T, run.inputs
+    filed, filed_row0 = slot_of(run, t - stages)
     queued = jnp.where(filed, put_rows(carry.queued, carry.got, filed_row0), carry.queued)
 
-    active, row0 = run.slot_of(t - s)
+    active, row0 = slot_of(run, t - s)
     meta = jnp.where(s == 0, rows(queued, row0, Bg), carry.got)  # [Bg, T + 2]
     fed, step, count = meta[:, :T], meta[:, T], meta[:, T + 1]
     offset, prompt_slots = rows(inputs.offset, row0, Bg), rows(inputs.prompt_slots, row0, Bg)
@@ -367,7 +321,7 @@ def loop_tick(run: LoopRun, t, carry: LoopCarry) -> LoopCarry:
     x_in = vary(jnp.where(s == 0, run.model.embed(fed), carry.h))
     # The round runs the narrowest of the widths its rows' tokens fit (1: a decode
     # step's work), every stage alike: they all read the same counts.
-    at = jnp.searchsorted(run.width_of(), jnp.max(count))
+    at = jnp.searchsorted(_width_of(run), jnp.max(count))
     x, kv = loop_stage(run, x_in, carry.cache, group, active, at)
 
     head = functools.partial(loop_head, run, carry, group, fed, at)
@@ -382,28 +336,26 @@ def loop_tick(run: LoopRun, t, carry: LoopCarry) -> LoopCarry:
     return LoopCarry(h_next, got, queued, kv, context, length, jax.tree.map(put, carry.out, out))
 
 
-def loop_stage(run: LoopRun, x_in, kv: StageCache, group: GroupPass, active, at):
+def loop_stage(run: Run, x_in, kv: StageCache, group: GroupPass, active, at):
     """This stage's pass over a group's round, x_in [Bg, T, D] -> (x [Bg, T, D], kv):
     `verify.pass_stage` over the first widths[at] positions (zeros past them) where the
     layers hold no `seq` collective (a switch may choose), else over all T."""
-    T = run.T
+    T = run.shape.T
 
     def layers(width):
         def run_width(x_in, kv):
             x_in = x_in[:, :width]
-            x, kv = pass_stage(
-                run.model, run.cfg, run.weights, kv, run.slot_pos, x_in, group, active
-            )
+            x, kv = pass_stage(run, kv, x_in, group, active)
             return jnp.pad(x, ((0, 0), (0, T - width), (0, 0))), kv
 
         return run_width
 
     if run.gated:  # a switch holds no seq collective (`stage.when`)
-        return jax.lax.switch(at, [layers(w) for w in run.widths], x_in, kv)
+        return jax.lax.switch(at, [layers(w) for w in run.shape.widths], x_in, kv)
     return layers(T)(x_in, kv)
 
 
-def loop_choices(run: LoopRun, row0, step, at, x):
+def loop_choices(run: Run, row0, step, at, x):
     """The model's token after each of the first widths[at] positions of a group's round,
     x [Bg, T, D] -> [Bg, T] (zeros past them): position i of a row is decode step
     step + i, drawn with the row's key there (`sampling.choose_tokens`)."""
@@ -418,12 +370,12 @@ def loop_choices(run: LoopRun, row0, step, at, x):
             ahead = jnp.arange(width, dtype=jnp.int32)
             key_step = (step[:, None] + ahead + 1).reshape(-1)  # the token made
             split, V = run.model.split, run.cfg.V
-            choice = choose_tokens(local, params, key_step, split, V, run.sampled).tokens
+            choice = choose_tokens(local, params, key_step, split, V, run.shape.sampled).tokens
             return vary(jnp.pad(choice.reshape(Bg, width), ((0, 0), (0, T - width))))
 
         return choose
 
-    return jax.lax.switch(at, [choices(w) for w in run.widths], x)
+    return jax.lax.switch(at, [choices(w) for w in run.shape.widths], x)
 
 
 def accept(fed, choice, count):
@@ -440,7 +392,7 @@ def accept(fed, choice, count):
     return drafted, kept, made, newest
 
 
-def loop_head(run: LoopRun, carry: LoopCarry, group: GroupPass, fed, at, x):
+def loop_head(run: Run, carry: LoopCarry, group: GroupPass, fed, at, x):
     """The last stage's round for a group, x [Bg, T, D] -> (its next [tokens, step,
     count] [Bg, T + 2], its rows' context [Bg, H] and length [Bg], its LoopOutputs):
     the model's choices, accepted against the drafts fed, appended to each row's
@@ -457,7 +409,9 @@ def loop_head(run: LoopRun, carry: LoopCarry, group: GroupPass, fed, at, x):
     tokens = _append(old.tokens, old.made, choice, made)
     step_next = step + made
     drafted_ran = jnp.where(ran, drafted, 0)
-    pace = pace_after(old.pace, drafted_ran, kept, step_next + 1, run.k_max, run.max_wait)
+    pace = pace_after(
+        old.pace, drafted_ran, kept, step_next + 1, run.shape.k_max, run.shape.max_wait
+    )
 
     drafts, d, runs_next = next_drafts(run, row0, context, length, step_next, pace, ran)
     this = jnp.stack([drafted_ran, kept], axis=1)  # [Bg, 2]
@@ -476,15 +430,15 @@ def loop_head(run: LoopRun, carry: LoopCarry, group: GroupPass, fed, at, x):
     return meta_next, context, length, out
 
 
-def next_drafts(run: LoopRun, row0, context, length, step_next, pace, ran):
+def next_drafts(run: Run, row0, context, length, step_next, pace, ran):
     """A group's drafts for its next round by prompt lookup on each row's context
     [Bg, H] (`length` [Bg] tokens; its next step `step_next` [Bg]) -> (drafts
     [Bg, T - 1], how many of them it may run [Bg], whether it runs [Bg]): as many as
     its pace [Bg, 3] and its limit allow; none for a row that ran nothing or is at its
     limit."""
-    Bg, T = context.shape[0], run.T
+    Bg, T = context.shape[0], run.shape.T
     k_b, wait_until = pace[:, 0], pace[:, 2]
-    drafts, found = ngram.propose_rows(context, length, T - 1, run.n_max, run.n_min)
+    drafts, found = ngram.propose_rows(context, length, T - 1, run.shape.n_max, run.shape.n_min)
     room = rows(run.inputs.limit, row0, Bg) - 1 - step_next  # drafts the limit allows
     may = found & (step_next + 1 >= wait_until)  # tokens so far: step + 1
     d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
@@ -492,7 +446,7 @@ def next_drafts(run: LoopRun, row0, context, length, step_next, pace, ran):
     return drafts, jnp.where(runs_next, d, 0), runs_next
 
 
-def next_count(run: LoopRun, carry: LoopCarry, row0, old: LoopOutputs, this, d, runs_next):
+def next_count(run: Run, carry: LoopCarry, row0, old: LoopOutputs, this, d, runs_next):
     """The tokens each row of a group feeds its next round [Bg] (0: none): 1 + its
     drafts d [Bg], cut to the width the round rule chooses by the rows' kept fractions
     as the host's rule would read them now: the chunk's passes so far count (`old`, the
@@ -503,7 +457,7 @@ def next_count(run: LoopRun, carry: LoopCarry, row0, old: LoopOutputs, this, d, 
     every = jnp.stack([carry.out.drafted, carry.out.kept], axis=1)  # [B, 2]
     all_so_far = inputs.so_far[-1] + jnp.sum(every, axis=0) + jnp.sum(this, axis=0)
     f = kept_fraction(row_so_far + this, all_so_far)
-    width_of = run.width_of()
+    width_of = _width_of(run)
     cut = width_of[choose_width(d, f, runs_next, width_of, inputs.pass_seconds)]
     return jnp.where(runs_next, jnp.minimum(1 + d, cut), 0)
 

@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.pipeline.programs.sampling import (
     TOP_LOGPROBS,
     RowSampling,
@@ -50,6 +49,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     from_device,
@@ -84,6 +84,11 @@ class VerifyShape:
     logprobs: bool = False
     last_only: bool = False
 
+    @property
+    def T_out(self) -> int:
+        """Positions a row's output holds: T, or 1 with last_only."""
+        return 1 if self.last_only else self.T
+
     def name(self) -> tuple:
         """Its static choices, readably (rows show in its arrays' shapes)."""
         name = ("draft" if self.last_only else "verify", self.groups, self.T)
@@ -93,18 +98,7 @@ class VerifyShape:
 
     def build(self, engine) -> Callable:
         """The pass on `engine` (the model's, or a draft model's), not yet jitted."""
-        return build_verify(
-            engine.cfg,
-            engine.graphdef,
-            engine.state_specs,
-            engine.mesh,
-            self.groups,
-            self.T,
-            self.sampled,
-            self.logprobs,
-            self.constrained,
-            self.last_only,
-        )
+        return build_verify(engine.cfg, engine.graphdef, engine.state_specs, engine.mesh, self)
 
     def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
         """Compiles, unless compiled, this pass in the rounds' groups and what it runs
@@ -167,47 +161,11 @@ class VerifyCarry(NamedTuple):
     logprobs: TokenLogprobs | None = None
 
 
-class VerifyRun(NamedTuple):
-    """One device's verify pass as its ticks read it: the model merged from this
-    device's weights, the pass's inputs, the cache's slot positions, and the program's
-    static choices (`build_verify`'s arguments)."""
-
-    model: Qwen3
-    cfg: Qwen3Config
-    weights: Weights
-    inputs: VerifyInputs
-    slot_pos: jax.Array  # [B, S_cap / C] int32: the cache's slot positions
-    groups: int
-    T: int
-    sampled: bool
-    logprobs: bool
-    constrained: bool
-    last_only: bool
-
-    @property
-    def Bg(self) -> int:
-        """Rows a group."""
-        return self.inputs.tokens.shape[0] // self.groups
-
-    @property
-    def T_out(self) -> int:
-        """Positions a row's output holds: T, or 1 with last_only."""
-        return 1 if self.last_only else self.T
-
-
 def build_verify(
-    cfg: Qwen3Config,
-    graphdef: nnx.GraphDef,
-    state_specs,
-    mesh: Mesh,
-    groups: int,
-    T: int,
-    sampled: bool = False,
-    logprobs: bool = False,
-    constrained: bool = False,
-    last_only: bool = False,
+    cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape: VerifyShape
 ):
-    """The verify program for T tokens a row (not yet jitted).
+    """The verify program for `shape.T` tokens a row in `shape.groups` groups (not yet
+    jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T']
     int32, TokenLogprobs of [B, T'] / [B, T', TOP_LOGPROBS] or None, KVCache), T' = T,
@@ -222,14 +180,11 @@ def build_verify(
     the raw logits as decode reports them. constrained=True: `inputs.allowed` masks
     each position's choice, as a constrained decode chunk's.
     """
-    static = (groups, T, sampled, logprobs, constrained, last_only)
 
     def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
-        run = VerifyRun(
-            nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, *static
-        )
+        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
         stages = jax.lax.axis_size("stage")
-        ticks = decode_ticks(groups, stages, 1)
+        ticks = decode_ticks(shape.groups, stages, 1)
         tick = functools.partial(verify_tick, run)
         carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = from_device(carry.out, stages - 1, 0)
@@ -239,8 +194,8 @@ def build_verify(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(constrained)),
-        out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(shape.constrained)),
+        out_specs=(P(), TokenLogprobs(P(), P(), P()) if shape.logprobs else None, CACHE_SPECS),
     )
 
     def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):
@@ -249,29 +204,28 @@ def build_verify(
     return verify
 
 
-def first_carry(run: VerifyRun, cache: KVCache) -> VerifyCarry:
+def first_carry(run: Run, cache: KVCache) -> VerifyCarry:
     """The loop's state before tick 0: nothing received, the stage's cache slice, the
     outputs zero ([B, T'], and log-probabilities where asked)."""
-    B, T_out = run.inputs.tokens.shape[0], run.T_out
+    shape, B = run.shape, run.B
+    lp = _logprob_shapes(B, shape.T_out, shape.logprobs)
     return VerifyCarry(
-        vary(jnp.zeros((run.Bg, run.T, run.cfg.D), cache.k.dtype)),
+        vary(jnp.zeros((B // shape.groups, shape.T, run.cfg.D), cache.k.dtype)),
         StageCache(cache.k, cache.v),
-        vary(jnp.zeros((B, T_out), jnp.int32)),
-        jax.tree.map(
-            lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, run.logprobs)
-        ),
+        vary(jnp.zeros((B, shape.T_out), jnp.int32)),
+        jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), lp),
     )
 
 
-def verify_tick(run: VerifyRun, t, carry: VerifyCarry) -> VerifyCarry:
+def verify_tick(run: Run, t, carry: VerifyCarry) -> VerifyCarry:
     """Tick t on this device (one step of the decode schedule): stage s runs group t - s
     (if that is a group), its T tokens a row, x [Bg, T, D], through its layers
     (`pass_stage`); the last stage writes each position's token; hidden states move one
     stage on."""
-    s, inputs, Bg = jax.lax.axis_index("stage"), run.inputs, run.Bg
-    u = t - s
-    active = (u >= 0) & (u < run.groups)
-    row0 = jnp.clip(u, 0, run.groups - 1) * Bg
+    s, inputs, shape = jax.lax.axis_index("stage"), run.inputs, run.shape
+    Bg, u = run.B // shape.groups, t - s
+    active = (u >= 0) & (u < shape.groups)
+    row0 = jnp.clip(u, 0, shape.groups - 1) * Bg
     group = GroupPass(
         row0,
         rows(inputs.step, row0, Bg),
@@ -280,47 +234,47 @@ def verify_tick(run: VerifyRun, t, carry: VerifyCarry) -> VerifyCarry:
         rows(inputs.prompt_slots, row0, Bg),
     )
     x_in = vary(jnp.where(s == 0, run.model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
-    x, kv = pass_stage(
-        run.model, run.cfg, run.weights, carry.cache, run.slot_pos, x_in, group, active
-    )
+    x, kv = pass_stage(run, carry.cache, x_in, group, active)
 
     shapes = (
-        jax.ShapeDtypeStruct((Bg, run.T_out), jnp.int32),
-        _logprob_shapes(Bg, run.T_out, run.logprobs),
+        jax.ShapeDtypeStruct((Bg, shape.T_out), jnp.int32),
+        _logprob_shapes(Bg, shape.T_out, shape.logprobs),
     )
-    on_last, (tok, lp) = on_last_stage(
-        active, functools.partial(verify_head, run, group), shapes, x
-    )
+    head = functools.partial(verify_head, run, group)
+    on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
 
     def put(buf, new):
         return jnp.where(on_last, put_rows(buf, new, row0), buf)
 
-    lp = jax.tree.map(put, carry.logprobs, lp) if run.logprobs else None
+    lp = jax.tree.map(put, carry.logprobs, lp) if shape.logprobs else None
     return VerifyCarry(shift(x, cyclic=False), kv, put(carry.out, tok), lp)
 
 
-def verify_head(run: VerifyRun, group: GroupPass, x):
+def verify_head(run: Run, group: GroupPass, x):
     """The last stage's sampling head for a group, x [Bg, T, D] -> (each position's
     token [Bg, T'], its TokenLogprobs [Bg, T', ...] or None): position i of a row is
     decode step j + i, and its token is drawn with the row's key at that step (less
     its key_offset) among the tokens allowed there (`sampling.choose_tokens`)."""
-    Bg, T_out, inputs, row0 = x.shape[0], run.T_out, run.inputs, group.row0
-    steps = group.step[:, None] + jnp.arange(run.T, dtype=jnp.int32)  # [Bg, T]
-    allowed = rows(inputs.allowed, row0, Bg) if run.constrained else None
-    if run.last_only:
+    shape, inputs, row0 = run.shape, run.inputs, group.row0
+    Bg, T_out = x.shape[0], shape.T_out
+    steps = group.step[:, None] + jnp.arange(shape.T, dtype=jnp.int32)  # [Bg, T]
+    allowed = rows(inputs.allowed, row0, Bg) if shape.constrained else None
+    if shape.last_only:
         at = jnp.maximum(group.count - 1, 0)[:, None]  # [Bg, 1]
         x = jnp.take_along_axis(x, at[:, :, None], axis=1)
         steps = jnp.take_along_axis(steps, at, axis=1)
-        if run.constrained:
+        if shape.constrained:
             allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
     local = run.model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
     params = jax.tree.map(lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling)
     # The index of the token each position produces, as its key counts it.
     step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
-    if run.constrained:
+    if shape.constrained:
         allowed = allowed.reshape(Bg * T_out, -1)
     split, V = run.model.split, run.cfg.V
-    tok, lp, _ = choose_tokens(local, params, step, split, V, run.sampled, allowed, run.logprobs)
+    tok, lp, _ = choose_tokens(
+        local, params, step, split, V, shape.sampled, allowed, shape.logprobs
+    )
     lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
     return tok.reshape(Bg, T_out), lp
 
@@ -337,23 +291,13 @@ class GroupPass(NamedTuple):
     prompt_slots: jax.Array
 
 
-def pass_stage(
-    model,
-    cfg: Qwen3Config,
-    weights: Weights,
-    kv: StageCache,
-    slot_pos,
-    x_in,
-    group: GroupPass,
-    active,
-):
+def pass_stage(run: Run, kv: StageCache, x_in, group: GroupPass, active):
     """This stage's layers over a group's T tokens a row, x_in [Bg, T, D] -> (x [Bg, T,
     D], kv): token i of a row is decode step step + i and writes its K/V where that step
     would (`ring.decode_slot`), then the T queries attend over each `seq` device's own
-    slots (`slot_pos` [B, slots/C], masked by position, so token i sees the context and
-    tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not `active`."""
-    gated = jax.lax.axis_size("seq") == 1  # no collectives inside the layers
-    always_active = jax.lax.axis_size("stage") == 1
+    slots (`run.slot_pos` [B, slots/C], masked by position, so token i sees the context
+    and tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not
+    `active`."""
     C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
     T = x_in.shape[1]
     ahead = jnp.arange(T, dtype=jnp.int32)
@@ -367,8 +311,8 @@ def pass_stage(
     # A bound on the local slots the row's tokens reach on any device: slots past it
     # hold nothing the row may see.
     filled = decode_slot(j[:, -1], group.prompt_slots, C)[1] + 1  # [Bg]
-    group_slot_pos = rows(slot_pos, row0, x_in.shape[0])
-    scale = cfg.head_dim**-0.5
+    group_slot_pos = rows(run.slot_pos, row0, x_in.shape[0])
+    scale = run.cfg.head_dim**-0.5
 
     def attend_at(layer):
         def attend(q, k, v, kv: StageCache):
@@ -392,10 +336,11 @@ def pass_stage(
         return attend
 
     def compute(x, kv, gate):
-        x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+        real = run.weights.real
+        x, kv = run_stage(run.model, run.cfg, real, x, q_pos, kv, attend_at, run.gated, gate)
         return vary(x), kv
 
-    return when(active, compute, x_in, kv, gated, always_active)
+    return when(active, compute, x_in, kv, run.gated, run.always_active)
 
 
 def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:
