@@ -17,6 +17,9 @@ each device's own slots and the partial results merge with LSE (ring.decode_atte
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -30,17 +33,16 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.programs.sampling import (
     TOP_LOGPROBS,
+    Chosen,
     RowSampling,
     Sampling,
     TokenLogprobs,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
-    token_logprobs,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     cache_attend,
@@ -55,6 +57,44 @@ from qwen3_spmd.pipeline.programs.stage import (
     when,
 )
 from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DecodeShape:
+    """A decode chunk's program, its key (`pipeline.runtime.registry.Program`): over the
+    first `rows` rows, greedy only or sampled where a row asks to, with or without
+    log-probabilities; constrained: with each row's allowed tokens (a structured
+    output's grammar: a chunk of one step). groups, steps: the rows' decode groups and
+    the chunk's steps (the engine's: None in the planner's shapes); with_logits: row 0's
+    logits at each step. Constrained shapes are not among `ShapeRules.declared()` (a
+    scheduler without a tokenizer never meets them): a server that has one compiles
+    them last, in the background (`ShapeRules.constrained_decodes`), and a round that
+    meets one before that compiles it."""
+
+    rows: int
+    sampled: bool
+    logprobs: bool
+    constrained: bool = False
+    groups: int | None = None
+    steps: int | None = None
+    with_logits: bool = False
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        name = ("decode", self.groups, self.steps, "sampled" if self.sampled else "greedy")
+        name += (self.with_logits,) + (("logprobs",) if self.logprobs else ())
+        return name + (("allowed",) if self.constrained else ())
+
+    def build(self, engine) -> Callable:
+        """The program on `engine` (`pipeline.runtime.engine.Engine`), not yet jitted."""
+        return build_decode(engine.cfg, engine.graphdef, engine.state_specs, engine.mesh, self)
+
+    def compile(self, engine, settings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this chunk as a scheduler's rounds run it
+        (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their groups), of the
+        engine's steps, without logits (`Engine.compile_decode`)."""
+        program = dataclasses.replace(self, groups=settings.groups, steps=engine.chunk)
+        engine.compile_decode(program, settings.cache_rows, announce)
 
 
 class DecodeInputs(NamedTuple):
@@ -120,22 +160,11 @@ class DecodeCarry(NamedTuple):
     out: DecodeOutputs  # filled by the last stage
 
 
-# One shard_map program, read top to bottom as the decode schedule of the module's
-# docstring: the tick closure shares the group sizes, the slot placement and the
-# sampling set up here.
-def build_decode(
-    cfg: Qwen3Config,
-    graphdef: nnx.GraphDef,
-    state_specs,
-    mesh: Mesh,
-    groups: int,
-    steps: int,
-    sampled: bool,
-    with_logits: bool = True,
-    logprobs: bool = False,
-    constrained: bool = False,
-):
-    """The decode program for a chunk of `steps` steps (not yet jitted).
+# One shard_map program; the functions below it, read top to bottom, are the decode
+# schedule of the module's docstring: a tick, a stage's layers, the sampling head.
+def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape):
+    """The decode program for a chunk of `shape.steps` steps in `shape.groups` groups
+    (`DecodeShape`; not yet jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: DecodeInputs) ->
     (DecodeOutputs, KVCache). `cache.pos` must already list the slots this chunk
@@ -152,149 +181,20 @@ def build_decode(
     on every device (a row's is V/8 bytes); under `tensor` each device reads its
     vocabulary block's bits.
     """
-    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    # One stage has no bubbles (period = groups): no cond is needed around its layers.
-    always_active = mesh.shape["stage"] == 1
-    scale = cfg.head_dim**-0.5
 
     def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
-        model = nnx.merge(graphdef, weights.state)
-        split = model.split
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        C = jax.lax.axis_size("seq")
-        c = jax.lax.axis_index("seq")
-        B = inputs.tokens.shape[0]
-        Bg = B // groups
-        period = decode_period(groups, stages)
-        busy = inputs.run_steps * period
-
-        def slot_of(u):
-            """Schedule slot u = t - s -> (runs a group?, first row, step in chunk)."""
-            return chunk_slot(u, busy, period, groups, Bg)
-
-        def tick(t, carry: DecodeCarry) -> DecodeCarry:
-            # Stage 0 files the tokens the last stage sampled at tick t - 1.
-            got, got_row0, _ = slot_of(t - stages)
-            tok_buf = jnp.where(
-                got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf
-            )
-
-            active, row0, i = slot_of(t - s)
-            j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
-            q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
-            x_in = vary(jnp.where(s == 0, model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
-            device, slot = decode_slot(j, rows(inputs.prompt_slots, row0, Bg), C)
-            mine = active & (c == device) & (j < rows(inputs.limit, row0, Bg))
-            group_slot_pos = rows(cache.pos, row0, Bg)
-
-            def attend_at(layer):
-                def attention(q, k, v, kv: StageCache):
-                    # Slots past this step's hold nothing the group can see yet.
-                    o, _ = decode_attention(
-                        q,
-                        kv.k,
-                        kv.v,
-                        q_pos,
-                        group_slot_pos,
-                        axis_name="seq",
-                        scale=scale,
-                        at=(layer, row0),
-                        filled=slot + 1,
-                    )
-                    return o
-
-                return cache_attend(layer, row0, slot, mine, attention)
-
-            def compute(x, kv, gate):
-                x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
-                return vary(x), kv
-
-            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
-
-            def head(x):
-                """-> (row 0's logits [1, V], tokens [Bg], TokenLogprobs or None)."""
-                local = model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
-                params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
-                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
-
-                def whole():
-                    # Sampling's filters and the log-probabilities need a row's whole
-                    # distribution: the rows' logits, gathered (small beside the weights).
-                    logits = gather_vocab(local, split, cfg.V)  # [Bg, V]
-                    tok = sample_rows(logits, params, j + 1, sampled, allowed)
-                    return logits[:1], tok, token_logprobs(logits, tok) if logprobs else None
-
-                if split.size == 1 or logprobs:
-                    return whole()
-
-                def best_pairs():
-                    # Greedy rows need each device's best pair only (sampling.greedy_split).
-                    tok = greedy_split(local, params, j + 1, split, allowed)
-                    row0_logits = (
-                        gather_vocab(local[:1], split, cfg.V)
-                        if with_logits
-                        else jnp.zeros((1, cfg.V), jnp.float32)
-                    )
-                    return row0_logits, tok, None
-
-                if not sampled:
-                    return best_pairs()
-                # Every tensor device holds the same rows' parameters: all take one branch
-                # (whose outputs are typed varying alike, as on_last_stage's).
-                return jax.lax.cond(
-                    jnp.any(params.temperature > 0),
-                    lambda: jax.tree.map(vary, whole()),
-                    lambda: jax.tree.map(vary, best_pairs()),
-                )
-
-            shapes = (
-                jax.ShapeDtypeStruct((1, cfg.V), jnp.float32),
-                jax.ShapeDtypeStruct((Bg,), jnp.int32),
-                _logprob_shapes(Bg) if logprobs else None,
-            )
-            on_last, (logits, tok, lp) = on_last_stage(active, head, shapes, x)
-
-            def at_step(buf, new):  # row0's group of rows, chunk step i
-                put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
-                return jnp.where(on_last, put, buf)
-
-            out = carry.out._replace(tokens=at_step(carry.out.tokens, tok))
-            if logprobs:
-                out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, lp))
-            if with_logits:
-                out = out._replace(
-                    logits=jnp.where(
-                        on_last & (row0 == 0), put_rows(out.logits, logits, i), out.logits
-                    )
-                )
-            h_next, tok_next = shift((x, tok), cyclic=True)
-            return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
-
-        lp_steps = steps if logprobs else 0
-        out = DecodeOutputs(
-            vary(jnp.zeros((B, steps), jnp.int32)),
-            vary(jnp.zeros((steps if with_logits else 0, cfg.V), jnp.float32)),
-            jax.tree.map(
-                lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)),
-                _logprob_shapes(B),
-            ),
-        )
-        carry = DecodeCarry(
-            vary(jnp.zeros((Bg, 1, cfg.D), cache.k.dtype)),
-            vary(jnp.zeros((Bg,), jnp.int32)),
-            vary(inputs.tokens),
-            StageCache(cache.k, cache.v),
-            out,
-        )
-        ticks = decode_ticks(groups, stages, inputs.run_steps)
-        carry = jax.lax.fori_loop(0, ticks, tick, carry)
+        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        stages = jax.lax.axis_size("stage")
+        ticks = decode_ticks(shape.groups, stages, inputs.run_steps)
+        tick = functools.partial(decode_tick, run)
+        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
         return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs(constrained)),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs(shape.constrained)),
         out_specs=(DecodeOutputs(P(), P(), TokenLogprobs(P(), P(), P())), CACHE_SPECS),
     )
 
@@ -302,6 +202,142 @@ def build_decode(
         return mapped(weights, cache, inputs)
 
     return decode
+
+
+def slot_of(run: Run, u):
+    """Schedule slot u = t - s -> (runs a group?, its first row, its step in the chunk)
+    (`stage.chunk_slot`)."""
+    groups = run.shape.groups
+    period = decode_period(groups, jax.lax.axis_size("stage"))
+    return chunk_slot(u, run.inputs.run_steps * period, period, groups, run.B // groups)
+
+
+def first_carry(run: Run, cache: KVCache) -> DecodeCarry:
+    """The loop's state before tick 0: nothing received, each row's token to feed
+    [B], the stage's cache slice, the outputs zero (tokens [B, steps], row 0's logits
+    [steps, V] where asked, log-probabilities [B, steps, ...] where asked)."""
+    B, Bg, shape = run.B, run.B // run.shape.groups, run.shape
+    lp_steps = shape.steps if shape.logprobs else 0
+    out = DecodeOutputs(
+        vary(jnp.zeros((B, shape.steps), jnp.int32)),
+        vary(jnp.zeros((shape.steps if shape.with_logits else 0, run.cfg.V), jnp.float32)),
+        jax.tree.map(
+            lambda x: vary(jnp.zeros((B, lp_steps, *x.shape[1:]), x.dtype)), _logprob_shapes(B)
+        ),
+    )
+    return DecodeCarry(
+        vary(jnp.zeros((Bg, 1, run.cfg.D), cache.k.dtype)),
+        vary(jnp.zeros((Bg,), jnp.int32)),
+        vary(run.inputs.tokens),
+        StageCache(cache.k, cache.v),
+        out,
+    )
+
+
+def decode_tick(run: Run, t, carry: DecodeCarry) -> DecodeCarry:
+    """Tick t on this device: stage 0 files the tokens [Bg] the last stage chose at
+    tick t - 1; stage s runs group (t - s) mod period at its step i of the chunk through
+    its layers, x [Bg, 1, D]; the last stage chooses the group's next tokens and writes
+    them to the outputs; hidden states and tokens move one stage on (the last stage's
+    back to stage 0)."""
+    s, stages = jax.lax.axis_index("stage"), jax.lax.axis_size("stage")
+    Bg, inputs = run.B // run.shape.groups, run.inputs
+    got, got_row0, _ = slot_of(run, t - stages)
+    tok_buf = jnp.where(got, put_rows(carry.tok_buf, carry.tok_recv, got_row0), carry.tok_buf)
+
+    active, row0, i = slot_of(run, t - s)
+    j = rows(inputs.step, row0, Bg) + i  # [Bg]: each row at its own step
+    q_pos = (rows(inputs.positions, row0, Bg) + i)[:, None]  # [Bg, 1]
+    x_in = vary(jnp.where(s == 0, run.model.embed(rows(tok_buf, row0, Bg)[:, None]), carry.h))
+    x, kv = decode_stage(run, x_in, carry.cache, active, row0, j, q_pos)
+
+    shapes = Chosen(
+        jax.ShapeDtypeStruct((Bg,), jnp.int32),
+        _logprob_shapes(Bg) if run.shape.logprobs else None,
+        jax.ShapeDtypeStruct((_keep(run), run.cfg.V), jnp.float32),
+    )
+    head = functools.partial(decode_head, run, row0, j)
+    on_last, chosen = on_last_stage(active, head, shapes, x)
+    out = write_step(run, carry.out, on_last, row0, i, chosen)
+    h_next, tok_next = shift((x, chosen.tokens), cyclic=True)
+    return DecodeCarry(h_next, tok_next, tok_buf, kv, out)
+
+
+def decode_stage(run: Run, x, kv: StageCache, active, row0, j, q_pos):
+    """This stage's layers on a group's new tokens, x [Bg, 1, D] at positions q_pos
+    [Bg, 1], decode steps j [Bg] -> (x [Bg, 1, D], kv). Each row writes its K/V where
+    `ring.decode_slot` puts step j (one `seq` device's slot; none past the row's limit)
+    and attends over every `seq` device's own slots, merged with LSE. Where not
+    `active` (a bubble) x and the cache stay as they were."""
+    Bg = x.shape[0]
+    C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
+    device, slot = decode_slot(j, rows(run.inputs.prompt_slots, row0, Bg), C)
+    mine = active & (c == device) & (j < rows(run.inputs.limit, row0, Bg))
+    group_slot_pos = rows(run.slot_pos, row0, Bg)
+    scale = run.cfg.head_dim**-0.5
+
+    def attend_at(layer):
+        def attention(q, k, v, kv: StageCache):
+            # Slots past this step's hold nothing the group can see yet.
+            o, _ = decode_attention(
+                q,
+                kv.k,
+                kv.v,
+                q_pos,
+                group_slot_pos,
+                axis_name="seq",
+                scale=scale,
+                at=(layer, row0),
+                filled=slot + 1,
+            )
+            return o
+
+        return cache_attend(layer, row0, slot, mine, attention)
+
+    def compute(x, kv, gate):
+        real = run.weights.real
+        x, kv = run_stage(run.model, run.cfg, real, x, q_pos, kv, attend_at, run.gated, gate)
+        return vary(x), kv
+
+    return when(active, compute, x, kv, run.gated, run.always_active)
+
+
+def decode_head(run: Run, row0, j, x) -> Chosen:
+    """The last stage's sampling head for the group of rows row0 .., x [Bg, 1, D] ->
+    Chosen: its tokens [Bg] for steps j + 1 [Bg] (each row's parameters, key, bans and
+    allowed tokens), their log-probabilities where asked, and row 0's logits [1, V]
+    where asked (`sampling.choose_tokens`)."""
+    Bg, inputs, shape = x.shape[0], run.inputs, run.shape
+    params = jax.tree.map(lambda a: rows(a, row0, Bg), inputs.sampling)
+    allowed = rows(inputs.allowed, row0, Bg) if shape.constrained else None
+    local = run.model.logits(x)[:, 0]  # [Bg, V'/X]: this device's vocabulary block
+    split, V, keep = run.model.split, run.cfg.V, _keep(run)
+    return choose_tokens(
+        local, params, j + 1, split, V, shape.sampled, allowed, shape.logprobs, keep, lazy=True
+    )
+
+
+def write_step(run: Run, out: DecodeOutputs, on_last, row0, i, chosen: Chosen):
+    """`out` with the group's choice at chunk step i written where `on_last` (the last
+    stage, on a tick that runs a group): tokens and log-probabilities at [row0 .., i],
+    row 0's logits at [i]."""
+
+    def at_step(buf, new):  # row0's group of rows, chunk step i
+        put = jax.lax.dynamic_update_slice(buf, new[:, None], (row0, i, 0)[: buf.ndim])
+        return jnp.where(on_last, put, buf)
+
+    out = out._replace(tokens=at_step(out.tokens, chosen.tokens))
+    if run.shape.logprobs:
+        out = out._replace(logprobs=jax.tree.map(at_step, out.logprobs, chosen.logprobs))
+    if run.shape.with_logits:
+        row0_steps = put_rows(out.logits, chosen.logits, i)
+        out = out._replace(logits=jnp.where(on_last & (row0 == 0), row0_steps, out.logits))
+    return out
+
+
+def _keep(run: Run) -> int:
+    """Rows whose whole logits the head returns: row 0's, where asked."""
+    return 1 if run.shape.with_logits else 0
 
 
 def _logprob_shapes(B: int) -> TokenLogprobs:

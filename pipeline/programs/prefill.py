@@ -21,7 +21,9 @@ Every device sends only its own 1/C of the hidden state between stages.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -40,6 +42,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
 )
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     cache_attend,
@@ -67,6 +70,45 @@ from qwen3_spmd.ring.merge import merge
 from qwen3_spmd.sharding.specs import SPECS
 
 CP_STRATEGIES = ("ring", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PrefillShape:
+    """A prefill program, its key (`pipeline.runtime.registry.Program`): B prompts
+    (rows, padding included) padded to P_pad tokens; with_context: later chunks of a
+    long prompt, attending to its cached earlier ones; prompt_logprobs: scoring every
+    prompt token. Those are not among `ShapeRules.declared()`: few requests ask
+    (evaluation harnesses), and a server would compile every prefill twice for them;
+    the first to meet one compiles it. cp: how attention splits along `seq` ("ring" or
+    "ulysses"); block: the prefix cache's layout (`layout.lay_out`), None without one
+    (the runner's choices: defaults in the planner's shapes)."""
+
+    B: int
+    P_pad: int
+    with_context: bool = False
+    prompt_logprobs: bool = False
+    cp: str = "ring"
+    block: int | None = None
+
+    def name(self) -> tuple:
+        """Its static choices, readably (B and P_pad show in its arrays' shapes)."""
+        name = ("prefill",) if self.cp == "ring" else ("prefill", self.cp)
+        name += ("context",) if self.with_context else ()
+        name += ("blocks", self.block) if self.block is not None else ()
+        return name + (("prompt_logprobs",) if self.prompt_logprobs else ())
+
+    def build(self, engine) -> Callable:
+        """The program on `engine` (`pipeline.runtime.engine.Engine`: its model, mesh,
+        microbatches, dtype and poison), not yet jitted."""
+        e = engine
+        return build_prefill(e.cfg, e.graphdef, e.state_specs, e.mesh, self, e.M, e.dtype, e.poison)
+
+    def compile(self, engine, settings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this prefill as a scheduler's rounds run it
+        (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their cp strategy and
+        layout) and its helpers (`Engine.compile_prefill`)."""
+        program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
+        engine.compile_prefill(program, settings.cache_rows, announce)
 
 
 class PrefillInputs(NamedTuple):
@@ -101,23 +143,45 @@ class PrefillCarry(NamedTuple):
     #                    device's tokens' (last stage)
 
 
-# One shard_map program, read top to bottom as the prefill schedule of the module's
-# docstring: its closures (the tick, the microbatch slicing) share the mesh sizes and
-# specs set here.
+@dataclasses.dataclass(frozen=True)
+class PrefillRun(Run):
+    """One device's prefill as its ticks read it (`stage.Run`), with the engine's
+    microbatches, poison and fused kernels."""
+
+    microbatches: int
+    poison: bool
+    # Without a ring a device holds its prompts whole, in position order (zigzag with
+    # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
+    fused: bool
+    # Ulysses holds whole prompts too (of its heads), in zigzag order: put in position
+    # order, they run the same fused kernel.
+    fused_ulysses: bool
+
+    @property
+    def Bm(self) -> int:
+        """Rows a microbatch."""
+        return self.B // self.microbatches
+
+    @property
+    def V_local(self) -> int:
+        """This device's vocabulary rows (`model.split`)."""
+        return self.model.split.vocab(self.cfg) // self.model.split.size
+
+
+# One shard_map program; the functions below it, read top to bottom, are the prefill
+# schedule of the module's docstring: a tick, a stage's layers, their attention, the
+# last stage's logits.
 def build_prefill(
     cfg: Qwen3Config,
     graphdef: nnx.GraphDef,
     state_specs,
     mesh: Mesh,
+    shape: PrefillShape,
     microbatches: int,
     dtype,
     poison: bool = False,
-    cp: str = "ring",
-    with_context: bool = False,
-    block: int | None = None,
-    prompt_logprobs: bool = False,
 ):
-    """The prefill program (not yet jitted).
+    """The prefill program for `shape`'s choices (not yet jitted), in `microbatches`.
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
     (logits [B, V] float32, KVCache). It writes k and v [L_pad, B, K, S_cap, H] (in
@@ -132,142 +196,171 @@ def build_prefill(
     with the chunk's own attention, ring or Ulysses). block: the prompts are laid out
     block by block (`ring.zigzag_blocks`; the position order fused Ulysses restores).
     """
-    if cp not in CP_STRATEGIES:
-        raise ValueError(f"cp {cp!r} is not one of {CP_STRATEGIES}")
-    M = microbatches
-    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    # One stage has no bubbles: no cond is needed around its layers.
-    always_active = mesh.shape["stage"] == 1
-    scale = cfg.head_dim**-0.5
-    # Without a ring a device holds its prompts whole, in position order (zigzag with
-    # C = 1 is the identity), and a GPU can run cuDNN's fused causal attention on them.
-    fused = (
-        mesh.shape["seq"] == 1
-        and not with_context  # the merge needs the log-sum-exp, which the kernel keeps
-        and fused_attention_available(dtype, cfg.head_dim)
-    )
-    # Ulysses holds whole prompts too (of its heads), in zigzag order: put in position
-    # order, they run the same fused kernel.
-    fused_ulysses = cp == "ulysses" and fused_attention_available(dtype, cfg.head_dim)
+    if shape.cp not in CP_STRATEGIES:
+        raise ValueError(f"cp {shape.cp!r} is not one of {CP_STRATEGIES}")
+    fusable = fused_attention_available(dtype, cfg.head_dim)
+    # (not with context: the merge needs the log-sum-exp, which the kernel keeps)
+    fused = mesh.shape["seq"] == 1 and not shape.with_context and fusable
+    fused_ulysses = shape.cp == "ulysses" and fusable
 
     def local(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         model = nnx.merge(graphdef, weights.state)
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        B, T = inputs.tokens.shape
-        Bm = B // M
-        V_local = model.split.vocab(cfg) // model.split.size  # this device's vocabulary rows
+        device = (model, cfg, weights, inputs, cache.pos, shape)
+        run = PrefillRun(*device, microbatches, poison, fused, fused_ulysses)
+        ticks = microbatches + jax.lax.axis_size("stage") - 1
+        tick = functools.partial(prefill_tick, run)
+        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
+        return prefill_outputs(run, carry, cache)
 
-        def tick(t, carry: PrefillCarry) -> PrefillCarry:
-            m = t - s
-            active = (m >= 0) & (m < M)
-            row0 = jnp.clip(m, 0, M - 1) * Bm
-            tok, pos = rows(inputs.tokens, row0, Bm), rows(inputs.positions, row0, Bm)
-            last = rows(inputs.last_pos, row0, Bm)
-            x_in = vary(jnp.where(s == 0, model.embed(tok), carry.h))
-
-            # On a bubble every position reads as padding: the ring then skips every block.
-            ring_pos = jnp.where(active, pos, -1)
-
-            def context(layer, q, o, lse, kv):
-                """(o, lse) over the chunk, merged with the earlier chunks' cache."""
-                o2, lse2 = context_attention(
-                    q,
-                    kv.k,
-                    kv.v,
-                    ring_pos,
-                    rows(cache.pos, row0, Bm),
-                    axis_name="seq",
-                    scale=scale,
-                    at=(layer, row0),
-                    filled=inputs.offset,
-                )
-                return merge(o, lse, o2, lse2)[0]
-
-            def attention(q, k, v, kv, layer=None):
-                if with_context:
-                    args = (q, k, v, ring_pos, ring_pos)
-                    o, lse = (
-                        ulysses_attention(*args, axis_name="seq", scale=scale, with_lse=True)
-                        if cp == "ulysses"
-                        else ring_attention(*args, axis_name="seq", scale=scale)
-                    )
-                    return context(layer, q, o, lse, kv)
-                if fused:
-                    return prompt_attention(q, k, v, scale=scale)
-                if cp == "ulysses":
-                    C = mesh.shape["seq"]
-                    part = zigzag(T * C, C) if block is None else zigzag_blocks(T * C, C, block)
-                    order = device_positions(part) if fused_ulysses else None
-                    return ulysses_attention(
-                        q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale, fused_order=order
-                    )
-                return ring_attention(q, k, v, ring_pos, ring_pos, axis_name="seq", scale=scale)[0]
-
-            def attend_at(layer):
-                at_layer = functools.partial(attention, layer=layer)
-                return cache_attend(layer, row0, inputs.offset, active, at_layer)
-
-            def compute(x, kv, gate):
-                x, kv = run_stage(model, cfg, weights.real, x, pos, kv, attend_at, gated, gate)
-                return vary(x), kv
-
-            x, kv = when(active, compute, x_in, carry.cache, gated, always_active)
-            if poison:
-                x = jnp.where(active, x, jnp.nan)
-            # The last prompt token lies on one `seq` device; summing the selection over
-            # the axis (zeros elsewhere) gives it to all of them.
-            picked = jnp.where((pos == last[:, None])[..., None], x, jnp.zeros_like(x)).sum(axis=1)
-            h_last = jax.lax.psum(picked, "seq")
-            on_last, logits = on_last_stage(
-                active,
-                lambda h: model.logits(h[:, None])[:, 0],
-                jax.ShapeDtypeStruct((Bm, V_local), jnp.float32),
-                h_last,
-            )
-            logits = jnp.where(on_last, put_rows(carry.logits, logits, row0), carry.logits)
-            prompt = carry.prompt
-            if prompt_logprobs:
-                targets = rows(inputs.targets, row0, Bm)
-                on_last, lp = on_last_stage(
-                    active,
-                    lambda x: split_logprobs(model.logits(x), targets, model.split),
-                    prompt_logprob_shapes(Bm, T),
-                    x,
-                )
-                prompt = jax.tree.map(
-                    lambda buf, new: jnp.where(on_last, put_rows(buf, new, row0), buf), prompt, lp
-                )
-            return PrefillCarry(shift(x, cyclic=False), kv, logits, prompt)
-
-        carry = PrefillCarry(
-            vary(jnp.full((Bm, T, cfg.D), jnp.nan if poison else 0.0, cache.k.dtype)),
-            StageCache(cache.k, cache.v),
-            vary(jnp.zeros((B, V_local), jnp.float32)),
-            jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), prompt_logprob_shapes(B, T))
-            if prompt_logprobs
-            else None,
-        )
-        carry = jax.lax.fori_loop(0, M + stages - 1, tick, carry)
-        out = (
-            from_device(gather_vocab(carry.logits, model.split, cfg.V), stages - 1, 0),
-            KVCache(carry.cache.k, carry.cache.v, cache.pos),
-        )
-        if prompt_logprobs:  # each seq device keeps its own tokens'
-            out += (jax.tree.map(from_last_stage, carry.prompt),)
-        return out
-
+    scored = shape.prompt_logprobs
+    in_specs = (Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(scored))
     out_specs = (P(), CACHE_SPECS)
-    if prompt_logprobs:
+    if scored:  # each seq device keeps its own tokens'
         along = SPECS.tokens_bt
         out_specs += (PromptLogprobs(along, along, P(*along, None), P(*along, None)),)
-    mapped = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(prompt_logprobs)),
-        out_specs=out_specs,
-    )
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
     def prefill(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         return mapped(weights, cache, inputs)
 
     return prefill
+
+
+def first_carry(run: PrefillRun, cache: KVCache) -> PrefillCarry:
+    """The loop's state before tick 0: nothing received (NaN with poison), the stage's
+    cache slice, the last tokens' logits [B, V'/X] zero, the prompt's scores zero."""
+    B, T = run.inputs.tokens.shape
+    fill = jnp.nan if run.poison else 0.0
+    scores = prompt_logprob_shapes(B, T) if run.shape.prompt_logprobs else None
+    return PrefillCarry(
+        vary(jnp.full((run.Bm, T, run.cfg.D), fill, cache.k.dtype)),
+        StageCache(cache.k, cache.v),
+        vary(jnp.zeros((B, run.V_local), jnp.float32)),
+        jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), scores),
+    )
+
+
+def prefill_outputs(run: PrefillRun, carry: PrefillCarry, cache: KVCache) -> tuple:
+    """What the program returns: the last tokens' logits [B, V] from the last stage
+    (the vocabulary gathered over `tensor`), the cache, and with prompt_logprobs the
+    prompt's scores (each `seq` device its own tokens')."""
+    stages = jax.lax.axis_size("stage")
+    logits = gather_vocab(carry.logits, run.model.split, run.cfg.V)
+    out = (from_device(logits, stages - 1, 0), KVCache(carry.cache.k, carry.cache.v, cache.pos))
+    if run.shape.prompt_logprobs:
+        out += (jax.tree.map(from_last_stage, carry.prompt),)
+    return out
+
+
+def prefill_tick(run: PrefillRun, t, carry: PrefillCarry) -> PrefillCarry:
+    """Tick t on this device: stage s runs microbatch m = t - s (if there is one) through
+    its layers, x [Bm, P_pad/C, D] (stage 0 embeds its tokens; the others take what
+    stage s - 1 sent); the last stage keeps the logits of each row's last prompt token
+    (and the prompt's scores); hidden states move one stage on."""
+    s, inputs, Bm = jax.lax.axis_index("stage"), run.inputs, run.Bm
+    m = t - s
+    active = (m >= 0) & (m < run.microbatches)
+    row0 = jnp.clip(m, 0, run.microbatches - 1) * Bm
+    tok, pos = rows(inputs.tokens, row0, Bm), rows(inputs.positions, row0, Bm)
+    x_in = vary(jnp.where(s == 0, run.model.embed(tok), carry.h))
+    x, kv = prefill_stage(run, x_in, carry.cache, active, row0, pos)
+    if run.poison:
+        x = jnp.where(active, x, jnp.nan)
+    logits = last_token_logits(run, x, active, row0, pos, carry.logits)
+    prompt = carry.prompt
+    if run.shape.prompt_logprobs:
+        prompt = score_prompt(run, x, active, row0, prompt)
+    return PrefillCarry(shift(x, cyclic=False), kv, logits, prompt)
+
+
+def prefill_stage(run: PrefillRun, x, kv: StageCache, active, row0, pos):
+    """This stage's layers on microbatch rows row0 .., x [Bm, T, D] at positions pos
+    [Bm, T] (-1: padding) -> (x, kv): each layer writes the tokens' K/V at local slots
+    from `inputs.offset` and attends (`prefill_attention`). Where not `active` (a
+    bubble) x and the cache stay as they were."""
+    # On a bubble every position reads as padding: the ring then skips every block.
+    ring_pos = jnp.where(active, pos, -1)
+
+    def attend_at(layer):
+        at_layer = functools.partial(prefill_attention, run, row0, ring_pos, layer=layer)
+        return cache_attend(layer, row0, run.inputs.offset, active, at_layer)
+
+    def compute(x, kv, gate):
+        x, kv = run_stage(
+            run.model, run.cfg, run.weights.real, x, pos, kv, attend_at, run.gated, gate
+        )
+        return vary(x), kv
+
+    return when(active, compute, x, kv, run.gated, run.always_active)
+
+
+def prefill_attention(run: PrefillRun, row0, pos, q, k, v, kv: StageCache, layer=None):
+    """The microbatch's attention, q [Bm, T, N, H], k, v [Bm, T, K, H] at positions pos
+    [Bm, T] (this device's share; -1: padding) -> o [Bm, T, N, H]: the ring's or
+    Ulysses' over the prompt's `seq` shares (fused where it can), and with_context
+    merged by LSE with the attention to the earlier chunks' cached slots (kv, the
+    stage's cache, below `inputs.offset`)."""
+    scale, T = run.cfg.head_dim**-0.5, run.inputs.tokens.shape[1]
+    if run.shape.with_context:
+        args = (q, k, v, pos, pos)
+        o, lse = (
+            ulysses_attention(*args, axis_name="seq", scale=scale, with_lse=True)
+            if run.shape.cp == "ulysses"
+            else ring_attention(*args, axis_name="seq", scale=scale)
+        )
+        o2, lse2 = context_attention(
+            q,
+            kv.k,
+            kv.v,
+            pos,
+            rows(run.slot_pos, row0, run.Bm),
+            axis_name="seq",
+            scale=scale,
+            at=(layer, row0),
+            filled=run.inputs.offset,
+        )
+        return merge(o, lse, o2, lse2)[0]
+    if run.fused:
+        return prompt_attention(q, k, v, scale=scale)
+    if run.shape.cp == "ulysses":
+        C = jax.lax.axis_size("seq")
+        block = run.shape.block
+        part = zigzag(T * C, C) if block is None else zigzag_blocks(T * C, C, block)
+        order = device_positions(part) if run.fused_ulysses else None
+        return ulysses_attention(q, k, v, pos, pos, axis_name="seq", scale=scale, fused_order=order)
+    return ring_attention(q, k, v, pos, pos, axis_name="seq", scale=scale)[0]
+
+
+def last_token_logits(run: PrefillRun, x, active, row0, pos, buf):
+    """`buf` [B, V'/X] with the microbatch's rows' logits (this device's vocabulary
+    block) at each row's last prompt token written in, where this is the last stage on
+    an active tick; x [Bm, T, D] at positions pos [Bm, T]."""
+    last = rows(run.inputs.last_pos, row0, run.Bm)
+    # The last prompt token lies on one `seq` device; summing the selection over the
+    # axis (zeros elsewhere) gives it to all of them.
+    picked = jnp.where((pos == last[:, None])[..., None], x, jnp.zeros_like(x)).sum(axis=1)
+    h_last = jax.lax.psum(picked, "seq")
+    on_last, logits = on_last_stage(
+        active,
+        lambda h: run.model.logits(h[:, None])[:, 0],
+        jax.ShapeDtypeStruct((run.Bm, run.V_local), jnp.float32),
+        h_last,
+    )
+    return jnp.where(on_last, put_rows(buf, logits, row0), buf)
+
+
+def score_prompt(run: PrefillRun, x, active, row0, prompt: PromptLogprobs) -> PromptLogprobs:
+    """`prompt` with the microbatch's scores written in on the last stage: each of this
+    device's tokens' next-token log-probability and top ones (`sampling.split_logprobs`),
+    from x [Bm, T, D]."""
+    Bm, T = x.shape[:2]
+    targets = rows(run.inputs.targets, row0, Bm)
+    on_last, lp = on_last_stage(
+        active,
+        lambda x: split_logprobs(run.model.logits(x), targets, run.model.split),
+        prompt_logprob_shapes(Bm, T),
+        x,
+    )
+    return jax.tree.map(
+        lambda buf, new: jnp.where(on_last, put_rows(buf, new, row0), buf), prompt, lp
+    )

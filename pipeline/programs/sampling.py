@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen3_spmd.model.split import TensorSplit
+from qwen3_spmd.ops.varying import make_varying
 from qwen3_spmd.pipeline.requests import MAX_BANNED, RequestError
+from qwen3_spmd.sharding.mesh import AXES
 
 
 class SamplingError(RequestError):
@@ -270,6 +272,66 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
     top, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
     return TokenLogprobs(chosen, top, top_ids.astype(jnp.int32))
+
+
+# ---- the sampling head: a program's last-position logits to tokens ---------------------
+
+
+class Chosen(NamedTuple):
+    """The sampling head's result for R rows (`choose_tokens`)."""
+
+    tokens: jax.Array  # [R] int32
+    logprobs: TokenLogprobs | None  # fields [R] and [R, TOP_LOGPROBS] where asked, else None
+    logits: jax.Array  # [keep, V] float32: the first `keep` rows' whole logits
+
+
+def choose_tokens(
+    local: jax.Array,
+    rows: RowSampling,
+    step,
+    split: TensorSplit,
+    vocab: int,
+    sampled: bool,
+    allowed: jax.Array | None = None,
+    logprobs: bool = False,
+    keep: int = 0,
+    lazy: bool = False,
+) -> Chosen:
+    """Each row's token from this device's block of its logits, local [R, V'/X]
+    (`model.split`), as `sample_rows` chooses from the whole row: with the row's
+    parameters and bans `rows` ([R]), its key at `step` ([R] or scalar), within its
+    `allowed` tokens ([R, W] packed bits, or None). logprobs: also the tokens'
+    TokenLogprobs; keep: also the first `keep` rows' whole logits.
+
+    Filters and log-probabilities need a row's whole distribution: the vocabulary is
+    gathered over `tensor` (small beside the weights). Greedy rows need only each
+    device's best (value, id) pair (`greedy_split`). sampled=False promises every row is
+    greedy; sampled=True samples where a row asks to, and with lazy=True decides at run
+    time whether the vocabulary is gathered: a block of greedy rows only takes the pairs
+    (every `tensor` device holds the same rows' parameters, so all take one branch).
+    Called inside the programs' shard_map (decode, verify, the speculative loop)."""
+
+    def whole() -> Chosen:
+        logits = gather_vocab(local, split, vocab)  # [R, V]
+        tokens = sample_rows(logits, rows, step, sampled, allowed)
+        return Chosen(tokens, token_logprobs(logits, tokens) if logprobs else None, logits[:keep])
+
+    def pairs() -> Chosen:
+        tokens = greedy_split(local, rows, step, split, allowed)
+        kept = gather_vocab(local[:keep], split, vocab) if keep else jnp.zeros((0, vocab))
+        return Chosen(tokens, None, kept)
+
+    if split.size == 1 or logprobs or (sampled and not lazy):
+        return whole()
+    if not sampled:
+        return pairs()
+
+    def varying(chosen: Chosen) -> Chosen:  # both branches typed alike (as on_last_stage's)
+        return jax.tree.map(lambda x: make_varying(x, frozenset(AXES)), chosen)
+
+    return jax.lax.cond(
+        jnp.any(rows.temperature > 0), lambda: varying(whole()), lambda: varying(pairs())
+    )
 
 
 # ---- the prompt's log-probabilities (vocabulary-parallel) ------------------------------

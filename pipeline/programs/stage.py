@@ -8,6 +8,7 @@ Inside the map every device holds its stage's layers (its `tensor` share of them
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -46,6 +47,36 @@ class StageCache(NamedTuple):
 
     k: jax.Array
     v: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One device's program as its ticks read it: the model merged from this device's
+    weights, the weights (their `real` slots), the program's inputs, the cache's slot
+    positions [B, S_cap / C], and the program's shape record (`shape`: its static
+    choices, `pipeline.runtime.shapes`). Made inside the shard_map."""
+
+    model: Qwen3
+    cfg: Qwen3Config
+    weights: Weights
+    inputs: Any
+    slot_pos: jax.Array
+    shape: Any
+
+    @property
+    def B(self) -> int:
+        """The batch's rows."""
+        return self.inputs.tokens.shape[0]
+
+    @property
+    def gated(self) -> bool:
+        """No collectives inside the layers (one `seq` device): a stage may skip them."""
+        return jax.lax.axis_size("seq") == 1
+
+    @property
+    def always_active(self) -> bool:
+        """One stage: no bubbles, no cond around its layers."""
+        return jax.lax.axis_size("stage") == 1
 
 
 def vary(x: jax.Array, axes=AXES) -> jax.Array:

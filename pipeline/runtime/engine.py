@@ -22,9 +22,9 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.params import abstract_model, map_params
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.pipeline.bounds import LEAST
-from qwen3_spmd.pipeline.programs.decode import DecodeInputs, build_decode
+from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
-from qwen3_spmd.pipeline.programs.prefill import PrefillInputs, build_prefill
+from qwen3_spmd.pipeline.programs.prefill import PrefillInputs
 from qwen3_spmd.pipeline.programs.sampling import (
     PromptLogprobs,
     RowSampling,
@@ -38,7 +38,8 @@ from qwen3_spmd.pipeline.programs.stage import Weights
 from qwen3_spmd.pipeline.requests import RequestError, check_request
 from qwen3_spmd.pipeline.runtime import cp_cost
 from qwen3_spmd.pipeline.runtime.copies import Copies
-from qwen3_spmd.pipeline.runtime.registry import Clock, JitTable, OnCompile, Programs, Stopwatch
+from qwen3_spmd.pipeline.runtime.registry import Clock, OnCompile, Program, Programs, Stopwatch
+from qwen3_spmd.pipeline.runtime.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.sharding.mesh import AXES, MeshError
 from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.specs import SPECS, param_spec
@@ -126,9 +127,7 @@ class Engine:
             state, jax.device_put(self.plan.real_slots, NamedSharding(mesh, SPECS.layers))
         )
         self.state_specs = map_params(lambda path, x: param_spec(path, experts), state)
-        self.programs = Programs(self.dtype, on_compile)
-        self._prefill = JitTable()  # (cp strategy, with context, ...) -> jitted
-        self._decode = JitTable()
+        self.programs = Programs(self.dtype, self.jitted, on_compile)
         # The cache's other programs: zeros, row inserts and moves, block copies.
         self.copies = Copies(mesh, self.dtype, self.cache_shape)
         # A pipeline.speculative.speculator.Speculator (set by speculative.attach) makes decode
@@ -176,7 +175,9 @@ class Engine:
         """
         laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
         inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs())
-        prefill = self._prefill_fn(self.cp_plan(batch, laid.P_pad)[0])
+        prefill = self.jitted(
+            PrefillShape(laid.B, laid.P_pad, cp=self.cp_plan(batch, laid.P_pad)[0])
+        )
         m = (
             prefill.lower(self.weights, self.copies.abstract_cache(batch), inputs)
             .compile()
@@ -193,33 +194,10 @@ class Engine:
 
     # ---- the programs --------------------------------------------------------------
 
-    def _prefill_fn(
-        self,
-        strategy: str,
-        with_context: bool = False,
-        block: int | None = None,
-        prompt_logprobs: bool = False,
-    ):
-        key = (strategy, with_context, block, prompt_logprobs)
-        return self._prefill.get(
-            key,
-            lambda: jax.jit(
-                build_prefill(
-                    self.cfg,
-                    self.graphdef,
-                    self.state_specs,
-                    self.mesh,
-                    self.M,
-                    self.dtype,
-                    self.poison,
-                    strategy,
-                    with_context,
-                    block,
-                    prompt_logprobs,
-                ),
-                donate_argnames="cache",
-            ),
-        )
+    def jitted(self, program: Program):
+        """`program`'s function (a shape record: `pipeline.runtime.registry.Program`) on
+        this engine's model and mesh, jitted with the cache donated; not compiled."""
+        return jax.jit(program.build(self), donate_argnames="cache")
 
     def cp_plan(self, batch: int, padded_len: int) -> tuple[str, dict]:
         """(the strategy prefill runs for `batch` prompts padded to `padded_len`,
@@ -239,59 +217,6 @@ class Engine:
             cp_cost.Rates(link_bytes_per_s=self.link_bytes_per_s, flops_per_s=self.flops_per_s),
         )
 
-    @staticmethod
-    def prefill_name(
-        strategy: str, with_context: bool, block: int | None = None, prompt_logprobs: bool = False
-    ) -> tuple:
-        """The prefill program's name: its cp strategy, whether it continues a cache, the
-        block of a prefix cache's layout, and whether it scores every prompt token."""
-        name = ("prefill",) if strategy == "ring" else ("prefill", strategy)
-        name += ("context",) if with_context else ()
-        name += ("blocks", block) if block is not None else ()
-        return name + (("prompt_logprobs",) if prompt_logprobs else ())
-
-    @staticmethod
-    def decode_name(
-        groups: int,
-        steps: int,
-        sampled: bool,
-        with_logits: bool,
-        logprobs: bool = False,
-        constrained: bool = False,
-    ) -> tuple:
-        """The decode program's name: every static choice that shapes it."""
-        name = ("decode", groups, steps, "sampled" if sampled else "greedy", with_logits)
-        return name + (("logprobs",) if logprobs else ()) + (("allowed",) if constrained else ())
-
-    def _decode_fn(
-        self,
-        groups: int,
-        steps: int,
-        sampled: bool,
-        with_logits: bool,
-        logprobs: bool = False,
-        constrained: bool = False,
-    ):
-        key = (groups, steps, sampled, with_logits, logprobs, constrained)
-        return self._decode.get(
-            key,
-            lambda: jax.jit(
-                build_decode(
-                    self.cfg,
-                    self.graphdef,
-                    self.state_specs,
-                    self.mesh,
-                    groups,
-                    steps,
-                    sampled,
-                    with_logits,
-                    logprobs,
-                    constrained,
-                ),
-                donate_argnames="cache",
-            ),
-        )
-
     def _abstract_decode_inputs(self, rows: int, constrained: bool = False) -> DecodeInputs:
         """A decode chunk's inputs over `rows` rows as shapes on the mesh (for lowering
         ahead); constrained: with each row's allowed tokens."""
@@ -309,8 +234,9 @@ class Engine:
         """Starts compiling a decode chunk's program over B rows while the prefill
         compiles and runs."""
         self.programs.ahead(
-            self.decode_name(groups, self.chunk, sampled, with_logits),
-            self._decode_fn(groups, self.chunk, sampled, with_logits),
+            DecodeShape(
+                B, sampled, False, groups=groups, steps=self.chunk, with_logits=with_logits
+            ),
             self.weights,
             self.copies.abstract_cache(B),
             self._abstract_decode_inputs(B),
@@ -321,12 +247,13 @@ class Engine:
         positional arguments were)."""
         return jax.tree.map(self.copies.placed, inputs, specs)
 
-    def run_program(self, name: tuple, fn, clock: Clock, cache: KVCache, inputs):
-        """The compiled program `name` on (weights, cache, inputs placed on the mesh); the
-        seconds waited for its compile go to clock.compile_s (the caller times the run)."""
-        program, waited = self.programs.get(name, fn, self.weights, cache, inputs)
+    def run_program(self, program: Program, clock: Clock, cache: KVCache, inputs):
+        """`program` (a shape record), compiled, on (weights, cache, inputs placed on the
+        mesh); the seconds waited for its compile go to clock.compile_s (the caller times
+        the run)."""
+        compiled, waited = self.programs.get(program, self.weights, cache, inputs)
         clock.compile_s += waited
-        return program(self.weights, cache, inputs)
+        return compiled(self.weights, cache, inputs)
 
     def prefill(
         self,
@@ -353,10 +280,9 @@ class Engine:
         if cache is None:
             cache = self.copies.new_cache(batch.B, batch.slot_pos)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
-        fn = self._prefill_fn(strategy, with_context, batch.block, scored)
-        name = self.prefill_name(strategy, with_context, batch.block, scored)
+        program = PrefillShape(batch.B, batch.P_pad, with_context, scored, strategy, batch.block)
         watch = Stopwatch(clock)
-        logits, cache, *prompt = self.run_program(name, fn, clock, cache, inputs)
+        logits, cache, *prompt = self.run_program(program, clock, cache, inputs)
         first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
         first = np.asarray(first)
         prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
@@ -389,48 +315,41 @@ class Engine:
         the cache)."""
         constrained = inputs.allowed is not None
         cache = self.copies.with_slot_pos(cache, slot_pos)
+        rows = inputs.tokens.shape[0]
         inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
-        name = self.decode_name(groups, self.chunk, sampled, with_logits, logprobs, constrained)
-        fn = self._decode_fn(groups, self.chunk, sampled, with_logits, logprobs, constrained)
+        program = DecodeShape(rows, sampled, logprobs, constrained, groups, self.chunk, with_logits)
         watch = Stopwatch(clock)
-        out, cache = self.run_program(name, fn, clock, cache, inputs)
+        out, cache = self.run_program(program, clock, cache, inputs)
         out.tokens.block_until_ready()
         clock.decode_s += watch.seconds()
         return out, cache
 
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
-    def compile_prefill(
-        self,
-        B: int,
-        P_pad: int,
-        strategy: str,
-        cache_rows: int,
-        with_context: bool,
-        announce: bool = True,
-        block: int | None = None,
-        prompt_logprobs: bool = False,
-    ) -> None:
-        """Compiles, where not compiled yet, all that `prefill` of B prompts padded to
-        P_pad runs with the cp `strategy` (the planner's for the shape; with_context:
-        later chunks of prompts, continuing a cache; prompt_logprobs: scoring every
-        prompt token): a new cache's zeros, the prefill
-        program, the first tokens' sampling (greedy and sampled) and log-probabilities,
-        and `insert` of its rows into a cache of `cache_rows` rows. Nothing runs
-        (compiling is local to this process: no collective, so a background thread may
-        compile while rounds run). announce=False: no on_compile for the program.
-        block: a prefix cache's layout."""
-        targets = [[0] * P_pad] * B if prompt_logprobs else None
+    def compile_prefill(self, shape: PrefillShape, cache_rows: int, announce: bool = True) -> None:
+        """Compiles, where not compiled yet, all that `prefill` runs for `shape` (its cp
+        strategy and layout included): a new cache's zeros, the prefill program, the
+        first tokens' sampling (greedy and sampled) and log-probabilities, and `insert`
+        of its rows into a cache of `cache_rows` rows (a later chunk's: into the rows'
+        cache). Nothing runs (compiling is local to this process: no collective, so a
+        background thread may compile while rounds run). announce=False: no on_compile
+        for the program."""
+        B, P_pad, scored = shape.B, shape.P_pad, shape.prompt_logprobs
+        prompts = [[0] * P_pad] * B
         laid = lay_out(
-            [[0] * P_pad] * B, 1, 1, self.C, self.slots_per_device, block=block, targets=targets
+            prompts,
+            1,
+            1,
+            self.C,
+            self.slots_per_device,
+            P_pad=P_pad,
+            rows=B,
+            block=shape.block,
+            targets=prompts if scored else None,
         )
+        inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs(scored))
         program, _ = self.programs.get(
-            self.prefill_name(strategy, with_context, block, prompt_logprobs),
-            self._prefill_fn(strategy, with_context, block, prompt_logprobs),
-            self.weights,
-            self.copies.abstract_cache(B),
-            self.copies.abstract(laid.prefill, PrefillInputs.specs(prompt_logprobs)),
-            announce,
+            shape, self.weights, self.copies.abstract_cache(B), inputs, announce
         )
         logits, new, *_ = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
@@ -442,30 +361,20 @@ class Engine:
         for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
             self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
         self._logprobs.lower(logits, tokens).compile()
-        if with_context:
+        if shape.with_context:
             self.copies.compile_insert(new, cache_rows)
         else:
             self.copies.compile_new(B, new, cache_rows)
 
-    def compile_decode(
-        self,
-        rows: int,
-        cache_rows: int,
-        groups: int,
-        sampled: bool,
-        logprobs: bool,
-        announce: bool = True,
-        constrained: bool = False,
-    ) -> None:
-        """Compiles, unless compiled, the decode chunk (of `self.chunk` steps, without
-        logits) over `rows` rows of a cache of `cache_rows` rows (constrained: with each
-        row's allowed tokens). Nothing runs. announce=False: no on_compile."""
+    def compile_decode(self, shape: DecodeShape, cache_rows: int, announce: bool = True) -> None:
+        """Compiles, unless compiled, the decode chunk of `shape` (its groups and steps
+        given) over a cache of `cache_rows` rows. Nothing runs. announce=False: no
+        on_compile."""
         self.programs.get(
-            self.decode_name(groups, self.chunk, sampled, False, logprobs, constrained),
-            self._decode_fn(groups, self.chunk, sampled, False, logprobs, constrained),
+            shape,
             self.weights,
             self.copies.abstract_cache(cache_rows),
-            self._abstract_decode_inputs(rows, constrained),
+            self._abstract_decode_inputs(shape.rows, shape.constrained),
             announce,
         )
 

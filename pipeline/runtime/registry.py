@@ -1,8 +1,10 @@
 """Compiled programs, each compiled once per shape.
 
-A program is a jitted function of (weights, cache, inputs); its key is a name that says
-every static choice that shapes it (sampling, groups, chunk length) plus the shapes of
-its cache and inputs. A compile can start ahead on a background thread (XLA compiles
+A program is a jitted function of (weights, cache, inputs); its key is its shape record
+(`Program`: `pipeline.runtime.shapes.PrefillShape`, `DecodeShape`, a speculative pass's
+`VerifyShape` or `LoopShape`, each holding every static choice that shapes the program)
+plus the shapes of its cache and inputs. The record names itself and builds its
+function; the registry jits it only to compile it. A compile can start ahead on a background thread (XLA compiles
 outside the GIL), overlapping another program's compile and run; the first call with
 the same key collects it. Threads may ask for the same key at once (a server's rounds and
 its background compiles): one compiles, the others wait for that compile, so no key is
@@ -15,9 +17,10 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +72,26 @@ class JitTable:
         return self._fns[key]
 
 
+class Program(Hashable, Protocol):
+    """A program's shape record: frozen, hashable, holding every static choice that shapes
+    the program, so equal records are one program (for arrays of equal shapes)."""
+
+    def name(self) -> tuple:
+        """Its static choices, readably (a progress bar's, a report's)."""
+
+    def build(self, engine) -> Callable:
+        """f(weights, cache, inputs) on `engine`'s model and mesh, not yet jitted."""
+
+
 class Programs:
-    def __init__(self, dtype, on_compile: OnCompile | None = None):
+    """Compiled programs of one engine by (record, arrays' shapes); jit(record) -> its
+    jitted function (`Engine.jitted`), made only to compile it."""
+
+    def __init__(
+        self, dtype, jit: Callable[[Program], Callable], on_compile: OnCompile | None = None
+    ):
         self.dtype = jnp.dtype(dtype)
+        self.jit = jit
         self.on_compile = on_compile or (lambda name: contextlib.nullcontext())
         self.compiled: dict[str, Callable] = {}  # readable name -> compiled program
         self._by_key: dict[tuple, Callable] = {}
@@ -80,22 +100,23 @@ class Programs:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compile")
 
     @staticmethod
-    def _key(name: tuple, weights, cache, inputs) -> tuple:
-        return (*name, *((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves((cache, inputs))))
+    def _key(program: Program, cache, inputs) -> tuple:
+        shapes = ((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves((cache, inputs)))
+        return (program, *shapes)
 
-    def _build(self, fn, args):
+    def _build(self, program: Program, args):
         # float32 means float32: XLA may otherwise run its matmuls in TF32 on GPUs.
         precision = "highest" if self.dtype == jnp.float32 else "default"
         with jax.default_matmul_precision(precision):
-            return fn.lower(*args).compile()
+            return self.jit(program).lower(*args).compile()
 
     def get(
-        self, name: tuple, fn, weights, cache, inputs, announce: bool = True
+        self, program: Program, weights, cache, inputs, announce: bool = True
     ) -> tuple[Callable, float]:
-        """(fn compiled for these arguments' shapes, seconds the caller waited for it).
-        Compiles here unless compiled, or compiling on another thread (then waits for
-        that compile). announce=False: no on_compile (a compile no request waits for)."""
-        key = self._key(name, weights, cache, inputs)
+        """(`program` compiled for these arguments' shapes, seconds the caller waited for
+        it). Compiles here unless compiled, or compiling on another thread (then waits
+        for that compile). announce=False: no on_compile (a compile no request waits for)."""
+        key = self._key(program, cache, inputs)
         with self._lock:
             if key in self._by_key:
                 return self._by_key[key], 0.0
@@ -104,12 +125,13 @@ class Programs:
             if mine:  # this thread compiles it; others asking meanwhile wait on `pending`
                 pending = self._ahead[key] = Future()
         shown = (cache.k.shape, inputs.tokens.shape)  # [L_pad, B, K, S_cap, H]; [B, P_pad] or [B]
+        name = program.name()
         readable = f"{' '.join(map(str, name))} [{'; '.join('x'.join(map(str, s)) for s in shown)}]"
         t0 = time.perf_counter()
         with self.on_compile(readable) if announce else contextlib.nullcontext():
             if mine:
                 try:
-                    pending.set_result(self._build(fn, (weights, cache, inputs)))
+                    pending.set_result(self._build(program, (weights, cache, inputs)))
                 except BaseException as e:
                     pending.set_exception(e)
             try:
@@ -124,13 +146,13 @@ class Programs:
             self._ahead.pop(key, None)
         return compiled, time.perf_counter() - t0
 
-    def ahead(self, name: tuple, fn, weights, cache, inputs) -> None:
-        """Starts compiling fn for these arguments (arrays, or ShapeDtypeStructs with
-        shardings) in the background, unless it is compiled or compiling already."""
-        key = self._key(name, weights, cache, inputs)
+    def ahead(self, program: Program, weights, cache, inputs) -> None:
+        """Starts compiling `program` for these arguments (arrays, or ShapeDtypeStructs
+        with shardings) in the background, unless it is compiled or compiling already."""
+        key = self._key(program, cache, inputs)
         with self._lock:
             if key not in self._by_key and key not in self._ahead:
-                self._ahead[key] = self._pool.submit(self._build, fn, (weights, cache, inputs))
+                self._ahead[key] = self._pool.submit(self._build, program, (weights, cache, inputs))
 
     @property
     def pending(self) -> int:

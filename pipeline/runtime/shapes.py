@@ -21,39 +21,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
+from qwen3_spmd.pipeline.programs.decode import DecodeShape
 from qwen3_spmd.pipeline.programs.layout import bucket, length_bucket, whole_batch
+from qwen3_spmd.pipeline.programs.prefill import PrefillShape
 from qwen3_spmd.ring import padded_length, slots_per_device
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class PrefillShape:
-    """A prefill program: B prompts (rows, padding included) padded to P_pad tokens;
-    with_context: later chunks of a long prompt, attending to its cached earlier ones;
-    prompt_logprobs: scoring every prompt token (`prefill.build_prefill`). Those are
-    not among `ShapeRules.declared()`: few requests ask (evaluation harnesses), and a
-    server would compile every prefill twice for them; the first to meet one compiles it."""
+@dataclasses.dataclass(frozen=True)
+class RoundSettings:
+    """What a scheduler's rounds run every shape's program with, beside the shape: a
+    cache of `cache_rows` rows in `groups` decode groups, prompts laid out by `block`
+    (`ShapeRules.layout_block`), each prefill's cp strategy `cp(shape)` (the planner's),
+    and the prefix cache's block `pool` (None without one)."""
 
-    B: int
-    P_pad: int
-    with_context: bool = False
-    prompt_logprobs: bool = False
+    cache_rows: int
+    groups: int
+    block: int | None = None
+    cp: Callable[[PrefillShape], str] = lambda shape: "ring"
+    pool: Any = None
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class DecodeShape:
-    """A decode chunk over the first `rows` rows, greedy only or sampled where a row
-    asks to (`decode.build_decode`), with or without log-probabilities; constrained:
-    with each row's allowed tokens (a structured output's grammar: a chunk of one step).
-    Constrained shapes are not among `ShapeRules.declared()` (a scheduler without a
-    tokenizer never meets them): a server that has one compiles them last, in the
-    background (`ShapeRules.constrained_decodes`), and a round that meets one before
-    that compiles it."""
-
-    rows: int
-    sampled: bool
-    logprobs: bool
-    constrained: bool = False
+# A program's shape record is its key (`pipeline.runtime.registry.Program`): every static
+# choice that shapes it. PrefillShape and DecodeShape live beside their programs
+# (`pipeline.programs.prefill`, `.decode`); the planner's leave the runner's choices (cp
+# and block, groups and steps) at their defaults, which the engine, or `compile` with a
+# scheduler's RoundSettings, fills in.
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -61,6 +56,9 @@ class MoveShape:
     """A move of `rows` rows (padded to a power of two) down into free rows."""
 
     rows: int
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        engine.copies.compile_move(self.rows, settings.cache_rows)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -70,21 +68,17 @@ class CopyShape:
 
     direction: str
 
-
-@dataclasses.dataclass(frozen=True, order=True)
-class VerifyShape:
-    """A speculative verify pass over the first `rows` rows, T positions a row, greedy
-    or sampled, constrained (each position's tokens masked by a grammar) or not
-    (`pipeline.speculative.speculator`). Not among `declared()`: a server with a speculative
-    config compiles them last, in the background (`Speculator.shapes`)."""
-
-    rows: int
-    T: int
-    sampled: bool
-    constrained: bool = False
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles the copy between the pool and the rows' cache ("save") or a chunk's
+        cache of a microbatch's rows ("load")."""
+        save = self.direction == "save"
+        rows = settings.cache_rows if save else engine.M
+        engine.copies.compile_copy(settings.pool, rows, into_pool=save)
 
 
-Shape = PrefillShape | DecodeShape | MoveShape | CopyShape | VerifyShape
+# The shapes a scheduler's rounds run; a speculative pass's VerifyShape
+# (`pipeline.speculative.verify`) compiles alike.
+Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
 
 # A light load's prompts: at most this many tokens. A few words: each first-set shape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the

@@ -48,14 +48,7 @@ from qwen3_spmd.pipeline.batch.rowbook import RowBook, Update
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.runtime.registry import Clock
-from qwen3_spmd.pipeline.runtime.shapes import (
-    CopyShape,
-    DecodeShape,
-    PrefillShape,
-    Shape,
-    ShapeRules,
-    VerifyShape,
-)
+from qwen3_spmd.pipeline.runtime.shapes import RoundSettings, Shape, ShapeRules
 from qwen3_spmd.pipeline.scheduling.decisions import SharedDecisions
 from qwen3_spmd.pipeline.scheduling.executor import Executor
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Planner, Round
@@ -289,38 +282,11 @@ class Scheduler:
         self._compiler.start()
 
     def _compile(self, shape: Shape, announce: bool) -> None:
-        eng = self.engine
-        if isinstance(shape, PrefillShape):
-            eng.compile_prefill(
-                shape.B,
-                shape.P_pad,
-                self.planner.cp(shape),
-                self.B,
-                shape.with_context,
-                announce,
-                block=self.rules.layout_block,
-                prompt_logprobs=shape.prompt_logprobs,
-            )
-        elif isinstance(shape, DecodeShape):
-            eng.compile_decode(
-                shape.rows,
-                self.B,
-                self.groups,
-                shape.sampled,
-                shape.logprobs,
-                announce,
-                shape.constrained,
-            )
-        elif isinstance(shape, VerifyShape):
-            eng.speculator.compile(shape, self.B, self.groups, announce)
-        elif isinstance(shape, CopyShape):
-            pool = self.executor.pool
-            if shape.direction == "save":
-                eng.copies.compile_copy(pool, self.B, into_pool=True)
-            else:
-                eng.copies.compile_copy(pool, self.rules.microbatches, into_pool=False)
-        else:
-            eng.copies.compile_move(shape.rows, self.B)
+        """Compiles `shape`'s programs as the rounds run them (each shape says how)."""
+        settings = RoundSettings(
+            self.B, self.groups, self.rules.layout_block, self.planner.cp, self.executor.pool
+        )
+        shape.compile(self.engine, settings, announce)
         self._compiled.add(shape)
 
     # ---- the caller's side -----------------------------------------------------------

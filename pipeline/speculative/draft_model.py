@@ -44,14 +44,13 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from qwen3_spmd.pipeline.batch.rowbook import row_sampling
 from qwen3_spmd.pipeline.programs.layout import list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
-from qwen3_spmd.pipeline.runtime.registry import JitTable, Stopwatch
-from qwen3_spmd.pipeline.speculative.verify import VerifyInputs, build_verify, common_prefix
+from qwen3_spmd.pipeline.runtime.registry import Stopwatch
+from qwen3_spmd.pipeline.speculative.verify import VerifyInputs, VerifyShape, common_prefix
 from qwen3_spmd.pipeline.structured.constraints import allows
 
 if TYPE_CHECKING:
@@ -126,7 +125,6 @@ class DraftModel:
         self.engine = engine
         # Its passes' lengths: none past CATCH_UP that no prompt could fill.
         self.lengths = tuple(T for T in lengths if T <= max(CATCH_UP, engine.max_seq_len))
-        self._fns = JitTable()
         self.cache = None  # the draft model's KV cache, made for the book's B rows
         self.slot_pos: np.ndarray | None = None  # [B, C, S_loc] host copy of cache.pos
         self.known: list[list[int]] = []  # [B] the tokens each row's cache holds
@@ -201,7 +199,7 @@ class DraftModel:
         for T in self.lengths:
             inputs = VerifyInputs.zeros(n, T, words).placed(eng.mesh)
             eng.programs.get(
-                *self._program(groups, T, sampled, constrained),
+                self._program(n, groups, T, sampled, constrained),
                 eng.weights,
                 eng.copies.abstract_cache(cache_rows),
                 inputs,
@@ -241,29 +239,13 @@ class DraftModel:
         )
         sampled = bool((inputs.sampling.temperature > 0).any())
         cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
-        program = self._program(book.groups, T, sampled, allowed is not None)
-        out, _, self.cache = eng.run_program(*program, clock, cache, inputs.placed(eng.mesh))
+        program = self._program(n, book.groups, T, sampled, allowed is not None)
+        out, _, self.cache = eng.run_program(program, clock, cache, inputs.placed(eng.mesh))
         return np.asarray(out)
 
-    def _program(self, groups: int, T: int, sampled: bool, constrained: bool) -> tuple:
-        """(the name `Programs` keys a pass by, its jitted function)."""
-        e = self.engine
-        name = ("draft", groups, T) + (("sampled",) if sampled else ())
-        name += ("constrained",) if constrained else ()
-        return name, self._fns.get(
-            (groups, T, sampled, constrained),
-            lambda: jax.jit(
-                build_verify(
-                    e.cfg,
-                    e.graphdef,
-                    e.state_specs,
-                    e.mesh,
-                    groups,
-                    T,
-                    sampled,
-                    constrained=constrained,
-                    last_only=True,
-                ),
-                donate_argnames="cache",
-            ),
-        )
+    def _program(
+        self, n: int, groups: int, T: int, sampled: bool, constrained: bool
+    ) -> VerifyShape:
+        """A pass over n rows in `groups` groups: the verify program, each row's token
+        after its last position only."""
+        return VerifyShape(n, T, sampled, constrained, groups, last_only=True)

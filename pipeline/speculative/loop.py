@@ -34,6 +34,9 @@ rolls back past the kept tokens at the end.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -48,13 +51,12 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     chunk_slot,
@@ -71,6 +73,36 @@ from qwen3_spmd.pipeline.speculative.verify import GroupPass, pass_stage
 
 # The most rounds a chunk runs (its output holds MAX_ROUNDS x T tokens a row).
 MAX_ROUNDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopShape:
+    """A loop of speculative rounds over the first `rows` rows in `groups` groups, passes
+    of the `widths` (ascending from 1), greedy or sampled; prompt lookup's n-gram
+    lengths n_max, n_min and drafts a row k_max, and a pace's longest wait max_wait
+    (`build_spec_loop`)."""
+
+    rows: int
+    groups: int
+    widths: tuple[int, ...]
+    sampled: bool
+    n_max: int
+    n_min: int
+    k_max: int
+    max_wait: int
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        return ("spec_loop", self.groups, self.widths[-1], "sampled" if self.sampled else "greedy")
+
+    @property
+    def T(self) -> int:
+        """The widest pass's positions a row."""
+        return self.widths[-1]
+
+    def build(self, engine) -> Callable:
+        """The loop on `engine`, not yet jitted."""
+        return build_spec_loop(engine.cfg, engine.graphdef, engine.state_specs, engine.mesh, self)
 
 
 class LoopInputs(NamedTuple):
@@ -200,18 +232,10 @@ def _append(buf: jax.Array, at: jax.Array, new: jax.Array, n: jax.Array) -> jax.
     return buf.at[jnp.arange(buf.shape[0])[:, None], cols].set(new, mode="drop")
 
 
+# One shard_map program; the functions below it, read top to bottom, are the rounds of
+# the module's docstring: a tick, a stage's pass, the model's choices, accept, draft.
 def build_spec_loop(
-    cfg: Qwen3Config,
-    graphdef: nnx.GraphDef,
-    state_specs,
-    mesh: Mesh,
-    groups: int,
-    widths: tuple[int, ...],
-    sampled: bool,
-    n_max: int,
-    n_min: int,
-    k_max: int,
-    max_wait: int,
+    cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape: LoopShape
 ):
     """The loop program for passes of the `widths` (ascending from 1: 1 + the drafts
     of the k ladder) tokens a row, T the widest (not yet jitted).
@@ -223,170 +247,13 @@ def build_spec_loop(
     n_min: the prompt lookup's n-gram lengths, k_max its drafts a row
     (`SpeculativeConfig`); max_wait: a pace's longest wait (`speculative.MAX_WAIT`).
     """
-    T = widths[-1]
-    ahead = jnp.arange(T, dtype=jnp.int32)
-    W = MAX_ROUNDS * T
-    gated = mesh.shape["seq"] == 1  # no collectives inside the layers
-    width_of = jnp.array(widths, jnp.int32)
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
-        model = nnx.merge(graphdef, weights.state)
-        split = model.split
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        B = inputs.tokens.shape[0]
-        Bg = B // groups
-        period = decode_period(groups, stages)
-        busy = inputs.rounds * period
-
-        def slot_of(u):
-            """Schedule slot u = t - s -> (runs a group?, its first row): a round is a
-            decode chunk's step."""
-            return chunk_slot(u, busy, period, groups, Bg)[:2]
-
-        def tick(t, carry: LoopCarry) -> LoopCarry:
-            # Stage 0 files what the last stage sent at tick t - 1.
-            filed, filed_row0 = slot_of(t - stages)
-            queued = jnp.where(filed, put_rows(carry.queued, carry.got, filed_row0), carry.queued)
-
-            active, row0 = slot_of(t - s)
-            meta = jnp.where(s == 0, rows(queued, row0, Bg), carry.got)  # [Bg, T + 2]
-            fed, step, count = meta[:, :T], meta[:, T], meta[:, T + 1]
-            group = GroupPass(
-                row0,
-                step,
-                rows(inputs.offset, row0, Bg) + step,
-                count,
-                rows(inputs.prompt_slots, row0, Bg),
-            )
-            x_in = vary(jnp.where(s == 0, model.embed(fed), carry.h))
-            # The round runs the narrowest of the widths its rows' tokens fit (1: a
-            # decode step's work), every stage alike: they all read the same counts.
-            at = jnp.searchsorted(width_of, jnp.max(count))
-
-            def layers(width):
-                def run(x_in, kv):
-                    x, kv = pass_stage(
-                        model, cfg, weights, kv, cache.pos, x_in[:, :width], group, active
-                    )
-                    return jnp.pad(x, ((0, 0), (0, T - width), (0, 0))), kv
-
-                return run
-
-            if gated:  # a switch holds no seq collective (`stage.when`)
-                x, kv = jax.lax.switch(at, [layers(w) for w in widths], x_in, carry.cache)
-            else:
-                x, kv = layers(T)(x_in, carry.cache)
-
-            def choices(width):
-                def choose(x):
-                    """x [Bg, T, D] -> the model's token after each of the first `width`
-                    positions [Bg, T] (zeros past them)."""
-                    local = model.logits(x[:, :width]).reshape(Bg * width, -1)  # [Bg w, V'/X]
-                    params = jax.tree.map(
-                        lambda a: jnp.repeat(rows(a, row0, Bg), width, axis=0), inputs.sampling
-                    )
-                    key_step = (step[:, None] + ahead[:width] + 1).reshape(-1)  # token made
-                    if split.size == 1 or sampled:
-                        whole = gather_vocab(local, split, cfg.V)
-                        choice = sample_rows(whole, params, key_step, sampled)
-                    else:
-                        choice = greedy_split(local, params, key_step, split)
-                    return vary(jnp.pad(choice.reshape(Bg, width), ((0, 0), (0, T - width))))
-
-                return choose
-
-            def head(x):
-                """x [Bg, T, D] -> the group's next [tokens, step, count], its rows'
-                context, length and outputs after this round."""
-                choice = jax.lax.switch(at, [choices(w) for w in widths], x)
-
-                ran = count > 0
-                drafted = jnp.maximum(count - 1, 0)
-                agree = (fed[:, 1:] == choice[:, :-1]) & (ahead[1:] < count[:, None])
-                kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
-                made = jnp.where(ran, kept + 1, 0)
-                newest = jnp.take_along_axis(choice, kept[:, None], axis=1)[:, 0]
-
-                old = jax.tree.map(lambda a: rows(a, row0, Bg), carry.out)
-                length = rows(carry.length, row0, Bg)
-                context = _append(rows(carry.context, row0, Bg), length, choice, made)
-                length = length + made
-                tokens = _append(old.tokens, old.made, choice, made)
-
-                step_next = step + made
-                with_drafts = ran & (drafted > 0)
-                pace = pace_after(
-                    old.pace, jnp.where(ran, drafted, 0), kept, step_next + 1, k_max, max_wait
-                )
-                k_b, wait_until = pace[:, 0], pace[:, 2]
-                drafts, found = ngram.propose_rows(context, length, T - 1, n_max, n_min)
-                room = rows(inputs.limit, row0, Bg) - 1 - step_next  # drafts the limit allows
-                may = found & (step_next + 1 >= wait_until)  # tokens so far: step + 1
-                d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
-                runs_next = ran & (room >= 0)
-                d = jnp.where(runs_next, d, 0)
-                # Fractions kept as the host's rule would read them now: the chunk's
-                # passes so far count, this one's included.
-                this = jnp.stack([jnp.where(ran, drafted, 0), kept], axis=1)  # [Bg, 2]
-                row_so_far = rows(inputs.so_far, row0, Bg) + jnp.stack(
-                    [old.drafted, old.kept], axis=1
-                )
-                every = jnp.stack([carry.out.drafted, carry.out.kept], axis=1)  # [B, 2]
-                all_so_far = inputs.so_far[-1] + jnp.sum(every, axis=0) + jnp.sum(this, axis=0)
-                f = kept_fraction(row_so_far + this, all_so_far)
-                cut = width_of[choose_width(d, f, runs_next, width_of, inputs.pass_seconds)]
-                count_next = jnp.where(runs_next, jnp.minimum(1 + d, cut), 0)
-                meta_next = jnp.concatenate(
-                    [newest[:, None], drafts, step_next[:, None], count_next[:, None]], axis=1
-                )
-                out = LoopOutputs(
-                    tokens,
-                    old.made + made,
-                    old.drafted + jnp.where(ran, drafted, 0),
-                    old.kept + jnp.where(ran, kept, 0),
-                    old.passes + with_drafts,
-                    pace,
-                )
-                return meta_next, context, length, out
-
-            shapes = (
-                jax.ShapeDtypeStruct((Bg, T + 2), jnp.int32),
-                jax.ShapeDtypeStruct((Bg, carry.context.shape[1]), jnp.int32),
-                jax.ShapeDtypeStruct((Bg,), jnp.int32),
-                LoopOutputs(
-                    jax.ShapeDtypeStruct((Bg, W), jnp.int32),
-                    *[jax.ShapeDtypeStruct((Bg,), jnp.int32)] * 4,
-                    jax.ShapeDtypeStruct((Bg, 3), jnp.int32),
-                ),
-            )
-            on_last, (meta_next, context, length, out) = on_last_stage(active, head, shapes, x)
-
-            def put(buf, new):
-                return jnp.where(on_last, put_rows(buf, new, row0), buf)
-
-            h_next, got = shift((x, jnp.where(on_last, meta_next, meta)), cyclic=True)
-            return LoopCarry(
-                h_next,
-                got,
-                queued,
-                kv,
-                put(carry.context, context),
-                put(carry.length, length),
-                jax.tree.map(put, carry.out, out),
-            )
-
-        zeros = lambda *shape: vary(jnp.zeros(shape, jnp.int32))  # noqa: E731
-        meta = jnp.concatenate([inputs.tokens, inputs.step[:, None], inputs.count[:, None]], axis=1)
-        carry = LoopCarry(
-            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
-            zeros(Bg, T + 2),
-            vary(meta),
-            StageCache(cache.k, cache.v),
-            vary(inputs.context),
-            vary(inputs.length),
-            LoopOutputs(zeros(B, W), *[zeros(B)] * 4, vary(inputs.pace)),
-        )
-        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, inputs.rounds), tick, carry)
+        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        stages = jax.lax.axis_size("stage")
+        ticks = decode_ticks(shape.groups, stages, inputs.rounds)
+        tick = functools.partial(loop_tick, run)
+        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)
         return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
 
@@ -401,3 +268,203 @@ def build_spec_loop(
         return mapped(weights, cache, inputs)
 
     return spec_loop
+
+
+def slot_of(run: Run, u):
+    """Schedule slot u = t - s -> (runs a group?, its first row): a round is a decode
+    chunk's step (`stage.chunk_slot`)."""
+    groups = run.shape.groups
+    period = decode_period(groups, jax.lax.axis_size("stage"))
+    return chunk_slot(u, run.inputs.rounds * period, period, groups, run.B // groups)[:2]
+
+
+def _width_of(run: Run) -> jax.Array:
+    """The pass widths as an array [len(widths)] int32."""
+    return jnp.array(run.shape.widths, jnp.int32)
+
+
+def first_carry(run: Run, cache: KVCache) -> LoopCarry:
+    """The loop's state before tick 0: nothing received, round 0's [tokens, step, count]
+    queued for every row [B, T + 2], the stage's cache slice, the rows' contexts and
+    paces as the host sent them, the outputs zero."""
+    inputs, T, B = run.inputs, run.shape.T, run.B
+    Bg = B // run.shape.groups
+    zeros = lambda *shape: vary(jnp.zeros(shape, jnp.int32))  # noqa: E731
+    meta = jnp.concatenate([inputs.tokens, inputs.step[:, None], inputs.count[:, None]], axis=1)
+    return LoopCarry(
+        vary(jnp.zeros((Bg, T, run.cfg.D), cache.k.dtype)),
+        zeros(Bg, T + 2),
+        vary(meta),
+        StageCache(cache.k, cache.v),
+        vary(inputs.context),
+        vary(inputs.length),
+        LoopOutputs(zeros(B, MAX_ROUNDS * T), *[zeros(B)] * 4, vary(inputs.pace)),
+    )
+
+
+def loop_tick(run: Run, t, carry: LoopCarry) -> LoopCarry:
+    """Tick t on this device: stage 0 files the [tokens, step, count] the last stage sent
+    at tick t - 1; stage s runs group (t - s) mod period's round, x [Bg, T, D], through
+    its layers; the last stage accepts, books the round and drafts the next; hidden
+    states and the next round's [tokens, step, count] move one stage on (the last
+    stage's back to stage 0)."""
+    s, stages = jax.lax.axis_index("stage"), jax.lax.axis_size("stage")
+    Bg, T, inputs = run.B // run.shape.groups, run.shape.T, run.inputs
+    filed, filed_row0 = slot_of(run, t - stages)
+    queued = jnp.where(filed, put_rows(carry.queued, carry.got, filed_row0), carry.queued)
+
+    active, row0 = slot_of(run, t - s)
+    meta = jnp.where(s == 0, rows(queued, row0, Bg), carry.got)  # [Bg, T + 2]
+    fed, step, count = meta[:, :T], meta[:, T], meta[:, T + 1]
+    offset, prompt_slots = rows(inputs.offset, row0, Bg), rows(inputs.prompt_slots, row0, Bg)
+    group = GroupPass(row0, step, offset + step, count, prompt_slots)
+    x_in = vary(jnp.where(s == 0, run.model.embed(fed), carry.h))
+    # The round runs the narrowest of the widths its rows' tokens fit (1: a decode
+    # step's work), every stage alike: they all read the same counts.
+    at = jnp.searchsorted(_width_of(run), jnp.max(count))
+    x, kv = loop_stage(run, x_in, carry.cache, group, active, at)
+
+    head = functools.partial(loop_head, run, carry, group, fed, at)
+    shapes = _head_shapes(Bg, T, carry.context.shape[1])
+    on_last, (meta_next, context, length, out) = on_last_stage(active, head, shapes, x)
+
+    def put(buf, new):
+        return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+    h_next, got = shift((x, jnp.where(on_last, meta_next, meta)), cyclic=True)
+    context, length = put(carry.context, context), put(carry.length, length)
+    return LoopCarry(h_next, got, queued, kv, context, length, jax.tree.map(put, carry.out, out))
+
+
+def loop_stage(run: Run, x_in, kv: StageCache, group: GroupPass, active, at):
+    """This stage's pass over a group's round, x_in [Bg, T, D] -> (x [Bg, T, D], kv):
+    `verify.pass_stage` over the first widths[at] positions (zeros past them) where the
+    layers hold no `seq` collective (a switch may choose), else over all T."""
+    T = run.shape.T
+
+    def layers(width):
+        def run_width(x_in, kv):
+            x_in = x_in[:, :width]
+            x, kv = pass_stage(run, kv, x_in, group, active)
+            return jnp.pad(x, ((0, 0), (0, T - width), (0, 0))), kv
+
+        return run_width
+
+    if run.gated:  # a switch holds no seq collective (`stage.when`)
+        return jax.lax.switch(at, [layers(w) for w in run.shape.widths], x_in, kv)
+    return layers(T)(x_in, kv)
+
+
+def loop_choices(run: Run, row0, step, at, x):
+    """The model's token after each of the first widths[at] positions of a group's round,
+    x [Bg, T, D] -> [Bg, T] (zeros past them): position i of a row is decode step
+    step + i, drawn with the row's key there (`sampling.choose_tokens`)."""
+    Bg, T = x.shape[:2]
+
+    def choices(width):
+        def choose(x):
+            local = run.model.logits(x[:, :width]).reshape(Bg * width, -1)  # [Bg w, V'/X]
+            params = jax.tree.map(
+                lambda a: jnp.repeat(rows(a, row0, Bg), width, axis=0), run.inputs.sampling
+            )
+            ahead = jnp.arange(width, dtype=jnp.int32)
+            key_step = (step[:, None] + ahead + 1).reshape(-1)  # the token made
+            split, V = run.model.split, run.cfg.V
+            choice = choose_tokens(local, params, key_step, split, V, run.shape.sampled).tokens
+            return vary(jnp.pad(choice.reshape(Bg, width), ((0, 0), (0, T - width))))
+
+        return choose
+
+    return jax.lax.switch(at, [choices(w) for w in run.shape.widths], x)
+
+
+def accept(fed, choice, count):
+    """A round's acceptance for rows that fed `fed` [R, T] (newest token, then drafts;
+    `count` [R] of them) and got the model's `choice` [R, T]: (drafted, kept, made,
+    newest) [R] each: the drafts, the longest run of them equal to the choices, the
+    tokens the row gets (kept + 1, 0 for a row that ran nothing), and its newest."""
+    ahead = jnp.arange(fed.shape[1], dtype=jnp.int32)
+    drafted = jnp.maximum(count - 1, 0)
+    agree = (fed[:, 1:] == choice[:, :-1]) & (ahead[1:] < count[:, None])
+    kept = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+    made = jnp.where(count > 0, kept + 1, 0)
+    newest = jnp.take_along_axis(choice, kept[:, None], axis=1)[:, 0]
+    return drafted, kept, made, newest
+
+
+def loop_head(run: Run, carry: LoopCarry, group: GroupPass, fed, at, x):
+    """The last stage's round for a group, x [Bg, T, D] -> (its next [tokens, step,
+    count] [Bg, T + 2], its rows' context [Bg, H] and length [Bg], its LoopOutputs):
+    the model's choices, accepted against the drafts fed, appended to each row's
+    context and output, its pace updated, the next round drafted."""
+    Bg, row0, step, count = x.shape[0], group.row0, group.step, group.count
+    choice = loop_choices(run, row0, step, at, x)
+    drafted, kept, made, newest = accept(fed, choice, count)
+    ran = count > 0
+
+    old = jax.tree.map(lambda a: rows(a, row0, Bg), carry.out)
+    length = rows(carry.length, row0, Bg)
+    context = _append(rows(carry.context, row0, Bg), length, choice, made)
+    length = length + made
+    tokens = _append(old.tokens, old.made, choice, made)
+    step_next = step + made
+    drafted_ran = jnp.where(ran, drafted, 0)
+    pace = pace_after(
+        old.pace, drafted_ran, kept, step_next + 1, run.shape.k_max, run.shape.max_wait
+    )
+
+    drafts, d, runs_next = next_drafts(run, row0, context, length, step_next, pace, ran)
+    this = jnp.stack([drafted_ran, kept], axis=1)  # [Bg, 2]
+    count_next = next_count(run, carry, row0, old, this, d, runs_next)
+    meta_next = jnp.concatenate(
+        [newest[:, None], drafts, step_next[:, None], count_next[:, None]], axis=1
+    )
+    out = LoopOutputs(
+        tokens,
+        old.made + made,
+        old.drafted + drafted_ran,
+        old.kept + jnp.where(ran, kept, 0),
+        old.passes + (ran & (drafted > 0)),
+        pace,
+    )
+    return meta_next, context, length, out
+
+
+def next_drafts(run: Run, row0, context, length, step_next, pace, ran):
+    """A group's drafts for its next round by prompt lookup on each row's context
+    [Bg, H] (`length` [Bg] tokens; its next step `step_next` [Bg]) -> (drafts
+    [Bg, T - 1], how many of them it may run [Bg], whether it runs [Bg]): as many as
+    its pace [Bg, 3] and its limit allow; none for a row that ran nothing or is at its
+    limit."""
+    Bg, T = context.shape[0], run.shape.T
+    k_b, wait_until = pace[:, 0], pace[:, 2]
+    drafts, found = ngram.propose_rows(context, length, T - 1, run.shape.n_max, run.shape.n_min)
+    room = rows(run.inputs.limit, row0, Bg) - 1 - step_next  # drafts the limit allows
+    may = found & (step_next + 1 >= wait_until)  # tokens so far: step + 1
+    d = jnp.where(may, jnp.clip(jnp.minimum(room, k_b), 0, T - 1), 0)
+    runs_next = ran & (room >= 0)
+    return drafts, jnp.where(runs_next, d, 0), runs_next
+
+
+def next_count(run: Run, carry: LoopCarry, row0, old: LoopOutputs, this, d, runs_next):
+    """The tokens each row of a group feeds its next round [Bg] (0: none): 1 + its
+    drafts d [Bg], cut to the width the round rule chooses by the rows' kept fractions
+    as the host's rule would read them now: the chunk's passes so far count (`old`, the
+    rows' outputs before this round; carry.out, every row's), this round's `this`
+    [Bg, 2] (drafts, kept) included."""
+    Bg, inputs = d.shape[0], run.inputs
+    row_so_far = rows(inputs.so_far, row0, Bg) + jnp.stack([old.drafted, old.kept], axis=1)
+    every = jnp.stack([carry.out.drafted, carry.out.kept], axis=1)  # [B, 2]
+    all_so_far = inputs.so_far[-1] + jnp.sum(every, axis=0) + jnp.sum(this, axis=0)
+    f = kept_fraction(row_so_far + this, all_so_far)
+    width_of = _width_of(run)
+    cut = width_of[choose_width(d, f, runs_next, width_of, inputs.pass_seconds)]
+    return jnp.where(runs_next, jnp.minimum(1 + d, cut), 0)
+
+
+def _head_shapes(Bg: int, T: int, H: int) -> tuple:
+    """`loop_head`'s outputs' shapes: [tokens, step, count] [Bg, T + 2], context
+    [Bg, H], length [Bg], LoopOutputs of a group's rows."""
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    outputs = LoopOutputs(i32(Bg, MAX_ROUNDS * T), *[i32(Bg)] * 4, i32(Bg, 3))
+    return i32(Bg, T + 2), i32(Bg, H), i32(Bg), outputs

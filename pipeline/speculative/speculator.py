@@ -67,12 +67,11 @@ from qwen3_spmd.pipeline.batch.handles import Logprob
 from qwen3_spmd.pipeline.batch.rowbook import Update, row_sampling
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
-from qwen3_spmd.pipeline.runtime.registry import JitTable, Stopwatch
-from qwen3_spmd.pipeline.runtime.shapes import VerifyShape
+from qwen3_spmd.pipeline.runtime.registry import Stopwatch
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
-from qwen3_spmd.pipeline.speculative.loop import MAX_ROUNDS, LoopInputs, build_spec_loop
+from qwen3_spmd.pipeline.speculative.loop import MAX_ROUNDS, LoopInputs, LoopShape
 from qwen3_spmd.pipeline.speculative.round_rule import RoundRule, pass_kind, step_kind, way_kind
-from qwen3_spmd.pipeline.speculative.verify import VerifyInputs, build_verify, common_prefix
+from qwen3_spmd.pipeline.speculative.verify import VerifyInputs, VerifyShape, common_prefix
 
 if TYPE_CHECKING:
     from qwen3_spmd.pipeline.runtime.engine import Engine
@@ -155,15 +154,14 @@ class Speculator:
     (a SpeculativeConfig, or any drafter with its `num_speculative_tokens` and
     `propose(context, k)`: the tests' and the benchmark's oracles), or `drafter` (a
     `pipeline.speculative.draft_model.DraftModel`, which proposes for all rows at once). The
-    compiled verify programs are the Speculator's: a caller may change `config` (and
-    reset `metrics`) between rounds and keep them."""
+    compiled verify programs are the engine's (`Engine.programs`, keyed by VerifyShape
+    and LoopShape): a caller may change `config` (and reset `metrics`) between rounds."""
 
     def __init__(self, engine: Engine, config: SpeculativeConfig, drafter=None):
         self.engine, self.config, self.drafter = engine, config, drafter
         self.metrics = SpecMetrics()
         self.rule = RoundRule()  # pipeline.speculative.round_rule: a pass or a plain chunk
         self._watch = None  # since this round's drafting: its pass's time
-        self._verify = JitTable()
 
     def takes(self, with_logits: bool, live: int) -> bool:
         """Whether a decode chunk over `live` busy rows may run as a verify round: no
@@ -173,24 +171,6 @@ class Speculator:
             return False
         bound = getattr(self.config, "disable_by_batch_size", None)
         return bound is None or live <= bound
-
-    def _program(
-        self, groups: int, T: int, sampled: bool, logprobs: bool, constrained: bool
-    ) -> tuple:
-        """(the name `Programs` keys the verify pass by, its jitted function): one place
-        for the pass `verify` runs and the one `compile` compiles ahead."""
-        name = ("verify", groups, T, "sampled" if sampled else "greedy")
-        name += ("logprobs",) if logprobs else ()
-        name += ("constrained",) if constrained else ()
-        key = (groups, T, sampled, logprobs, constrained)
-        e = self.engine
-        return name, self._verify.get(
-            key,
-            lambda: jax.jit(
-                build_verify(e.cfg, e.graphdef, e.state_specs, e.mesh, *key),
-                donate_argnames="cache",
-            ),
-        )
 
     def shapes(self, row_counts: list[int], constrained: bool = False) -> list[VerifyShape]:
         """Every verify pass a scheduler whose decode chunks run over `row_counts` rows
@@ -216,7 +196,7 @@ class Speculator:
         words = eng.mask_words if shape.constrained else None
         inputs = VerifyInputs.zeros(n, shape.T, words).placed(eng.mesh)
         eng.programs.get(
-            *self._program(groups, shape.T, shape.sampled, False, shape.constrained),
+            dataclasses.replace(shape, groups=groups),
             eng.weights,
             eng.copies.abstract_cache(cache_rows),
             inputs,
@@ -226,7 +206,7 @@ class Speculator:
         if self._loops() and shape.T == widths[-1] and not shape.constrained:
             zeros = LoopInputs.zeros(n, shape.T, eng.max_seq_len, len(widths))
             eng.programs.get(
-                *self._loop_program(groups, shape.sampled),
+                self._loop_program(n, groups, shape.sampled),
                 eng.weights,
                 eng.copies.abstract_cache(cache_rows),
                 zeros.placed(eng.mesh),
@@ -342,29 +322,18 @@ class Speculator:
         """The pass widths a loop of rounds chooses among: 1 (a step), 1 + the ladder."""
         return (1, *(1 + x for x in ladder(self.config.num_speculative_tokens)))
 
-    def _loop_program(self, groups: int, sampled: bool) -> tuple:
-        """(the name `Programs` keys a loop of rounds by, its jitted function)."""
-        e, c = self.engine, self.config
-        widths = self._widths()
-        name = ("spec_loop", groups, widths[-1], "sampled" if sampled else "greedy")
-        return name, self._verify.get(
-            ("loop", groups, sampled),
-            lambda: jax.jit(
-                build_spec_loop(
-                    e.cfg,
-                    e.graphdef,
-                    e.state_specs,
-                    e.mesh,
-                    groups,
-                    widths,
-                    sampled,
-                    c.prompt_lookup_max,
-                    c.prompt_lookup_min,
-                    c.num_speculative_tokens,
-                    MAX_WAIT,
-                ),
-                donate_argnames="cache",
-            ),
+    def _loop_program(self, rows: int, groups: int, sampled: bool) -> LoopShape:
+        """The loop of rounds over `rows` rows in `groups` groups, as the config drafts."""
+        c = self.config
+        return LoopShape(
+            rows,
+            groups,
+            self._widths(),
+            sampled,
+            c.prompt_lookup_max,
+            c.prompt_lookup_min,
+            c.num_speculative_tokens,
+            MAX_WAIT,
         )
 
     def _pass_seconds(self, n: int) -> np.ndarray:
@@ -416,7 +385,7 @@ class Speculator:
         clock = executor.clock
         watch = Stopwatch(clock)
         out, executor.cache = eng.run_program(
-            *self._loop_program(book.groups, sampled), clock, cache, inputs
+            self._loop_program(n, book.groups, sampled), clock, cache, inputs
         )
         out = jax.tree.map(np.asarray, out)
         clock.decode_s += watch.seconds()
@@ -468,9 +437,8 @@ class Speculator:
         watch = Stopwatch(clock)
         # Compiled once per shape, float32 at full precision, compile time counted
         # apart from the pass's (as the engine's own programs).
-        out, lp, executor.cache = eng.run_program(
-            *self._program(book.groups, T, sampled, logprobs, constrained), clock, cache, inputs
-        )
+        program = VerifyShape(n, T, sampled, constrained, book.groups, logprobs)
+        out, lp, executor.cache = eng.run_program(program, clock, cache, inputs)
         out = np.asarray(out)
         lp = jax.tree.map(np.asarray, lp)
         clock.decode_s += watch.seconds()

@@ -25,6 +25,9 @@ query can see them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -41,14 +44,12 @@ from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
     TokenLogprobs,
-    gather_vocab,
-    greedy_split,
-    sample_rows,
-    token_logprobs,
+    choose_tokens,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
+    Run,
     StageCache,
     Weights,
     from_device,
@@ -61,7 +62,48 @@ from qwen3_spmd.pipeline.programs.stage import (
     when,
     write_kv_rows,
 )
+from qwen3_spmd.pipeline.runtime.shapes import RoundSettings
 from qwen3_spmd.ring import decode_attention, decode_slot
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class VerifyShape:
+    """A verify pass over the first `rows` rows, T positions a row, greedy or sampled,
+    constrained (each position's tokens masked by a grammar) or not
+    (`pipeline.speculative.speculator`). Not among `ShapeRules.declared()`: a server with a
+    speculative config compiles them last, in the background (`Speculator.shapes`).
+    groups: the rows' decode groups (the runner's: None in that list); logprobs: each
+    position's log-probabilities too; last_only: a draft model's pass, each row's token
+    after its last position only (`build_verify`)."""
+
+    rows: int
+    T: int
+    sampled: bool
+    constrained: bool = False
+    groups: int | None = None
+    logprobs: bool = False
+    last_only: bool = False
+
+    @property
+    def T_out(self) -> int:
+        """Positions a row's output holds: T, or 1 with last_only."""
+        return 1 if self.last_only else self.T
+
+    def name(self) -> tuple:
+        """Its static choices, readably (rows show in its arrays' shapes)."""
+        name = ("draft" if self.last_only else "verify", self.groups, self.T)
+        name += ("sampled" if self.sampled else "greedy",)
+        name += ("logprobs",) if self.logprobs else ()
+        return name + (("constrained",) if self.constrained else ())
+
+    def build(self, engine) -> Callable:
+        """The pass on `engine` (the model's, or a draft model's), not yet jitted."""
+        return build_verify(engine.cfg, engine.graphdef, engine.state_specs, engine.mesh, self)
+
+    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
+        """Compiles, unless compiled, this pass in the rounds' groups and what it runs
+        beside it (`Speculator.compile`: a draft model's passes, a loop of rounds)."""
+        engine.speculator.compile(self, settings.cache_rows, settings.groups, announce)
 
 
 class VerifyInputs(NamedTuple):
@@ -120,18 +162,10 @@ class VerifyCarry(NamedTuple):
 
 
 def build_verify(
-    cfg: Qwen3Config,
-    graphdef: nnx.GraphDef,
-    state_specs,
-    mesh: Mesh,
-    groups: int,
-    T: int,
-    sampled: bool = False,
-    logprobs: bool = False,
-    constrained: bool = False,
-    last_only: bool = False,
+    cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape: VerifyShape
 ):
-    """The verify program for T tokens a row (not yet jitted).
+    """The verify program for `shape.T` tokens a row in `shape.groups` groups (not yet
+    jitted).
 
     Returns f(weights: Weights, cache: KVCache, inputs: VerifyInputs) -> (out [B, T']
     int32, TokenLogprobs of [B, T'] / [B, T', TOP_LOGPROBS] or None, KVCache), T' = T,
@@ -139,86 +173,20 @@ def build_verify(
     draft model's pass, which reads no other; the head's logits, and a sampled row's
     sort of the vocabulary, for one position instead of T). `cache.pos` must already
     list the slots of each row's `count` tokens (`RowBook.list_ahead`); the program
-    writes k and v only, so `cache` is donated and updated in place. sampled=False promises every row is greedy (no sort of the
-    vocabulary compiled, and under `tensor` no gather of it); sampled=True draws where a
-    row asks to. logprobs=True also gives each position's token's log-probability and
-    the top TOP_LOGPROBS, from the raw logits as decode reports them. constrained=True:
-    `inputs.allowed` masks each position's choice, as a constrained decode chunk's.
+    writes k and v only, so `cache` is donated and updated in place. sampled=False
+    promises every row is greedy (no sort of the vocabulary compiled, and under
+    `tensor` no gather of it); sampled=True draws where a row asks to. logprobs=True
+    also gives each position's token's log-probability and the top TOP_LOGPROBS, from
+    the raw logits as decode reports them. constrained=True: `inputs.allowed` masks
+    each position's choice, as a constrained decode chunk's.
     """
-    T_out = 1 if last_only else T
-    ahead = jnp.arange(T, dtype=jnp.int32)
 
     def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
-        model = nnx.merge(graphdef, weights.state)
-        split = model.split
-        stages, s = jax.lax.axis_size("stage"), jax.lax.axis_index("stage")
-        B = inputs.tokens.shape[0]
-        Bg = B // groups
-
-        def tick(t, carry: VerifyCarry) -> VerifyCarry:
-            u = t - s  # one step: stage s runs group t - s, if that is a group
-            active = (u >= 0) & (u < groups)
-            row0 = jnp.clip(u, 0, groups - 1) * Bg
-            j = rows(inputs.step, row0, Bg)[:, None] + ahead  # [Bg, T]: each token's step
-            group = GroupPass(
-                row0,
-                rows(inputs.step, row0, Bg),
-                rows(inputs.positions, row0, Bg),
-                rows(inputs.count, row0, Bg),
-                rows(inputs.prompt_slots, row0, Bg),
-            )
-            x_in = vary(jnp.where(s == 0, model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
-            x, kv = pass_stage(model, cfg, weights, carry.cache, cache.pos, x_in, group, active)
-
-            def head(x):
-                """x [Bg, T, D] -> each position's token [Bg, T'], TokenLogprobs or None."""
-                steps = j  # [Bg, T]
-                allowed = rows(inputs.allowed, row0, Bg) if constrained else None
-                if last_only:
-                    at = jnp.maximum(rows(inputs.count, row0, Bg) - 1, 0)[:, None]  # [Bg, 1]
-                    x = jnp.take_along_axis(x, at[:, :, None], axis=1)
-                    steps = jnp.take_along_axis(j, at, axis=1)
-                    if constrained:
-                        allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
-                local = model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
-                params = jax.tree.map(
-                    lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling
-                )
-                # The index of the token each position produces, as its key counts it.
-                step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
-                if constrained:
-                    allowed = allowed.reshape(Bg * T_out, -1)
-                if split.size == 1 or sampled or logprobs:
-                    whole = gather_vocab(local, split, cfg.V)  # [Bg T', V]
-                    tok = sample_rows(whole, params, step, sampled, allowed)
-                    lp = token_logprobs(whole, tok) if logprobs else None
-                else:
-                    tok, lp = greedy_split(local, params, step, split, allowed), None
-                lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
-                return tok.reshape(Bg, T_out), lp
-
-            shapes = (
-                jax.ShapeDtypeStruct((Bg, T_out), jnp.int32),
-                _logprob_shapes(Bg, T_out, logprobs),
-            )
-            on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
-
-            def put(buf, new):
-                return jnp.where(on_last, put_rows(buf, new, row0), buf)
-
-            out = put(carry.out, tok)
-            lp = jax.tree.map(put, carry.logprobs, lp) if logprobs else None
-            return VerifyCarry(shift(x, cyclic=False), kv, out, lp)
-
-        carry = VerifyCarry(
-            vary(jnp.zeros((Bg, T, cfg.D), cache.k.dtype)),
-            StageCache(cache.k, cache.v),
-            vary(jnp.zeros((B, T_out), jnp.int32)),
-            jax.tree.map(
-                lambda a: vary(jnp.zeros(a.shape, a.dtype)), _logprob_shapes(B, T_out, logprobs)
-            ),
-        )
-        carry = jax.lax.fori_loop(0, decode_ticks(groups, stages, 1), tick, carry)
+        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        stages = jax.lax.axis_size("stage")
+        ticks = decode_ticks(shape.groups, stages, 1)
+        tick = functools.partial(verify_tick, run)
+        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = from_device(carry.out, stages - 1, 0)
         lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
         return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
@@ -226,14 +194,89 @@ def build_verify(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(constrained)),
-        out_specs=(P(), TokenLogprobs(P(), P(), P()) if logprobs else None, CACHE_SPECS),
+        in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(shape.constrained)),
+        out_specs=(P(), TokenLogprobs(P(), P(), P()) if shape.logprobs else None, CACHE_SPECS),
     )
 
     def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):
         return mapped(weights, cache, inputs)
 
     return verify
+
+
+def first_carry(run: Run, cache: KVCache) -> VerifyCarry:
+    """The loop's state before tick 0: nothing received, the stage's cache slice, the
+    outputs zero ([B, T'], and log-probabilities where asked)."""
+    shape, B = run.shape, run.B
+    lp = _logprob_shapes(B, shape.T_out, shape.logprobs)
+    return VerifyCarry(
+        vary(jnp.zeros((B // shape.groups, shape.T, run.cfg.D), cache.k.dtype)),
+        StageCache(cache.k, cache.v),
+        vary(jnp.zeros((B, shape.T_out), jnp.int32)),
+        jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), lp),
+    )
+
+
+def verify_tick(run: Run, t, carry: VerifyCarry) -> VerifyCarry:
+    """Tick t on this device (one step of the decode schedule): stage s runs group t - s
+    (if that is a group), its T tokens a row, x [Bg, T, D], through its layers
+    (`pass_stage`); the last stage writes each position's token; hidden states move one
+    stage on."""
+    s, inputs, shape = jax.lax.axis_index("stage"), run.inputs, run.shape
+    Bg, u = run.B // shape.groups, t - s
+    active = (u >= 0) & (u < shape.groups)
+    row0 = jnp.clip(u, 0, shape.groups - 1) * Bg
+    group = GroupPass(
+        row0,
+        rows(inputs.step, row0, Bg),
+        rows(inputs.positions, row0, Bg),
+        rows(inputs.count, row0, Bg),
+        rows(inputs.prompt_slots, row0, Bg),
+    )
+    x_in = vary(jnp.where(s == 0, run.model.embed(rows(inputs.tokens, row0, Bg)), carry.h))
+    x, kv = pass_stage(run, carry.cache, x_in, group, active)
+
+    shapes = (
+        jax.ShapeDtypeStruct((Bg, shape.T_out), jnp.int32),
+        _logprob_shapes(Bg, shape.T_out, shape.logprobs),
+    )
+    head = functools.partial(verify_head, run, group)
+    on_last, (tok, lp) = on_last_stage(active, head, shapes, x)
+
+    def put(buf, new):
+        return jnp.where(on_last, put_rows(buf, new, row0), buf)
+
+    lp = jax.tree.map(put, carry.logprobs, lp) if shape.logprobs else None
+    return VerifyCarry(shift(x, cyclic=False), kv, put(carry.out, tok), lp)
+
+
+def verify_head(run: Run, group: GroupPass, x):
+    """The last stage's sampling head for a group, x [Bg, T, D] -> (each position's
+    token [Bg, T'], its TokenLogprobs [Bg, T', ...] or None): position i of a row is
+    decode step j + i, and its token is drawn with the row's key at that step (less
+    its key_offset) among the tokens allowed there (`sampling.choose_tokens`)."""
+    shape, inputs, row0 = run.shape, run.inputs, group.row0
+    Bg, T_out = x.shape[0], shape.T_out
+    steps = group.step[:, None] + jnp.arange(shape.T, dtype=jnp.int32)  # [Bg, T]
+    allowed = rows(inputs.allowed, row0, Bg) if shape.constrained else None
+    if shape.last_only:
+        at = jnp.maximum(group.count - 1, 0)[:, None]  # [Bg, 1]
+        x = jnp.take_along_axis(x, at[:, :, None], axis=1)
+        steps = jnp.take_along_axis(steps, at, axis=1)
+        if shape.constrained:
+            allowed = jnp.take_along_axis(allowed, at[:, :, None], axis=1)
+    local = run.model.logits(x).reshape(Bg * T_out, -1)  # [Bg T', V'/X]
+    params = jax.tree.map(lambda a: jnp.repeat(rows(a, row0, Bg), T_out, axis=0), inputs.sampling)
+    # The index of the token each position produces, as its key counts it.
+    step = (steps + 1 - rows(inputs.key_offset, row0, Bg)[:, None]).reshape(-1)
+    if shape.constrained:
+        allowed = allowed.reshape(Bg * T_out, -1)
+    split, V = run.model.split, run.cfg.V
+    tok, lp, _ = choose_tokens(
+        local, params, step, split, V, shape.sampled, allowed, shape.logprobs
+    )
+    lp = jax.tree.map(lambda a: a.reshape(Bg, T_out, *a.shape[1:]), lp)
+    return tok.reshape(Bg, T_out), lp
 
 
 class GroupPass(NamedTuple):
@@ -248,23 +291,13 @@ class GroupPass(NamedTuple):
     prompt_slots: jax.Array
 
 
-def pass_stage(
-    model,
-    cfg: Qwen3Config,
-    weights: Weights,
-    kv: StageCache,
-    slot_pos,
-    x_in,
-    group: GroupPass,
-    active,
-):
+def pass_stage(run: Run, kv: StageCache, x_in, group: GroupPass, active):
     """This stage's layers over a group's T tokens a row, x_in [Bg, T, D] -> (x [Bg, T,
     D], kv): token i of a row is decode step step + i and writes its K/V where that step
     would (`ring.decode_slot`), then the T queries attend over each `seq` device's own
-    slots (`slot_pos` [B, slots/C], masked by position, so token i sees the context and
-    tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not `active`."""
-    gated = jax.lax.axis_size("seq") == 1  # no collectives inside the layers
-    always_active = jax.lax.axis_size("stage") == 1
+    slots (`run.slot_pos` [B, slots/C], masked by position, so token i sees the context
+    and tokens 0 .. i of its own row) and merge with LSE. Nothing runs where not
+    `active`."""
     C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
     T = x_in.shape[1]
     ahead = jnp.arange(T, dtype=jnp.int32)
@@ -278,8 +311,8 @@ def pass_stage(
     # A bound on the local slots the row's tokens reach on any device: slots past it
     # hold nothing the row may see.
     filled = decode_slot(j[:, -1], group.prompt_slots, C)[1] + 1  # [Bg]
-    group_slot_pos = rows(slot_pos, row0, x_in.shape[0])
-    scale = cfg.head_dim**-0.5
+    group_slot_pos = rows(run.slot_pos, row0, x_in.shape[0])
+    scale = run.cfg.head_dim**-0.5
 
     def attend_at(layer):
         def attend(q, k, v, kv: StageCache):
@@ -303,10 +336,11 @@ def pass_stage(
         return attend
 
     def compute(x, kv, gate):
-        x, kv = run_stage(model, cfg, weights.real, x, q_pos, kv, attend_at, gated, gate)
+        real = run.weights.real
+        x, kv = run_stage(run.model, run.cfg, real, x, q_pos, kv, attend_at, run.gated, gate)
         return vary(x), kv
 
-    return when(active, compute, x_in, kv, gated, always_active)
+    return when(active, compute, x_in, kv, run.gated, run.always_active)
 
 
 def _logprob_shapes(B: int, T: int, logprobs: bool) -> TokenLogprobs | None:

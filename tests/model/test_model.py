@@ -7,6 +7,7 @@ runs in one padded batch: padding positions are -1 and masked out by position.
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import threading
 
@@ -196,22 +197,27 @@ def test_decode_program_compiled_ahead_is_collected():
 def test_two_threads_asking_for_one_program_compile_it_once(monkeypatch):
     """Programs.get from two threads at once (a server's round and its background
     compiles): one compiles, the other waits for that compile; both get one program."""
-    programs = Programs(jnp.float32)
+    fn = jax.jit(lambda w, cache, inputs: cache.k * w + inputs.tokens.sum())
+    programs = Programs(jnp.float32, jit=lambda program: fn)
     builds, build = [], programs._build
     asking = threading.Semaphore(0)  # released by each thread as it asks
 
-    def slow_build(fn, args):
-        builds.append(fn)
+    @dataclasses.dataclass(frozen=True)
+    class F:  # a program's shape record (registry.Program)
+        def name(self) -> tuple:
+            return ("f",)
+
+    def slow_build(program, args):
+        builds.append(program)
         for _ in range(2):  # both threads have asked before this compile ends
             assert asking.acquire(timeout=60)
-        return build(fn, args)
+        return build(program, args)
 
     def ask(_):
         asking.release()
-        return programs.get(("f",), fn, w, cache, inputs)
+        return programs.get(F(), w, cache, inputs)
 
     monkeypatch.setattr(programs, "_build", slow_build)
-    fn = jax.jit(lambda w, cache, inputs: cache.k * w + inputs.tokens.sum())
     cache = collections.namedtuple("Cache", "k")(jnp.ones((3, 5)))
     inputs = collections.namedtuple("Inputs", "tokens")(jnp.arange(7))
     w = jnp.float32(2)

@@ -27,6 +27,7 @@ from qwen3_spmd.pipeline.batch.handles import Params
 from qwen3_spmd.pipeline.programs.layout import lay_out
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling, greedy_split, sample_rows
 from qwen3_spmd.pipeline.runtime.engine import Engine
+from qwen3_spmd.pipeline.runtime.shapes import PrefillShape
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 from qwen3_spmd.pipeline.speculative.speculator import Speculator
@@ -324,7 +325,7 @@ def test_the_prompts_logprobs_never_gather_the_vocabulary():
 
     inputs = engine.copies.abstract(laid.prefill, PrefillInputs.specs(targets=True))
     hlo = (
-        engine._prefill_fn("ring", prompt_logprobs=True)
+        engine.jitted(PrefillShape(laid.B, laid.P_pad, prompt_logprobs=True))
         .lower(engine.weights, engine.copies.abstract_cache(laid.B), inputs)
         .compile()
         .as_text()
@@ -350,7 +351,7 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
 
     inputs = engine.copies.abstract(laid.prefill, PrefillInputs.specs())
     hlo = (
-        engine._prefill_fn("ring")
+        engine.jitted(PrefillShape(laid.B, laid.P_pad))
         .lower(engine.weights, engine.copies.abstract_cache(laid.B), inputs)
         .compile()
         .as_text()

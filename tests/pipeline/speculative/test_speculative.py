@@ -29,7 +29,6 @@ from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
-from qwen3_spmd.pipeline.runtime.shapes import VerifyShape
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.speculative import loop, ngram, speculator
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig, SpeculativeConfigError
@@ -46,6 +45,7 @@ from qwen3_spmd.pipeline.speculative.round_rule import (
     way_kind,
 )
 from qwen3_spmd.pipeline.speculative.speculator import MAX_WAIT, Pace, Speculator, ladder
+from qwen3_spmd.pipeline.speculative.verify import VerifyShape
 from qwen3_spmd.run.cli import main
 from qwen3_spmd.sharding.mesh import make_mesh
 
