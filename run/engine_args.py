@@ -352,13 +352,18 @@ class EngineArgs:
         them). door: what a door adds that is not a setting (on_compile; bench: cp per
         run, dtype and the measured rates)."""
         from qwen3_spmd.pipeline.runtime.engine import Engine
-        from qwen3_spmd.pipeline.speculative import speculator
-        from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 
-        kwargs = {**self.engine_kwargs(max_seq_len), **door}
-        engine = Engine(spec_cfg, source, mesh, **kwargs)
+        return Engine(spec_cfg, source, mesh, **{**self.engine_kwargs(max_seq_len), **door})
+
+    def speculator(self, engine, **door):
+        """The Speculator of speculative_config over `engine` (None: plain decoding), a
+        draft model's Engine built as `engine` was (door: as `engine`'s)."""
+        from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
+        from qwen3_spmd.pipeline.speculative.speculator import make_speculator
+
         spec = SpeculativeConfig.parse(self.speculative_config)
-        return speculator.attach(engine, spec, self._draft(spec, engine, kwargs))
+        kwargs = {**self.engine_kwargs(engine.max_seq_len), **door}
+        return make_speculator(engine, spec, self._draft(spec, engine, kwargs))
 
     def _draft(self, spec, engine, kwargs: dict):
         """The draft model of `spec` (a SpeculativeConfig of method draft_model; else
@@ -400,9 +405,9 @@ class EngineArgs:
             experts=self.expert_split,
         )
 
-    def scheduler(self, engine, many: bool = False, decisions=None, **door):
-        """The continuous-batching Scheduler over `engine` with these settings (door:
-        what a door adds that is not a setting)."""
+    def scheduler(self, engine, many: bool = False, decisions=None, speculator=None, **door):
+        """The continuous-batching Scheduler over `engine` with these settings, speculating
+        with `speculator` (door: what a door adds that is not a setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 
@@ -413,7 +418,8 @@ class EngineArgs:
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
                 decisions=decisions,
-                prefix_cache_bytes=self.prefix_cache_bytes(engine, many),
+                prefix_cache_bytes=self.prefix_cache_bytes(engine, many, speculator),
+                speculator=speculator,
                 **door,
             )
         except RequestError as e:  # a --prefix-cache-mib under one block
@@ -421,7 +427,7 @@ class EngineArgs:
                 raise
             raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib}: {e}") from None
 
-    def prefix_cache_bytes(self, engine, many: bool) -> int:
+    def prefix_cache_bytes(self, engine, many: bool, speculator=None) -> int:
         """Each device's bytes for the prefix cache's pool (see the fields). Where the
         device says nothing of its memory (CPU), or with several processes (whose pools
         must hold the same blocks, and whose free memory may differ), as much as the rows'
@@ -436,7 +442,7 @@ class EngineArgs:
         rows = engine.copies.cache_bytes_per_device(self.max_batch)
         stats = None if many else engine.mesh.devices.flat[0].memory_stats()
         if stats and "bytes_limit" in stats:
-            drafter = getattr(engine.speculator, "drafter", None)
+            drafter = getattr(speculator, "drafter", None)
             draft_rows = 0  # made at its first proposal, after the pool: set aside now
             if drafter is not None:
                 draft_rows = drafter.engine.copies.cache_bytes_per_device(self.max_batch)
@@ -454,7 +460,9 @@ class EngineArgs:
         engine = self.engine(spec.cfg, spec.source, mesh, self.seq_len(spec.cfg, runtime.shape.seq))
         # Structured outputs: a grammar engine over the model's tokenizer (none without one).
         grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
-        return Built(runtime, spec, engine, self.scheduler(engine, grammars=grammars))
+        speculator = self.speculator(engine)
+        scheduler = self.scheduler(engine, grammars=grammars, speculator=speculator)
+        return Built(runtime, spec, engine, scheduler)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,8 +138,8 @@ def _run(args, engine_args: EngineArgs, runtime) -> int:
     procs = runtime.procs
     job = _job(args, engine_args, runtime)
     show = procs.leader  # only process 0 prints results; the others stay quiet
-    out, engine, stream = _load_and_generate(args, engine_args, job, procs, show)
-    report = _report(args, job, engine, out, procs, runtime.cache)
+    out, engine, speculator, stream = _load_and_generate(args, engine_args, job, procs, show)
+    report = _report(args, job, engine, out, procs, runtime.cache, speculator)
     if not show:
         return 0
     if args.check:
@@ -245,6 +245,7 @@ def _load_and_generate(args, engine_args: EngineArgs, job: _Job, procs, show: bo
         engine = engine_args.engine(
             job.spec.cfg, source, job.mesh, job.max_seq_len, on_compile=progress.compiling
         )
+        speculator = engine_args.speculator(engine, on_compile=progress.compiling)
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
@@ -254,12 +255,12 @@ def _load_and_generate(args, engine_args: EngineArgs, job: _Job, procs, show: bo
                 if len(job.prompts) == 1
                 else _DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens, job.eos)
             )
-        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream, job)
+        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream, job, speculator)
     finally:
         progress.stop()
     if stream:
         stream.finish()
-    return out, engine, stream
+    return out, engine, speculator, stream
 
 
 def _mesh_line(job: _Job, procs) -> str:
@@ -282,7 +283,7 @@ def _mesh_line(job: _Job, procs) -> str:
     return line
 
 
-def _report(args, job: _Job, engine, out, procs, cache) -> dict:
+def _report(args, job: _Job, engine, out, procs, cache, speculator=None) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
     from qwen3_spmd.run import traffic
 
@@ -332,18 +333,18 @@ def _report(args, job: _Job, engine, out, procs, cache) -> dict:
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
         **_cp_report(out.layout, out.timing),
-        **_speculative_report(engine),
+        **_speculative_report(speculator),
     }
 
 
-def _speculative_report(engine) -> dict:
+def _speculative_report(speculator) -> dict:
     """With --speculative-config: the config and the drafts proposed and accepted."""
-    if engine.speculator is None:
+    if speculator is None:
         return {}
-    m = engine.speculator.metrics
+    m = speculator.metrics
     return {
         "speculative": {
-            **dataclasses.asdict(engine.speculator.config),
+            **dataclasses.asdict(speculator.config),
             "num_drafts": m.drafts,
             "num_draft_tokens": m.draft_tokens,
             "num_accepted_tokens": m.accepted_tokens,
@@ -457,9 +458,9 @@ def _grammars(constraint, text, vocab: int, eos: tuple[int, ...]):
     return grammars
 
 
-def _generate(engine, args, prompts, sampling, eos, stream, job=None):
+def _generate(engine, args, prompts, sampling, eos, stream, job=None, speculator=None):
     """static_batch.generate, under the JAX profiler if --profile DIR; with the job's
-    constraint, if any."""
+    constraint, if any, and speculating with `speculator`."""
     import contextlib
 
     import jax
@@ -482,6 +483,7 @@ def _generate(engine, args, prompts, sampling, eos, stream, job=None):
             with_logits=with_logits,
             constraint=job.constraint if job else None,
             grammars=job.grammars if job else None,
+            speculator=speculator,
         )
 
 

@@ -59,6 +59,7 @@ from qwen3_spmd.pipeline.runtime.shapes import (
 from qwen3_spmd.pipeline.scheduling.decisions import SharedDecisions
 from qwen3_spmd.pipeline.scheduling.executor import Executor
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Planner, Round
+from qwen3_spmd.pipeline.speculative.speculator import Speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, Grammars
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
@@ -93,6 +94,9 @@ class Scheduler:
       grammars: the grammar engine over the model's tokenizer
         (`pipeline.structured.constraints.Grammars`) for requests with a constraint (structured
         outputs); None: such requests are refused. Every process needs its own.
+      speculator: speculative decoding (`pipeline.speculative.speculator.Speculator`):
+        process 0's planner decides each round with its policy, every process's executor
+        runs it; None: plain decoding.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
         prefix_block: int = 256,
         grammars: Grammars | None = None,
+        speculator: Speculator | None = None,
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -148,6 +153,7 @@ class Scheduler:
             long_chunk=engine.chunk,
             prefix=self.prefix,
             cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
+            speculate=speculator.policy if speculator is not None else None,
         )
         self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
         self.accounting = Accounting()
@@ -162,6 +168,7 @@ class Scheduler:
             pool=pool,
             block_layout=self.rules.layout_block,
             grammars=grammars,
+            speculator=speculator,
         )
         self.grammars = grammars
         self.max_queue = max_queue
@@ -190,6 +197,18 @@ class Scheduler:
         self.compiles_left = 0  # shapes compile_later has still to compile
         self._stop_compiling = threading.Event()
         self._compiled: set[Shape] = set()  # shapes compiled, or run by a round
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """Speculative decoding, None when off. Set between rounds (a benchmark trying
+        drafters): the planner's policy and the executor change together."""
+        return self.executor.speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        with self._round:
+            self.executor.speculator = speculator
+            self.planner.speculate = speculator.policy if speculator is not None else None
 
     @property
     def prefill_tokens(self) -> int:
@@ -312,7 +331,7 @@ class Scheduler:
                 shape.constrained,
             )
         elif isinstance(shape, VerifyShape):
-            eng.speculator.compile(shape, self.B, self.groups, announce)
+            self.speculator.compile(shape, self.B, self.groups, announce)
         elif isinstance(shape, CopyShape):
             pool = self.executor.pool
             if shape.direction == "save":
