@@ -321,6 +321,14 @@ class EngineArgs:
         """The Engine of these settings on `mesh` (`pipeline.scheduling.build.engine`: the
         one place an Engine is built from them). door: what a door adds that is not a
         setting (on_compile; bench: cp per run, dtype and the measured rates)."""
+        from qwen3_spmd.pipeline.scheduling import build
+
+        return build.engine(spec_cfg, source, mesh, **self.engine_kwargs(max_seq_len), **door)
+
+    def speculator(self, engine, **door):
+        """The Speculator of speculative_config over `engine` (None: plain decoding); a
+        draft model opened as the model is, its Engine built as `engine` was (door: as
+        `engine`'s)."""
         from qwen3_spmd.model.config import ConfigError
         from qwen3_spmd.pipeline.scheduling import build
         from qwen3_spmd.run.models import open_model
@@ -332,11 +340,9 @@ class EngineArgs:
                 raise CLIError(f"--speculative-config: model {name}: {e}") from None
             return draft.cfg, draft.source
 
-        kwargs = {**self.engine_kwargs(max_seq_len), **door}
+        kwargs = {**self.engine_kwargs(engine.max_seq_len), **door}
         try:
-            return build.engine(
-                spec_cfg, source, mesh, self.speculative_config, open_draft, **kwargs
-            )
+            return build.speculator(engine, self.speculative_config, open_draft, **kwargs)
         except build.DraftError as e:
             raise CLIError(f"--speculative-config: {e}") from None
 
@@ -355,10 +361,10 @@ class EngineArgs:
             experts=self.expert_split,
         )
 
-    def scheduler(self, engine, many: bool = False, decisions=None, **door):
-        """The continuous-batching Scheduler over `engine` with these settings
-        (`pipeline.scheduling.build.scheduler`; many: several processes; door: what a
-        door adds that is not a setting)."""
+    def scheduler(self, engine, many: bool = False, decisions=None, speculator=None, **door):
+        """The continuous-batching Scheduler over `engine` with these settings, speculating
+        with `speculator` (`pipeline.scheduling.build.scheduler`; many: several
+        processes; door: what a door adds that is not a setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling import build
 
@@ -371,6 +377,7 @@ class EngineArgs:
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
                 decisions=decisions,
+                speculator=speculator,
                 **door,
             )
         except RequestError as e:  # a --prefix-cache-mib under one block
@@ -397,7 +404,9 @@ class EngineArgs:
         engine = self.engine(spec.cfg, spec.source, mesh, self.seq_len(spec.cfg, runtime.shape.seq))
         # Structured outputs: a grammar engine over the model's tokenizer (none without one).
         grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
-        return Built(runtime, spec, engine, self.scheduler(engine, grammars=grammars))
+        speculator = self.speculator(engine)
+        scheduler = self.scheduler(engine, grammars=grammars, speculator=speculator)
+        return Built(runtime, spec, engine, scheduler)
 
 
 @dataclasses.dataclass(frozen=True)

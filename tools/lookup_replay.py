@@ -1,7 +1,7 @@
 """Prompt lookup replayed on a greedy run's tokens: how many drafts it proposes and keeps
 when it looks up after every token (the device's loop of rounds, `pipeline.speculative.loop`)
 and when a round that finds nothing decodes k + 1 plain steps before it looks again
-(the host's rounds, `Speculator.plain_steps`).
+(the host's rounds, `SpecPolicy` plain steps).
 
     python tools/lookup_replay.py --model /tmp/q06 --dtype float32 --batch 1 \\
         --prompt-len 64 --new 48 --k 8
@@ -9,7 +9,7 @@ and when a round that finds nothing decodes k + 1 plain steps before it looks ag
 Greedy tokens do not depend on how they were drafted, so a draft's fate is known from
 the plain run alone: it is kept up to its first token that differs from the run's.
 Both ways use the drafter (`ngram.propose`, n-grams 4 down to 1) and the pacing
-(`speculative.Pace`) of the engine; what is left out is the round rule (every proposal
+(`policy.Pace`) of the engine; what is left out is the round rule (every proposal
 is verified whole) and the loop's chunk boundaries. The prompts are the speculative
 bench's (`bench.measure.prompts_for`), so the figures explain its acceptance column:
 the loop drafts at tokens the host's plain chunks skip, where drafts are kept less
@@ -22,7 +22,7 @@ import argparse
 import json
 
 from qwen3_spmd.pipeline.speculative.ngram import propose
-from qwen3_spmd.pipeline.speculative.speculator import Pace
+from qwen3_spmd.pipeline.speculative.policy import Pace
 
 
 def replay(prompt: list[int], tokens: list[int], k: int, every_token: bool) -> dict:

@@ -42,9 +42,7 @@ class Row:
     request: Request
     generated: list[int]  # every token so far (token 0 came from the prefill)
     prompt_slots: int  # local cache slots its prompt took (P_pad / C of its admission)
-    pace: object | None = (
-        None  # how far it drafts (pipeline.speculative.speculator.Pace), if it does
-    )
+    pace: object | None = None  # how far it drafts (pipeline.speculative.policy.Pace)
 
     @property
     def steps_left(self) -> int:

@@ -130,9 +130,6 @@ class Engine:
         self.programs = Programs(self.dtype, self.jitted, on_compile)
         # The cache's other programs: zeros, row inserts and moves, block copies.
         self.copies = Copies(mesh, self.dtype, self.cache_shape)
-        # A pipeline.speculative.speculator.Speculator (set by speculative.attach) makes decode
-        # rounds verify its drafts, with the same tokens; None: plain decoding.
-        self.speculator = None
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
         self._logprobs = jax.jit(token_logprobs)
 

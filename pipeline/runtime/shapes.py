@@ -35,13 +35,15 @@ class RoundSettings:
     """What a scheduler's rounds run every shape's program with, beside the shape: a
     cache of `cache_rows` rows in `groups` decode groups, prompts laid out by `block`
     (`ShapeRules.layout_block`), each prefill's cp strategy `cp(shape)` (the planner's),
-    and the prefix cache's block `pool` (None without one)."""
+    the prefix cache's block `pool` (None without one), and the `speculator` whose verify
+    passes they run (None without speculation)."""
 
     cache_rows: int
     groups: int
     block: int | None = None
     cp: Callable[[PrefillShape], str] = lambda shape: "ring"
     pool: Any = None
+    speculator: Any = None
 
 
 # A program's shape record is its key (`pipeline.runtime.registry.Program`): every static

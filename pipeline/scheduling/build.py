@@ -1,6 +1,6 @@
-"""An engine and its scheduler built from settings: the Engine with speculative decoding
-attached (a draft model's own Engine on the same mesh), the prefix cache's pool sized
-from the device's memory, the Scheduler over them. Every door builds through here
+"""An engine and its scheduler built from settings: the Engine, its Speculator (a draft
+model's own Engine on the same mesh), the prefix cache's pool sized from the device's
+memory, the Scheduler over them. Every door builds through here
 (run.engine_args says its settings in these terms, and these errors in its own words);
 it sits in the last room because it needs the engine, speculation and the scheduler."""
 
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
-from qwen3_spmd.pipeline.speculative import speculator
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
+from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 
 
 class DraftError(ValueError):
@@ -20,25 +20,26 @@ class DraftError(ValueError):
     heads or layers do not fit); the message names it."""
 
 
-def engine(
-    cfg,
-    source,
-    mesh,
+def engine(cfg, source, mesh, **kwargs) -> Engine:
+    """The Engine of `cfg`'s weights from `source` on `mesh` (kwargs: Engine's settings)."""
+    return Engine(cfg, source, mesh, **kwargs)
+
+
+def speculator(
+    main: Engine,
     speculative=None,
     open_draft: Callable[[str], tuple] | None = None,
     **kwargs,
-) -> Engine:
-    """The Engine of `cfg`'s weights from `source` on `mesh` (kwargs: Engine's settings),
-    decoding as `speculative` asks (a SpeculativeConfig, its JSON or mapping; None:
-    plain). open_draft(name) -> (cfg, source): the draft model of method draft_model,
-    opened once the model's Engine stands; its own Engine takes the same mesh and
-    settings."""
-    main = Engine(cfg, source, mesh, **kwargs)
+) -> Speculator | None:
+    """The Speculator over `main` that decodes as `speculative` asks (a
+    SpeculativeConfig, its JSON or mapping; None: plain decoding, None back).
+    open_draft(name) -> (cfg, source): the draft model of method draft_model; its own
+    Engine takes `main`'s mesh and the settings `kwargs`."""
     spec = SpeculativeConfig.parse(speculative)
     draft = None
     if spec is not None and spec.method == "draft_model":
         draft = _draft(main, spec.model, *open_draft(spec.model), kwargs)
-    return speculator.attach(main, spec, draft)
+    return make_speculator(main, spec, draft)
 
 
 def _draft(main: Engine, name: str, cfg, source, kwargs: dict) -> Engine:
@@ -62,10 +63,10 @@ class PrefixPool:
     enabled: bool | None = None
     size: int | None = None
 
-    def bytes_per_device(self, engine, max_batch: int, many: bool = False) -> int:
+    def bytes_per_device(self, engine, max_batch: int, many: bool = False, speculator=None) -> int:
         """The pool's bytes on each device of `engine` with `max_batch` rows: `size`, else
-        half the memory free after the weights and every row's cache (a draft model's
-        too) where the device tells its memory on one process, and as much as the rows'
+        half the memory free after the weights and every row's cache (`speculator`'s
+        draft model's too) where the device tells its memory on one process, and as much as the rows'
         own KV cache where it does not (CPU) or with several processes (`many`: their
         pools must hold the same blocks, and their free memory may differ)."""
         if self.enabled is False:
@@ -77,7 +78,7 @@ class PrefixPool:
         rows = engine.copies.cache_bytes_per_device(max_batch)
         stats = None if many else engine.mesh.devices.flat[0].memory_stats()
         if stats and "bytes_limit" in stats:
-            drafter = getattr(engine.speculator, "drafter", None)
+            drafter = getattr(speculator, "drafter", None)
             draft_rows = 0  # made at its first proposal, after the pool: set aside now
             if drafter is not None:
                 draft_rows = drafter.engine.copies.cache_bytes_per_device(max_batch)
@@ -87,10 +88,17 @@ class PrefixPool:
 
 
 def scheduler(
-    engine, max_batch: int, pool: PrefixPool = PrefixPool(), many: bool = False, **kwargs
+    engine,
+    max_batch: int,
+    pool: PrefixPool = PrefixPool(),
+    many: bool = False,
+    speculator: Speculator | None = None,
+    **kwargs,
 ) -> Scheduler:
-    """The continuous-batching Scheduler over `engine` with `max_batch` rows and the
-    prefix cache's `pool` (many: several processes); kwargs: Scheduler's
+    """The continuous-batching Scheduler over `engine` with `max_batch` rows, the prefix
+    cache's `pool` (many: several processes) and `speculator`; kwargs: Scheduler's
     (prefill_tokens, max_queue, decisions, grammars, ...)."""
-    pool_bytes = pool.bytes_per_device(engine, max_batch, many)
-    return Scheduler(engine, max_batch, prefix_cache_bytes=pool_bytes, **kwargs)
+    pool_bytes = pool.bytes_per_device(engine, max_batch, many, speculator)
+    return Scheduler(
+        engine, max_batch, prefix_cache_bytes=pool_bytes, speculator=speculator, **kwargs
+    )

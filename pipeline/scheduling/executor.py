@@ -9,9 +9,6 @@ process of a job executes the same `Round` alike, and gets the same tokens.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
@@ -30,8 +27,9 @@ from qwen3_spmd.pipeline.runtime.copies import BlockPool
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.runtime.registry import Clock, Stopwatch
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, Chunk, DecodeChunk, Round
-from qwen3_spmd.pipeline.speculative.round_rule import step_kind
-from qwen3_spmd.pipeline.structured.constraints import Grammars, RowMatcher
+from qwen3_spmd.pipeline.speculative.speculator import SpecContext, Speculator
+from qwen3_spmd.pipeline.structured.constraints import Grammars
+from qwen3_spmd.pipeline.structured.rows import RowGrammars
 
 
 class Executor:
@@ -44,6 +42,8 @@ class Executor:
     (`pipeline.batch.prefix`), None without one; block_layout: the block prompts are laid out
     by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
     constraint (`pipeline.structured.constraints`), None when none can have one.
+    speculator: runs the rounds the planner plans as verify passes (None: plain
+    decoding only).
     """
 
     def __init__(
@@ -57,14 +57,13 @@ class Executor:
         pool: BlockPool | None = None,
         block_layout: int | None = None,
         grammars: Grammars | None = None,
+        speculator: Speculator | None = None,
     ):
         self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
         self.cache = cache
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
-        self.grammars = grammars
-        # Each constrained request's grammar state, by request id, from its first token's
-        # sampling to its end: every process advances its own on the same tokens.
-        self.matchers: dict[int, RowMatcher] = {}
+        self.grammars = RowGrammars(grammars, clock, accounting) if grammars else None
+        self.speculator = speculator
         self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
         self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
@@ -85,7 +84,8 @@ class Executor:
         self.book.ended.clear()
         for id in round.cancels:
             in_row = self.book.row_of(id) is not None
-            self.matchers.pop(id, None)
+            if self.grammars is not None:
+                self.grammars.forget([id])
             if self.book.cancel(id):
                 updates.append(Update(id, [], "cancelled"))
                 self.accounting.early_ends += in_row  # a row freed before its budget
@@ -106,20 +106,20 @@ class Executor:
             self.cache = self.engine.copies.move_rows(self.cache, src, dst)
             for a, b in round.moves:
                 self.book.move(a, b)
-        if round.decode is None:
+        chunk = round.decode
+        if chunk is None:
             return []
-        chunk, spec = round.decode, self.engine.speculator
-        if spec is not None and spec.takes(chunk.with_logits, len(self.book.live())):
-            proposal = spec.drafts(self, chunk.shape.rows)
-            if any(proposal.tokens.values()):
-                return self._forget(spec.run(self, chunk.shape.rows, proposal, chunk.steps))
-            steps = spec.plain_steps(self.book, chunk.shape.rows, chunk.steps)
-            chunk = dataclasses.replace(chunk, steps=steps)
-            watch = Stopwatch(self.clock)
-            updates = self._decode(chunk)
-            spec.rule.saw(step_kind(chunk.shape.rows), watch.seconds() / steps)
+        if chunk.spec is not None:
+            context = SpecContext(self.book, self.accounting, self.clock, self.grammars)
+            updates, self.cache = self.speculator.run(
+                context, self.cache, chunk.shape.rows, chunk.spec
+            )
             return self._forget(updates)
-        return self._forget(self._decode(chunk))
+        watch = Stopwatch(self.clock)
+        updates = self._decode(chunk)
+        if self.speculator is not None and not chunk.with_logits:
+            self.speculator.saw_steps(chunk.shape.rows, watch.seconds() / chunk.steps)
+        return self._forget(updates)
 
     # ---- the parts of a round ------------------------------------------------------
 
@@ -293,80 +293,21 @@ class Executor:
     # ---- constraints (structured outputs) -------------------------------------------
 
     def _masks(self, requests: list[Request | None], always: bool = False) -> np.ndarray | None:
-        """Each row's allowed tokens [len(requests), W] (`sampling.only_allowed`; all for
-        a row of no constrained request, or of none), starting the matcher of a request
-        met for the first time; None when no row is constrained (the programs of old),
-        unless `always`."""
-        if not _constrained(requests):
-            return self.grammars.masks(len(requests)) if always and self.grammars else None
-        t0 = time.perf_counter()
-        masks = self.grammars.masks(len(requests))
-        for i, r in enumerate(requests):
-            matcher = None if r is None else self.grammar_of(r)
-            if matcher is not None:
-                matcher.fill(masks, i)
-                self.accounting.masks += 1
-        self.clock.mask_s += time.perf_counter() - t0
-        return masks
-
-    def grammar_of(self, request: Request) -> RowMatcher | None:
-        """The request's grammar state (started when first asked), None without a
-        constraint. A drafter steers by it inside `RowMatcher.trial`, which leaves it
-        as it was."""
-        if request.params.constraint is None:
+        """Each row's allowed tokens [len(requests), W] (`RowGrammars.masks`); None when
+        no row is constrained (the programs without masks), unless `always`."""
+        if self.grammars is None:
             return None
-        if request.id not in self.matchers:
-            self.matchers[request.id] = self.grammars.matcher(request.params.constraint)
-        return self.matchers[request.id]
-
-    def draft_masks(self, requests: list[Request | None], drafts: list[list[int]], T: int):
-        """A speculative pass's checks by the rows' constraints: (each row's drafts cut
-        to the run its constraint allows (`RowMatcher.along`), the allowed tokens at
-        each of the pass's T > len(drafts[i]) positions [len(requests), T, W], all for
-        a row without a constraint); (drafts, None) when no row has one."""
-        if not _constrained(requests):
-            return drafts, None
-        t0 = time.perf_counter()
-        masks = np.full((len(requests), T, self.grammars.words), -1, np.int32)
-        cut = []
-        for i, (r, d) in enumerate(zip(requests, drafts)):
-            matcher = None if r is None else self.grammar_of(r)
-            if matcher is not None:
-                d = d[: matcher.along(d, masks[i])]
-                self.accounting.masks += len(d) + 1
-            cut.append(d)
-        self.clock.mask_s += time.perf_counter() - t0
-        return cut, masks
-
-    def advance_along(self, request: Request, tokens) -> tuple[list[int], bool]:
-        """The request's kept tokens of a speculative pass, taken one by one by its
-        matcher: (those up to where its answer is done, whether it is)."""
-        matcher = self.grammar_of(request)
-        tokens = [int(t) for t in tokens]
-        if matcher is None:
-            return tokens, False
-        t0 = time.perf_counter()
-        try:
-            for i, t in enumerate(tokens):
-                if matcher.take(t):
-                    return tokens[: i + 1], True
-            return tokens, False
-        finally:
-            self.clock.mask_s += time.perf_counter() - t0
+        return self.grammars.masks(requests, always)
 
     def _advance(self, tokens: dict[int, int]) -> set[int]:
         """Each constrained request's matcher takes its new token ({request id: token});
         returns the ids whose answers are done (their grammar admits nothing more)."""
-        t0 = time.perf_counter()
-        done = {id for id, t in tokens.items() if id in self.matchers and self.matchers[id].take(t)}
-        self.clock.mask_s += time.perf_counter() - t0
-        return done
+        return self.grammars.take(tokens) if self.grammars is not None else set()
 
     def _forget(self, updates: list[Update]) -> list[Update]:
         """The matchers of the requests that ended are dropped."""
-        for u in updates:
-            if u.finish_reason:
-                self.matchers.pop(u.id, None)
+        if self.grammars is not None:
+            self.grammars.forget(u.id for u in updates if u.finish_reason)
         return updates
 
     def _insert(self, new: KVCache, rows: np.ndarray) -> None:
@@ -405,8 +346,3 @@ def _prompt_rows(batch: Batch, lp: PromptLogprobs, b: int) -> list[Logprob]:
         )
         for i in at
     ]
-
-
-def _constrained(requests: list[Request | None]) -> bool:
-    """Whether any of these rows' requests has a constraint (a structured output)."""
-    return any(r is not None and r.params.constraint is not None for r in requests)

@@ -21,7 +21,8 @@ The policy, in the order a round runs:
             burst decodes few rows;
     decode  one chunk over the rows up to the highest busy one, each at its own step
             (short while requests wait for a row, so finished rows free up soon; long
-            when none wait).
+            when none wait); with speculation on, run as plain steps, a verify pass of
+            width T or a loop of passes on the device (`pipeline.speculative.policy`).
 
 A request that ends at its first token by an EOS id is only known once its prefill
 ran: the round's decode plan counts it busy (its row then runs empty), and the next
@@ -47,6 +48,7 @@ from qwen3_spmd.pipeline.runtime.shapes import (
     Shape,
     ShapeRules,
 )
+from qwen3_spmd.pipeline.speculative.policy import Drafting, SpecPlan, SpecPolicy, drafting
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 
 
@@ -79,11 +81,33 @@ class Admission:
 @dataclasses.dataclass(frozen=True)
 class DecodeChunk:
     """A decode chunk over rows 0..shape.rows-1 that runs `steps` steps. with_logits:
-    row 0's logits at each step come back too (a static batch's first request)."""
+    row 0's logits at each step come back too (a static batch's first request). spec:
+    the chunk runs as speculative verify passes instead, as this plan says."""
 
     shape: DecodeShape
     steps: int
     with_logits: bool = False
+    spec: SpecPlan | None = None
+
+
+def decode_chunk(
+    shape: DecodeShape,
+    steps: int,
+    rows: dict[int, Drafting],
+    speculate: SpecPolicy | None,
+    with_logits: bool = False,
+) -> DecodeChunk:
+    """The decode chunk over shape.rows rows, whose busy ones are `rows`, that runs up to
+    `steps` steps. A row under a constraint needs the host between its tokens (its
+    grammar's matcher takes each and gives the next mask): the chunk runs one step.
+    With `speculate`, its policy decides plain steps or verify passes."""
+    if shape.constrained:
+        steps = 1
+    chunk = DecodeChunk(shape, steps, with_logits)
+    if speculate is None or with_logits or not speculate.takes(len(rows)):
+        return chunk
+    steps, plan = speculate.decide(rows, shape.rows, steps, shape.constrained)
+    return dataclasses.replace(chunk, steps=steps, spec=plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +156,9 @@ class Round:
             shape, request = PrefillShape(**c.pop("shape")), _request(c.pop("request"))
             chunk = Chunk(**{**c, "cached": tuple(c["cached"])}, shape=shape, request=request)
         if d["decode"]:
-            decode = DecodeChunk(**{**d["decode"], "shape": DecodeShape(**d["decode"]["shape"])})
+            c = d["decode"]
+            spec = SpecPlan.from_dict(c["spec"]) if c["spec"] else None
+            decode = DecodeChunk(**{**c, "shape": DecodeShape(**c["shape"]), "spec": spec})
         return Round(
             cancels=tuple(d["cancels"]),
             chunk=chunk,
@@ -191,7 +217,8 @@ class Planner:
     engine's chunk, the most a round runs. prefix: the prefix cache's book (read only),
     None without a cache. cp: a prefill shape's CP strategy, "ring" or "ulysses"
     (`Engine.cp_plan`): chosen here, on process 0, so that every process runs the same
-    program even where their measured rates would choose differently."""
+    program even where their measured rates would choose differently. speculate: the
+    speculative policy (None: plain decoding), chosen here for the same reason."""
 
     def __init__(
         self,
@@ -201,9 +228,11 @@ class Planner:
         long_chunk: int,
         prefix: PrefixBook | None = None,
         cp: Callable[[PrefillShape], str] = lambda shape: "ring",
+        speculate: SpecPolicy | None = None,
     ):
         self.rules, self.stages = rules, stages
         self.cp = cp
+        self.speculate = speculate
         self.short_chunk, self.long_chunk = short_chunk, long_chunk
         self.prefix = prefix
         # Whether a shape's program is compiled; while the rest compile in the
@@ -240,6 +269,7 @@ class Planner:
         found = [r.id for r in queue if r.id in cancels]
         # Rows after the round's writes, as far as the plan knows: request and tokens.
         busy, early_ends = {}, (accounting or Accounting()).early_ends
+        decoding = {}  # the rows that decode already, by their row after the moves
         for b in book.live():
             row = book.rows[b]
             if row.request.id in cancels:
@@ -247,6 +277,7 @@ class Planner:
                 early_ends += 1  # a row freed before its budget, this round
             else:
                 busy[b] = (row.request, len(row.generated))
+                decoding[b] = row
         held = book.chunking
         if held is not None and held.request.id in cancels:
             found.append(held.request.id)
@@ -292,10 +323,14 @@ class Planner:
         moves, decode = (), None
         if busy:
             moves = self._compact(busy, held_row)
+            for a, b in moves:  # a request admitted this round may move too
+                if a in decoding:
+                    decoding[b] = decoding.pop(a)
             acc = accounting or Accounting()
             decode = self._decode(
                 busy, bool(queue), book.B, book.groups, early_ends, acc.busy_row_steps
             )
+            decode = self._speculated(decode, busy, decoding)
         return Round(
             tuple(found), chunk, tuple(admissions), moves, decode, saves=saves, ended_saves=ended
         )
@@ -418,11 +453,7 @@ class Planner:
         # one stage, always).
         if (take - first) * groups > (self.stages - 1) * rows:
             take = first
-        # A row under a constraint needs the host between its tokens (its grammar's
-        # matcher takes each and gives the next mask): the chunk runs one step.
         constrained = any(r.params.constraint is not None for r, _ in busy.values())
-        if constrained:
-            take = 1
         # One program samples or not (all-greedy rows skip the sort at run time), so a
         # server compiles one per row count where it would two.
         shape = DecodeShape(
@@ -433,6 +464,18 @@ class Planner:
         )
         shape = self._stand_in(self.rules.decode_stand_ins, shape) or shape
         return DecodeChunk(shape, take)
+
+    def _speculated(self, chunk: DecodeChunk, busy: dict, decoding: dict) -> DecodeChunk:
+        """`chunk` as `decode_chunk` runs it over the `busy` rows, of which those in
+        `decoding` ({b: Row}) decoded before this round (the others' first tokens come
+        from this round's prefills, so they do not draft yet)."""
+        rows = drafting(decoding)
+        for b, (request, made) in busy.items():
+            if b not in rows:
+                left = request.params.max_new_tokens - made
+                rows[b] = Drafting(None, made, None, left, request.params.logprobs)
+        rows = dict(sorted(rows.items()))
+        return decode_chunk(chunk.shape, chunk.steps, rows, self.speculate)
 
     def _stand_in(self, stand_ins: Callable[..., list], shape: Shape, *args) -> Shape | None:
         """`shape` where its program is ready, else the first ready of

@@ -52,6 +52,7 @@ from qwen3_spmd.pipeline.runtime.shapes import RoundSettings, Shape, ShapeRules
 from qwen3_spmd.pipeline.scheduling.decisions import SharedDecisions
 from qwen3_spmd.pipeline.scheduling.executor import Executor
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Planner, Round
+from qwen3_spmd.pipeline.speculative.speculator import Speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, Grammars
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
@@ -86,6 +87,9 @@ class Scheduler:
       grammars: the grammar engine over the model's tokenizer
         (`pipeline.structured.constraints.Grammars`) for requests with a constraint (structured
         outputs); None: such requests are refused. Every process needs its own.
+      speculator: speculative decoding (`pipeline.speculative.speculator.Speculator`):
+        process 0's planner decides each round with its policy, every process's executor
+        runs it; None: plain decoding.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
         prefix_block: int = 256,
         grammars: Grammars | None = None,
+        speculator: Speculator | None = None,
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -141,6 +146,7 @@ class Scheduler:
             long_chunk=engine.chunk,
             prefix=self.prefix,
             cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
+            speculate=speculator.policy if speculator is not None else None,
         )
         self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
         self.accounting = Accounting()
@@ -155,6 +161,7 @@ class Scheduler:
             pool=pool,
             block_layout=self.rules.layout_block,
             grammars=grammars,
+            speculator=speculator,
         )
         self.grammars = grammars
         self.max_queue = max_queue
@@ -183,6 +190,18 @@ class Scheduler:
         self.compiles_left = 0  # shapes compile_later has still to compile
         self._stop_compiling = threading.Event()
         self._compiled: set[Shape] = set()  # shapes compiled, or run by a round
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """Speculative decoding, None when off. Set between rounds (a benchmark trying
+        drafters): the planner's policy and the executor change together."""
+        return self.executor.speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        with self._round:
+            self.executor.speculator = speculator
+            self.planner.speculate = speculator.policy if speculator is not None else None
 
     @property
     def prefill_tokens(self) -> int:
@@ -284,7 +303,12 @@ class Scheduler:
     def _compile(self, shape: Shape, announce: bool) -> None:
         """Compiles `shape`'s programs as the rounds run them (each shape says how)."""
         settings = RoundSettings(
-            self.B, self.groups, self.rules.layout_block, self.planner.cp, self.executor.pool
+            self.B,
+            self.groups,
+            self.rules.layout_block,
+            self.planner.cp,
+            self.executor.pool,
+            self.speculator,
         )
         shape.compile(self.engine, settings, announce)
         self._compiled.add(shape)

@@ -25,7 +25,9 @@ from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.runtime.registry import Clock
 from qwen3_spmd.pipeline.runtime.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.pipeline.scheduling.executor import Executor
-from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, DecodeChunk, Round
+from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, Round, decode_chunk
+from qwen3_spmd.pipeline.speculative.policy import drafting
+from qwen3_spmd.pipeline.speculative.speculator import Speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, Grammars
 from qwen3_spmd.ring import padded_length
 
@@ -73,6 +75,7 @@ def generate(
     with_logits: bool = True,
     constraint: Constraint | None = None,
     grammars: Grammars | None = None,
+    speculator: Speculator | None = None,
 ) -> Generation:
     """Generates up to max_new_tokens tokens for each prompt: one prefill of the whole
     batch, then decode chunks until every request has ended, run by the same
@@ -88,6 +91,9 @@ def generate(
 
     constraint: what every answer must follow (a structured output), with `grammars`
     over the model's tokenizer: chunks of one step, each row's choice masked.
+
+    speculator: decode rounds run as its policy decides (plain steps, verify passes),
+    with the same tokens.
     """
     engine.check(prompts, max_new_tokens)
     if constraint is not None:
@@ -103,7 +109,10 @@ def generate(
     requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
     book = RowBook(shape.B, groups, engine.C, engine.slots_per_device)
     clock, accounting = Clock(), Accounting()
-    executor = Executor(engine, book, accounting, clock, cache=None, grammars=grammars)
+    executor = Executor(
+        engine, book, accounting, clock, cache=None, grammars=grammars, speculator=speculator
+    )
+    policy = speculator.policy if speculator is not None else None
     sampled = sampling.temperature > 0
     constrained = constraint is not None
     if max_new_tokens > 1 and not constrained:
@@ -126,12 +135,12 @@ def generate(
     decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
     while book.live():
         steps = min(engine.chunk, max(book.rows[b].steps_left for b in book.live()))
-        steps = 1 if constrained else steps  # the host between a row's tokens
-        # With a speculator the round may run as one verify pass, or fewer steps
-        # (`pipeline.speculative.speculator`): the layout counts a pass as a step.
-        take(executor.decode(Round(decode=DecodeChunk(decode, steps, with_logits))))
+        rows = drafting({b: book.rows[b] for b in book.live()})
+        # A speculative round runs passes or fewer steps: the layout counts a pass a step.
+        chunk = decode_chunk(decode, steps, rows, policy, with_logits)
+        take(executor.decode(Round(decode=chunk)))
         if with_logits:
-            step_logits.append(np.asarray(executor.logits)[:steps])
+            step_logits.append(np.asarray(executor.logits)[: chunk.steps])
         chunks += 1
     completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
     n_new = sum(len(c.token_ids) - 1 for c in completions)

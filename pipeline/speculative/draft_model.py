@@ -135,13 +135,14 @@ class DraftModel:
         self.slot_pos = np.full((B, copies.C, copies.slots_per_device), -1, np.int32)
         self.known = [[] for _ in range(B)]
 
-    def propose(self, executor, wants: dict[int, tuple], n: int) -> dict[int, list[int]]:
+    def propose(self, ctx, wants: dict[int, tuple], n: int) -> dict[int, list[int]]:
         """Each row b of `wants` ({b: (its tokens, prompt and generated; k_b >= 1)}, rows
-        below n of `executor`'s book) -> its k_b drafts, fewer where its answer is done
-        (a row under a constraint draws each draft among the tokens its grammar allows
-        after the drafts before it). Runs the draft model's passes over rows 0..n-1 in
-        the book's groups; their time goes to the executor's clock as decode time."""
-        book, clock = executor.book, executor.clock
+        below n of ctx.book) -> its k_b drafts, fewer where its answer is done (a row
+        under a constraint draws each draft among the tokens its grammar allows after
+        the drafts before it). Runs the draft model's passes over rows 0..n-1 in the
+        book's groups; their time goes to ctx.clock as decode time. ctx: the round's
+        `speculator.SpecContext` (book, clock, the rows' grammars)."""
+        book, clock = ctx.book, ctx.clock
         if self.cache is None or len(self.known) != book.B:
             self._fresh(book.B)
         watch = Stopwatch(clock)
@@ -152,14 +153,15 @@ class DraftModel:
             del self.known[b][valid:]
             self.slot_pos[b][self.slot_pos[b] >= valid] = -1
             feed[b] = list(context[valid:])
-        grammars = {b: executor.grammar_of(book.rows[b].request) for b in wants}
-        guide = Guide({b: g for b, g in grammars.items() if g is not None}, executor.grammars)
+        rows = ctx.grammars
+        grammars = {b: rows.of(book.rows[b].request) for b in wants} if rows else {}
+        guide = Guide({b: g for b, g in grammars.items() if g is not None}, rows and rows.grammars)
         with guide:
             while any(feed.values()):  # catch up; a row's last piece gives its first draft
                 T = pass_length(max(len(f) for f in feed.values()), self.lengths)
                 pieces = {b: f[:T] for b, f in feed.items() if f}
                 last = [b for b in pieces if len(feed[b]) == len(pieces[b])]
-                out = self._pass(executor, n, T, pieces, clock, guide.masks(n, T, pieces, last))
+                out = self._pass(book, n, T, pieces, clock, guide.masks(n, T, pieces, last))
                 for b, piece in pieces.items():
                     self.known[b] += piece
                     feed[b] = feed[b][len(piece) :]
@@ -174,7 +176,7 @@ class DraftModel:
                 }
                 if not pieces:
                     break
-                out = self._pass(executor, n, 1, pieces, clock, guide.masks(n, 1, pieces, pieces))
+                out = self._pass(book, n, 1, pieces, clock, guide.masks(n, 1, pieces, pieces))
                 for b, piece in pieces.items():
                     self.known[b] += piece
                     drafts[b].append(int(out[b, 0]))
@@ -206,14 +208,14 @@ class DraftModel:
                 announce,
             )
 
-    def _pass(self, executor, n: int, T: int, pieces: dict[int, list[int]], clock, allowed):
+    def _pass(self, book, n: int, T: int, pieces: dict[int, list[int]], clock, allowed):
         """One pass of the draft model over rows 0..n-1: row b feeds pieces[b] at the
         positions after its known tokens (rows without a piece run nothing), each
         position's token drawn as the model would draw it there (its request's sampling
         and key at that token's step), among the tokens `allowed` there ([n, T, W]
         bits, or None: any). Returns out [n, 1]: each row's token after its piece's
         last position (the pass computes no other)."""
-        eng, book = self.engine, executor.book
+        eng = self.engine
         tokens = np.zeros((n, T), np.int32)
         step = np.zeros(n, np.int32)
         count = np.zeros(n, np.int32)

@@ -68,11 +68,9 @@ from qwen3_spmd.pipeline.programs.stage import (
     vary,
 )
 from qwen3_spmd.pipeline.speculative import ngram
+from qwen3_spmd.pipeline.speculative.policy import MAX_ROUNDS
 from qwen3_spmd.pipeline.speculative.round_rule import PRIOR_DRAFTS
 from qwen3_spmd.pipeline.speculative.verify import GroupPass, pass_stage
-
-# The most rounds a chunk runs (its output holds MAX_ROUNDS x T tokens a row).
-MAX_ROUNDS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +122,7 @@ class LoopInputs(NamedTuple):
     # [len(widths)] float32: the measured seconds of a pass of each width over the
     # rows (of width 1: a plain step's; 0: unmeasured), `RoundRule.seconds`
     pass_seconds: jax.Array
-    # [B, 3] int32: each row's `speculative.Pace` (k, misses, wait_until), which the
+    # [B, 3] int32: each row's `policy.Pace` (k, misses, wait_until), which the
     # last stage keeps as the host does
     pace: jax.Array
     rounds: jax.Array  # [] int32: rounds that run, 1 .. MAX_ROUNDS
@@ -184,7 +182,7 @@ class LoopCarry(NamedTuple):
 
 
 def pace_after(pace, drafted, kept, tokens, k_max: int, max_wait: int):
-    """`speculative.Pace.after` for many rows, in jnp: pace [R, 3] int32 (k, misses,
+    """`policy.Pace.after` for many rows, in jnp: pace [R, 3] int32 (k, misses,
     wait_until) after a pass that kept `kept` of a row's `drafted` drafts, the row now
     `tokens` long ([R] each; a row with no drafts keeps its pace). After a pass that
     kept nothing: one draft at a time, not before 2, 4, .. max_wait more tokens; else
@@ -245,7 +243,7 @@ def build_spec_loop(
     min(limit, step + rounds T) (`RowBook.list_ahead`); the program writes k and v
     only, so `cache` is donated. sampled=False promises every row is greedy; n_max,
     n_min: the prompt lookup's n-gram lengths, k_max its drafts a row
-    (`SpeculativeConfig`); max_wait: a pace's longest wait (`speculative.MAX_WAIT`).
+    (`SpeculativeConfig`); max_wait: a pace's longest wait (`policy.MAX_WAIT`).
     """
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):

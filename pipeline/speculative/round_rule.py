@@ -30,24 +30,20 @@ after every pass, for as many rounds as the chunk's tokens are expected to take
 (`RoundRule.loop_rounds`). `RoundRule.on_device` chooses the way by each one's measured
 seconds a token.
 
-The choice changes speed only: a pass and a plain chunk give the same tokens. But every
-process of a job must choose alike, and their clocks differ, so with several processes
-the rule reads the costs they agreed (each kind's median, averaged over the processes
-every `AGREE_EVERY` rounds), not its own.
+The choice changes speed only: a pass and a plain chunk give the same tokens. Only
+process 0 chooses (its planner, `pipeline.speculative.policy`), and the Round carries the
+choice to the others, so the rule reads process 0's own clock.
 """
 
 from __future__ import annotations
 
 import collections
 
-import jax
 import numpy as np
 
 # Times of a kind of round before the rule trusts their median, and how many it keeps.
 SAMPLES = 3
 RECENT = 8
-# Rounds between the processes' agreements on costs, in a job of several.
-AGREE_EVERY = 4
 # Drafts' worth of all rows' kept fraction a row's own starts from.
 PRIOR_DRAFTS = 4
 # Rounds in a row decoded plain though rows proposed, before the drafts' pass runs
@@ -74,14 +70,12 @@ def way_kind(n: int, on_device: bool) -> tuple:
 
 class RoundRule:
     """What the rule knows and how it chooses. `seen`: each kind of round's recent
-    seconds (read as they are in a job of one process); `agreed`: in a job of several,
-    the table read instead, each kind's (times seen, median averaged over the
-    processes), refreshed by `tick`; `drafted`, `kept`: all rows' drafts and those
-    kept; `declined`: rounds in a row it decoded plain though rows proposed."""
+    seconds; `rounds`: the rounds it was asked about; `drafted`, `kept`: all rows'
+    drafts and those kept; `declined`: rounds in a row it decoded plain though rows
+    proposed."""
 
     def __init__(self):
         self.seen: dict[tuple, collections.deque] = {}  # kind -> its last RECENT seconds
-        self.agreed: dict[tuple, tuple[int, float]] = {}
         self.rounds = 0
         self.drafted = self.kept = 0
         self.declined = 0
@@ -92,18 +86,12 @@ class RoundRule:
 
     def seconds(self, kind: tuple) -> float | None:
         """The kind's median time, None until it has SAMPLES."""
-        if jax.process_count() > 1:
-            n, typical = self.agreed.get(kind, (0, 0.0))
-            return typical if n >= SAMPLES else None
         times = self.seen.get(kind, ())
         return float(np.median(times)) if len(times) >= SAMPLES else None
 
     def tick(self) -> None:
-        """Once a round, in every process alike: in a job of several, every AGREE_EVERY
-        rounds the agreed table follows the seen one."""
+        """A round is being decided."""
         self.rounds += 1
-        if jax.process_count() > 1 and self.rounds % AGREE_EVERY == 0:
-            self.agreed = _averaged(self.seen)
 
     def passed(self, drafted: int, kept: int) -> None:
         """A row's pass kept `kept` of its `drafted` drafts."""
@@ -173,16 +161,3 @@ class Unmeasured(RoundRule):
 
     def saw(self, kind: tuple, seconds: float) -> None:
         pass
-
-
-def _averaged(seen: dict) -> dict:
-    """Each kind's (times kept, median time averaged over the processes). Every process
-    runs the same rounds, so each has seen the same kinds the same number of times."""
-    from jax.experimental import multihost_utils
-
-    kinds = sorted(seen)
-    if not kinds:
-        return {}
-    mine = np.array([np.median(seen[k]) for k in kinds], np.float64)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(kinds))
-    return {k: (len(seen[k]), float(t)) for k, t in zip(kinds, every.mean(axis=0))}

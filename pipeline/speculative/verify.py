@@ -103,7 +103,7 @@ class VerifyShape:
     def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
         """Compiles, unless compiled, this pass in the rounds' groups and what it runs
         beside it (`Speculator.compile`: a draft model's passes, a loop of rounds)."""
-        engine.speculator.compile(self, settings.cache_rows, settings.groups, announce)
+        settings.speculator.compile(self, settings.cache_rows, settings.groups, announce)
 
 
 class VerifyInputs(NamedTuple):

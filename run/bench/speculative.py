@@ -88,7 +88,6 @@ def speculative_job(engines, B: int, say) -> dict:
     engine = engines.get(decode_cache_len(s, engines.mesh.shape["seq"]))
     prompts = prompts_for(cfg, B, T, s["seed"])
     ks = s["spec_tokens"]
-    engine.speculator = None
     plain = static_batch.generate(engine, prompts, N + 1, with_logits=False)
     tokens = [c.token_ids for c in plain.completions]
     runs = {tuple(p): t for p, t in zip(prompts, tokens)}
@@ -106,13 +105,12 @@ def speculative_job(engines, B: int, say) -> dict:
     itself_name = f"draft model (itself) k={max(ks)}"
     drafters[itself_name] = (itself, DraftModel(engine))
 
-    # One Speculator whose drafter changes: its compiled verify programs serve them all.
-    # Each drafter keeps its own round rule (a draft model's rounds cost more, its
+    # A Speculator a run: the compiled verify programs are the engine's, so they serve
+    # every drafter. Each drafter keeps its own round rule (a draft model's rounds cost more, its
     # drafts are kept as they are), as a server's speculator does from its first
     # requests on.
     # The model drafting for itself verifies every round (the rule would decode plain,
     # its drafts costing as much as the model): what the drafter's passes cost.
-    spec = Speculator(engine, drafters[f"oracle k={ks[0]}"])
     rules = {name: RoundRule() for name in drafters}
     rules[itself_name] = Unmeasured()
     rules[device_loops] = DeviceLoops()
@@ -120,13 +118,12 @@ def speculative_job(engines, B: int, say) -> dict:
     seen = {name: SpecMetrics() for name in drafters}  # every run's, for the acceptance
 
     def run(name) -> dict:
-        drafter = drafters[name]
-        spec.config, spec.drafter = drafter if isinstance(drafter, tuple) else (drafter, None)
-        spec.metrics, spec.rule = SpecMetrics(), rules[name]
-        engine.speculator = spec if drafter is not None else None
-        out = static_batch.generate(engine, prompts, N + 1, with_logits=False)
-        m = spec.metrics if drafter is not None else None
-        engine.speculator = None
+        drafter, spec = drafters[name], None
+        if drafter is not None:
+            spec = Speculator(engine, *(drafter if isinstance(drafter, tuple) else (drafter,)))
+            spec.rule = rules[name]
+        out = static_batch.generate(engine, prompts, N + 1, with_logits=False, speculator=spec)
+        m = spec.metrics if spec is not None else None
         if m is not None:
             seen[name] += m
         new = sum(len(c.token_ids) - 1 for c in out.completions)  # decode's tokens

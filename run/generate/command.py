@@ -105,8 +105,8 @@ def _run(args, engine_args: EngineArgs, runtime) -> int:
     procs = runtime.procs
     job = read_job(args, engine_args, runtime)
     show = procs.leader  # only process 0 prints results; the others stay quiet
-    out, engine, stream = load_and_generate(args, engine_args, job, procs, show)
-    report = run_report(args, job, engine, out, procs, runtime.cache)
+    out, engine, speculator, stream = load_and_generate(args, engine_args, job, procs, show)
+    report = run_report(args, job, engine, out, procs, runtime.cache, speculator)
     if not show:
         return 0
     if args.check:

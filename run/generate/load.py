@@ -11,8 +11,8 @@ from qwen3_spmd.run.generate.stream import DoneStreamer, Streamer
 
 
 def load_and_generate(args, engine_args: EngineArgs, job: Job, procs, show: bool):
-    """(Generation, Engine, the streamer or None): loads the weights onto the mesh and
-    generates, streaming text when a person reads it."""
+    """(Generation, Engine, its Speculator or None, the streamer or None): loads the
+    weights onto the mesh and generates, streaming text when a person reads it."""
     import jax.numpy as jnp
 
     from qwen3_spmd.run.progress import Progress
@@ -29,6 +29,7 @@ def load_and_generate(args, engine_args: EngineArgs, job: Job, procs, show: bool
         engine = engine_args.engine(
             job.spec.cfg, source, job.mesh, job.max_seq_len, on_compile=progress.compiling
         )
+        speculator = engine_args.speculator(engine, on_compile=progress.compiling)
         progress.done_loading()
         engine.check(job.prompts, args.max_new_tokens)
         if show and not args.json:
@@ -38,12 +39,12 @@ def load_and_generate(args, engine_args: EngineArgs, job: Job, procs, show: bool
                 if len(job.prompts) == 1
                 else DoneStreamer(job.text, progress, job.prompts, args.max_new_tokens, job.eos)
             )
-        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream, job)
+        out = _generate(engine, args, job.prompts, job.sampling, job.eos, stream, job, speculator)
     finally:
         progress.stop()
     if stream:
         stream.finish()
-    return out, engine, stream
+    return out, engine, speculator, stream
 
 
 def _mesh_line(job: Job, procs) -> str:
@@ -66,9 +67,9 @@ def _mesh_line(job: Job, procs) -> str:
     return line
 
 
-def _generate(engine, args, prompts, sampling, eos, stream, job=None):
+def _generate(engine, args, prompts, sampling, eos, stream, job=None, speculator=None):
     """static_batch.generate, under the JAX profiler if --profile DIR; with the job's
-    constraint, if any."""
+    constraint, if any, and speculating with `speculator`."""
     import contextlib
 
     import jax
@@ -91,6 +92,7 @@ def _generate(engine, args, prompts, sampling, eos, stream, job=None):
             with_logits=with_logits,
             constraint=job.constraint if job else None,
             grammars=job.grammars if job else None,
+            speculator=speculator,
         )
 
 

@@ -9,7 +9,7 @@ from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.run.generate.job import Job
 
 
-def run_report(args, job: Job, engine, out, procs, cache) -> dict:
+def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
     from qwen3_spmd.run import traffic
 
@@ -59,18 +59,18 @@ def run_report(args, job: Job, engine, out, procs, cache) -> dict:
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
         **_cp_report(out.layout, out.timing),
-        **_speculative_report(engine),
+        **_speculative_report(speculator),
     }
 
 
-def _speculative_report(engine) -> dict:
+def _speculative_report(speculator) -> dict:
     """With --speculative-config: the config and the drafts proposed and accepted."""
-    if engine.speculator is None:
+    if speculator is None:
         return {}
-    m = engine.speculator.metrics
+    m = speculator.metrics
     return {
         "speculative": {
-            **dataclasses.asdict(engine.speculator.config),
+            **dataclasses.asdict(speculator.config),
             "num_drafts": m.drafts,
             "num_draft_tokens": m.draft_tokens,
             "num_accepted_tokens": m.accepted_tokens,

@@ -214,14 +214,17 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
     if grammars is not None:  # its tokenizer (seconds for Qwen3's) made while compiling
         threading.Thread(target=lambda: grammars.tokenizer, daemon=True).start()
     # Structured outputs: every process runs the same matchers on the same tokens.
-    scheduler = engine_args.scheduler(engine, procs.many, decisions, grammars=grammars)
+    speculator = engine_args.speculator(engine, on_compile=_compiling if procs.leader else None)
+    scheduler = engine_args.scheduler(
+        engine, procs.many, decisions, speculator=speculator, grammars=grammars
+    )
     # Every process compiles the same programs, each its own (compiling is local).
     first, rest = scheduler.rules.first()
     if grammars is not None:  # structured outputs' programs: the last to compile
         rest += scheduler.rules.constrained_decodes()
-    if engine.speculator is not None:  # and the verify passes
+    if speculator is not None:  # and the verify passes
         rows = scheduler.rules.decode_row_counts()
-        rest += engine.speculator.shapes(rows, constrained=grammars is not None)
+        rest += speculator.shapes(rows, constrained=grammars is not None)
     now = {"first": first, "all": first + rest, "lazy": []}[args.precompile]
     later = rest if args.precompile == "first" else []
     threads = CompileThreads()  # the compiles' threads, found by what they do

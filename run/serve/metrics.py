@@ -156,7 +156,7 @@ class _Now:
             "Bytes of the pool on each device (its budget, allocated at start).",
             scheduler.prefix_cache_bytes,
         )
-        spec = scheduler.engine.speculator  # as vLLM, only when speculation is on
+        spec = scheduler.speculator  # as vLLM, only when speculation is on
         if spec is not None:
             m = spec.metrics
             yield counter(

@@ -88,21 +88,21 @@ def test_parallel_sizes_build_the_mesh():
         _cli("generate", "--mesh", "2x2", "-tp", "2").mesh_shape(on_cpu=False)
 
 
-def _engine(C: int, stats: dict | None = None, draft_row_bytes: int | None = None):
-    """What PrefixPool.bytes_per_device reads of an Engine: C, the rows' KV bytes (1000 a row),
-    its device's memory `stats` (a CPU says nothing) and a draft model's rows' KV bytes
-    (None: no draft model)."""
+def _engine(C: int, stats: dict | None = None):
+    """What PrefixPool.bytes_per_device reads of an Engine: C, the rows' KV bytes (1000 a
+    row), its device's memory `stats` (a CPU says nothing)."""
     device = SimpleNamespace(memory_stats=lambda: stats)
-    speculator = None
-    if draft_row_bytes is not None:
-        copies = SimpleNamespace(cache_bytes_per_device=lambda rows: draft_row_bytes * rows)
-        speculator = SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(copies=copies)))
     return SimpleNamespace(
         C=C,
         copies=SimpleNamespace(cache_bytes_per_device=lambda rows: 1000 * rows),
         mesh=SimpleNamespace(devices=SimpleNamespace(flat=[device])),
-        speculator=speculator,
     )
+
+
+def _speculator(draft_row_bytes: int):
+    """What PrefixPool.bytes_per_device reads of a Speculator: its draft model's rows' KV bytes."""
+    copies = SimpleNamespace(cache_bytes_per_device=lambda rows: draft_row_bytes * rows)
+    return SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(copies=copies)))
 
 
 @pytest.mark.parametrize(
@@ -127,8 +127,9 @@ def test_the_default_pool_is_half_the_memory_the_weights_and_every_cache_leave()
     stats = {"bytes_limit": 100_000, "bytes_in_use": 20_000}
     pool = _cli("serve").prefix_pool()
     assert pool.bytes_per_device(_engine(1, stats), 8) == (80_000 - 8000) // 2
-    with_drafter = _engine(1, stats, draft_row_bytes=500)
-    assert pool.bytes_per_device(with_drafter, 8) == (80_000 - 8000 - 4000) // 2
+    drafter = _speculator(draft_row_bytes=500)
+    got = pool.bytes_per_device(_engine(1, stats), 8, speculator=drafter)
+    assert got == (80_000 - 8000 - 4000) // 2
     # several processes: the rows' own KV cache, whatever each device has free
     assert pool.bytes_per_device(_engine(1, stats), 8, many=True) == 8000
 

@@ -134,7 +134,7 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
         "additionalProperties": False,
     }
 
-    def answers(engine):
+    def answers(engine, speculator=None):
         return static_batch.generate(
             engine,
             prompts[:2],
@@ -143,6 +143,7 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
             with_logits=False,
             constraint=Constraint.json_schema(schema),
             grammars=grammars,
+            speculator=speculator,
         )
 
     runs = [answers(_engine("wide", *mesh)) for mesh in ((1, 1, 1), (2, 1, 4))]
@@ -155,12 +156,9 @@ def test_constrained_tokens_are_the_same_on_every_mesh():
     # bits, as a decode step's; the drafts are the answers, every third made wrong.
     engine = _engine("wide", 2, 1, 4)
     drafter = Oracle({tuple(p): t for p, t in zip(prompts[:2], one)}, 2, every=3, at=1)
-    engine.speculator = Speculator(engine, drafter)
-    try:
-        spec = answers(engine)
-        assert engine.speculator.metrics.accepted_tokens > 0
-    finally:
-        engine.speculator = None
+    speculator = Speculator(engine, drafter)
+    spec = answers(engine, speculator)
+    assert speculator.metrics.accepted_tokens > 0
     assert [c.token_ids for c in spec.completions] == one
 
 

@@ -50,7 +50,6 @@ class FakeEngine:
         self.prefills: list[PrefillShape] = []
         self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
         self.moves: list[int] = []
-        self.speculator = None  # no speculative decoding (pipeline.speculative.speculator)
         self.copies = self  # the cache's copies (pipeline.runtime.copies) are the methods below
 
     def groups_for(self, n):

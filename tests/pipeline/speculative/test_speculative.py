@@ -30,9 +30,10 @@ from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
-from qwen3_spmd.pipeline.speculative import loop, ngram, speculator
+from qwen3_spmd.pipeline.speculative import loop, ngram
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig, SpeculativeConfigError
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel, pass_length
+from qwen3_spmd.pipeline.speculative.policy import MAX_WAIT, Pace, ladder
 from qwen3_spmd.pipeline.speculative.round_rule import (
     PRIOR_DRAFTS,
     PROBE_AFTER,
@@ -44,7 +45,7 @@ from qwen3_spmd.pipeline.speculative.round_rule import (
     step_kind,
     way_kind,
 )
-from qwen3_spmd.pipeline.speculative.speculator import MAX_WAIT, Pace, Speculator, ladder
+from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.speculative.verify import VerifyShape
 from qwen3_spmd.run.cli import main
 from qwen3_spmd.sharding.mesh import make_mesh
@@ -336,15 +337,12 @@ def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain
     tokens, _ = plain["greedy"]
     engine = engines(1, 1, 1)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
-    try:
-        for seconds, passes in ((1e3, False), (1e-9, True)):
-            engine.speculator = Speculator(engine, Oracle(runs, 4))
-            engine.speculator.rule = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
-            _gives_plain(engine, plain, "greedy")
-            assert (engine.speculator.metrics.drafts > 0) == passes
-            assert engine.speculator.rule.rounds < PROBE_AFTER
-    finally:
-        engine.speculator = None
+    for seconds, passes in ((1e3, False), (1e-9, True)):
+        spec = Speculator(engine, Oracle(runs, 4))
+        spec.rule = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
+        _gives_plain(engine, plain, "greedy", spec)
+        assert (spec.metrics.drafts > 0) == passes
+        assert spec.rule.rounds < PROBE_AFTER
 
 
 # ---- verify rounds against plain decoding -----------------------------------------------------
@@ -365,7 +363,6 @@ def plain(engines):
     """The plain runs' (tokens, finish reasons): greedy, and seeded sampling, on 1x1 (on
     the engine the 1x1 verify test then speculates on)."""
     engine = engines(1, 1, 1)
-    assert engine.speculator is None
     runs = {}
     for name, sampling in (("greedy", Sampling()), ("sampled", SAMPLED)):
         out = static_batch.generate(
@@ -399,13 +396,20 @@ def engines(tiny):
     return get
 
 
-def _gives_plain(engine, plain, how: str) -> None:
-    """PROMPTS through static_batch.generate on `engine` (its speculator set), greedy or
+def _gives_plain(engine, plain, how: str, speculator: Speculator) -> None:
+    """PROMPTS through static_batch.generate on `engine` with `speculator`, greedy or
     seeded-sampled: the plain run's tokens and finish reasons."""
     tokens, finish = plain[how]
     sampling = SAMPLED if how == "sampled" else Sampling()
     out = static_batch.generate(
-        engine, PROMPTS, N_NEW, sampling=sampling, seed=SEED, eos_ids=EOS, with_logits=False
+        engine,
+        PROMPTS,
+        N_NEW,
+        sampling=sampling,
+        seed=SEED,
+        eos_ids=EOS,
+        with_logits=False,
+        speculator=speculator,
     )
     assert [c.token_ids for c in out.completions] == tokens
     assert [c.finish_reason for c in out.completions] == finish
@@ -431,9 +435,9 @@ def test_verify_rounds_give_plain_tokens(engines, plain, S, C, X, k, how):
     assert finish.count("stop") == (2 if how == "greedy" else 0)  # an end inside a pass too
     engine = engines(S, C, X)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
-    engine.speculator = Speculator(engine, Oracle(runs, k))
-    _gives_plain(engine, plain, how)
-    m = engine.speculator.metrics
+    spec = Speculator(engine, Oracle(runs, k))
+    _gives_plain(engine, plain, how, spec)
+    m = spec.metrics
     # Every acceptance occurred: some drafts kept, some refused, so neither path is idle.
     assert 0 < m.accepted_tokens < m.draft_tokens
     # Fewer passes than tokens: the rounds did give several tokens each.
@@ -452,7 +456,6 @@ LOOKUP = SpeculativeConfig(3, "ngram", 2, 1)
 def looping(engines):
     """The plain 1x1 tokens of LOOPING, greedy and seeded-sampled."""
     engine = engines(1, 1, 1)
-    engine.speculator = None  # an earlier test's
     return {
         how: [
             c.token_ids
@@ -484,29 +487,26 @@ def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S
     rounds = []
     run_loop = Speculator._loop
     monkeypatch.setattr(
-        Speculator, "_loop", lambda self, *a: rounds.append(a[-1]) or run_loop(self, *a)
+        Speculator, "_loop", lambda self, *a: rounds.append(a[-1].rounds) or run_loop(self, *a)
     )
-    spec = engine.speculator = Speculator(engine, LOOKUP)
+    spec = Speculator(engine, LOOKUP)
 
     def loops() -> set[str]:
         return {name for name in engine.programs.compiled if name.startswith("spec_loop ")}
 
-    try:
-        B, groups = static_batch.batch_rows(engine, len(LOOPING))
-        before = loops()
-        T = 1 + LOOKUP.num_speculative_tokens
-        spec.compile(VerifyShape(B, T, how == "sampled", False), B, groups, announce=False)
-        ahead = loops()
-        assert len(ahead - before) == 1  # one loop, its widths those of the ladder
-        sampling = SAMPLED if how == "sampled" else Sampling()
-        out = static_batch.generate(
-            engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False
-        )
-        assert [c.token_ids for c in out.completions] == looping[how]
-        assert loops() == ahead
-        m = spec.metrics
-    finally:
-        engine.speculator = None
+    B, groups = static_batch.batch_rows(engine, len(LOOPING))
+    before = loops()
+    T = 1 + LOOKUP.num_speculative_tokens
+    spec.compile(VerifyShape(B, T, how == "sampled", False), B, groups, announce=False)
+    ahead = loops()
+    assert len(ahead - before) == 1  # one loop, its widths those of the ladder
+    sampling = SAMPLED if how == "sampled" else Sampling()
+    out = static_batch.generate(
+        engine, LOOPING, LOOP_NEW, sampling=sampling, seed=SEED, with_logits=False, speculator=spec
+    )
+    assert [c.token_ids for c in out.completions] == looping[how]
+    assert loops() == ahead
+    m = spec.metrics
     assert rounds and max(rounds) > 1  # loops of several rounds ran
     assert 0 < m.accepted_tokens < m.draft_tokens
 
@@ -518,15 +518,12 @@ def test_no_drafts_while_more_rows_are_busy_than_disable_by_batch_size(engines):
     plain = static_batch.generate(engine, PROMPTS, N_NEW, with_logits=False)  # no end id
     tokens = [c.token_ids for c in plain.completions]
     config = SpeculativeConfig(3, "ngram", 2, 1, disable_by_batch_size=2)
-    try:
-        for n in (3, 2):  # the last n: the last prompt repeats itself, so ngram drafts
-            engine.speculator = Speculator(engine, config)
-            out = static_batch.generate(engine, PROMPTS[-n:], N_NEW, with_logits=False)
-            assert [c.token_ids for c in out.completions] == tokens[-n:]
-            m = engine.speculator.metrics
-            assert (m.drafts > 0, out.layout["verify_ticks"] > 0) == (n <= 2,) * 2
-    finally:
-        engine.speculator = None
+    for n in (3, 2):  # the last n: the last prompt repeats itself, so ngram drafts
+        spec = Speculator(engine, config)
+        out = static_batch.generate(engine, PROMPTS[-n:], N_NEW, with_logits=False, speculator=spec)
+        assert [c.token_ids for c in out.completions] == tokens[-n:]
+        m = spec.metrics
+        assert (m.drafts > 0, out.layout["verify_ticks"] > 0) == (n <= 2,) * 2
 
 
 def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
@@ -538,15 +535,15 @@ def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
     engine = engines(1, 1, 1)
     (greedy, _), (sampled, _) = plain["greedy"], plain["sampled"]
     runs = {tuple(p): t for p, t in zip(PROMPTS, [greedy[0], sampled[1], greedy[2]])}
-    engine.speculator = Speculator(engine, Oracle(runs, 2))
-    sched = Scheduler(engine, max_batch=2)
+    spec = Speculator(engine, Oracle(runs, 2))
+    sched = Scheduler(engine, max_batch=2, speculator=spec)
 
     def verify_programs() -> set[str]:
         return {name for name in engine.programs.compiled if name.startswith("verify ")}
 
     try:
         rows = sched.rules.decode_row_counts()
-        shapes = engine.speculator.shapes(rows)
+        shapes = spec.shapes(rows)
         assert len(set(shapes)) == len(rows) * len(ladder(2)) * 2 == 8  # rows 1 and 2
         sched.precompile(shapes, workers=1, announce=False)
         ahead = verify_programs()  # with those the module's other tests compiled
@@ -559,10 +556,9 @@ def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
         handles = [sched.submit(p, params[i % 2], i) for i, p in enumerate(PROMPTS)]
         sched.run()
         assert [h.tokens for h in handles] == [greedy[0], sampled[1], greedy[2]]
-        assert engine.speculator.metrics.accepted_tokens > 0
+        assert spec.metrics.accepted_tokens > 0
         assert verify_programs() == ahead
     finally:
-        engine.speculator = None
         sched.close()
 
 
@@ -580,11 +576,13 @@ def test_a_drafter_that_is_always_wrong_is_paced_off(engines, plain):
     tokens, finish = plain["greedy"]
     engine = engines(1, 1, 1)
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
-    engine.speculator = Speculator(engine, Wrong(runs, 4))
-    out = static_batch.generate(engine, PROMPTS, N_NEW, eos_ids=EOS, with_logits=False)
+    spec = Speculator(engine, Wrong(runs, 4))
+    out = static_batch.generate(
+        engine, PROMPTS, N_NEW, eos_ids=EOS, with_logits=False, speculator=spec
+    )
     assert [c.token_ids for c in out.completions] == tokens
     assert [c.finish_reason for c in out.completions] == finish
-    m = engine.speculator.metrics
+    m = spec.metrics
     assert m.accepted_tokens == 0
     # Each row: a pass of 4 drafts, then probes of one after 2, 4, 8 tokens (and 16,
     # past the longest run).
@@ -633,20 +631,23 @@ def test_sampled_speculation_draws_from_the_models_distribution(engines):
         for t2, p2 in second.items():
             for t3, p3 in filtered(prompt + (t1, t2)).items():
                 joint[t1, t2, t3] = p1 * p2 * p3
-    engine.speculator = Speculator(engine, Likeliest(likeliest, 2))
-    engine.speculator.rule = Unmeasured()  # every request's pass runs
+    spec = Speculator(engine, Likeliest(likeliest, 2))
+    spec.rule = Unmeasured()  # every request's pass runs
     seeds, rows = 200, 3
     drawn = dict.fromkeys(joint, 0)
-    try:
-        for seed in range(seeds):  # rows requests a call, each its own key
-            out = static_batch.generate(
-                engine, [list(prompt)] * rows, 3, sampling=sampling, seed=seed, with_logits=False
-            )
-            for c in out.completions:
-                drawn[tuple(c.token_ids)] += 1  # a token outside the top 3: KeyError
-        m = engine.speculator.metrics
-    finally:
-        engine.speculator = None
+    for seed in range(seeds):  # rows requests a call, each its own key
+        out = static_batch.generate(
+            engine,
+            [list(prompt)] * rows,
+            3,
+            sampling=sampling,
+            seed=seed,
+            with_logits=False,
+            speculator=spec,
+        )
+        for c in out.completions:
+            drawn[tuple(c.token_ids)] += 1  # a token outside the top 3: KeyError
+    m = spec.metrics
     assert m.drafts == seeds * rows  # one pass a request, its draft kept or not
     assert 0.3 < m.accepted_tokens / m.draft_tokens < 0.9
     n = seeds * rows
@@ -709,19 +710,15 @@ def test_a_draft_model_gives_plain_tokens(engines, drafters, plain, S, C, X, k, 
     some drafts are kept and some are not."""
     engine, draft = engines(S, C, X), drafters(engines(S, C, X).mesh)
     config = {"method": "draft_model", "model": "first layers", "num_speculative_tokens": k}
-    speculator.attach(engine, config, draft)
-    try:
-        if (S, C, X, how) == (1, 1, 1, "greedy"):  # compiled ahead as serve does: no other
-            drafter = engine.speculator.drafter
-            drafter.compile(len(PROMPTS), len(PROMPTS), 1, sampled=False, announce=False)
-            ahead = set(draft.programs.compiled)
-        _gives_plain(engine, plain, how)
-        m = engine.speculator.metrics
-        assert 0 < m.accepted_tokens < m.draft_tokens
-        if (S, C, X, how) == (1, 1, 1, "greedy"):
-            assert set(draft.programs.compiled) == ahead
-    finally:
-        engine.speculator = None
+    spec = make_speculator(engine, config, draft)
+    if (S, C, X, how) == (1, 1, 1, "greedy"):  # compiled ahead as serve does: no other
+        spec.drafter.compile(len(PROMPTS), len(PROMPTS), 1, sampled=False, announce=False)
+        ahead = set(draft.programs.compiled)
+    _gives_plain(engine, plain, how, spec)
+    m = spec.metrics
+    assert 0 < m.accepted_tokens < m.draft_tokens
+    if (S, C, X, how) == (1, 1, 1, "greedy"):
+        assert set(draft.programs.compiled) == ahead
 
 
 class CountedPasses(DraftModel):
@@ -731,9 +728,9 @@ class CountedPasses(DraftModel):
         super().__init__(engine, lengths)
         self.ran = []
 
-    def _pass(self, executor, n, T, pieces, clock, allowed):
+    def _pass(self, book, n, T, pieces, clock, allowed):
         self.ran.append(T)
-        return super()._pass(executor, n, T, pieces, clock, allowed)
+        return super()._pass(book, n, T, pieces, clock, allowed)
 
 
 def test_a_long_prompt_catches_the_drafter_up_in_full_long_passes(engines, drafters):
@@ -746,12 +743,9 @@ def test_a_long_prompt_catches_the_drafter_up_in_full_long_passes(engines, draft
     want = static_batch.generate(engine, prompts, N_NEW, with_logits=False)
     draft = CountedPasses(drafters(engine.mesh), lengths=(1, 4, 16, 32))
     config = SpeculativeConfig(2, "draft_model", model="first layers")
-    engine.speculator = Speculator(engine, config, draft)
-    engine.speculator.rule = Unmeasured()  # every round drafts
-    try:
-        got = static_batch.generate(engine, prompts, N_NEW, with_logits=False)
-    finally:
-        engine.speculator = None
+    spec = Speculator(engine, config, draft)
+    spec.rule = Unmeasured()  # every round drafts
+    got = static_batch.generate(engine, prompts, N_NEW, with_logits=False, speculator=spec)
     assert [c.token_ids for c in got.completions] == [c.token_ids for c in want.completions]
     assert draft.ran[:2] == [32, 16] and draft.ran.count(32) == 1
 
@@ -763,13 +757,10 @@ def test_a_draft_model_draws_with_the_rows_keys(engines, plain):
     would be kept only where the draw is the argmax)."""
     engine = engines(1, 1, 1)
     itself = {"method": "draft_model", "model": "itself", "num_speculative_tokens": 4}
-    speculator.attach(engine, itself, engine)
-    try:
-        _gives_plain(engine, plain, "sampled")
-        m = engine.speculator.metrics
-        assert 0 < m.accepted_tokens == m.draft_tokens
-    finally:
-        engine.speculator = None
+    spec = make_speculator(engine, itself, engine)
+    _gives_plain(engine, plain, "sampled", spec)
+    m = spec.metrics
+    assert 0 < m.accepted_tokens == m.draft_tokens
 
 
 def test_a_draft_model_through_llm_and_its_refusals():
@@ -780,7 +771,7 @@ def test_a_draft_model_through_llm_and_its_refusals():
     settings = dict(mesh="1x1", max_seq_len=32, max_batch=2, enable_prefix_caching=False)
     config = {"method": "draft_model", "model": str(TINY), "num_speculative_tokens": 2}
     with LLM(str(TINY), speculative_config=config, **settings) as llm:
-        spec = llm.engine.speculator
+        spec = llm.scheduler.speculator
         draft = spec.drafter.engine
         assert spec.config == SpeculativeConfig(2, "draft_model", model=str(TINY))
         assert draft.mesh is llm.engine.mesh and draft.cfg == llm.engine.cfg
@@ -806,23 +797,23 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     settings = dict(max_seq_len=32, max_batch=2, enable_prefix_caching=False)  # few shapes
     settings.update(dtype="float32")  # exact tokens are float32's claim, on a GPU too
     with LLM(str(TINY), mesh="1x1", speculative_config=config, **settings) as llm:
-        assert llm.engine.speculator.config == SpeculativeConfig(2, "ngram", 2, 2)
+        assert llm.scheduler.speculator.config == SpeculativeConfig(2, "ngram", 2, 2)
         runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
-        llm.engine.speculator = Speculator(llm.engine, Oracle(runs, 2))
+        llm.scheduler.speculator = Speculator(llm.engine, Oracle(runs, 2))
         stop = dict(max_tokens=N_NEW, stop_token_ids=list(EOS), ignore_eos=True, seed=SEED)
         hot = dict(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k, top_p=SAMPLED.top_p)
         params = [SamplingParams(**stop), SamplingParams(**stop, **hot), SamplingParams(**stop)]
         outs = llm.generate(PROMPTS, params)
-        m = llm.engine.speculator.metrics
+        m = llm.scheduler.speculator.metrics
         # Log-probabilities: a kept token's as the verify pass computed it, against the
         # plain decode chunk's (the same scheduler with its speculator set aside).
         ask = Params(N_NEW, eos_ids=EOS, logprobs=True)
         handle = llm.scheduler.submit(PROMPTS[0], ask)
         list(handle)
-        speculator, llm.engine.speculator = llm.engine.speculator, None
+        speculating, llm.scheduler.speculator = llm.scheduler.speculator, None
         ref = llm.scheduler.submit(PROMPTS[0], ask)
         list(ref)
-        llm.engine.speculator = speculator
+        llm.scheduler.speculator = speculating
     assert [o.token_ids for o in outs] == tokens
     assert [o.finish_reason for o in outs] == [greedy_end[0], sampled_end[1], greedy_end[2]]
     assert 0 < m.accepted_tokens < m.draft_tokens
@@ -882,9 +873,10 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
     from qwen3_spmd.run.serve.metrics import Metrics
 
     def service(speculator):
-        engine = NS(programs=NS(compiled=[]), speculator=speculator)
+        engine = NS(programs=NS(compiled=[]))
         scheduler = NS(
             engine=engine,
+            speculator=speculator,
             running=0,
             waiting=0,
             rows_busy=0,

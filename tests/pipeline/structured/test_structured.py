@@ -41,10 +41,9 @@ from qwen3_spmd import LLM, SamplingParams, StructuredOutputsParams
 from qwen3_spmd.pipeline.batch.handles import Params
 from qwen3_spmd.pipeline.programs.sampling import Sampling, only_allowed
 from qwen3_spmd.pipeline.requests import RequestError
-from qwen3_spmd.pipeline.speculative import speculator
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
 from qwen3_spmd.pipeline.speculative.round_rule import Unmeasured
-from qwen3_spmd.pipeline.speculative.speculator import Speculator
+from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, ConstraintError, RowMatcher
 from qwen3_spmd.run.serve.app import ServerState, make_app
 from qwen3_spmd.run.serve.command import _service
@@ -342,13 +341,13 @@ def test_speculation_under_a_constraint_gives_the_plain_answer(llm, sampling):
     assert plain.finish_reason == "stop"
     jsonschema.validate(json.loads(llm.text.decode(plain.tokens)), schema)
     drafter = Drafter(plain.tokens)
-    llm.engine.speculator = Speculator(llm.engine, drafter)
+    llm.scheduler.speculator = Speculator(llm.engine, drafter)
     try:
         handle = llm.scheduler.submit(PROMPT, params)
         list(handle)
-        m = llm.engine.speculator.metrics
+        m = llm.scheduler.speculator.metrics
     finally:
-        llm.engine.speculator = None
+        llm.scheduler.speculator = None
     assert (handle.tokens, handle.finish_reason) == (plain.tokens, "stop")
     assert 0 < m.accepted_tokens and m.draft_tokens < drafter.proposed
     assert any(n.startswith("verify") and "constrained" in n for n in llm.engine.programs.compiled)
@@ -366,22 +365,23 @@ def test_a_draft_model_drafts_what_the_grammar_allows(llm, sampling):
     list(plain)
     assert plain.finish_reason == "stop"
     itself = {"method": "draft_model", "model": "itself", "num_speculative_tokens": 3}
-    spec = speculator.attach(llm.engine, itself, llm.engine).speculator
+    spec = make_speculator(llm.engine, itself, llm.engine)
     spec.rule = Unmeasured()  # every round drafts
     drafter, proposed = spec.drafter, []
 
-    def propose(executor, wants, n):
-        out = DraftModel.propose(drafter, executor, wants, n)
+    def propose(ctx, wants, n):
+        out = DraftModel.propose(drafter, ctx, wants, n)
         proposed.extend(len(d) for d in out.values())
         return out
 
     drafter.propose = propose
+    llm.scheduler.speculator = spec
     try:
         handle = llm.scheduler.submit(PROMPT, params)
         list(handle)
         m = spec.metrics
     finally:
-        llm.engine.speculator = None
+        llm.scheduler.speculator = None
     assert (handle.tokens, handle.finish_reason) == (plain.tokens, "stop")
     assert 0 < m.draft_tokens == sum(proposed) and m.accepted_tokens == m.draft_tokens
 

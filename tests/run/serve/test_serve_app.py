@@ -51,13 +51,14 @@ def engine():
 
 @pytest.fixture
 def serve(engine):
-    """serve(max_queue, prefix_cache_bytes=0) -> a TestClient of a new app over the
-    module's engine (one row; a prefix cache of 8-token blocks when given bytes); every
-    scheduler built is closed at the test's end."""
+    """serve(max_queue, prefix_cache_bytes=0, speculator=None) -> a TestClient of a new
+    app over the module's engine (one row; a prefix cache of 8-token blocks when given
+    bytes; speculating with `speculator`); every scheduler built is closed at the
+    test's end."""
     spec, eng = engine
     schedulers, clients = [], []
 
-    def make(max_queue: int, prefix_cache_bytes: int = 0) -> TestClient:
+    def make(max_queue: int, prefix_cache_bytes: int = 0, speculator=None) -> TestClient:
         scheduler = Scheduler(
             eng,
             1,
@@ -65,6 +66,7 @@ def serve(engine):
             prefix_cache_bytes=prefix_cache_bytes,
             prefix_block=8,
             grammars=Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids()),
+            speculator=speculator,
         )
         scheduler.start()
         schedulers.append(scheduler)
@@ -186,20 +188,17 @@ def test_speculation_serves_the_plain_tokens_and_counts_its_drafts(serve, engine
     answer loops on one token for a while: drafts kept, then refused): the same
     completion, streamed too, as without it, and /metrics counts the drafts and the
     accepted tokens with vLLM's names."""
-    from qwen3_spmd.pipeline.speculative.speculator import attach
+    from qwen3_spmd.pipeline.speculative.speculator import make_speculator
 
     body = {"prompt": [256, 256, 256], "max_tokens": 12, "temperature": 0}
     body.update(ignore_eos=True, logprobs=1, return_tokens_as_token_ids=True)
     plain = serve(max_queue=2).post("/v1/completions", json=body).json()["choices"][0]
     _, eng = engine
-    attach(eng, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
-    try:
-        client = serve(max_queue=2)
-        got = client.post("/v1/completions", json=body).json()["choices"][0]
-        streamed = client.post("/v1/completions", json={**body, "stream": True})
-        metrics = _scrape(client)
-    finally:
-        eng.speculator = None
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    client = serve(max_queue=2, speculator=make_speculator(eng, config))
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    metrics = _scrape(client)
     assert got["text"] == plain["text"] and len(got["logprobs"]["tokens"]) == 12
     assert got["logprobs"]["tokens"] == plain["logprobs"]["tokens"]
     events = [json.loads(e[len("data: ") :]) for e in streamed.text.split("\n\n")[:-2]]
