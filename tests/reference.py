@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.speculative.round_rule import SAMPLES, RoundRule, pass_kind, step_kind
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -100,3 +101,16 @@ def split_parts(ckpt):
             for start, stop in ((0, n // 2), (n // 3, n), (1, n - 1), (n, n)):
                 if start < stop or start == n:
                     yield path, layers, Part(axis, start, stop)
+
+
+def measured_rule(step: float | None, passes: dict) -> RoundRule:
+    """A round rule that has seen each cost SAMPLES times: a step over 3 rows (None:
+    never), passes {T: seconds}."""
+    rule = RoundRule()
+    for _ in range(SAMPLES):
+        if step is not None:
+            rule.saw(step_kind(3), step)
+        for T, seconds in passes.items():
+            rule.saw(pass_kind(3, T), seconds)
+    rule.tick()
+    return rule

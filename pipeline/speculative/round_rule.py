@@ -25,7 +25,7 @@ proposed, the drafts' pass runs anyway.
 
 With prompt lookup, a chunk of rounds may also loop on the device
 (`pipeline.speculative.loop`, which chooses each round's width by the same test,
-`spec_loop.choose_width`, on the seconds measured here) instead of returning to the host
+`loop.choose_width`, on the seconds measured here) instead of returning to the host
 after every pass, for as many rounds as the chunk's tokens are expected to take
 (`RoundRule.loop_rounds`). `RoundRule.on_device` chooses the way by each one's measured
 seconds a token.

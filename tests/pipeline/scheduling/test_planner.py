@@ -24,6 +24,7 @@ from qwen3_spmd.pipeline.runtime.shapes import (
 )
 from qwen3_spmd.pipeline.scheduling.planner import Planner, Round
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
+from qwen3_spmd.pipeline.speculative.policy import Pace, SpecPlan, SpecPolicy
 
 V = 97  # the fake model's vocabulary
 
@@ -339,6 +340,51 @@ def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():
     assert plan.moves == ((3, 0),)
     assert plan.decode.shape == DecodeShape(2, sampled=True, logprobs=False)
     assert plan.decode.steps == 2  # short: rows are free
+
+
+class Repeat:
+    """A drafter that proposes the context's last token k times (a host drafter, as
+    prompt lookup is)."""
+
+    num_speculative_tokens = 3
+
+    def propose(self, context, k):
+        return [context[-1]] * k
+
+
+def test_the_planner_decides_speculation_and_the_round_carries_it():
+    """With a speculative policy, process 0's planner drafts for the rows that decoded
+    before the round, under the rows they hold after its moves (row 3's request moved
+    to row 0), not for a row admitted this round (its first token comes from this
+    round's prefill); the pass is the ladder's width for its drafts (before any
+    measure, the drafts' own); the plan travels in the Round as it is."""
+    rules = ShapeRules(4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64)
+    policy = SpecPolicy(Repeat(), draft_model=False)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4, speculate=policy)
+    book = _book_with(
+        4, 1, {1: (Request(0, (5,), Params(9)), 3), 3: (Request(1, (6, 7), Params(9)), 2)}
+    )
+    plan = planner.plan(book, [])
+    assert plan.moves == ((3, 0),)
+    # rows 1 (tokens [5, 0, 0]: the book's filler) and 3 (its [7, 0], now in row 0) each
+    # draft their last token 3 times (k 3; each may make 6 or 7 more)
+    assert plan.decode.spec == SpecPlan(4, drafts=((0, (0, 0, 0)), (1, (0, 0, 0))))
+    assert Round.from_json(plan.to_json()) == plan
+    assert book.rows[3] is not None and book.rows[0] is None  # the planner only reads
+    book = _book_with(4, 1, {0: (Request(0, (5,), Params(9)), 1)})
+    plan = planner.plan(book, [Request(2, (8, 9), Params(9))])
+    assert plan.admissions[0].rows == (1,)
+    assert plan.decode.spec == SpecPlan(4, drafts=((0, (5, 5, 5)),))  # row 1 drafts later
+    # Every row busy (the long chunk, 16), none may draft: plain steps to the first
+    # row's turn (row 0 waits 6 tokens more), at least k + 1.
+    long = Planner(rules, stages=1, short_chunk=2, long_chunk=16, speculate=policy)
+    full = _book_with(4, 1, {b: (Request(b, (5,), Params(40)), 3) for b in range(4)})
+    for b, wait in enumerate((6, 9, 7, 8)):
+        full.rows[b].pace = Pace(3, misses=1, wait_until=3 + wait)
+    plan = long.plan(full, [])
+    assert plan.decode.spec is None and plan.decode.steps == 6
+    full.rows[0].pace.wait_until = 3 + 1  # its turn after 1 token: k + 1 steps
+    assert long.plan(full, []).decode.steps == 4
 
 
 def test_on_two_stages_the_chunk_ends_at_a_rows_budget_only_when_running_on_costs_more():

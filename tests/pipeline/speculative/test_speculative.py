@@ -1,5 +1,4 @@
-"""Speculative decoding (issue 46): the ngram drafter, the config's refusals, and the
-verify rounds' tokens against plain decoding (greedy and seeded sampling) on several
+"""Speculative decoding (issue 46): the verify rounds' tokens against plain decoding (greedy and seeded sampling) on several
 meshes, through static_batch.generate, LLM's scheduler, generate's flag and bench.
 
 Budget: the plain 1x1 runs give the reference tokens (greedy and seeded tokens are the
@@ -19,31 +18,22 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
-from reference import TINY, Oracle
+from reference import TINY, Oracle, measured_rule
 
 from qwen3_spmd import LLM, SamplingParams
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.batch.handles import Params
-from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
-from qwen3_spmd.pipeline.speculative import loop, ngram
-from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig, SpeculativeConfigError
+from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel, pass_length
-from qwen3_spmd.pipeline.speculative.policy import MAX_WAIT, Pace, ladder
+from qwen3_spmd.pipeline.speculative.policy import ladder
 from qwen3_spmd.pipeline.speculative.round_rule import (
-    PRIOR_DRAFTS,
     PROBE_AFTER,
-    RECENT,
-    SAMPLES,
-    RoundRule,
     Unmeasured,
-    pass_kind,
-    step_kind,
-    way_kind,
 )
 from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.speculative.verify import VerifyShape
@@ -56,279 +46,6 @@ TOL = 1e-4  # log-probabilities: a pass over k + 1 positions sums attention in i
 EOS = (301,)  # the tiny model's greedy runs produce it: two requests stop early
 
 
-# ---- the ngram drafter -----------------------------------------------------------------
-
-
-def test_ngram_proposes_what_followed_the_longest_most_recent_match():
-    # The suffix [1, 2] occurred twice; the most recent occurrence is followed by 9, 8.
-    assert ngram.propose([1, 2, 7, 1, 2, 9, 8, 1, 2], 2, 3, 1) == [9, 8]
-    # The 3-gram [4, 1, 2] occurred once (followed by 7): longer matches win over recent.
-    assert ngram.propose([4, 1, 2, 7, 5, 1, 2, 6, 4, 1, 2], 1, 3, 1) == [7]
-    # With n_min 3, the 2-gram match does not count.
-    assert ngram.propose([1, 2, 7, 5, 1, 2], 3, 3, 3) == []
-    assert ngram.propose([1, 2, 7, 5, 1, 2], 3, 2, 2) == [7, 5, 1]
-    assert ngram.propose([1, 2, 3], 4, 3, 1) == []  # nothing repeats
-    assert ngram.propose([1, 2, 1, 2], 0, 3, 1) == []  # k = 0
-
-
-def test_ngram_copy_runs_on_past_the_context_end():
-    # A loop of period 2 proposes k tokens, not 2: the copy overlaps its own output.
-    assert ngram.propose([5, 1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]
-    assert ngram.propose([7, 7, 7], 4, 2, 1) == [7, 7, 7, 7]
-
-
-def test_ngram_on_the_device_proposes_what_the_host_does():
-    """`ngram.propose_rows` (the device's loop of rounds drafts with it) against
-    `propose` on contexts of a small alphabet (so n-grams recur), of every length from
-    1 to the buffer's, for several k and n bounds."""
-    rng = np.random.default_rng(0)
-    H, R = 24, 48
-    history = rng.integers(0, 3, (R, H)).astype(np.int32)
-    length = np.concatenate([[1, 2, H], rng.integers(1, H + 1, R - 3)]).astype(np.int32)
-    for k, n_max, n_min in ((1, 1, 1), (4, 3, 1), (6, 4, 2), (3, 5, 5)):
-        drafts, found = ngram.propose_rows(history, length, k, n_max, n_min)
-        got = [list(d) if f else [] for d, f in zip(np.asarray(drafts), np.asarray(found))]
-        want = [ngram.propose(list(h[:n]), k, n_max, n_min) for h, n in zip(history, length)]
-        assert got == want
-        assert any(got) and not all(got)  # both outcomes occurred
-
-
-# ---- the config --------------------------------------------------------------------------
-
-
-def test_config_reads_vllm_keys_and_fills_a_missing_bound():
-    c = SpeculativeConfig.parse(
-        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
-    )
-    assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (4, 3, 3)
-    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
-    assert (c.method, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 2, 2)
-    assert SpeculativeConfig.parse({"num_speculative_tokens": 1}).prompt_lookup_max == 5
-    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
-    assert c.disable_by_batch_size is None
-    c = SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 4})
-    assert c.disable_by_batch_size == 4
-
-
-@pytest.mark.parametrize(
-    "value, words",
-    [
-        ("{'method': 'ngram'}", "not JSON"),
-        ("[4]", "list is not an object"),
-        ({"num_speculative_tokens": 4, "lookahead": 2}, "unknown key 'lookahead'"),
-        ({"method": "eagle", "num_speculative_tokens": 4}, "method 'eagle' is not one of"),
-        ({"method": "draft_model", "num_speculative_tokens": 4}, "needs model"),
-        (
-            {"method": "ngram", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4},
-            "model is a key of method 'draft_model', not of 'ngram'",
-        ),
-        (
-            {"method": "draft_model", "model": "m", "num_speculative_tokens": 4}
-            | {"prompt_lookup_max": 2},
-            "prompt_lookup_max is a key of method 'ngram'",
-        ),
-        ({"method": "ngram"}, "num_speculative_tokens is missing"),
-        ({"num_speculative_tokens": 0}, "num_speculative_tokens 0 must be an integer >= 1"),
-        ({"num_speculative_tokens": "4"}, "num_speculative_tokens '4' must be an integer"),
-        (
-            {"num_speculative_tokens": 2, "disable_by_batch_size": 0},
-            "disable_by_batch_size 0 must be an integer >= 1",
-        ),
-        (
-            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-            "prompt_lookup_min 4 exceeds prompt_lookup_max 2",
-        ),
-    ],
-)
-def test_a_malformed_config_is_refused_in_one_line(value, words):
-    with pytest.raises(SpeculativeConfigError) as e:
-        SpeculativeConfig.parse(value)
-    message = str(e.value)
-    assert words in message and "\n" not in message
-    assert message == f"speculative_config: {e.value.problem}"
-
-
-# ---- the row book's listing and roll-back --------------------------------------------------
-
-
-def test_verify_slots_are_listed_then_rolled_back_past_the_kept_tokens():
-    book = RowBook(1, 1, 2, 8)  # C = 2 devices of 8 local slots
-    from qwen3_spmd.pipeline.batch.handles import Params, Request
-
-    book.start(0, Request(0, (1, 2, 3), Params(10)), 4, 2, np.full((2, 8), -1, np.int32))
-    book.slot_pos[0, :, :2] = [[0, 2], [1, -1]]  # the prompt's slots (positions 0..2)
-    # A verify of the newest token and 3 drafts: steps 0..3 at positions 3..6.
-    book.list_ahead(np.array([0]), np.array([4]), np.array([2]), 1)
-    assert sorted(book.slot_pos[0][book.slot_pos[0] >= 0].tolist()) == list(range(7))
-    book.extend(0, [5, 6])  # one draft kept, then the model's token: tokens 4, 5, 6
-    book.roll_back(0)
-    # K/V stays for positions 0..4 (prompt, 4, 5); 6 is fed next, the rest were rejected.
-    assert sorted(book.slot_pos[0][book.slot_pos[0] >= 0].tolist()) == list(range(5))
-
-
-# ---- the pace: how far a request drafts ------------------------------------------------------
-
-
-def test_pace_drafts_as_far_as_it_earned_and_waits_longer_after_each_miss():
-    p = Pace(8)
-    p.after(kept=8, drafted=8, k_max=8, tokens=20)  # all kept: the whole k again
-    assert (p.k, p.waits(20)) == (8, 0)
-    p.after(kept=3, drafted=8, k_max=8, tokens=24)  # a run of 3: twice it next
-    assert (p.k, p.waits(24)) == (6, 0)
-    p.after(kept=2, drafted=2, k_max=8, tokens=27)  # a short proposal all kept: doubled
-    assert p.k == 4
-    waits = []
-    for tokens in range(30, 40):  # misses: one draft at a time, after 2, 4, .. tokens
-        p.after(kept=0, drafted=1, k_max=8, tokens=tokens)
-        waits.append(p.waits(tokens))
-        assert p.k == 1
-    assert waits == [2, 4, 8, 16, 32, 64, 64, 64, 64, 64] and MAX_WAIT == 64
-    assert p.waits(39 + 63) == 1 and p.waits(39 + 64) == 0
-    p.after(kept=1, drafted=1, k_max=8, tokens=110)  # agreeing again: no wait, k grows
-    assert (p.k, p.misses, p.waits(110)) == (2, 0, 0)
-    assert (p.drafted, p.kept) == (29, 14)  # what the round rule expects of it
-
-
-def test_the_device_paces_rows_as_the_host_does():
-    """`loop.pace_after` (the loop of rounds on the device keeps each row's pace)
-    against `Pace.after`, over passes that kept all, some and none of their drafts, and
-    rounds without drafts, from paces that had missed 0 to 7 times."""
-    rng = np.random.default_rng(1)
-    R, k_max = 64, 8
-    paces = [Pace(int(rng.integers(1, k_max + 1)), int(rng.integers(0, 8))) for _ in range(R)]
-    for p in paces:
-        p.wait_until = int(rng.integers(0, 100))
-    drafted = rng.integers(0, k_max + 1, R)
-    kept = np.minimum(drafted, rng.integers(0, k_max + 1, R)) * (rng.random(R) < 0.6)
-    tokens = rng.integers(1, 200, R)
-    state = np.array([[p.k, p.misses, p.wait_until] for p in paces], np.int32)
-    got = np.asarray(loop.pace_after(state, drafted, kept, tokens, k_max, MAX_WAIT))
-    for p, d, a, n in zip(paces, drafted, kept, tokens):
-        if d:
-            p.after(int(a), int(d), k_max, int(n))
-    assert got.tolist() == [[p.k, p.misses, p.wait_until] for p in paces]
-    assert {(d > 0, a > 0) for d, a in zip(drafted, kept)} == {(0, 0), (1, 0), (1, 1)}
-
-
-def test_a_pass_pads_its_drafts_to_the_ladder():
-    assert ladder(1) == [1] and ladder(3) == [1, 2, 3]
-    assert ladder(4) == [1, 2, 4] and ladder(8) == [1, 2, 4, 8] and ladder(6) == [1, 2, 4, 6]
-
-
-# ---- the round rule: a pass or a plain chunk ---------------------------------------------
-
-
-def _measured(step: float | None, passes: dict) -> RoundRule:
-    """A round rule that has seen each cost SAMPLES times: a step over 3 rows (None:
-    never), passes {T: seconds}."""
-    rule = RoundRule()
-    for _ in range(SAMPLES):
-        if step is not None:
-            rule.saw(step_kind(3), step)
-        for T, seconds in passes.items():
-            rule.saw(pass_kind(3, T), seconds)
-    rule.tick()
-    return rule
-
-
-def test_the_round_rule_weighs_expected_tokens_against_measured_seconds():
-    sure, unsure = 1.0, 0.25  # fractions of drafts kept
-    rows = [(4, sure), (4, sure), (0, sure)]  # two rows with 4 drafts each, one without
-    lengths = [2, 3, 5]
-    # Unmeasured: the drafts' own pass runs (to be measured), then plain steps.
-    assert RoundRule().choose(3, rows, lengths) == 5
-    assert _measured(None, {5: 1.0}).choose(3, rows, lengths) == 1
-    # A pass of 5 gives 3 + 8 tokens: against 3 a step, it pays below 11/3 steps.
-    assert _measured(1.0, {5: 3.6}).choose(3, rows, lengths) == 5
-    assert _measured(1.0, {5: 3.7}).choose(3, rows, lengths) == 1
-    # Drafts seldom kept: 3 + 2 tokens; a pass of 3 positions (3 + 1 tokens) costs less.
-    unsure_rows = [(d, unsure) for d, _ in rows]
-    assert _measured(1.0, {5: 1.6}).choose(3, unsure_rows, lengths) == 5
-    assert _measured(1.0, {5: 1.7}).choose(3, unsure_rows, lengths) == 1
-    assert _measured(1.0, {3: 1.2, 5: 1.6}).choose(3, unsure_rows, lengths) == 3
-    # Declined PROBE_AFTER rounds in a row, the drafts' pass runs once anyway.
-    rule = _measured(1.0, {5: 3.7})
-    got = [rule.choose(3, rows, lengths) for _ in range(2 * PROBE_AFTER + 2)]
-    assert got == ([1] * PROBE_AFTER + [5]) * 2
-    # A row's fraction: its own drafts', and PRIOR_DRAFTS of all rows' (1 before any).
-    assert rule.fraction(0, 0) == 1.0 and PRIOR_DRAFTS == 4
-    rule.passed(drafted=10, kept=5)
-    assert rule.fraction(0, 0) == 0.5 and rule.fraction(12, 0) == 2 / (12 + 4)
-
-
-def test_the_round_rule_loops_on_the_device_where_that_gives_tokens_faster():
-    """`RoundRule.on_device`: the host's passes are measured first (they measure the
-    widths the loop chooses among), then the device's loop; then the way of fewer
-    seconds a token runs, and after PROBE_AFTER rounds in a row one way, the other runs
-    once."""
-    rule = RoundRule()
-    ways = []
-    for _ in range(SAMPLES):
-        ways.append(rule.on_device(2))
-        rule.saw(way_kind(2, False), 1.0)  # seconds a token
-    for _ in range(SAMPLES):
-        ways.append(rule.on_device(2))
-        rule.saw(way_kind(2, True), 2.0)
-    assert ways == [False] * SAMPLES + [True] * SAMPLES
-    got = [rule.on_device(2) for _ in range(2 * PROBE_AFTER + 2)]
-    assert got == ([False] * PROBE_AFTER + [True]) * 2
-    assert not rule.on_device(3)  # another row count is measured apart
-    for _ in range(RECENT):
-        rule.saw(way_kind(2, True), 0.5)  # the loop got faster
-    assert [rule.on_device(2) for _ in range(3)] == [True] * 3
-
-
-def test_a_loop_runs_the_rounds_its_chunks_tokens_are_expected_to_take():
-    """`RoundRule.loop_rounds`: a round is expected to give 1 + f (T - 1) tokens, so a
-    chunk of 16 steps loops 2 passes of 9 while every draft is kept, more as fewer are."""
-    rule = RoundRule()
-    assert rule.loop_rounds(16, 9) == 2  # before any pass: every draft kept
-    rule.passed(drafted=8, kept=4)
-    assert rule.loop_rounds(16, 9) == 4  # 5 tokens a round
-    rule.passed(drafted=8, kept=0)
-    assert rule.loop_rounds(16, 9) == 6  # a quarter kept: 3 tokens a round
-    assert rule.loop_rounds(16, 1) == 16  # no drafts: a token a round
-
-
-def test_the_device_chooses_a_rounds_width_as_the_round_rule_does():
-    """`loop.choose_width` (a loop of rounds chooses each round's pass on the
-    device) against `RoundRule.choose`, on random drafts, kept fractions and measured
-    seconds, some widths unmeasured, the step too."""
-    rng = np.random.default_rng(2)
-    widths = np.array([1, 2, 3, 5, 9], np.int32)  # k = 8
-    n, chose = 3, set()
-    for _ in range(60):
-        d = rng.integers(0, 9, n) * (rng.random(n) < 0.7)
-        f = rng.integers(0, 5, n) / 4
-        seconds = rng.integers(1, 7, len(widths)) * (rng.random(len(widths)) < 0.8)
-        rule = RoundRule()
-        for _ in range(SAMPLES):
-            for w, t in zip(widths, seconds):
-                if t:
-                    rule.saw(step_kind(n) if w == 1 else pass_kind(n, int(w)), float(t))
-        got = widths[loop.choose_width(d, f, np.ones(n, bool), widths, seconds)]
-        ask = min(w for w in widths if w >= 1 + d.max())
-        lengths = [int(w) for w in widths[1:] if w <= ask]
-        want = rule.choose(n, list(zip(d, f)), lengths) if d.max() else 1
-        assert got == want
-        chose.add(int(got))
-    assert chose == set(widths.tolist())  # every width was chosen somewhere
-
-
-def test_the_device_reads_kept_fractions_as_the_round_rule_does():
-    """`loop.kept_fraction` against `RoundRule.fraction`, before any pass and
-    after some."""
-    rng = np.random.default_rng(3)
-    rows = rng.integers(0, 40, (16, 2))
-    rows[:, 1] = np.minimum(rows[:, 1], rows[:, 0])
-    for every in ((0, 0), (30, 12), (7, 7)):
-        rule = RoundRule()
-        rule.passed(*every)
-        got = np.asarray(loop.kept_fraction(rows, np.array(every)))
-        want = [rule.fraction(int(d), int(k)) for d, k in rows]
-        np.testing.assert_allclose(got, want, rtol=1e-6)
-
-
 def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain):
     """The round rule in the executor's rounds: with passes measured as dear, every
     round decodes a plain chunk though the oracle drafts (fewer rounds than
@@ -339,7 +56,7 @@ def test_rounds_decode_plain_where_the_measured_pass_does_not_pay(engines, plain
     runs = {tuple(p): t for p, t in zip(PROMPTS, tokens)}
     for seconds, passes in ((1e3, False), (1e-9, True)):
         spec = Speculator(engine, Oracle(runs, 4))
-        spec.rule = _measured(1.0, dict.fromkeys([2, 3, 5], seconds))
+        spec.rule = measured_rule(1.0, dict.fromkeys([2, 3, 5], seconds))
         _gives_plain(engine, plain, "greedy", spec)
         assert (spec.metrics.drafts > 0) == passes
         assert spec.rule.rounds < PROBE_AFTER
