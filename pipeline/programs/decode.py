@@ -162,6 +162,17 @@ class DecodeCarry(NamedTuple):
 
 # One shard_map program; the functions below it, read top to bottom, are the decode
 # schedule of the module's docstring: a tick, a stage's layers, the sampling head.
+def tick_through(run: Run, cache: KVCache, steps, tick, carry):
+    """The decode schedule's ticks for `steps` steps a group (`schedule.decode_ticks`),
+    each `tick(run, t, carry)` from `carry` (a carry with `out` and `cache`): (the last
+    stage's `out`, the cache with the K/V the ticks wrote and `cache.pos` as given)."""
+    stages = jax.lax.axis_size("stage")
+    ticks = decode_ticks(run.shape.groups, stages, steps)
+    carry = jax.lax.fori_loop(0, ticks, functools.partial(tick, run), carry)
+    out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
+    return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+
+
 def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape):
     """The decode program for a chunk of `shape.steps` steps in `shape.groups` groups
     (`DecodeShape`; not yet jitted).
@@ -184,12 +195,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
 
     def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
         run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
-        stages = jax.lax.axis_size("stage")
-        ticks = decode_ticks(shape.groups, stages, inputs.run_steps)
-        tick = functools.partial(decode_tick, run)
-        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
-        out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
-        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+        return tick_through(run, cache, inputs.run_steps, decode_tick, first_carry(run, cache))
 
     mapped = jax.shard_map(
         local,

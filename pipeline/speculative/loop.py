@@ -48,19 +48,19 @@ from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
+from qwen3_spmd.pipeline.programs.decode import tick_through
 from qwen3_spmd.pipeline.programs.sampling import (
     RowSampling,
     Sampling,
     choose_tokens,
 )
-from qwen3_spmd.pipeline.programs.schedule import decode_period, decode_ticks
+from qwen3_spmd.pipeline.programs.schedule import decode_period
 from qwen3_spmd.pipeline.programs.stage import (
     CACHE_SPECS,
     Run,
     StageCache,
     Weights,
     chunk_slot,
-    from_device,
     on_last_stage,
     put_rows,
     rows,
@@ -248,12 +248,7 @@ def build_spec_loop(
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
         run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
-        stages = jax.lax.axis_size("stage")
-        ticks = decode_ticks(shape.groups, stages, inputs.rounds)
-        tick = functools.partial(loop_tick, run)
-        carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
-        out = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.out)
-        return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+        return tick_through(run, cache, inputs.rounds, loop_tick, first_carry(run, cache))
 
     mapped = jax.shard_map(
         local,
