@@ -469,8 +469,8 @@ class Planner:
         """`chunk` as `decode_chunk` runs it over the `busy` rows, of which those in
         `decoding` ({b: Row}) decoded before this round (the others' first tokens come
         from this round's prefills, so they do not draft yet)."""
-        if self.speculate is None:
-            return chunk
+        if self.speculate is None:  # still one step under a constraint
+            return decode_chunk(chunk.shape, chunk.steps, {}, None)
         rows = drafting(decoding)
         for b, (request, made) in busy.items():
             if b not in rows:
