@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen3_spmd.model.config import Qwen3Config
-from qwen3_spmd.pipeline.speculative.round_rule import SAMPLES, RoundRule, pass_kind, step_kind
+from qwen3_spmd.pipeline.speculative.policy import SAMPLES, RoundRule, pass_kind, step_kind
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURES = ROOT / "tests" / "fixtures"

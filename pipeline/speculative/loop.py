@@ -68,8 +68,7 @@ from qwen3_spmd.pipeline.programs.stage import (
     vary,
 )
 from qwen3_spmd.pipeline.speculative import ngram
-from qwen3_spmd.pipeline.speculative.policy import MAX_ROUNDS
-from qwen3_spmd.pipeline.speculative.round_rule import PRIOR_DRAFTS
+from qwen3_spmd.pipeline.speculative.policy import MAX_ROUNDS, PRIOR_DRAFTS
 from qwen3_spmd.pipeline.speculative.verify import GroupPass, pass_stage
 
 

@@ -40,12 +40,15 @@ from qwen3_spmd.pipeline.speculative.loop import LoopInputs, LoopShape
 from qwen3_spmd.pipeline.speculative.policy import (
     MAX_WAIT,
     Pace,
+    RoundRule,
     SpecPlan,
     SpecPolicy,
     ladder,
+    pass_kind,
+    step_kind,
+    way_kind,
     widths,
 )
-from qwen3_spmd.pipeline.speculative.round_rule import RoundRule, pass_kind, step_kind, way_kind
 from qwen3_spmd.pipeline.speculative.verify import VerifyInputs, VerifyShape, common_prefix
 from qwen3_spmd.pipeline.structured.rows import RowGrammars
 

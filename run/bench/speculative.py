@@ -15,10 +15,10 @@ the scenario measures the mechanism between two bounds (issue 46):
 - draft_model with the model drafting for itself (k the largest): every draft kept, and
   each draft costs a pass of the model, so this is what the drafter's passes cost
   beside the verify pass; a drafter c times the model's size pays about c of it. It
-  verifies every round (`round_rule.Unmeasured`): the round rule would decode plain.
+  verifies every round (`policy.Unmeasured`): the round rule would decode plain.
 
 Each drafter keeps its own round rule (its costs and kept drafts) from run to run
-(`pipeline.speculative.round_rule`), as a server's speculator does from its first requests on, so
+(`pipeline.speculative.policy`), as a server's speculator does from its first requests on, so
 the warm-up runs measure them.
 
 Each drafter decodes the --batches' prompts of --decode-prompt-len tokens for
@@ -39,7 +39,7 @@ import dataclasses
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
-from qwen3_spmd.pipeline.speculative.round_rule import RoundRule, Unmeasured, way_kind
+from qwen3_spmd.pipeline.speculative.policy import RoundRule, Unmeasured, way_kind
 from qwen3_spmd.pipeline.speculative.speculator import SpecMetrics, Speculator
 from qwen3_spmd.pipeline.speculative.verify import common_prefix
 from qwen3_spmd.run.bench.measure import decode_cache_len, prompts_for, spread

@@ -9,18 +9,16 @@ from qwen3_spmd.pipeline.speculative import loop
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative.policy import (
     MAX_WAIT,
-    Drafting,
-    Pace,
-    SpecPlan,
-    SpecPolicy,
-    ladder,
-)
-from qwen3_spmd.pipeline.speculative.round_rule import (
     PRIOR_DRAFTS,
     PROBE_AFTER,
     RECENT,
     SAMPLES,
+    Drafting,
+    Pace,
     RoundRule,
+    SpecPlan,
+    SpecPolicy,
+    ladder,
     pass_kind,
     step_kind,
     way_kind,

@@ -30,10 +30,10 @@ from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel, pass_length
-from qwen3_spmd.pipeline.speculative.policy import ladder
-from qwen3_spmd.pipeline.speculative.round_rule import (
+from qwen3_spmd.pipeline.speculative.policy import (
     PROBE_AFTER,
     Unmeasured,
+    ladder,
 )
 from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.speculative.verify import VerifyShape

@@ -42,7 +42,7 @@ from qwen3_spmd.pipeline.batch.handles import Params
 from qwen3_spmd.pipeline.programs.sampling import Sampling, only_allowed
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
-from qwen3_spmd.pipeline.speculative.round_rule import Unmeasured
+from qwen3_spmd.pipeline.speculative.policy import Unmeasured
 from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, ConstraintError, RowMatcher
 from qwen3_spmd.run.serve.app import ServerState, make_app
