@@ -77,6 +77,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     prefix_cache_mib: float | None = None
     speculative_config: str | dict | None = None  # JSON text or a mapping
+    structured_outputs_config: str | dict | None = None  # JSON text or a mapping
     compile_cache: str | None = None  # bench: off, its compile times are its figures
     coordinator: str | None = None
     num_processes: int | None = None
@@ -175,6 +176,14 @@ class EngineArgs:
                 '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\': '
                 "decoding checks k drafted tokens a pass, with the same tokens",
             )
+            parser.add_argument(
+                "--structured-outputs-config",
+                metavar="JSON",
+                help="structured outputs' settings (vLLM's flag): "
+                "'{\"disable_additional_properties\": false}' keeps JSON Schema's default, "
+                "where an object that lists its properties takes other keys too (default "
+                "true: it takes the listed ones only)",
+            )
         if scheduler:
             _add_scheduler_args(parser, d)
         if not bench:
@@ -224,7 +233,18 @@ class EngineArgs:
             SpeculativeConfig.parse(self.speculative_config)
         except SpeculativeConfigError as e:
             raise CLIError(f"--speculative-config: {e.problem}") from None
+        try:
+            self.structured_outputs()
+        except ValueError as e:
+            raise CLIError(f"--structured-outputs-config: {e}") from None
         distributed.check_flags(self)
+
+    def structured_outputs(self):
+        """structured_outputs_config, read (`run.request_fields.StructuredOutputsConfig`;
+        ValueError naming the fault)."""
+        from qwen3_spmd.run.request_fields import StructuredOutputsConfig
+
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def mesh_text(self, on_cpu: bool) -> str:
         """--mesh, or the one default rule (said in --mesh's help)."""

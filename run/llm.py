@@ -58,9 +58,10 @@ class StructuredOutputsParams:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
 
-    def constraint(self):
-        """The engine's `Constraint` (from the first token)."""
-        return constraint(*one_format(self._fields()))
+    def constraint(self, closed: bool = True):
+        """The engine's `Constraint` (from the first token); closed: a JSON Schema's
+        objects take only the properties they list (`LLM`'s structured_outputs_config)."""
+        return constraint(*one_format(self._fields()), closed=closed)
 
     def _fields(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -112,8 +113,9 @@ class SamplingParams:
             )
         Sampling(self.temperature, self.top_k, self.top_p)  # its range checks, now
 
-    def params(self, eos_ids: tuple[int, ...]) -> Params:
-        """The scheduler's Params, with the model's EOS ids."""
+    def params(self, eos_ids: tuple[int, ...], closed: bool = True) -> Params:
+        """The scheduler's Params, with the model's EOS ids; closed: as
+        `StructuredOutputsParams.constraint`."""
         return Params(
             max_new_tokens=self.max_tokens,
             sampling=Sampling(self.temperature, self.top_k, self.top_p),
@@ -121,7 +123,9 @@ class SamplingParams:
             eos_ids=end_ids(eos_ids, self.stop_token_ids, self.ignore_eos),
             min_tokens=self.min_tokens,
             prompt_logprobs=self.prompt_logprobs is not None,
-            constraint=(self.structured_outputs.constraint() if self.structured_outputs else None),
+            constraint=(
+                self.structured_outputs.constraint(closed) if self.structured_outputs else None
+            ),
         )
 
 
@@ -185,6 +189,7 @@ class LLM:
         self.text = self.spec.text()
         self.eos_ids = self.spec.eos_ids()
         self.engine, self.scheduler = built.engine, built.scheduler
+        self.closed_objects = args.structured_outputs().disable_additional_properties
 
     # ---- text ------------------------------------------------------------------------
 
@@ -226,7 +231,9 @@ class LLM:
         ids, _ = self._prompt_ids(prompt, chat, enable_thinking)
         sampling = sampling or SamplingParams()
         try:
-            return self.scheduler.submit(ids, sampling.params(self.eos_ids), sample_index)
+            return self.scheduler.submit(
+                ids, sampling.params(self.eos_ids, self.closed_objects), sample_index
+            )
         except RequestError as e:
             raise _renamed(e) from None
 
@@ -259,7 +266,9 @@ class LLM:
             try:
                 self.engine.check([ids], s.max_tokens)
                 if s.structured_outputs is not None:
-                    self.scheduler.compile_constraint(s.structured_outputs.constraint())
+                    self.scheduler.compile_constraint(
+                        s.structured_outputs.constraint(self.closed_objects)
+                    )
             except RequestError as e:
                 raise _renamed(e, i) from None
         handles = [self._queue(ids, s, i) for i, ((ids, _), s) in enumerate(zip(given, each))]

@@ -18,6 +18,9 @@ Checked by the host (`Watch`, enforced by `pipeline/structured/json_watch.py` on
   forbidden value) is masked. Only where the string can always grow instead (no
   `maxLength`, `pattern`, `enum` or fixed-length `format`), so a mask never empties.
 
+Closed on request (`close_objects`, the doors' default: docs/serving.md): an object that
+lists its properties takes those only, where JSON Schema would take any other key too.
+
 Anything else stays for llguidance to take or refuse in one line naming the keyword.
 Only local `$ref`s ("#...") are followed; others are left for llguidance to refuse.
 """
@@ -83,6 +86,109 @@ def rewrite(schema) -> tuple[object, tuple[Watch, ...]]:
     if not _has_watched(root, root, set()):
         return root, ()
     return root, _Watches(root).collect()
+
+
+# Keywords beside `properties` that may admit keys it does not list: an object that has
+# one stays as written when objects are closed.
+OPENING = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependencies",
+)
+# Keywords that name keys of an object: schemas applied to the same object beside one of
+# them must not be closed to their own keys.
+NAMING = ("properties", "patternProperties", "additionalProperties", "required")
+
+
+def close_objects(schema):
+    """`schema` (parsed JSON) with each object that lists its `properties` closed to them
+    (`additionalProperties: false`), as vLLM's xgrammar does in strict mode: JSON Schema
+    leaves such an object open, and a weak model then writes keys without end. Every
+    answer still validates against `schema`, so some stay as written (through the local
+    `$ref`s they follow): an object with an OPENING keyword; one applied to the same
+    value beside others that may name more keys (a branch of an `allOf` of several, of
+    an `anyOf`/`oneOf`/`allOf` beside NAMING keywords or a `$ref`, the target of a `$ref`
+    with NAMING siblings, a `then`, `else` or `dependentSchemas` schema); and everything
+    under a `not` or an `if`, where a narrower schema would admit more."""
+    if not isinstance(schema, dict):
+        return schema
+    root = copy.deepcopy(schema)
+    kept: set[int] = set()  # ids of the schema objects that stay open
+    frozen: set[int] = set()  # ids of those under a `not` or an `if`: nothing changes there
+    for node in _subschemas(root):
+        beside = any(key in node for key in (*NAMING, "$ref"))
+        for key in SCHEMA_LISTS[:3]:  # allOf, anyOf, oneOf
+            branches = node.get(key)
+            if isinstance(branches, list) and (beside or (key == "allOf" and len(branches) > 1)):
+                for branch in branches:
+                    _through_refs(root, branch, kept)
+        if "$ref" in node and any(key in node for key in NAMING):
+            _through_refs(root, node, kept)
+        for key in ("then", "else"):
+            _through_refs(root, node.get(key), kept)
+        if isinstance(node.get("dependentSchemas"), dict):
+            for sub in node["dependentSchemas"].values():
+                _through_refs(root, sub, kept)
+        for key in ("not", "if"):
+            _freeze(root, node.get(key), frozen)
+    for node in list(_subschemas(root)):
+        if (
+            isinstance(node.get("properties"), dict)
+            and id(node) not in kept | frozen
+            and not any(key in node for key in OPENING)
+        ):
+            node["additionalProperties"] = False
+    return root
+
+
+def _through_refs(root, node, ids: set[int]) -> None:
+    """Adds `node` and the schemas its chain of local `$ref`s names to `ids`."""
+    refs = set()
+    while isinstance(node, dict) and id(node) not in ids:
+        ids.add(id(node))
+        ref = node.get("$ref")
+        if not isinstance(ref, str) or ref in refs:
+            return
+        refs.add(ref)
+        node = _pointer(root, ref)
+
+
+def _freeze(root, node, ids: set[int]) -> None:
+    """Adds every schema object under `node`, and under the local `$ref`s met there, to
+    `ids`."""
+    todo = [node]
+    while todo:
+        for sub in _subschemas(todo.pop()):
+            if id(sub) in ids:
+                continue
+            ids.add(id(sub))
+            target = _pointer(root, sub.get("$ref"))
+            if target is not None:
+                todo.append(target)
+
+
+def _subschemas(node):
+    """Every schema object in `node`, itself first (depth first)."""
+    if not isinstance(node, dict):
+        return
+    yield node
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for sub in node[key].values():
+                yield from _subschemas(sub)
+    for key in (*SCHEMA_LISTS, *SCHEMA_ONE, "items"):
+        subs = node.get(key)
+        for sub in subs if isinstance(subs, list) else [subs]:
+            yield from _subschemas(sub)
 
 
 def _pointer(root, ref: str):

@@ -74,7 +74,7 @@ def read_job(args, engine_args: EngineArgs, runtime) -> Job:
     longest = max(len(p) for p in prompts)
     max_seq_len = args.max_seq_len or fitting_seq_len(longest, args.max_new_tokens, seq)
     check_request(spec.cfg, seq, max_seq_len, prompts, args.max_new_tokens)  # before loading
-    constraint = _constraint(args)
+    constraint = _constraint(args, engine_args.structured_outputs().disable_additional_properties)
     grammars = _grammars(constraint, text, spec.cfg.V, spec.eos_ids())
     cp_cost.check_cp(split.local(spec.cfg), seq, args.cp)
     if procs.leader and max_seq_len % seq:
@@ -115,9 +115,9 @@ def _prompts(args, text) -> list[list[int]]:
     return prompts
 
 
-def _constraint(args):
+def _constraint(args, closed: bool):
     """The structured output --json-schema, --regex or --choice asks for (one at most),
-    or None."""
+    or None; closed: a schema's objects take only the properties they list."""
     from qwen3_spmd.run.request_fields import constraint
 
     given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f) is not None]
@@ -126,7 +126,7 @@ def _constraint(args):
     if args.json_schema is not None:
         try:
             with open(args.json_schema) as f:
-                return constraint("json", json.load(f))
+                return constraint("json", json.load(f), closed=closed)
         except (OSError, ValueError) as e:
             raise CLIError(f"--json-schema {args.json_schema}: cannot read it ({e})") from None
     if args.regex is not None:

@@ -12,7 +12,10 @@ A request may ask in one of these ways (two at once is a 400 naming both):
                         following the tool's `parameters`
 
 With tools and tool_choice "auto" (the default), an answer format leaves the model the
-choice: the answer, or calls. Each error is a 400 that names the field at fault.
+choice: the answer, or calls. A forced call wins over an answer format, which then has
+no text to apply to (as in vLLM; the Agents SDK sends both for an agent with an
+output_type whose tool use is required). Each error is a 400 that names the field at
+fault.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 
 from qwen3_spmd.pipeline.structured.constraints import JSON_OPTIONS, Constraint
+from qwen3_spmd.pipeline.structured.schema_rewrite import close_objects
 from qwen3_spmd.run.request_fields import constraint, one_format
 from qwen3_spmd.run.serve.protocol import APIError
 from qwen3_spmd.run.serve.tools import CLOSE, OPEN
@@ -33,38 +37,40 @@ GUIDED = {
 
 
 def constraint_of(
-    body, read_tools: bool = False, after: int | None = None, tag_tokens: bool = False
+    body,
+    read_tools: bool = False,
+    after: int | None = None,
+    tag_tokens: bool = False,
+    closed: bool = True,
 ) -> tuple[Constraint | None, str | None]:
     """(the request's constraint, the field it came from), (None, None) when it asks for
     none. read_tools: the reply is read for tool calls (`tools.check_request`); after:
     the token id that starts the constraint (Qwen3's `</think>` with thinking on);
     tag_tokens: `<tool_call>` and `</tool_call>` are tokens of their own (added tokens,
     as in Qwen3's tokenizer), which the grammar names as such (llguidance never spells
-    an added token with text)."""
+    an added token with text); closed: the JSON Schemas' objects, a tool's parameters
+    too, take only the properties they list (--structured-outputs-config)."""
     asked = [(field, kind, spec) for field, kind, spec in _answer_formats(body) if kind]
     if len(asked) > 1:
         names = " and ".join(field for field, _, _ in asked)
         raise APIError(400, f"{names} each ask for a format: send one", asked[1][0])
     choice = getattr(body, "tool_choice", None)
     forced = read_tools and (choice == "required" or isinstance(choice, dict))
-    if forced and asked:
-        raise APIError(
-            400,
-            f"tool_choice forces a call, and {asked[0][0]} asks for an answer format: "
-            "send one of them",
-            asked[0][0],
-        )
-    if forced:
+    if forced:  # the reply is a call: an answer format has no text to apply to (vLLM's way)
         names = [choice["function"]["name"]] if isinstance(choice, dict) else None
-        calls = _calls(body.tools, names, getattr(body, "parallel_tool_calls", None), tag_tokens)
+        parallel = getattr(body, "parallel_tool_calls", None)
+        calls = _calls(body.tools, names, parallel, tag_tokens, closed)
         return Constraint("grammar", f"start: calls\n{calls}", after), "tools"
     if not asked:
         return None, None
     field, kind, spec = asked[0]
+    if kind == "json" and closed:
+        spec = constraint(kind, spec).spec
     if read_tools and body.tools and choice in (None, "auto"):
         # The answer in its format, or calls: the model keeps the choice "auto" gives.
         answer = _as_lark(kind, spec, field)
-        calls = _calls(body.tools, None, getattr(body, "parallel_tool_calls", None), tag_tokens)
+        parallel = getattr(body, "parallel_tool_calls", None)
+        calls = _calls(body.tools, None, parallel, tag_tokens, closed)
         grammar = f"start: answer | calls\nanswer: {answer}\n{calls}"
         return Constraint("grammar", grammar, after), field
     return Constraint(kind, spec, after), field
@@ -136,7 +142,7 @@ def _spec(kind: str, value, field: str) -> str:
                 raise APIError(400, f"{field}: not JSON ({e})", field, "invalid_value") from None
         if not isinstance(value, dict | bool):
             raise APIError(400, f"{field}: a JSON Schema is an object", field, "invalid_value")
-        return constraint(kind, value).spec
+        return constraint(kind, value, closed=False).spec  # closed by constraint_of
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise APIError(
@@ -176,10 +182,13 @@ def _compact_schema(schema, field: str = "tools") -> str:
     return json.dumps({**schema, "x-guidance": guidance}, separators=(",", ":"))
 
 
-def _calls(tools: list, names: list[str] | None, parallel: bool | None, tag_tokens: bool) -> str:
+def _calls(
+    tools: list, names: list[str] | None, parallel: bool | None, tag_tokens: bool, closed: bool
+) -> str:
     """Lark rules for Qwen3's hermes calls to `tools` (only those `names`), one or
     (parallel not False) several: `calls`. tag_tokens: the tags are the tokenizer's
-    added tokens (Lark's `<name>`), else text."""
+    added tokens (Lark's `<name>`), else text; closed: the parameters' objects take only
+    the properties they list."""
     options = []
     for i, tool in enumerate(tools):
         function = tool["function"]
@@ -189,6 +198,8 @@ def _calls(tools: list, names: list[str] | None, parallel: bool | None, tag_toke
         if not isinstance(parameters, dict):
             field = f"tools.{i}.function.parameters"
             raise APIError(400, f"{field}: a JSON Schema is an object", field, "invalid_value")
+        if closed:
+            parameters = close_objects(parameters)
         options.append(
             {
                 "type": "object",

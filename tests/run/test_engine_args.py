@@ -145,3 +145,26 @@ def test_llm_takes_vllm_names_and_refuses_unknown_ones():
         llm.engine_args(max_seq_len=96, max_model_len=96)
     with pytest.raises(llm.RequestError, match=r"^chunk 0 must be at least 1$"):
         llm.engine_args(chunk=0)  # said as LLM's argument, not as the flag
+
+
+def test_structured_outputs_config_is_read_once_for_every_door():
+    """--structured-outputs-config (vLLM's flag and key): objects are closed unless it
+    says disable_additional_properties false, through the flag and LLM's keyword alike;
+    a value that is not served is one CLIError naming the flag and the fault."""
+    assert EngineArgs().structured_outputs().disable_additional_properties is True
+    kept_open = '{"disable_additional_properties": false}'
+    for args in (
+        _cli("serve", "--structured-outputs-config", kept_open),
+        _cli("generate", "--structured-outputs-config", kept_open),
+        llm.engine_args(structured_outputs_config={"disable_additional_properties": False}),
+    ):
+        args.check()
+        assert args.structured_outputs().disable_additional_properties is False
+    for value, words in (
+        ("{nope", "not JSON"),
+        ("[1]", "is not a JSON object"),
+        ('{"backend": "xgrammar"}', "'backend' is not a key served here"),
+        ('{"disable_additional_properties": "no"}', "must be true or false"),
+    ):
+        with pytest.raises(CLIError, match=f"^--structured-outputs-config: .*{words}"):
+            _cli("serve", "--structured-outputs-config", value).check()

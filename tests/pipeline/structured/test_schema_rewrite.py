@@ -161,6 +161,24 @@ def test_a_rewrite_admits_exactly_what_the_schema_admits(name, schema, extra):
     assert min(told.values()) >= 40, told  # both answers met often enough to mean it
 
 
+@pytest.mark.parametrize("name, schema, extra", EXACT, ids=[e[0] for e in EXACT])
+def test_closing_objects_admits_only_what_the_schema_admits(name, schema, extra):
+    """Over the same random values: every value the closed schema takes, the schema as
+    written takes too, and the closed one still takes some."""
+    names, values = set(), []
+    _names_and_values(schema, names, values)
+    pool = [None, True, False, 0, 1, 2.5, "", "x", *values * 3, *extra * 3]
+    cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+    written, closed = cls(schema), cls(schema_rewrite.close_objects(schema))
+    rng, taken = random.Random(0), 0
+    for _ in range(2000):
+        value = _random_value(rng, sorted(names), pool, depth=2)
+        if closed.is_valid(value):
+            assert written.is_valid(value), value
+            taken += 1
+    assert taken >= 5
+
+
 def test_an_overlapping_oneof_of_other_forms_is_left_for_the_engine_to_refuse():
     schema = {"oneOf": [{"type": "string"}, {"type": "string", "minLength": 2}]}
     assert rewrite(schema)[0]["oneOf"] == schema["oneOf"]
@@ -323,3 +341,88 @@ def test_a_refusal_reaches_the_caller_as_a_constraint_error(grammars):
     with pytest.raises(ConstraintError, match="uniqueItems"):
         grammars.compile(Constraint.json_schema(schema))
     assert schema_rewrite.GROWING_FORMATS  # the formats a watched string may have
+
+
+# ---- closing objects (the doors' default) -----------------------------------------------
+
+
+class _Extra:
+    """Pydantic's schema of a model with a nested model (`$defs`), as LangChain sends it."""
+
+    SCHEMA = {
+        "$defs": {
+            "Place": {
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "title": "Place",
+                "type": "object",
+            }
+        },
+        "properties": {"ok": {"type": "boolean"}, "where": {"$ref": "#/$defs/Place"}},
+        "required": ["ok", "where"],
+        "title": "Verdict",
+        "type": "object",
+    }
+
+
+def test_closing_objects_refuses_other_keys_and_keeps_every_answer_valid():
+    """Each object that lists its properties takes those only, nested ones and `$defs`
+    too: an answer with another key validated before and is refused after; the answer
+    with the listed keys validates both ways; the schema passed in is not changed."""
+    schema = _Extra.SCHEMA
+    closed = schema_rewrite.close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["$defs"]["Place"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy
+    good = {"ok": True, "where": {"city": "Oslo"}}
+    for extra in ({**good, "x": 1}, {"ok": True, "where": {"city": "Oslo", "zip": "0150"}}):
+        jsonschema.validate(extra, schema)
+        with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
+            jsonschema.validate(extra, closed)
+    jsonschema.validate(good, closed)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"properties": {"a": {}}, "additionalProperties": True},
+        {"properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+        {"properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        {"properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]},
+        {"type": "object"},  # lists nothing: any object (json_object)
+    ],
+    ids=["open", "typed extras", "patterns", "beside anyOf", "no properties"],
+)
+def test_an_object_that_admits_other_keys_stays_as_written(schema):
+    assert schema_rewrite.close_objects(schema) == schema
+
+
+def test_alternatives_close_and_what_a_narrower_schema_would_widen_stays():
+    """The branches of a oneOf with nothing beside it are closed through their `$ref`s
+    (each alone must match). A `not` stays as written (closing inside it would admit
+    more), the object around it closed to its own properties; a dependentSchemas schema
+    (applied beside the object's own keys) stays, and keeps its object open."""
+    closed = schema_rewrite.close_objects(FILESYSTEM)
+    for name in ("file", "dir"):
+        assert closed["$defs"][name]["additionalProperties"] is False
+    jsonschema.validate({"kind": "dir", "entries": []}, closed)
+    negated = {"not": {"properties": {"b": {}}, "required": ["b"]}}
+    schema = {"properties": {"a": {"type": "integer"}}, **negated}
+    closed = schema_rewrite.close_objects(schema)
+    assert closed == {**schema, "additionalProperties": False}
+    dependent = {"properties": {"a": {}}, "dependentSchemas": {"a": {"properties": {"c": {}}}}}
+    assert schema_rewrite.close_objects(dependent) == dependent
+
+
+def test_the_branches_of_an_allof_stay_open_through_their_refs():
+    """allOf [A, B] takes A's keys and B's: closing either would refuse the other's, so
+    both stay open, A through its `$ref`; an object inside a branch is closed."""
+    schema = {
+        "$defs": {"A": {"properties": {"a": {"type": "integer"}, "in": {"properties": {"c": {}}}}}},
+        "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {"type": "integer"}}}],
+    }
+    closed = schema_rewrite.close_objects(schema)
+    assert "additionalProperties" not in closed["$defs"]["A"]
+    assert "additionalProperties" not in closed["allOf"][1]
+    assert closed["$defs"]["A"]["properties"]["in"]["additionalProperties"] is False
+    jsonschema.validate({"a": 1, "b": 2}, closed)

@@ -468,6 +468,94 @@ def test_a_forced_call_comes_back_as_tool_calls_that_validate(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
 
 
+def test_a_forced_tool_with_an_open_pydantic_schema_gets_the_listed_keys_only(client):
+    """LangChain's with_structured_output(method="function_calling") forces a tool whose
+    parameters are Pydantic's schema, which says nothing of other keys: objects are
+    closed by default (--structured-outputs-config), so the call ends, by its grammar,
+    with the model's keys only."""
+    schema = Verdict.model_json_schema()
+    assert "additionalProperties" not in schema
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[{"type": "function", "function": {"name": "Verdict", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "Verdict"}},
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=0,
+        extra_body=NO_THINKING,
+    ).choices[0]
+    assert out.finish_reason == "tool_calls"
+    arguments = json.loads(out.message.tool_calls[0].function.arguments)
+    assert set(arguments) == set(Verdict.model_fields)
+    Verdict.model_validate(arguments)
+
+
+def test_langchains_function_calling_structured_output_returns_the_object(llm):
+    """LangChain's ChatOpenAI, unchanged, against an app whose
+    --default-chat-template-kwargs turn thinking off (LangChain sends no
+    chat_template_kwargs): with_structured_output(method="function_calling") forces a
+    tool with Pydantic's open schema and gets the model object back."""
+    from langchain_openai import ChatOpenAI
+
+    text = llm.spec.text()
+    text.config = {**text.config, "chat_template": SHORT_TEMPLATE}
+    state = ServerState(
+        "tiny",
+        service=_service(llm.scheduler, llm.spec, text, "tiny", MAX_SEQ),
+        text=text,
+        status="ready",
+        tool_call_parser="hermes",
+        default_chat_template_kwargs={"enable_thinking": False},
+    )
+    with TestClient(make_app(state)) as http:
+        chat = ChatOpenAI(
+            model="tiny",
+            base_url="http://testserver/v1",
+            api_key="unused",
+            http_client=http,
+            temperature=0,
+            max_tokens=100,
+            max_retries=0,
+        )
+        verdict = chat.with_structured_output(Verdict, method="function_calling").invoke("Hi")
+    assert isinstance(verdict, Verdict)
+
+
+def test_a_forced_call_wins_over_an_answer_format():
+    """tool_choice required with a response_format (the Agents SDK sends both for an
+    agent with an output_type whose tool use is required): the reply is the call, as in
+    vLLM, constrained by the tools' grammar."""
+    from qwen3_spmd.run.serve.protocol import ChatRequest
+    from qwen3_spmd.run.serve.structured import constraint_of
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "integer"}}}
+    both = ChatRequest(messages=ASK, tools=[LIGHT], tool_choice="required", response_format=fmt)
+    alone = ChatRequest(messages=ASK, tools=[LIGHT], tool_choice="required")
+    assert constraint_of(both, read_tools=True) == constraint_of(alone, read_tools=True)
+    assert constraint_of(both, read_tools=True)[1] == "tools"
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_the_server_closes_objects_unless_told_not_to(closed):
+    """constraint_of closes an answer format's objects and a tool's parameters, or
+    (disable_additional_properties false) leaves both as sent."""
+    from qwen3_spmd.run.serve.protocol import ChatRequest
+    from qwen3_spmd.run.serve.structured import constraint_of
+
+    schema = Verdict.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}
+    answer = ChatRequest(messages=ASK, response_format=fmt)
+    spec = json.loads(constraint_of(answer, closed=closed)[0].spec)
+    assert spec == ({**schema, "additionalProperties": False} if closed else schema)
+    tool = {"type": "function", "function": {"name": "Verdict", "parameters": schema}}
+    call = ChatRequest(messages=ASK, tools=[tool], tool_choice="required")
+    grammar = constraint_of(call, read_tools=True, closed=closed)[0].spec
+    # the call's own object {name, arguments} is closed either way; the arguments only
+    # when closed
+    assert grammar.count('"additionalProperties":false') == (2 if closed else 1)
+
+
 @pytest.mark.parametrize(
     "extra, param",
     [
@@ -495,14 +583,6 @@ def test_a_forced_call_comes_back_as_tool_calls_that_validate(client, choice):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        (
-            {
-                "tools": [LIGHT],
-                "tool_choice": "required",
-                "response_format": {"type": "json_object"},
-            },
-            "response_format",
-        ),
         ({"logit_bias": {"5": 3}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
     ],
