@@ -6,6 +6,8 @@ disconnects. Everything about generating lives in `service`.
     GET  /v1/models            the one served model
     POST /v1/completions       prompt: text, texts, token ids, or lists of token ids
     POST /v1/chat/completions  messages rendered with the checkpoint's chat template
+    POST /v1/responses         OpenAI's Responses API over the chat path (`responses`);
+    GET, DELETE /v1/responses/{id}  a stored response
     POST /tokenize             vLLM's: a prompt or chat messages -> token ids
     POST /detokenize           vLLM's: token ids -> text
     GET  /tokenizer_info       the tokenizer's settings (lm-evaluation-harness reads it)
@@ -34,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.run.serve import protocol, structured, tools
+from qwen3_spmd.run.serve import protocol, responses, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
     APIError,
@@ -45,6 +47,7 @@ from qwen3_spmd.run.serve.protocol import (
 )
 from qwen3_spmd.run.serve.reasoning import END as THINK_END
 from qwen3_spmd.run.serve.reasoning import Qwen3Reasoning
+from qwen3_spmd.run.serve.responses import ResponsesRequest
 from qwen3_spmd.run.serve.service import Ask, Event, Service
 from qwen3_spmd.run.text import TextError
 
@@ -66,6 +69,11 @@ class ServerState:
     status: str = "loading"  # loading, ready, draining, failed
     reasoning_parser: str | None = None  # "qwen3": thinking -> reasoning_content
     tool_call_parser: str | None = None  # "hermes": <tool_call> -> tool_calls
+    # --structured-outputs-config's disable_additional_properties (`request_fields`)
+    closed_objects: bool = True
+    # --default-chat-template-kwargs: under each request's own chat_template_kwargs
+    default_chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    stored: responses.Store = dataclasses.field(default_factory=responses.Store)  # /v1/responses
 
 
 def make_app(state: ServerState) -> FastAPI:
@@ -145,7 +153,7 @@ async def completions(request: Request):
     body = protocol.parse(CompletionRequest, await request.body())
     _check_model(state, body.model)
     prompts = _prompt_ids(state, body.prompt)
-    constraint = structured.constraint_of(body)
+    constraint = structured.constraint_of(body, closed=state.closed_objects)
     ask = _ask(body, 16, logprobs=body.logprobs, echo=body.echo, constraint=constraint)
     job = service.job(prompts, ask)
     await service.compile(job)
@@ -179,15 +187,30 @@ async def completions(request: Request):
     return {**meta.head(), "choices": choices, "usage": usage}
 
 
-async def chat(request: Request):
-    state = _server(request)
-    service = _ready(state, request)
-    body = protocol.parse(ChatRequest, await request.body())
-    _check_model(state, body.model)
+@dataclasses.dataclass
+class _ChatRun:
+    """A chat request under way: its job, its choices' events, its prompt (text and
+    ids), and whether its replies are read for tool calls."""
+
+    job: object  # service.Job
+    events: AsyncIterator[Event]
+    rendered: str
+    prompt: list[int]
+    read_tools: bool
+
+    def reply(self, state: ServerState) -> ChatReply:
+        """A reader of one choice's text (a fresh one per choice)."""
+        reasoning = Qwen3Reasoning.for_prompt(self.rendered) if state.reasoning_parser else None
+        return ChatReply(reasoning, tools.HermesToolCalls() if self.read_tools else None)
+
+
+async def _start_chat(state: ServerState, service: Service, body: ChatRequest) -> _ChatRun:
+    """The chat `body` checked, rendered, constrained and submitted (chat completions and
+    responses alike)."""
     read_tools = tools.check_request(body.tools, body.tool_choice, state.tool_call_parser)
     rendered, prompt = _render_chat(state, body)
     constraint = structured.constraint_of(
-        body, read_tools, _think_end(state, rendered), _tag_tokens(state)
+        body, read_tools, _think_end(state, rendered), _tag_tokens(state), state.closed_objects
     )
     top = (body.top_logprobs or 0) if body.logprobs else None
     ask = _ask(body, None, logprobs=top, constraint=constraint)
@@ -195,8 +218,18 @@ async def chat(request: Request):
         ask = dataclasses.replace(ask, max_tokens=body.max_completion_tokens)
     job = service.job([prompt], ask)
     await service.compile(job)
+    return _ChatRun(job, service.run(service.submit(job)), rendered, prompt, read_tools)
+
+
+async def chat(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(ChatRequest, await request.body())
+    _check_model(state, body.model)
+    run = await _start_chat(state, service, body)
+    job, events, prompt = run.job, run.events, run.prompt
+    top = (body.top_logprobs or 0) if body.logprobs else None
     meta = _Meta(protocol.new_id("chatcmpl"), "chat.completion", state.model_name)
-    events = service.run(service.submit(job))
 
     def choice(i, piece, reason, tokens, prompt=None, key="delta"):
         logprobs = protocol.chat_logprobs(state.text, tokens, top) if top is not None else None
@@ -208,8 +241,7 @@ async def chat(request: Request):
         return out
 
     def reply() -> ChatReply:  # one per choice
-        reasoning = Qwen3Reasoning.for_prompt(rendered) if state.reasoning_parser else None
-        return ChatReply(reasoning, tools.HermesToolCalls() if read_tools else None)
+        return run.reply(state)
 
     if body.stream:
         first = [{"role": "assistant", "content": ""}] * job.n
@@ -241,6 +273,97 @@ def _chat_body(state: ServerState, meta, job, prompt: list[int], out, choice, re
             state.text, prompt, scored, job.prompt_logprobs
         )
     return body
+
+
+# ---- the Responses API (`responses`: the request as a chat, the reply as output items) ----
+
+
+async def create_response(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(ResponsesRequest, await request.body())
+    _check_model(state, body.model)
+    earlier = []
+    if body.previous_response_id is not None:
+        earlier = state.stored.get(body.previous_response_id, "previous_response_id")[1]
+    chat_body, said = responses.to_chat(body, earlier)
+    run = await _start_chat(state, service, chat_body)
+    id, created = responses.new_id("resp"), protocol.now()
+
+    def finished(output: list[dict], reason, used: int, cached: int, error=None) -> dict:
+        """The response object once the reply has ended (kept when body.store)."""
+        status, why = responses.status_of(reason)
+        response = responses.response_object(
+            id,
+            body,
+            state.model_name,
+            created,
+            "failed" if error else status,
+            output,
+            responses.usage(len(run.prompt), used, cached),
+            why,
+            error,
+        )
+        if body.store and error is None:
+            state.stored.keep(response, said + responses.said_back(output))
+        return response
+
+    if body.stream:
+        head = responses.response_object(
+            id, body, state.model_name, created, "in_progress", [], None
+        )
+        return _sse(_response_events(state, run, head, finished), named=True)
+    out = await _collect(request, run.events, 1)
+    reply = run.reply(state)
+    message = fold(reply.add(out[0][0]) + reply.end(), reasoning=True)
+    reason = reply.finish_reason(out[1][0])
+    output = responses.output_items(message, responses.status_of(reason)[0])
+    return finished(output, reason, out[3], out[4][0])
+
+
+async def _response_events(state: ServerState, run: _ChatRun, head: dict, finished):
+    """A streamed response's events: created, in progress, each output item's, and
+    completed (incomplete at the token budget; failed when the server ended it)."""
+    stream, reply = responses.EventStream(), run.reply(state)
+    yield stream.event("response.created", response=head)
+    yield stream.event("response.in_progress", response=head)
+    reason, used, cached = None, 0, 0
+    async with contextlib.aclosing(run.events):
+        async for e in run.events:
+            used, cached, reason = e.completion_tokens, e.cached_tokens, e.finish_reason
+            if reason == "error":
+                break
+            for delta in reply.add(e.text) + (reply.end() if reason else []):
+                for event in stream.add(delta):
+                    yield event
+    if reason == "error":
+        for event in stream.close("incomplete"):
+            yield event
+        error = {"code": "server_error", "message": SHUTDOWN.message}
+        yield stream.event("response.failed", response=finished(stream.items, None, used, 0, error))
+        return
+    reason = reply.finish_reason(reason)
+    status, _ = responses.status_of(reason)
+    if not stream.items and not stream.writing:  # no text and no call: an empty message
+        for event in stream.add({"content": ""}):
+            yield event
+    for event in stream.close(status):
+        yield event
+    response = finished(stream.items, reason, used, cached)
+    yield stream.event(f"response.{status}", response=response)
+
+
+async def get_response(request: Request, response_id: str):
+    state = _server(request)
+    _ready(state, request)
+    return state.stored.get(response_id)[0]
+
+
+async def delete_response(request: Request, response_id: str):
+    state = _server(request)
+    _ready(state, request)
+    state.stored.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
 
 
 # ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as vLLM's):
@@ -298,6 +421,9 @@ ROUTES = (
     ("GET", "/v1/models", models),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/chat/completions", chat),
+    ("POST", "/v1/responses", create_response),
+    ("GET", "/v1/responses/{response_id}", get_response),
+    ("DELETE", "/v1/responses/{response_id}", delete_response),
     ("POST", "/tokenize", tokenize),
     ("POST", "/detokenize", detokenize),
     ("GET", "/tokenizer_info", tokenizer_info),
@@ -390,12 +516,10 @@ def _render_chat(state: ServerState, body: ChatRequest) -> tuple[str, list[int]]
             m["content"] = "".join(texts)
         if m["role"] == "assistant":  # a turn of tool calls only has null content
             m.setdefault("content", "")
-    # The body's own fields win over chat_template_kwargs of the same names.
-    kwargs = {
-        k: v
-        for k, v in (body.chat_template_kwargs or {}).items()
-        if k not in ("messages", "add_generation_prompt")
-    }
+    # The request's chat_template_kwargs win over the server's defaults, and the body's
+    # own fields over both.
+    asked = {**state.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    kwargs = {k: v for k, v in asked.items() if k not in ("messages", "add_generation_prompt")}
     if body.tools:  # as sent; Qwen3's template lists them in the system turn
         kwargs["tools"] = body.tools
     if body.tool_choice is not None:
@@ -501,12 +625,17 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     return texts, reasons, tokens, used[0], cached, prompts
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], named: bool = False) -> StreamingResponse:
+    """Server-sent events of `chunks`, then `[DONE]`; named: each event is named by its
+    chunk's type, and no `[DONE]` follows (the Responses API's stream)."""
+
     async def lines():
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-        yield "data: [DONE]\n\n"
+                name = f"event: {chunk['type']}\n" if named else ""
+                yield f"{name}data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        if not named:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream")
 
@@ -522,38 +651,45 @@ async def _chunks(
     n: int,
 ):
     """A stream's chunks: each choice's `first` piece (the echoed prompt, the chat
-    role), its deltas and finish reason, then the usage (include_usage) or, when the
-    server ended the request, an error. pieces(event, finish reason): what to send for
-    an event (texts, or chat deltas: several, or none while a parser holds text back)
-    and the finish reason to send; an event's tokens (logprobs) go with the next chunk
-    of their choice, and its prompt's log-probabilities (prompt_logprobs) with the
-    first. n: choices per prompt."""
+    role), its deltas and finish reason, then the usage (include_usage; in every chunk
+    too with continuous_usage_stats) or, when the server ended the request, an error.
+    pieces(event, finish reason): what to send for an event (texts, or chat deltas:
+    several, or none while a parser holds text back) and the finish reason to send; an
+    event's tokens (logprobs) go with the next chunk of their choice, and its prompt's
+    log-probabilities (prompt_logprobs) with the first. n: choices per prompt."""
     chat = meta.object.startswith("chat")
+    made, failed, tokens, cached = [0] * len(first), False, [[] for _ in first], [0] * len(first)
+    prompts: list = [None] * len(first)
+
+    def chunk(choices: list) -> dict:
+        out = {**meta.head(chat), "choices": choices}
+        if body.continuous_usage:  # the tokens so far (vLLM's continuous_usage_stats)
+            out["usage"] = protocol.usage(prompt_tokens, sum(made), _cached_tokens(cached, n))
+        return out
+
     for i, piece in enumerate(first):
         if piece:
-            yield {**meta.head(chat), "choices": [choice(i, piece, None, [])]}
-    used, failed, tokens, cached = 0, False, [[] for _ in first], [0] * len(first)
-    prompts: list = [None] * len(first)
+            yield chunk([choice(i, piece, None, [])])
     async with contextlib.aclosing(events):
         async for e in events:
             failed |= e.finish_reason == "error"
             sent, reason = pieces(e, None if e.finish_reason == "error" else e.finish_reason)
             tokens[e.index] += e.tokens
+            made[e.index] = e.completion_tokens
             if e.prompt_logprobs is not None:
                 prompts[e.index] = e.prompt_logprobs
+            if e.finish_reason:
+                cached[e.index] = e.cached_tokens
             if reason and not sent:
                 sent = [{} if chat else ""]
             for k, piece in enumerate(sent):
                 last = reason if k == len(sent) - 1 else None
-                out = choice(e.index, piece, last, tokens[e.index], prompts[e.index])
-                yield {**meta.head(chat), "choices": [out]}
+                yield chunk([choice(e.index, piece, last, tokens[e.index], prompts[e.index])])
                 tokens[e.index], prompts[e.index] = [], None
-            used += e.completion_tokens if e.finish_reason else 0
-            cached[e.index] = e.cached_tokens
     if failed:
         yield SHUTDOWN.body()
     elif body.include_usage:
-        usage = protocol.usage(prompt_tokens, used, _cached_tokens(cached, n))
+        usage = protocol.usage(prompt_tokens, sum(made), _cached_tokens(cached, n))
         yield {**meta.head(chat), "choices": [], "usage": usage}
 
 

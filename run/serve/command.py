@@ -16,7 +16,9 @@ the server exits 0 (a second signal exits at once).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -78,6 +80,15 @@ def register(subparsers) -> None:
         "refused unless tool_choice is none)",
     )
     p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the chat template's arguments for every chat request, as a JSON object, e.g. "
+        "'{\"enable_thinking\": false}' to serve Qwen3 without thinking; a request's own "
+        "chat_template_kwargs win (default: none)",
+    )
+    p.add_argument(
         "--precompile",
         default="first",
         choices=("first", "all", "lazy"),
@@ -107,6 +118,17 @@ def _check_flags(args) -> None:
         raise CLIError(f"--keep-alive {args.keep_alive} must be > 0 seconds")
 
 
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (argparse names the flag in its one-line error)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _serve(args, engine_args: EngineArgs, runtime) -> int:
     from qwen3_spmd.model.split import TensorSplit
     from qwen3_spmd.run.serve.app import ServerState
@@ -134,6 +156,8 @@ def _serve(args, engine_args: EngineArgs, runtime) -> int:
         text=text,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        closed_objects=engine_args.structured_outputs().disable_additional_properties,
     )
 
     def load():

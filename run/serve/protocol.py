@@ -65,6 +65,7 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class JSONSchemaFormat(BaseModel):
@@ -164,6 +165,11 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk, the tokens so far (vLLM's, with include_usage only)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def stops(self) -> list[str]:

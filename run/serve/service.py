@@ -135,7 +135,7 @@ class Event:
     index: int
     text: str = ""
     finish_reason: str | None = None
-    completion_tokens: int = 0  # at the end: tokens the choice generated
+    completion_tokens: int = 0  # tokens the choice has generated so far
     tokens: list[TokenInfo] = dataclasses.field(default_factory=list)  # with logprobs only
     cached_tokens: int = 0  # at the end: its prompt's tokens the prefix cache gave
     # with the choice's first event, when its job asks: each prompt token's after the first

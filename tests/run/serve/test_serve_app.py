@@ -51,14 +51,14 @@ def engine():
 
 @pytest.fixture
 def serve(engine):
-    """serve(max_queue, prefix_cache_bytes=0, speculator=None) -> a TestClient of a new
-    app over the module's engine (one row; a prefix cache of 8-token blocks when given
-    bytes; speculating with `speculator`); every scheduler built is closed at the
-    test's end."""
+    """serve(max_queue, prefix_cache_bytes=0, speculator=None, **state) -> a TestClient of
+    a new app over the module's engine (one row; a prefix cache of 8-token blocks when
+    given bytes; speculating with `speculator`; `state`: more ServerState fields); every
+    scheduler built is closed at the test's end."""
     spec, eng = engine
     schedulers, clients = [], []
 
-    def make(max_queue: int, prefix_cache_bytes: int = 0, speculator=None) -> TestClient:
+    def make(max_queue: int, prefix_cache_bytes: int = 0, speculator=None, **state) -> TestClient:
         scheduler = Scheduler(
             eng,
             1,
@@ -72,8 +72,8 @@ def serve(engine):
         schedulers.append(scheduler)
         text = spec.text()
         service = _service(scheduler, spec, text, "tiny", MAX_SEQ)
-        state = ServerState("tiny", service=service, text=text, status="ready")
-        client = TestClient(make_app(state), raise_server_exceptions=True)
+        served = ServerState("tiny", service=service, text=text, status="ready", **state)
+        client = TestClient(make_app(served), raise_server_exceptions=True)
         clients.append(client.__enter__())  # one event loop for the client's requests
         return client
 
@@ -249,6 +249,57 @@ def test_tokenizer_endpoints_as_vllm_and_lm_eval_read_them(serve, engine):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     r = client.post("/tokenize", json={"prompt": "a", "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests_own(serve, engine):
+    """--default-chat-template-kwargs renders every chat as the request's own
+    chat_template_kwargs would, and those win where they name the same key: /tokenize
+    and a chat's prompt_tokens say so."""
+    spec, _ = engine
+    text = spec.text()
+    messages = [{"role": "user", "content": "Hi"}]
+    thinking, quiet = (
+        text.encode(text.render(messages, True, enable_thinking=on)) for on in (True, False)
+    )
+    assert thinking != quiet
+    client = serve(max_queue=1, default_chat_template_kwargs={"enable_thinking": False})
+
+    def tokens(**extra):
+        return client.post("/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+
+    assert tokens() == quiet
+    assert tokens(chat_template_kwargs={"enable_thinking": True}) == thinking
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == len(quiet)
+
+
+# ---- streamed usage ----------------------------------------------------------------------
+
+
+def test_continuous_usage_stats_put_the_tokens_so_far_in_every_chunk(serve):
+    """stream_options.continuous_usage_stats (vLLM's; guidellm sends it, with
+    include_usage): every chunk carries the usage so far, its completion tokens counting
+    up to the finishing chunk's 4, which the last chunk's usage repeats; without it only
+    the last chunk has usage. The text is the same both ways."""
+    client = serve(max_queue=1)
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def chunks(options: dict) -> list[dict]:
+        r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": options})
+        lines = r.text.split("\n\n")
+        return [json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: {")]
+
+    every = chunks({"include_usage": True, "continuous_usage_stats": True})
+    once = chunks({"include_usage": True})
+    counts = [c["usage"]["completion_tokens"] for c in every]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in every)
+    (finished,) = [c for c in every if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finished["usage"]["completion_tokens"] == 4 and every[-1]["choices"] == []
+    assert ["usage" in c for c in once] == [False] * (len(once) - 1) + [True]
+    assert once[-1]["usage"] == every[-1]["usage"]
+    joined = ["".join(c["choices"][0]["text"] for c in cs if c["choices"]) for cs in (every, once)]
+    assert joined[0] == joined[1]
 
 
 # ---- bad input ---------------------------------------------------------------------------
