@@ -290,9 +290,11 @@ async def create_response(request: Request):
     run = await _start_chat(state, service, chat_body)
     id, created = responses.new_id("resp"), protocol.now()
 
-    def finished(output: list[dict], reason, used: int, cached: int, error=None) -> dict:
-        """The response object once the reply has ended (kept when body.store)."""
+    def finished(output: list[dict], reason, ids, cached: int, error=None) -> dict:
+        """The response object once the reply has ended (kept when body.store). ids: the
+        generated token ids."""
         status, why = responses.status_of(reason)
+        thinking = _thinking_tokens(state, run.rendered, ids)
         response = responses.response_object(
             id,
             body,
@@ -300,7 +302,7 @@ async def create_response(request: Request):
             created,
             "failed" if error else status,
             output,
-            responses.usage(len(run.prompt), used, cached),
+            responses.usage(len(run.prompt), len(ids), cached, thinking),
             why,
             error,
         )
@@ -318,7 +320,7 @@ async def create_response(request: Request):
     message = fold(reply.add(out[0][0]) + reply.end(), reasoning=True)
     reason = reply.finish_reason(out[1][0])
     output = responses.output_items(message, responses.status_of(reason)[0])
-    return finished(output, reason, out[3], out[4][0])
+    return finished(output, reason, out[6][0], out[4][0])
 
 
 async def _response_events(state: ServerState, run: _ChatRun, head: dict, finished):
@@ -327,10 +329,10 @@ async def _response_events(state: ServerState, run: _ChatRun, head: dict, finish
     stream, reply = responses.EventStream(), run.reply(state)
     yield stream.event("response.created", response=head)
     yield stream.event("response.in_progress", response=head)
-    reason, used, cached = None, 0, 0
+    reason, ids, cached = None, [], 0
     async with contextlib.aclosing(run.events):
         async for e in run.events:
-            used, cached, reason = e.completion_tokens, e.cached_tokens, e.finish_reason
+            reason, cached, ids = e.finish_reason, e.cached_tokens, e.ids or ids
             if reason == "error":
                 break
             for delta in reply.add(e.text) + (reply.end() if reason else []):
@@ -340,7 +342,7 @@ async def _response_events(state: ServerState, run: _ChatRun, head: dict, finish
         for event in stream.close("incomplete"):
             yield event
         error = {"code": "server_error", "message": SHUTDOWN.message}
-        yield stream.event("response.failed", response=finished(stream.items, None, used, 0, error))
+        yield stream.event("response.failed", response=finished(stream.items, None, ids, 0, error))
         return
     reason = reply.finish_reason(reason)
     status, _ = responses.status_of(reason)
@@ -349,8 +351,17 @@ async def _response_events(state: ServerState, run: _ChatRun, head: dict, finish
             yield event
     for event in stream.close(status):
         yield event
-    response = finished(stream.items, reason, used, cached)
+    response = finished(stream.items, reason, ids, cached)
     yield stream.event(f"response.{status}", response=response)
+
+
+def _thinking_tokens(state: ServerState, rendered: str, ids: list[int]) -> int:
+    """Tokens of a reply's thinking, its `</think>` included (all of them when it was cut
+    while thinking); 0 without the reasoning parser or with thinking off."""
+    end = _think_end(state, rendered)
+    if end is None:
+        return 0
+    return ids.index(end) + 1 if end in ids else len(ids)
 
 
 async def get_response(request: Request, response_id: str):
@@ -594,11 +605,11 @@ class _Meta:
 
 async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     """Every choice's whole text, finish reason and tokens (with logprobs), the tokens
-    generated in all, each choice's prompt tokens from the prefix cache and its
-    prompt's log-probabilities (None unless asked); cancels
+    generated in all, each choice's prompt tokens from the prefix cache, its prompt's
+    log-probabilities (None unless asked) and its generated token ids; cancels
     them if the client goes away meanwhile (FastAPI would not notice it)."""
     texts, reasons, tokens, used = [""] * n, [None] * n, [[] for _ in range(n)], [0]
-    cached, prompts = [0] * n, [None] * n
+    cached, prompts, ids = [0] * n, [None] * n, [[] for _ in range(n)]
 
     async def read():
         async with contextlib.aclosing(events):
@@ -611,6 +622,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
                     reasons[e.index] = e.finish_reason
                     used[0] += e.completion_tokens
                     cached[e.index] = e.cached_tokens
+                    ids[e.index] = e.ids or []
 
     task = asyncio.create_task(read())
     while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
@@ -622,7 +634,7 @@ async def _collect(request: Request, events: AsyncIterator[Event], n: int):
     task.result()
     if "error" in reasons:
         raise SHUTDOWN
-    return texts, reasons, tokens, used[0], cached, prompts
+    return texts, reasons, tokens, used[0], cached, prompts, ids
 
 
 def _sse(chunks: AsyncIterator[dict], named: bool = False) -> StreamingResponse:

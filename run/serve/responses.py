@@ -295,12 +295,12 @@ def new_id(prefix: str) -> str:
 
 def output_items(message: dict, status: str) -> list[dict]:
     """The output items of a folded assistant message (`message.fold`): its thinking, its
-    text (also when there is none and no call), its calls."""
+    text (an empty one when there is nothing else), its calls."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
+    if message.get("content") or not (calls or items):
         items.append(message_item(new_id("msg"), message.get("content") or "", status))
     for call in calls:
         function = call["function"]
@@ -397,13 +397,13 @@ def response_object(
     }
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-    """The Responses API's usage object."""
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning: int) -> dict:
+    """The Responses API's usage object; reasoning: the output's thinking tokens."""
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt_tokens + output_tokens,
     }
 

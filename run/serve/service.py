@@ -138,6 +138,7 @@ class Event:
     completion_tokens: int = 0  # tokens the choice has generated so far
     tokens: list[TokenInfo] = dataclasses.field(default_factory=list)  # with logprobs only
     cached_tokens: int = 0  # at the end: its prompt's tokens the prefix cache gave
+    ids: list[int] | None = None  # at the end: every token id the choice generated
     # with the choice's first event, when its job asks: each prompt token's after the first
     prompt_logprobs: list[Logprob] | None = None
 
@@ -200,7 +201,17 @@ class Choice:
         tokens, self.pending = self.pending, []
         prompt, self.prompt = self.prompt, None
         cached = self.handle.cached_tokens if reason else 0
-        return Event(self.index, text, reason, self.count, tokens, cached, prompt)
+        ids = list(self.handle.tokens[: self.count]) if reason else None
+        return Event(
+            self.index,
+            text,
+            reason,
+            completion_tokens=self.count,
+            tokens=tokens,
+            cached_tokens=cached,
+            prompt_logprobs=prompt,
+            ids=ids,
+        )
 
 
 class Service:

@@ -522,6 +522,18 @@ def test_langchains_function_calling_structured_output_returns_the_object(llm):
     assert isinstance(verdict, Verdict)
 
 
+def test_llm_and_generate_close_objects_unless_told_not_to(llm):
+    """`LLM` (and generate, through the same `request_fields.constraint`) close a
+    schema's objects by default; structured_outputs_config's
+    disable_additional_properties false leaves them as sent."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    assert llm.closed_objects is True
+    closed = params.params(llm.eos_ids, llm.closed_objects).constraint
+    assert json.loads(closed.spec) == {**schema, "additionalProperties": False}
+    assert json.loads(params.params(llm.eos_ids, closed=False).constraint.spec) == schema
+
+
 def test_a_forced_call_wins_over_an_answer_format():
     """tool_choice required with a response_format (the Agents SDK sends both for an
     agent with an output_type whose tool use is required): the reply is the call, as in

@@ -2,7 +2,8 @@
 Agents SDK's default model, over serve's app in this process: the tiny fixture with
 random weights on 1x1, one decode row, the reasoning and tool-call parsers on, and a
 chat template without the tools block (the byte-level tokenizer spells Qwen3's in 500
-tokens), so a random model's calls are forced by their grammar.
+tokens), so a random model's calls are forced by their grammar; with thinking on it
+opens `<think>` for the model.
 
 - a request's input items (messages, text parts, an earlier turn's calls and their
   outputs) render as the chat messages they stand for: the usage's input tokens are
@@ -31,14 +32,14 @@ from qwen3_spmd import LLM
 from qwen3_spmd.run.serve.app import ServerState, make_app
 from qwen3_spmd.run.serve.command import _service
 
-MAX_SEQ = 256
+MAX_SEQ = 256  # a tool call and its result, then a second turn's answer
 SHORT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
     "{{ c.function.arguments }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
+    "{% else %}<think>\n{% endif %}{% endif %}"
 )
 QUIET = {"effort": "minimal"}  # thinking off: the answer, or its format, from the first token
 
@@ -169,6 +170,22 @@ def test_a_stream_is_the_apis_events_in_order_and_adds_up_to_the_whole(client):
     assert text == events[-4].text == final.output_text == whole.output_text
     assert final.output[0].id == events[2].item.id == events[-2].item.id
     assert final.usage.output_tokens == whole.usage.output_tokens == 6
+
+
+def test_thinking_comes_back_as_a_reasoning_item_and_counts(client):
+    """reasoning.effort low turns Qwen3's thinking on: a random model never closes it,
+    so the whole budget is a reasoning item's text, and every output token a reasoning
+    token; streamed, its text comes as reasoning_text deltas."""
+    ask = dict(
+        model="tiny", input="Hi", reasoning={"effort": "low"}, max_output_tokens=4, temperature=0
+    )
+    out = client.responses.create(**ask)
+    (item,) = out.output
+    assert item.type == "reasoning" and item.content[0].text and out.output_text == ""
+    assert out.usage.output_tokens_details.reasoning_tokens == out.usage.output_tokens == 4
+    events = list(client.responses.create(stream=True, **ask))
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == item.content[0].text == events[-1].response.output[0].content[0].text
 
 
 def test_a_stored_response_is_fetched_continued_and_deleted(client, http):

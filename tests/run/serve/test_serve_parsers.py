@@ -397,7 +397,8 @@ def test_with_thinking_on_the_constraint_starts_after_the_thinking(qwen):
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     create(model="qwen3", messages=ASK, response_format=fmt, extra_body=off)
     assert scheduler.params[-1].constraint.after is None
-    assert json.loads(scheduler.params[-1].constraint.spec) == schema
+    closed = {**schema, "additionalProperties": False}  # objects closed by default
+    assert json.loads(scheduler.params[-1].constraint.spec) == closed
 
 
 # ---- tools and tool results through the template ----------------------------------------
