@@ -455,13 +455,9 @@ class EventStream:
                 out += self._opened(item)
             elif function.get("arguments"):
                 self._open["arguments"] += function["arguments"]
+                delta = function["arguments"]
                 out.append(
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        item_id=self._open["id"],
-                        output_index=len(self.items),
-                        delta=function["arguments"],
-                    )
+                    self._of(self._open, "response.function_call_arguments.delta", delta=delta)
                 )
         return out
 
@@ -497,65 +493,33 @@ class EventStream:
         return [added]
 
     def _delta(self, kind: str, text: str, **extra) -> dict:
-        return self.event(
-            kind,
-            item_id=self._open["id"],
-            output_index=len(self.items),
-            content_index=0,
-            delta=text,
-            **extra,
-        )
+        return self._of(self._open, kind, content_index=0, delta=text, **extra)
 
     def _part(self, kind: str, part: dict) -> dict:
-        return self.event(
-            kind,
-            item_id=self._open["id"],
-            output_index=len(self.items),
-            content_index=0,
-            part=dict(part),
-        )
+        return self._of(self._open, kind, content_index=0, part=dict(part))
+
+    def _of(self, item: dict, kind: str, **fields) -> dict:
+        """An event of `item`, the one being written (its index: the items closed)."""
+        return self.event(kind, item_id=item["id"], output_index=len(self.items), **fields)
 
     def _close(self, status: str = "completed") -> list[dict]:
         item, out = self._open, []
         if item is None:
             return out
-        index = len(self.items)
         if item["type"] == "reasoning":
             text = item["content"][0]["text"]
-            out.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                )
-            )
+            out.append(self._of(item, "response.reasoning_text.done", content_index=0, text=text))
         elif item["type"] == "message":
-            part = item["content"][0]
-            out.append(
-                self.event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                    logprobs=[],
-                )
-            )
-            out.append(self._part("response.content_part.done", part))
+            text = item["content"][0]["text"]
+            done = "response.output_text.done"
+            out.append(self._of(item, done, content_index=0, text=text, logprobs=[]))
+            out.append(self._part("response.content_part.done", item["content"][0]))
             item["status"] = status
         else:
-            out.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
+            done = "response.function_call_arguments.done"
+            out.append(self._of(item, done, name=item["name"], arguments=item["arguments"]))
             item["status"] = status
+        index = len(self.items)
         out.append(self.event("response.output_item.done", output_index=index, item=_copy(item)))
         self.items.append(item)
         self._open = None

@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 from reference import TINY
+from served import app_over, langchain_chat
 from starlette.testclient import TestClient
 
 from qwen3_spmd import LLM, SamplingParams, StructuredOutputsParams
@@ -45,8 +46,6 @@ from qwen3_spmd.pipeline.speculative.draft_model import DraftModel
 from qwen3_spmd.pipeline.speculative.policy import Unmeasured
 from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, ConstraintError, RowMatcher
-from qwen3_spmd.run.serve.app import ServerState, make_app
-from qwen3_spmd.run.serve.command import _service
 
 MAX_SEQ = 128  # a short prompt and a forced tool call (63 tokens) fit
 # A chat template without the tools block (Qwen3's renders 500 tokens of tools in this
@@ -75,18 +74,10 @@ def llm():
 
 @pytest.fixture(scope="module")
 def client(llm):
-    text = llm.spec.text()
-    text.config = {**text.config, "chat_template": SHORT_TEMPLATE}
-    service = _service(llm.scheduler, llm.spec, text, "tiny", MAX_SEQ)
-    state = ServerState(
-        "tiny",
-        service=service,
-        text=text,
-        status="ready",
-        reasoning_parser="qwen3",
-        tool_call_parser="hermes",
+    app = app_over(
+        llm, MAX_SEQ, SHORT_TEMPLATE, reasoning_parser="qwen3", tool_call_parser="hermes"
     )
-    with TestClient(make_app(state)) as http:
+    with TestClient(app) as http:
         yield openai.OpenAI(
             base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0
         )
@@ -444,22 +435,27 @@ DIM = {
 }
 
 
-@pytest.mark.parametrize(
-    "choice",
-    ["required", {"type": "function", "function": {"name": "set_light"}}],
-    ids=["required", "named"],
-)
-def test_a_forced_call_comes_back_as_tool_calls_that_validate(client, choice):
-    out = client.chat.completions.create(
+def _forced(client, tools: list, choice):
+    """The greedy choice of a chat whose tool_choice forces one call."""
+    return client.chat.completions.create(
         model="tiny",
         messages=ASK,
-        tools=[LIGHT, DIM] if choice == "required" else [DIM, LIGHT],
+        tools=tools,
         tool_choice=choice,
         parallel_tool_calls=False,
         max_tokens=100,
         temperature=0,
         extra_body=NO_THINKING,
     ).choices[0]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "set_light"}}],
+    ids=["required", "named"],
+)
+def test_a_forced_call_comes_back_as_tool_calls_that_validate(client, choice):
+    out = _forced(client, [LIGHT, DIM] if choice == "required" else [DIM, LIGHT], choice)
     assert out.finish_reason == "tool_calls"
     (call,) = out.message.tool_calls
     if choice != "required":
@@ -475,16 +471,8 @@ def test_a_forced_tool_with_an_open_pydantic_schema_gets_the_listed_keys_only(cl
     with the model's keys only."""
     schema = Verdict.model_json_schema()
     assert "additionalProperties" not in schema
-    out = client.chat.completions.create(
-        model="tiny",
-        messages=ASK,
-        tools=[{"type": "function", "function": {"name": "Verdict", "parameters": schema}}],
-        tool_choice={"type": "function", "function": {"name": "Verdict"}},
-        parallel_tool_calls=False,
-        max_tokens=100,
-        temperature=0,
-        extra_body=NO_THINKING,
-    ).choices[0]
+    tool = {"type": "function", "function": {"name": "Verdict", "parameters": schema}}
+    out = _forced(client, [tool], {"type": "function", "function": {"name": "Verdict"}})
     assert out.finish_reason == "tool_calls"
     arguments = json.loads(out.message.tool_calls[0].function.arguments)
     assert set(arguments) == set(Verdict.model_fields)
@@ -496,28 +484,15 @@ def test_langchains_function_calling_structured_output_returns_the_object(llm):
     --default-chat-template-kwargs turn thinking off (LangChain sends no
     chat_template_kwargs): with_structured_output(method="function_calling") forces a
     tool with Pydantic's open schema and gets the model object back."""
-    from langchain_openai import ChatOpenAI
-
-    text = llm.spec.text()
-    text.config = {**text.config, "chat_template": SHORT_TEMPLATE}
-    state = ServerState(
-        "tiny",
-        service=_service(llm.scheduler, llm.spec, text, "tiny", MAX_SEQ),
-        text=text,
-        status="ready",
+    app = app_over(
+        llm,
+        MAX_SEQ,
+        SHORT_TEMPLATE,
         tool_call_parser="hermes",
         default_chat_template_kwargs={"enable_thinking": False},
     )
-    with TestClient(make_app(state)) as http:
-        chat = ChatOpenAI(
-            model="tiny",
-            base_url="http://testserver/v1",
-            api_key="unused",
-            http_client=http,
-            temperature=0,
-            max_tokens=100,
-            max_retries=0,
-        )
+    with TestClient(app) as http:
+        chat = langchain_chat(http, temperature=0, max_tokens=100)
         verdict = chat.with_structured_output(Verdict, method="function_calling").invoke("Hi")
     assert isinstance(verdict, Verdict)
 

@@ -26,11 +26,10 @@ import pytest
 from openai.types.shared import Reasoning
 from pydantic import BaseModel, Field
 from reference import TINY
+from served import app_over, langchain_chat
 from starlette.testclient import TestClient
 
 from qwen3_spmd import LLM
-from qwen3_spmd.run.serve.app import ServerState, make_app
-from qwen3_spmd.run.serve.command import _service
 
 MAX_SEQ = 256  # a tool call and its result, then a second turn's answer
 SHORT_TEMPLATE = (
@@ -64,23 +63,14 @@ LIGHT = {
 def app():
     with LLM(str(TINY), mesh="1x1", max_seq_len=MAX_SEQ, max_batch=1, chunk=4) as llm:
         llm.start()
-        text = llm.spec.text()
-        text.config = {**text.config, "chat_template": SHORT_TEMPLATE}
-        service = _service(llm.scheduler, llm.spec, text, "tiny", MAX_SEQ)
-        state = ServerState(
-            "tiny",
-            service=service,
-            text=text,
-            status="ready",
-            reasoning_parser="qwen3",
-            tool_call_parser="hermes",
+        yield app_over(
+            llm, MAX_SEQ, SHORT_TEMPLATE, reasoning_parser="qwen3", tool_call_parser="hermes"
         )
-        yield make_app(state), text
 
 
 @pytest.fixture(scope="module")
 def http(app):
-    with TestClient(app[0]) as http:
+    with TestClient(app) as http:
         yield http
 
 
@@ -299,7 +289,7 @@ def test_the_agents_sdks_default_model_runs_against_serve(app):
         base_url="http://testserver/v1",
         api_key="unused",
         http_client=httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app[0]),
+            transport=httpx.ASGITransport(app=app),
             base_url="http://testserver",
             event_hooks={"request": [note]},
         ),
@@ -362,17 +352,8 @@ def test_the_agents_sdks_default_model_runs_against_serve(app):
 def test_langchain_in_responses_mode(http):
     """LangChain's ChatOpenAI(use_responses_api=True), unchanged: a plain invoke and a
     json_schema structured output."""
-    from langchain_openai import ChatOpenAI
-
-    chat = ChatOpenAI(
-        model="tiny",
-        base_url="http://testserver/v1",
-        api_key="unused",
-        http_client=http,
-        use_responses_api=True,
-        reasoning={"effort": "minimal"},
-        max_tokens=40,
-        max_retries=0,
+    chat = langchain_chat(
+        http, use_responses_api=True, reasoning={"effort": "minimal"}, max_tokens=40
     )
     reply = chat.invoke("Hi")
     assert isinstance(reply.text, str) and reply.usage_metadata["output_tokens"] > 0
