@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.run.serve import protocol, responses, structured, tools
+from qwen3_spmd.run.serve import protocol, response_items, responses, structured, tools
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
     APIError,
@@ -288,21 +288,21 @@ async def create_response(request: Request):
         earlier = state.stored.get(body.previous_response_id, "previous_response_id")[1]
     chat_body, said = responses.to_chat(body, earlier)
     run = await _start_chat(state, service, chat_body)
-    id, created = responses.new_id("resp"), protocol.now()
+    id, created = response_items.new_id("resp"), protocol.now()
 
     def finished(output: list[dict], reason, ids, cached: int, error=None) -> dict:
         """The response object once the reply has ended (kept when body.store). ids: the
         generated token ids."""
-        status, why = responses.status_of(reason)
+        status, why = response_items.status_of(reason)
         thinking = _thinking_tokens(state, run.rendered, ids)
-        response = responses.response_object(
+        response = response_items.response_object(
             id,
             body,
             state.model_name,
             created,
             "failed" if error else status,
             output,
-            responses.usage(len(run.prompt), len(ids), cached, thinking),
+            response_items.usage(len(run.prompt), len(ids), cached, thinking),
             why,
             error,
         )
@@ -311,7 +311,7 @@ async def create_response(request: Request):
         return response
 
     if body.stream:
-        head = responses.response_object(
+        head = response_items.response_object(
             id, body, state.model_name, created, "in_progress", [], None
         )
         return _sse(_response_events(state, run, head, finished), named=True)
@@ -319,14 +319,14 @@ async def create_response(request: Request):
     reply = run.reply(state)
     message = fold(reply.add(out[0][0]) + reply.end(), reasoning=True)
     reason = reply.finish_reason(out[1][0])
-    output = responses.output_items(message, responses.status_of(reason)[0])
+    output = response_items.output_items(message, response_items.status_of(reason)[0])
     return finished(output, reason, out[6][0], out[4][0])
 
 
 async def _response_events(state: ServerState, run: _ChatRun, head: dict, finished):
     """A streamed response's events: created, in progress, each output item's, and
     completed (incomplete at the token budget; failed when the server ended it)."""
-    stream, reply = responses.EventStream(), run.reply(state)
+    stream, reply = response_items.EventStream(), run.reply(state)
     yield stream.event("response.created", response=head)
     yield stream.event("response.in_progress", response=head)
     reason, ids, cached = None, [], 0
@@ -345,7 +345,7 @@ async def _response_events(state: ServerState, run: _ChatRun, head: dict, finish
         yield stream.event("response.failed", response=finished(stream.items, None, ids, 0, error))
         return
     reason = reply.finish_reason(reason)
-    status, _ = responses.status_of(reason)
+    status, _ = response_items.status_of(reason)
     if not stream.items and not stream.writing:  # no text and no call: an empty message
         for event in stream.add({"content": ""}):
             yield event
