@@ -511,7 +511,9 @@ def test_llm_speculates_through_the_scheduler_with_plain_tokens(plain):
     (greedy, greedy_end), (sampled, sampled_end) = plain["greedy"], plain["sampled"]
     tokens = [greedy[0], sampled[1], greedy[2]]
     config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    settings = dict(max_seq_len=32, max_batch=2, enable_prefix_caching=False)  # few shapes
+    # the module engines' settings (max_seq_len 128, chunk 16), whose programs the
+    # session's compile cache then gives back
+    settings = dict(max_seq_len=128, max_batch=2, enable_prefix_caching=False)
     settings.update(dtype="float32")  # exact tokens are float32's claim, on a GPU too
     with LLM(str(TINY), mesh="1x1", speculative_config=config, **settings) as llm:
         assert llm.scheduler.speculator.config == SpeculativeConfig(2, "ngram", 2, 2)

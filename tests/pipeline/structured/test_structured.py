@@ -47,7 +47,7 @@ from qwen3_spmd.pipeline.speculative.policy import Unmeasured
 from qwen3_spmd.pipeline.speculative.speculator import Speculator, make_speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, ConstraintError, RowMatcher
 
-MAX_SEQ = 128  # a short prompt and a forced tool call (63 tokens) fit
+MAX_SEQ = 256  # as test_responses.py: the same programs, which the compile cache shares
 # A chat template without the tools block (Qwen3's renders 500 tokens of tools in this
 # byte-level tokenizer): a random model's call is forced by its grammar, not its prompt.
 SHORT_TEMPLATE = (

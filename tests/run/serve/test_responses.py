@@ -31,7 +31,7 @@ from starlette.testclient import TestClient
 
 from qwen3_spmd import LLM
 
-MAX_SEQ = 256  # a tool call and its result, then a second turn's answer
+MAX_SEQ = 256  # a call, its result and a second turn; as test_structured.py, so they share programs
 SHORT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
