@@ -7,6 +7,7 @@ parser is built, before `--cpu-devices` has set the device count.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -49,6 +50,19 @@ def in_flags(e: BaseException) -> str:
     (its `spelled`, read without importing the pipeline here) said as flags (FLAGGED)."""
     spelled = getattr(e, "spelled", None)
     return spelled({name: flag(name) for name in FLAGGED}) if callable(spelled) else str(e)
+
+
+def json_object(value: str | dict) -> dict:
+    """A flag's or setting's JSON object, given as text or as a mapping; ValueError
+    naming the fault."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{value!r} is not a JSON object")
+    return value
 
 
 def int_list(text: str, flag: str) -> list[int]:

@@ -12,6 +12,7 @@ import json
 
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.pipeline.structured.schema_rewrite import close_objects
+from qwen3_spmd.run.flags import json_object
 
 # Structured outputs' fields, vLLM's names: json (a JSON Schema, a dict or its text),
 # regex, choice (a list of strings), grammar (Lark or GBNF), json_object (any JSON object).
@@ -57,13 +58,7 @@ class StructuredOutputsConfig:
         """From JSON text or a mapping (None: the defaults); ValueError naming the fault."""
         if value is None:
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"not JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{value!r} is not a JSON object")
+        value = json_object(value)
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(known))
         if unknown:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -28,7 +27,7 @@ import time
 
 from qwen3_spmd.run.cpu_threads import CompileThreads, lower_priority
 from qwen3_spmd.run.engine_args import EngineArgs
-from qwen3_spmd.run.flags import CLIError, in_flags
+from qwen3_spmd.run.flags import CLIError, in_flags, json_object
 
 # A server that closes an idle connection while a client reuses it fails that request
 # ("server disconnected without a response"): the server must wait longer than clients
@@ -121,12 +120,9 @@ def _check_flags(args) -> None:
 def _json_object(text: str) -> dict:
     """A flag's JSON object (argparse names the flag in its one-line error)."""
     try:
-        value = json.loads(text)
+        return json_object(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-    return value
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _serve(args, engine_args: EngineArgs, runtime) -> int:

@@ -115,13 +115,15 @@ NEUTRAL = {
 
 def check(body: ResponsesRequest) -> None:
     """A 400 naming the first NEUTRAL field whose value is not served, or a bad effort."""
-    values = body.model_dump()
-    values["text.verbosity"] = body.text.verbosity if body.text else None
     for field, (served, instead) in NEUTRAL.items():
-        if not served(values[field]):
+        if field == "text.verbosity":
+            value = body.text.verbosity if body.text else None
+        else:
+            value = getattr(body, field)
+        if not served(value):
             raise APIError(
                 400,
-                f"{field} {values[field]!r} is not served by this server: {instead}",
+                f"{field} {value!r} is not served by this server: {instead}",
                 field,
                 "unsupported_value",
             )
@@ -194,7 +196,7 @@ def input_messages(given: str | list[dict]) -> list[dict]:
                 _string(item, "arguments", where),
             )
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or last.get("tool_call_id"):
+            if last is None or last["role"] != "assistant":  # else the same turn's
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
