@@ -67,14 +67,22 @@ def check_request(
     max_new_tokens: int,
     min_tokens: int = 0,
     eos_ids: tuple[int, ...] = (),
+    pooling: bool = False,
 ) -> None:
     """Every precondition of a request on C = seq devices, in words; needs no weights, so
     a caller can check before loading them. The one check of a request: every door
     calls it (through `Engine.check`) and says the parameters it names in its terms
-    (RequestError.spelled)."""
+    (RequestError.spelled). pooling: a pooling runner's request, which generates
+    nothing (max_new_tokens 0)."""
     if not prompts:
         raise RequestError("no prompt given: pass at least one", "prompts")
-    if max_new_tokens < 1:
+    if pooling and max_new_tokens != 0:
+        raise RequestError(
+            f"a pooling runner generates no tokens, and this request asks for "
+            f"$max_new_tokens {max_new_tokens}: serve the model with the generate runner",
+            "max_new_tokens",
+        )
+    if not pooling and max_new_tokens < 1:
         raise RequestError(f"$max_new_tokens {max_new_tokens} must be at least 1", "max_new_tokens")
     for n, p in enumerate(prompts):
         if len(p) == 0:
@@ -87,6 +95,14 @@ def check_request(
                 "prompts",
             )
         total = len(p) + max_new_tokens
+        limit = min(cfg.max_position_embeddings, max_seq_len)
+        if pooling and len(p) > limit:
+            which = "$max_seq_len" if limit == max_seq_len else "the model's positions,"
+            raise RequestError(
+                f"prompt {n} has {len(p)} tokens, more than {which} {limit}: shorten it"
+                + (f" (or raise $max_seq_len to {len(p)})" if limit == max_seq_len else ""),
+                "max_seq_len" if limit == max_seq_len else "prompts",
+            )
         if total > cfg.max_position_embeddings:
             raise RequestError(
                 f"prompt {n} ({len(p)} tokens) + $max_new_tokens {max_new_tokens} = {total} "

@@ -19,14 +19,14 @@ import os
 import sys
 import traceback
 
-from qwen3_spmd.run import convert, generate, ring_demo
+from qwen3_spmd.run import convert, embed, generate, ring_demo
 from qwen3_spmd.run.bench import command as bench
 from qwen3_spmd.run.flags import CLIError, in_flags
 from qwen3_spmd.run.flags import size_cpu_threads as size_cpu_threads  # tests/conftest.py's
 from qwen3_spmd.run.plan import command as plan
 from qwen3_spmd.run.serve import command as serve
 
-SUBCOMMANDS = (generate, ring_demo, bench, convert, serve, plan)
+SUBCOMMANDS = (generate, ring_demo, bench, convert, serve, embed, plan)
 
 
 class _Parser(argparse.ArgumentParser):

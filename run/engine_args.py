@@ -37,6 +37,7 @@ from qwen3_spmd.run.flags import (
 
 DEFAULT_MAX_SEQ_LEN = 4096  # per request, when the model allows as many positions
 CP = ("ring", "ulysses", "auto")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner
 
 # Our name (a field below, or a request's parameter) -> the one users bring from vLLM,
 # which every door that has the thing takes too: the command line as a flag
@@ -78,6 +79,8 @@ class EngineArgs:
     prefix_cache_mib: float | None = None
     speculative_config: str | dict | None = None  # JSON text or a mapping
     structured_outputs_config: str | dict | None = None  # JSON text or a mapping
+    runner: str = "auto"
+    hf_overrides: str | dict | None = None  # JSON text or a mapping
     compile_cache: str | None = None  # bench: off, its compile times are its figures
     coordinator: str | None = None
     num_processes: int | None = None
@@ -186,6 +189,23 @@ class EngineArgs:
             )
         if scheduler:
             _add_scheduler_args(parser, d)
+            parser.add_argument(
+                "--runner",
+                choices=RUNNERS,
+                default=d.runner,
+                help="generate (text), pooling (embeddings and scores: Qwen3-Embedding, "
+                "Qwen3-Reranker) or auto: pooling for a sentence-transformers folder "
+                "(modules.json) or a reranker's --hf-overrides, else generate (vLLM's flag)",
+            )
+            parser.add_argument(
+                "--hf-overrides",
+                metavar="JSON",
+                help="config.json keys over the folder's (vLLM's flag), for the pooling "
+                'runner: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+                '"classifier_from_token": ["no", "yes"], '
+                '"is_original_qwen3_reranker": true}\' serves Qwen3-Reranker; '
+                "is_matryoshka, matryoshka_dimensions",
+            )
         if not bench:
             compile_cache.add_argument(parser)
             distributed.add_flags(parser)
@@ -220,6 +240,16 @@ class EngineArgs:
                 raise CLIError(f"{flag(name)} {value} must be at least {least}")
         if self.cp not in CP:
             raise CLIError(f"--cp {self.cp} is not one of {', '.join(CP)}")
+        if self.runner not in RUNNERS:
+            raise CLIError(f"--runner {self.runner} is not one of {', '.join(RUNNERS)}")
+        overrides = self.overrides()
+        from qwen3_spmd.pipeline.pooling import asks_reranker
+
+        if self.runner == "generate" and asks_reranker(overrides):
+            raise CLIError(
+                "--hf-overrides ask for a reranker, which the pooling runner serves: "
+                "--runner pooling (or auto)"
+            )
         if self.prefix_cache_mib is not None and not self.prefix_cache_mib >= 0:
             raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib} must be >= 0 (0: no cache)")
         if self.enable_prefix_caching is False and self.prefix_cache_mib:
@@ -238,6 +268,57 @@ class EngineArgs:
         except ValueError as e:
             raise CLIError(f"--structured-outputs-config: {e}") from None
         distributed.check_flags(self)
+
+    def overrides(self) -> dict:
+        """hf_overrides, read (`pipeline.pooling.read_overrides`; CLIError naming it)."""
+        from qwen3_spmd.pipeline.pooling import read_overrides
+
+        try:
+            return read_overrides(self.hf_overrides)
+        except ValueError as e:
+            raise CLIError(f"--hf-overrides {e}") from None
+
+    def runner_for(self, spec) -> str:
+        """The runner for model `spec` (`run.models.ModelSpec`): --runner, or auto's
+        choice; a model only the pooling runner can serve, asked to generate, is refused
+        naming the file that says so."""
+        from qwen3_spmd.pipeline.pooling import MODULES, asks_reranker, is_embedding_folder
+
+        embedding = is_embedding_folder(spec.folder)
+        if self.runner == "generate" and (embedding or spec.headless):
+            why = (
+                f"{spec.folder / MODULES} says it is a sentence-transformers embedding model"
+                if embedding
+                else "its weights are the bare decoder, with no lm_head"
+            )
+            raise CLIError(f"--runner generate: {why}: serve it with --runner pooling")
+        if self.runner != "auto":
+            return self.runner
+        pooled = embedding or spec.headless or asks_reranker(self.overrides())
+        return "pooling" if pooled else "generate"
+
+    def pooling(self, spec, engine):
+        """The pooling runner's `pipeline.pooling.Pooling` for model `spec` on `engine`
+        (an embedding model's, or the reranker's that hf_overrides ask for); None for the
+        generate runner. A folder that contradicts the task is refused naming its file."""
+        from qwen3_spmd.pipeline import pooling
+
+        if not engine.pooling:
+            return None
+        if self.speculative_config is not None:
+            raise CLIError(
+                "--speculative-config speeds up generation, and the pooling runner generates "
+                "nothing: leave it out"
+            )
+        overrides = self.overrides()
+        if pooling.asks_reranker(overrides):
+            if spec.headless and not pooling.is_embedding_folder(spec.folder):
+                raise CLIError(
+                    f"--hf-overrides ask for a reranker, but {spec.label}'s weights are the "
+                    "bare decoder, with no lm_head to score with: pass the reranker's folder"
+                )
+            return pooling.reranker(spec.folder, spec.cfg, overrides, spec.source, spec.text())
+        return pooling.embedding(spec.folder, spec.cfg, overrides)
 
     def structured_outputs(self):
         """structured_outputs_config, read (`run.request_fields.StructuredOutputsConfig`;
@@ -421,7 +502,13 @@ class EngineArgs:
         runtime = self.start()
         spec = self.open_model()
         mesh = mesh if mesh is not None else runtime.mesh()
-        engine = self.engine(spec.cfg, spec.source, mesh, self.seq_len(spec.cfg, runtime.shape.seq))
+        runner = self.runner_for(spec)
+        max_seq_len = self.seq_len(spec.cfg, runtime.shape.seq)
+        engine = self.engine(spec.cfg, spec.source, mesh, max_seq_len, runner=runner)
+        pooling = self.pooling(spec, engine)
+        if pooling is not None:  # prefills only: no grammar, no drafter, no prefix cache
+            scheduler = self.scheduler(engine)
+            return Built(runtime, spec, engine, scheduler, pooling)
         # Structured outputs: a grammar engine over the model's tokenizer (none without one).
         grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
         speculator = self.speculator(engine)
@@ -455,6 +542,7 @@ class Built:
     spec: object  # run.models.ModelSpec
     engine: object  # pipeline.runtime.engine.Engine
     scheduler: object  # pipeline.scheduling.scheduler.Scheduler
+    pooling: object = None  # the pooling runner's pipeline.pooling.Pooling
 
 
 def _flags(name: str) -> tuple[str, str]:

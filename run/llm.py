@@ -29,11 +29,19 @@ from qwen3_spmd.pipeline.batch.handles import Handle, Params, prompt_positions
 from qwen3_spmd.pipeline.batch.handles import Logprob as TokenLogprob
 from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling
 from qwen3_spmd.pipeline.requests import RequestError, key_seed
+from qwen3_spmd.run import pooled
 from qwen3_spmd.run.engine_args import ALIASES, EngineArgs
 from qwen3_spmd.run.flags import CLIError, in_names
 from qwen3_spmd.run.request_fields import constraint, end_ids, one_format
 
-__all__ = ["LLM", "Logprob", "Output", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "Logprob",
+    "Output",
+    "PoolingOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +164,31 @@ class Output:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingOutput:
+    """One input's embedding or one pair's score (vLLM's EmbeddingRequestOutput and
+    ScoringRequestOutput): `outputs.embedding` or `outputs.score`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True
+
+
 class LLM:
-    """A Qwen3 model on a (stage, seq, tensor) mesh, ready to generate.
+    """A Qwen3 model on a (stage, seq, tensor) mesh, ready to generate, or with
+    runner="pooling" to embed (Qwen3-Embedding) or score (Qwen3-Reranker, with vLLM's
+    hf_overrides).
 
     Args:
       model: a Hugging Face checkpoint folder, an orbax folder written by `qwen3-spmd
@@ -189,6 +220,7 @@ class LLM:
         self.text = self.spec.text()
         self.eos_ids = self.spec.eos_ids()
         self.engine, self.scheduler = built.engine, built.scheduler
+        self.pooling = built.pooling  # pipeline.pooling.Pooling, with runner="pooling"
         self.closed_objects = args.structured_outputs().disable_additional_properties
 
     # ---- text ------------------------------------------------------------------------
@@ -291,6 +323,62 @@ class LLM:
             for (ids, text), s, h in zip(given, each, handles)
         ]
 
+    def embed(
+        self,
+        prompts,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingOutput]:
+        """Each prompt's embedding (vLLM's `LLM.embed`): one prompt or a list, each text
+        (tokenized with the tokenizer's post-processor), token ids, or vLLM's dict forms.
+        dimensions: a Matryoshka model's first d values, renormalised. Needs an
+        embedding model on the pooling runner."""
+        pooling = self._pooling("embed")
+        pooling.check_dimensions(dimensions)
+        batch = [_unwrapped(p) for p in _as_batch(prompts)]
+        ids = pooled.input_ids(batch, self.text, "prompts", truncate_prompt_tokens)
+        hidden = self._pool(ids)
+        return [
+            PoolingOutput(str(i), x, EmbeddingOutput(pooling.embed(h, dimensions).tolist()))
+            for i, (x, h) in enumerate(zip(ids, hidden))
+        ]
+
+    def score(
+        self, data_1, data_2, truncate_prompt_tokens: int | None = None
+    ) -> list[PoolingOutput]:
+        """Each pair's score (vLLM's `LLM.score`): data_1 a text (a query) or a list of
+        them, data_2 a text or a list (documents); one data_1 against every data_2, or
+        pairwise. A pair is data_1's tokens followed by data_2's, each formatted by the
+        caller as the model card says. Needs a reranker on the pooling runner."""
+        pooling = self._pooling("score")
+        ids = pooled.pairs(
+            data_1, data_2, self.text, truncate_prompt_tokens, names=("data_1", "data_2")
+        )
+        hidden = self._pool(ids)
+        return [
+            PoolingOutput(str(i), x, ScoringOutput(pooling.score(h)))
+            for i, (x, h) in enumerate(zip(ids, hidden))
+        ]
+
+    def _pooling(self, task: str):
+        """This LLM's Pooling, when it does `task` ("embed" or "score")."""
+        if self.pooling is not None and self.pooling.task == task:
+            return self.pooling
+        needs = {
+            "embed": "an embedding model on the pooling runner: LLM(model, runner='pooling')",
+            "score": "a reranker on the pooling runner: LLM(model, runner='pooling', "
+            "hf_overrides=...) as vLLM serves Qwen3-Reranker",
+        }[task]
+        does = "generates" if self.pooling is None else f"runs {self.pooling.task}"
+        raise RequestError(f"{task} needs {needs}; this LLM {does}", "runner")
+
+    def _pool(self, ids: list[list[int]]) -> list:
+        """Each id list's hidden state (`run.pooled.run`)."""
+        try:
+            return pooled.run(self.engine, self.scheduler, ids)
+        except RequestError as e:
+            raise _renamed(e) from None
+
     def _prompt_logprobs(
         self, ids: list[int], scored: list[TokenLogprob] | None, k: int | None
     ) -> list[dict[int, Logprob] | None] | None:
@@ -374,6 +462,21 @@ def _as_batch(prompts) -> list:
     if all(isinstance(x, numbers.Integral) for x in prompts):
         return [prompts]  # one prompt of token ids
     return prompts
+
+
+def _unwrapped(prompt):
+    """vLLM's dict prompt forms -> the text or ids they hold."""
+    if isinstance(prompt, dict) and len(prompt) == 1:
+        key = next(iter(prompt))
+        if key in ("prompt", "prompt_token_ids"):
+            return prompt[key]
+    if isinstance(prompt, dict):
+        raise RequestError(
+            f"a prompt as a dict has one key, prompt (text) or prompt_token_ids, not "
+            f"{sorted(prompt)}",
+            "prompts",
+        )
+    return prompt
 
 
 def _renamed(e: RequestError, index: int = 0) -> RequestError:

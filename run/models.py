@@ -22,6 +22,9 @@ class ModelSpec:
     random: bool
     hub_id: str | None = None  # the hub id `folder` was resolved from, if any
     qwen_text: bool = False  # no folder, but Qwen3's shipped tokenizer (the demo)
+    # The bare decoder's weights (no lm_head: Qwen3-Embedding as published): only the
+    # pooling runner can serve it (`pipeline.pooling`).
+    headless: bool = False
 
     def text(self):
         """The tokenizer and chat template (run.text.Text), or None without any."""
@@ -245,7 +248,7 @@ def _open_folder(folder: Path, name: str) -> ModelSpec:
     """An existing path `folder` (given as --model `name`): an orbax or a Hugging Face
     checkpoint folder."""
     from qwen3_spmd.model.checkpoint import orbax_io
-    from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+    from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, bare_decoder, tensor_files
 
     if not folder.is_dir():
         raise ConfigError(f"--model {name} is a file: pass the checkpoint folder that holds it")
@@ -265,4 +268,7 @@ def _open_folder(folder: Path, name: str) -> ModelSpec:
             "either kind"
         )
     cfg = Qwen3Config.from_hf(folder)
-    return ModelSpec(cfg, HFCheckpoint(folder, cfg), folder, str(folder), False)
+    headless = bare_decoder(tensor_files(folder))
+    if headless:  # its lm_head is never computed: the embedding stands in for it
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    return ModelSpec(cfg, HFCheckpoint(folder, cfg), folder, str(folder), False, headless=headless)

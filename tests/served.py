@@ -11,7 +11,7 @@ def app_over(llm, max_seq_len: int, chat_template: str | None = None, **state):
     text = llm.spec.text()
     if chat_template is not None:
         text.config = {**text.config, "chat_template": chat_template}
-    service = _service(llm.scheduler, llm.spec, text, "tiny", max_seq_len)
+    service = _service(llm.scheduler, llm.spec, text, "tiny", max_seq_len, llm.pooling)
     return make_app(ServerState("tiny", service=service, text=text, status="ready", **state))
 
 

@@ -76,7 +76,7 @@ def _read_fp8(file: Path, name: str, index) -> np.ndarray:
     return np.array(x[... if index is None else index])
 
 
-def _tensor_files(folder: Path) -> dict[str, Path]:
+def tensor_files(folder: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> the safetensors file that holds it."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -99,6 +99,16 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+DECODER_PREFIX = "model."
+
+
+def bare_decoder(names) -> bool:
+    """Whether a checkpoint's tensor names are the bare decoder's (`Qwen3Model` saved on
+    its own, as Qwen3-Embedding is published: `embed_tokens.weight`, `layers.{i}...`,
+    `norm.weight`, no `model.` prefix and no lm_head)."""
+    return "embed_tokens.weight" in names and not any(n.startswith(DECODER_PREFIX) for n in names)
+
+
 class HFCheckpoint:
     """A checked, lazily read Hugging Face Qwen3 checkpoint.
 
@@ -109,7 +119,11 @@ class HFCheckpoint:
     def __init__(self, folder: str | Path, cfg: Qwen3Config):
         self.folder = Path(folder)
         self.cfg = cfg
-        self.files = _tensor_files(self.folder)
+        files = tensor_files(self.folder)
+        # Our name table's names (the causal LM's) -> the file's own names.
+        prefix = DECODER_PREFIX if bare_decoder(files) else ""
+        self.stored = {prefix + name: name for name in files}
+        self.files = {prefix + name: file for name, file in files.items()}
         self.fused = any(name.endswith(FUSED_MARK) for name in self.files)
         self.table = {e.path: e for e in name_table(cfg, self.fused)}
         self.bytes_read = 0
@@ -182,7 +196,7 @@ class HFCheckpoint:
         for file, names in by_file.items():
             with _opened(file) as f:
                 for name in names:
-                    tensor = f.get_slice(name)
+                    tensor = f.get_slice(self.stored[name])
                     shape, want = tuple(tensor.get_shape()), expected[name][0]
                     e = expected[name][1]
                     if (
@@ -225,10 +239,11 @@ class HFCheckpoint:
 
     def _read_tensor(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """Tensor `name`, or tensor[index]: only those bytes copied out of the file."""
+        stored = self.stored[name]
         with _opened(self.files[name]) as f:
-            tensor = f.get_slice(name)
+            tensor = f.get_slice(stored)
             if tensor.get_dtype() == FP8_DTYPE:
-                x = _read_fp8(self.files[name], name, index)
+                x = _read_fp8(self.files[name], stored, index)
             else:
                 x = tensor[... if index is None else index]
         with self._lock:

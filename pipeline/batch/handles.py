@@ -105,6 +105,9 @@ class Handle:
         self.finish_reason: str | None = None
         self.token_times_s: list[float] = []  # when each token reached the host
         self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache
+        # A pooling runner's request: its last prompt token's hidden state after the
+        # final norm, [D] float32, set as it finishes (`model.pooling` reads it).
+        self.pooled = None
         self._submitted = time.perf_counter()
         self._changed = threading.Condition()
         # drive() runs one round and says True, or says False when a background loop
@@ -134,13 +137,17 @@ class Handle:
         finish_reason: str | None,
         logprobs: list[Logprob] | None = None,
         prompt_logprobs: list[Logprob] | None = None,
+        pooled=None,
     ) -> None:
         """The scheduler's side: new tokens (and their Logprobs; with the first, the
-        prompt's) and, at the end, the finish reason."""
+        prompt's) and, at the end, the finish reason (and a pooled request's hidden
+        state)."""
         now = time.perf_counter() - self._submitted
         with self._changed:
             if prompt_logprobs is not None:
                 self.prompt_logprobs = prompt_logprobs
+            if pooled is not None:
+                self.pooled = pooled
             self.logprobs += logprobs or []
             self.tokens += tokens
             self.token_times_s += [now] * len(tokens)

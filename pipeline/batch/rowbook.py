@@ -33,6 +33,9 @@ class Update:
     cached_tokens: int = 0  # with its first token: prompt tokens the prefix cache gave
     # with its first token, when the request asks: each prompt token's after the first
     prompt_logprobs: list[Logprob] | None = None
+    # a pooling runner's request, at its end (no tokens): its last prompt token's hidden
+    # state after the final norm, [D] float32 (`model.pooling` makes its output of it)
+    pooled: np.ndarray | None = None
 
 
 @dataclasses.dataclass

@@ -80,8 +80,10 @@ class PrefillShape:
     prompt token. Those are not among `ShapeRules.declared()`: few requests ask
     (evaluation harnesses), and a server would compile every prefill twice for them;
     the first to meet one compiles it. cp: how attention splits along `seq` ("ring" or
-    "ulysses"); block: the prefix cache's layout (`layout.lay_out`), None without one
-    (the runner's choices: defaults in the planner's shapes)."""
+    "ulysses"); block: the prefix cache's layout (`layout.lay_out`), None without one;
+    pooled: the program gives each prompt's last hidden state after the final norm
+    [B, D] instead of its logits (a pooling runner's: embeddings and scores,
+    `model.pooling`) (the runner's choices: defaults in the planner's shapes)."""
 
     B: int
     P_pad: int
@@ -89,12 +91,14 @@ class PrefillShape:
     prompt_logprobs: bool = False
     cp: str = "ring"
     block: int | None = None
+    pooled: bool = False
 
     def name(self) -> tuple:
         """Its static choices, readably (B and P_pad show in its arrays' shapes)."""
         name = ("prefill",) if self.cp == "ring" else ("prefill", self.cp)
         name += ("context",) if self.with_context else ()
         name += ("blocks", self.block) if self.block is not None else ()
+        name += ("pooled",) if self.pooled else ()
         return name + (("prompt_logprobs",) if self.prompt_logprobs else ())
 
     def build(self, engine) -> Callable:
@@ -138,7 +142,8 @@ class PrefillCarry(NamedTuple):
     h: jax.Array  # [B/M, P_pad/C, D]: the hidden state received from the previous stage
     cache: StageCache  # this stage's cache slice
     logits: jax.Array  # [B, V'/X] float32: the last prompt token's logits (last stage;
-    #                    this device's block of the vocabulary, model.split)
+    #                    this device's block of the vocabulary, model.split); pooled:
+    #                    [B, D] float32, its hidden state after the final norm
     prompt: PromptLogprobs | None = None  # [B, P_pad/C, ...] with prompt_logprobs: this
     #                    device's tokens' (last stage)
 
@@ -167,6 +172,12 @@ class PrefillRun(Run):
         """This device's vocabulary rows (`model.split`)."""
         return self.model.split.vocab(self.cfg) // self.model.split.size
 
+    @property
+    def width(self) -> int:
+        """What the last stage keeps of each row's last token: its logits over this
+        device's vocabulary rows, or (pooled) its whole normed hidden state, D."""
+        return self.cfg.D if self.shape.pooled else self.V_local
+
 
 # One shard_map program; the functions below it, read top to bottom, are the prefill
 # schedule of the module's docstring: a tick, a stage's layers, their attention, the
@@ -184,7 +195,8 @@ def build_prefill(
     """The prefill program for `shape`'s choices (not yet jitted), in `microbatches`.
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
-    (logits [B, V] float32, KVCache). It writes k and v [L_pad, B, K, S_cap, H] (in
+    (logits [B, V] float32, or pooled the last tokens' normed hidden states [B, D]
+    float32, KVCache). It writes k and v [L_pad, B, K, S_cap, H] (in
     `dtype`, the activations' dtype) at slots 0 .. P_pad/C - 1 of every device, so
     `cache` is donated and updated in place; `cache.pos` passes through.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
@@ -235,17 +247,20 @@ def first_carry(run: PrefillRun, cache: KVCache) -> PrefillCarry:
     return PrefillCarry(
         vary(jnp.full((run.Bm, T, run.cfg.D), fill, cache.k.dtype)),
         StageCache(cache.k, cache.v),
-        vary(jnp.zeros((B, run.V_local), jnp.float32)),
+        vary(jnp.zeros((B, run.width), jnp.float32)),
         jax.tree.map(lambda a: vary(jnp.zeros(a.shape, a.dtype)), scores),
     )
 
 
 def prefill_outputs(run: PrefillRun, carry: PrefillCarry, cache: KVCache) -> tuple:
     """What the program returns: the last tokens' logits [B, V] from the last stage
-    (the vocabulary gathered over `tensor`), the cache, and with prompt_logprobs the
-    prompt's scores (each `seq` device its own tokens')."""
+    (the vocabulary gathered over `tensor`; pooled: their hidden states [B, D], whole on
+    every device), the cache, and with prompt_logprobs the prompt's scores (each `seq`
+    device its own tokens')."""
     stages = jax.lax.axis_size("stage")
-    logits = gather_vocab(carry.logits, run.model.split, run.cfg.V)
+    logits = carry.logits
+    if not run.shape.pooled:
+        logits = gather_vocab(logits, run.model.split, run.cfg.V)
     out = (from_device(logits, stages - 1, 0), KVCache(carry.cache.k, carry.cache.v, cache.pos))
     if run.shape.prompt_logprobs:
         out += (jax.tree.map(from_last_stage, carry.prompt),)
@@ -333,18 +348,20 @@ def prefill_attention(run: PrefillRun, row0, pos, q, k, v, kv: StageCache, layer
 
 def last_token_logits(run: PrefillRun, x, active, row0, pos, buf):
     """`buf` [B, V'/X] with the microbatch's rows' logits (this device's vocabulary
-    block) at each row's last prompt token written in, where this is the last stage on
-    an active tick; x [Bm, T, D] at positions pos [Bm, T]."""
+    block; pooled: buf [B, D], their hidden states after the final norm) at each row's
+    last prompt token written in, where this is the last stage on an active tick; x
+    [Bm, T, D] at positions pos [Bm, T]."""
     last = rows(run.inputs.last_pos, row0, run.Bm)
     # The last prompt token lies on one `seq` device; summing the selection over the
     # axis (zeros elsewhere) gives it to all of them.
     picked = jnp.where((pos == last[:, None])[..., None], x, jnp.zeros_like(x)).sum(axis=1)
     h_last = jax.lax.psum(picked, "seq")
+    if run.shape.pooled:
+        last_stage = lambda h: run.model.norm(h).astype(jnp.float32)
+    else:
+        last_stage = lambda h: run.model.logits(h[:, None])[:, 0]
     on_last, logits = on_last_stage(
-        active,
-        lambda h: run.model.logits(h[:, None])[:, 0],
-        jax.ShapeDtypeStruct((run.Bm, run.V_local), jnp.float32),
-        h_last,
+        active, last_stage, jax.ShapeDtypeStruct((run.Bm, run.width), jnp.float32), h_last
     )
     return jnp.where(on_last, put_rows(buf, logits, row0), buf)
 

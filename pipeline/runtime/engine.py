@@ -10,6 +10,7 @@ executor (`pipeline.scheduling.executor`) runs a Round's programs through it, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -45,6 +46,8 @@ from qwen3_spmd.sharding.place import WeightSource, place_state
 from qwen3_spmd.sharding.specs import SPECS, param_spec
 from qwen3_spmd.sharding.stages import StagePlan
 
+RUNNERS = ("generate", "pooling")
+
 
 class Engine:
     """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
@@ -68,6 +71,9 @@ class Engine:
         pipeline.runtime.cp_cost's model). The KV cache left behind is the same either way.
       experts: Qwen3-MoE over `tensor`: "tp" every expert's columns split (default),
         "ep" whole experts per device (model.split).
+      runner: "generate" (prefill, then decode) or "pooling" (vLLM's name: prefill
+        only, each prompt's last hidden state after the final norm, for embeddings and
+        scores, `model.pooling`; its requests ask for no new tokens).
       link_bytes_per_s, flops_per_s: the link bandwidth (one figure, or one per
         collective: cp_cost.link_rate) and matmul throughput `auto` assumes (default:
         cp_cost.nominal for the platform; bench measures them). On CPU the throughput
@@ -90,7 +96,11 @@ class Engine:
         link_bytes_per_s: float | dict | None = None,
         flops_per_s: float | None = None,
         experts: str = "tp",
+        runner: str = "generate",
     ):
+        if runner not in RUNNERS:
+            raise RequestError(f"$runner {runner!r} is not one of {', '.join(RUNNERS)}", "runner")
+        self.runner = runner
         if tuple(mesh.axis_names) != AXES:
             raise MeshError(
                 f"the mesh's axes are {tuple(mesh.axis_names)}, not {AXES}: build it with "
@@ -145,8 +155,20 @@ class Engine:
         """Every precondition of a request, in words, before anything compiles
         (`requests.check_request` on this engine's model and cache)."""
         check_request(
-            self.cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids
+            self.cfg,
+            self.C,
+            self.max_seq_len,
+            prompts,
+            max_new_tokens,
+            min_tokens,
+            eos_ids,
+            pooling=self.pooling,
         )
+
+    @property
+    def pooling(self) -> bool:
+        """A pooling runner: prefills give hidden states (`pool`), nothing decodes."""
+        return self.runner == "pooling"
 
     def groups_for(self, n: int) -> int:
         """Decode groups for n requests."""
@@ -272,19 +294,37 @@ class Engine:
         Returns (first tokens [B] numpy, logits [B, V], the cache, PromptLogprobs of
         numpy arrays [B, P_pad, ...] in the batch's device order, or None without
         targets)."""
-        with_context = batch.offset > 0
-        scored = batch.prefill.targets is not None
-        if cache is None:
-            cache = self.copies.new_cache(batch.B, batch.slot_pos)
-        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
-        program = PrefillShape(batch.B, batch.P_pad, with_context, scored, strategy, batch.block)
-        watch = Stopwatch(clock)
-        logits, cache, *prompt = self.run_program(program, clock, cache, inputs)
+        if self.pooling:
+            raise RequestError("a pooling runner prefills with `pool`: it samples no tokens")
+        watch, (logits, cache, *prompt) = self._run_prefill(batch, strategy, clock, cache)
+        scored = bool(prompt)
         first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
         first = np.asarray(first)
         prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
         clock.prefill_s += watch.seconds()
         return first, logits, cache, prompt
+
+    def pool(self, batch: Batch, strategy: str, clock: Clock, cache: KVCache | None = None):
+        """A pooling runner's prefill of `batch` (a later chunk continues `cache`, as in
+        `prefill`): (each row's last prompt token's hidden state after the final norm
+        [B, D] float32 numpy, the cache)."""
+        watch, (hidden, cache) = self._run_prefill(batch, strategy, clock, cache)
+        hidden = np.asarray(hidden)
+        clock.prefill_s += watch.seconds()
+        return hidden, cache
+
+    def _run_prefill(self, batch: Batch, strategy: str, clock: Clock, cache: KVCache | None):
+        """The prefill program of `batch` on `cache` (None: a new one): (a stopwatch
+        started once its inputs are on the mesh, its outputs)."""
+        scored = batch.prefill.targets is not None
+        if cache is None:
+            cache = self.copies.new_cache(batch.B, batch.slot_pos)
+        inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
+        program = PrefillShape(
+            batch.B, batch.P_pad, batch.offset > 0, scored, strategy, batch.block, self.pooling
+        )
+        watch = Stopwatch(clock)
+        return watch, self.run_program(program, clock, cache, inputs)
 
     def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
         """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
@@ -331,6 +371,7 @@ class Engine:
         cache). Nothing runs (compiling is local to this process: no collective, so a
         background thread may compile while rounds run). announce=False: no on_compile
         for the program."""
+        shape = dataclasses.replace(shape, pooled=self.pooling)
         B, P_pad, scored = shape.B, shape.P_pad, shape.prompt_logprobs
         prompts = [[0] * P_pad] * B
         laid = lay_out(
@@ -348,6 +389,8 @@ class Engine:
         program, _ = self.programs.get(
             shape, self.weights, self.copies.abstract_cache(B), inputs, announce
         )
+        if self.pooling:  # no token to sample, no row to fill: a pooled prompt is done
+            return
         logits, new, *_ = (
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
             for out in program.out_info

@@ -134,7 +134,8 @@ class ShapeRules:
     slots per device and row. max_seq_len: a request's prompt + new tokens at most.
     prefill_tokens: prompt tokens a round prefills at most. chunk_tokens: a long
     prompt's chunk (a multiple of 2C). block: the prefix cache's block (a multiple of 2C
-    dividing chunk_tokens; `pipeline.batch.prefix`), None without one."""
+    dividing chunk_tokens; `pipeline.batch.prefix`), None without one. decodes: False
+    for a pooling runner, whose rounds only prefill (no decode chunk, no row move)."""
 
     rows: int
     groups: int
@@ -145,6 +146,7 @@ class ShapeRules:
     prefill_tokens: int
     chunk_tokens: int
     block: int | None = None
+    decodes: bool = True
 
     @property
     def layout_block(self) -> int | None:
@@ -270,12 +272,13 @@ class ShapeRules:
             before.append(self.block)  # a prefix cache's hit: its copied blocks
         if before:
             prefills |= {PrefillShape(M, P, True) for P in last if P <= room - min(before)}
-        rows = {self.decode_rows(b) for b in range(self.rows)}
+        rows = {self.decode_rows(b) for b in range(self.rows)} if self.decodes else set()
         decodes = {DecodeShape(n, True, logprobs) for n in rows for logprobs in (False, True)}
         moves = {
             self.moved(m)
             for live in range(1, self.rows + 1)
             for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
+            if self.decodes
         }
         copies = ("load", "save") if self.block is not None else ()
         return DeclaredShapes(
@@ -324,7 +327,9 @@ class ShapeRules:
         1/STAND_IN_PADDING of it (below the top, each leaves a quarter of a row for new
         tokens); the prefix cache's copies."""
         programs, room = self.declared(), self.C * self.slots
-        cover: set[Shape] = {DecodeShape(self.rows, True, lp) for lp in (False, True)}
+        cover: set[Shape] = set(programs.decodes) & {
+            DecodeShape(self.rows, True, lp) for lp in (False, True)
+        }
         cover |= set(map(CopyShape, programs.copies))
         for context in (False, True):
             lengths = sorted(

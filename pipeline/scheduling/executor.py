@@ -156,9 +156,11 @@ class Executor:
             cache = eng.copies.with_slot_pos(
                 cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape)
             )
+        last = chunk.end == len(request.prompt)  # its sampled token is the request's first
+        if eng.pooling:
+            return self._pooled_chunk(batch, chunk, cache, last)
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
-        last = chunk.end == len(request.prompt)  # its sampled token is the request's first
         allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
         first, logits, cache, prompt = eng.prefill(
             batch, chunk.cp, params, sampled, self.clock, cache, allowed
@@ -182,6 +184,19 @@ class Executor:
             update.prompt_logprobs, self._chunk_prompt = self._chunk_prompt, []
         if request.params.logprobs:
             update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
+        return [update]
+
+    def _pooled_chunk(self, batch: Batch, chunk: Chunk, cache, last: bool) -> list[Update]:
+        """A pooling runner's chunk: after the last, the request ends with its hidden
+        state, and its row is free again (nothing decodes)."""
+        hidden, cache = self.engine.pool(batch, chunk.cp, self.clock, cache)
+        if not last:
+            self._chunk_cache = cache
+            return []
+        self._chunk_cache = None
+        held = self.book.chunked_in()
+        update = Update(held.request.id, [], "stop", pooled=hidden[0])
+        update.cached_tokens = held.cached_tokens
         return [update]
 
     def _hit(self, chunk: Chunk) -> Chunking:
@@ -226,6 +241,9 @@ class Executor:
         )
         for r in requests:
             self._count(r, ())
+        if eng.pooling:  # each ends with its hidden state; no row is taken
+            hidden, _ = eng.pool(batch, admission.cp, self.clock)
+            return [Update(r.id, [], "stop", pooled=hidden[i]) for i, r in enumerate(requests)]
         params = RowSampling.stack(
             [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
         )

@@ -116,7 +116,8 @@ class Scheduler:
         room = engine.slots_per_device * engine.C  # a block fits a row
         block = max(two_c, min(prefix_block, chunk_tokens, room) // two_c * two_c)
         # A hit needs a whole block before a prompt's last token and a token after it.
-        if prefix_cache_bytes > 0 and engine.max_seq_len >= block + 2:
+        # A pooling runner's prompts are prefilled whole, each once: no prefix cache.
+        if prefix_cache_bytes > 0 and engine.max_seq_len >= block + 2 and not engine.pooling:
             chunk_tokens = chunk_tokens // block * block
             per_block = engine.copies.pool_bytes_per_block(block)
             if prefix_cache_bytes < per_block:
@@ -138,6 +139,7 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
             chunk_tokens=chunk_tokens,
             block=self.prefix.block if self.prefix else None,
+            decodes=not engine.pooling,
         )
         self.planner = Planner(
             self.rules,
@@ -525,7 +527,7 @@ class Scheduler:
         for u, handle in zip(updates, handles):
             if handle is not None:  # a follower's rounds have no handles
                 handle.cached_tokens = max(handle.cached_tokens, u.cached_tokens)
-                handle._deliver(u.tokens, u.finish_reason, u.logprobs, u.prompt_logprobs)
+                handle._deliver(u.tokens, u.finish_reason, u.logprobs, u.prompt_logprobs, u.pooled)
         return updates
 
     def run(self) -> None:

@@ -8,6 +8,9 @@ disconnects. Everything about generating lives in `service`.
     POST /v1/chat/completions  messages rendered with the checkpoint's chat template
     POST /v1/responses         OpenAI's Responses API over the chat path (`responses`);
     GET, DELETE /v1/responses/{id}  a stored response
+    POST /v1/embeddings        the pooling runner's (`embeddings`): OpenAI's embeddings
+    POST /v1/score, /score     vLLM's: text_1 against text_2, a reranker's P(yes)
+    POST /v1/rerank, /rerank, /v2/rerank  vLLM's, Cohere's shape: documents by score
     POST /tokenize             vLLM's: a prompt or chat messages -> token ids
     POST /detokenize           vLLM's: token ids -> text
     GET  /tokenizer_info       the tokenizer's settings (lm-evaluation-harness reads it)
@@ -36,7 +39,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from qwen3_spmd.run.serve import protocol, response_items, responses, structured, tools
+from qwen3_spmd.run.serve import (
+    embeddings,
+    protocol,
+    response_items,
+    responses,
+    structured,
+    tools,
+)
 from qwen3_spmd.run.serve.message import ChatReply, fold
 from qwen3_spmd.run.serve.protocol import (
     APIError,
@@ -149,7 +159,7 @@ async def models(request: Request):
 
 async def completions(request: Request):
     state = _server(request)
-    service = _ready(state, request)
+    service = _generating(state, request)
     body = protocol.parse(CompletionRequest, await request.body())
     _check_model(state, body.model)
     prompts = _prompt_ids(state, body.prompt)
@@ -223,7 +233,7 @@ async def _start_chat(state: ServerState, service: Service, body: ChatRequest) -
 
 async def chat(request: Request):
     state = _server(request)
-    service = _ready(state, request)
+    service = _generating(state, request)
     body = protocol.parse(ChatRequest, await request.body())
     _check_model(state, body.model)
     run = await _start_chat(state, service, body)
@@ -280,7 +290,7 @@ def _chat_body(state: ServerState, meta, job, prompt: list[int], out, choice, re
 
 async def create_response(request: Request):
     state = _server(request)
-    service = _ready(state, request)
+    service = _generating(state, request)
     body = protocol.parse(ResponsesRequest, await request.body())
     _check_model(state, body.model)
     earlier = []
@@ -377,6 +387,33 @@ async def delete_response(request: Request, response_id: str):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
+# ---- the pooling runner's (`embeddings`)
+
+
+async def create_embeddings(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(embeddings.EmbeddingRequest, await request.body())
+    _check_model(state, body.model)
+    return await embeddings.embeddings(service, state.text, state.model_name, body)
+
+
+async def score(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(embeddings.ScoreRequest, await request.body())
+    _check_model(state, body.model)
+    return await embeddings.score(service, state.text, state.model_name, body)
+
+
+async def rerank(request: Request):
+    state = _server(request)
+    service = _ready(state, request)
+    body = protocol.parse(embeddings.RerankRequest, await request.body())
+    _check_model(state, body.model)
+    return await embeddings.rerank(service, state.text, state.model_name, body)
+
+
 # ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as vLLM's):
 # what an evaluation harness needs instead of tokenizer files of its own
 
@@ -435,6 +472,12 @@ ROUTES = (
     ("POST", "/v1/responses", create_response),
     ("GET", "/v1/responses/{response_id}", get_response),
     ("DELETE", "/v1/responses/{response_id}", delete_response),
+    ("POST", "/v1/embeddings", create_embeddings),
+    ("POST", "/v1/score", score),
+    ("POST", "/score", score),
+    ("POST", "/v1/rerank", rerank),
+    ("POST", "/rerank", rerank),
+    ("POST", "/v2/rerank", rerank),
     ("POST", "/tokenize", tokenize),
     ("POST", "/detokenize", detokenize),
     ("GET", "/tokenizer_info", tokenizer_info),
@@ -467,6 +510,22 @@ def _ready(state: ServerState, request: Request) -> Service:
         message = why.get(state.status, "the server is shutting down")
         raise APIError(503, message, None, state.status, {"Retry-After": "5"})
     return state.service
+
+
+def _generating(state: ServerState, request: Request) -> Service:
+    """`_ready`'s service, on a server that generates (a 400 on a pooling runner's)."""
+    service = _ready(state, request)
+    if service.pooling is not None:
+        raise APIError(
+            400,
+            f"this server runs the pooling runner ({service.pooling.task}): it generates no "
+            "text; use POST /v1/embeddings"
+            + (" (or /v1/score, /v1/rerank)" if service.pooling.task == "score" else "")
+            + ", or serve the model with --runner generate",
+            "model",
+            "invalid_value",
+        )
+    return service
 
 
 def _tokenizer(state: ServerState):

@@ -139,8 +139,9 @@ def _serve(args, engine_args: EngineArgs, runtime) -> int:
     )
     max_seq_len = engine_args.seq_len(spec.cfg, shape.seq)
     TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)  # before the port is taken
+    runner = engine_args.runner_for(spec)
     if not procs.leader:
-        scheduler = _load(args, engine_args, spec, runtime, max_seq_len)
+        scheduler = _load(args, engine_args, spec, runtime, max_seq_len, runner)
         _follow_signals()
         scheduler.follow()
         scheduler.close()  # waits for a background compile under way
@@ -158,12 +159,14 @@ def _serve(args, engine_args: EngineArgs, runtime) -> int:
 
     def load():
         try:
-            scheduler = _load(args, engine_args, spec, runtime, max_seq_len)
-            state.service = _service(scheduler, spec, text, name, max_seq_len)
+            scheduler = _load(args, engine_args, spec, runtime, max_seq_len, runner)
+            pooling = engine_args.pooling(spec, scheduler.engine)
+            state.service = _service(scheduler, spec, text, name, max_seq_len, pooling)
             state.status = "ready"
             host, port = sock.getsockname()[:2]
+            what = f"the pooling runner: {pooling.task}, " if pooling is not None else ""
             _say(
-                f"serving {name} on http://{host}:{port}/v1 (mesh {runtime.mesh_text}, "
+                f"serving {name} on http://{host}:{port}/v1 ({what}mesh {runtime.mesh_text}, "
                 f"{max_seq_len} tokens per request, {scheduler.B} rows)"
             )
         except Exception as e:  # the server ends, saying why
@@ -216,25 +219,30 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
+def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int, runner: str):
     """Weights on the mesh, the scheduler, and its first programs compiled."""
     from qwen3_spmd.pipeline.batch.handles import Params
     from qwen3_spmd.pipeline.scheduling.decisions import SharedDecisions
     from qwen3_spmd.pipeline.structured.constraints import Grammars
+    from qwen3_spmd.run.pooled import POOLED
 
     procs = runtime.procs
     mesh = runtime.mesh()
     if procs.leader:
         _say(f"loading {spec.label} onto mesh {runtime.mesh_text} ({engine_args.dtype_name()})")
+    announce = _compiling if procs.leader else None
     engine = engine_args.engine(
-        spec.cfg, spec.source, mesh, max_seq_len, on_compile=_compiling if procs.leader else None
+        spec.cfg, spec.source, mesh, max_seq_len, on_compile=announce, runner=runner
     )
     decisions = SharedDecisions(args.peer_timeout) if procs.many else None
-    grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
+    grammars = speculator = None  # the pooling runner's requests generate nothing
+    if not engine.pooling:
+        grammars = Grammars.of_text(spec.text(), spec.cfg.V, spec.eos_ids())
     if grammars is not None:  # its tokenizer (seconds for Qwen3's) made while compiling
         threading.Thread(target=lambda: grammars.tokenizer, daemon=True).start()
     # Structured outputs: every process runs the same matchers on the same tokens.
-    speculator = engine_args.speculator(engine, on_compile=_compiling if procs.leader else None)
+    if not engine.pooling:
+        speculator = engine_args.speculator(engine, on_compile=announce)
     scheduler = engine_args.scheduler(
         engine, procs.many, decisions, speculator=speculator, grammars=grammars
     )
@@ -252,7 +260,7 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int):
         _precompile(scheduler, now, len(first) + len(rest), procs.leader)
     threads.compiled()
     if procs.leader:  # one request end to end (lazy: it compiles the first programs)
-        warm = scheduler.submit([0], Params(max_new_tokens=2))
+        warm = scheduler.submit([0], POOLED if engine.pooling else Params(max_new_tokens=2))
         scheduler.run()
         list(warm)
         threads.ran()
@@ -323,7 +331,7 @@ def _compiling(name):
     return contextlib.nullcontext()
 
 
-def _service(scheduler, spec, text, name: str, max_seq_len: int):
+def _service(scheduler, spec, text, name: str, max_seq_len: int, pooling=None):
     from qwen3_spmd.run.serve.service import Service, Settings
 
     def decode(ids):
@@ -339,7 +347,7 @@ def _service(scheduler, spec, text, name: str, max_seq_len: int):
         defaults=_default_sampling(spec),
         check=scheduler.engine.check,
     )
-    return Service(scheduler, decode, settings)
+    return Service(scheduler, decode, settings, pooling)
 
 
 def _default_sampling(spec):

@@ -25,6 +25,7 @@ from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
 from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull, Scheduler
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.run.flags import in_flags
+from qwen3_spmd.run.pooled import POOLED
 from qwen3_spmd.run.request_fields import end_ids
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics
@@ -107,15 +108,15 @@ class Job:
         return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
-def _invalid(e: RequestError) -> APIError:
-    """A 400 for the library's refusal, naming its parameters as the API's fields; a
+def _invalid(e: RequestError, fields: dict = FIELDS) -> APIError:
+    """A 400 for the library's refusal, naming its parameters as the API's `fields`; a
     prompt too long for the server's --max-seq-len is context_length_exceeded."""
-    field = next((FIELDS.get(p, p) for p in e.params if p not in SETTINGS), None)
+    field = next((fields.get(p, p) for p in e.params if p not in SETTINGS), None)
     if "max_seq_len" in e.params:
         code = "context_length_exceeded"
     else:
         code = "invalid_value" if field else None
-    return APIError(400, e.spelled(FIELDS), field, code)
+    return APIError(400, e.spelled(fields), field, code)
 
 
 class TokenInfo(NamedTuple):
@@ -217,8 +218,9 @@ class Choice:
 class Service:
     """Runs API requests on a Scheduler (started: its background thread runs rounds)."""
 
-    def __init__(self, scheduler: Scheduler, decode, settings: Settings):
+    def __init__(self, scheduler: Scheduler, decode, settings: Settings, pooling=None):
         self.scheduler, self.decode, self.settings = scheduler, decode, settings
+        self.pooling = pooling  # the pooling runner's pipeline.pooling.Pooling, else None
         self.draining = False
         # Choices ended, by finish reason ("cancelled": their client went away).
         self.finished: collections.Counter[str] = collections.Counter()
@@ -350,6 +352,33 @@ class Service:
         except RequestError as e:
             raise _invalid(e) from None
         return [Choice(i, handle, job, self.decode) for i, handle in enumerate(handles)]
+
+    async def pool(self, prompts: list[list[int]], field: str) -> list:
+        """Each prompt's hidden state, as a pooling runner's requests (`run.pooled`):
+        all checked and queued, or none (a 400 naming `field`, the API's name of the
+        prompts; a 503 when the queue is full or the server ends them)."""
+        if self.draining:
+            raise self.unavailable("the server is shutting down")
+        fields = {**FIELDS, "prompts": field}
+        try:
+            for i, p in enumerate(prompts):
+                try:
+                    self.settings.check([p], 0)
+                except RequestError as e:
+                    raise e.at_prompt(i) from None
+            handles = self.scheduler.submit_all([(p, POOLED, 0) for p in prompts])
+        except QueueFull as e:
+            self.metrics.rejected("queue_full")
+            raise self.unavailable(in_flags(e), "queue_full") from None
+        except RequestError as e:
+            raise _invalid(e, fields) from None
+        for handle in handles:
+            async for _ in handle.stream():  # none: it ends with its hidden state
+                pass
+            self.finished[handle.finish_reason] += 1
+        if any(h.pooled is None for h in handles):
+            raise APIError(503, "the server ended the request (shutdown, or an engine error)")
+        return [h.pooled for h in handles]
 
     def unavailable(self, message: str, code: str = "unavailable") -> APIError:
         retry = {"Retry-After": str(self.settings.retry_after_s)}

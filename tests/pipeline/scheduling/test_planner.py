@@ -52,6 +52,7 @@ class FakeEngine:
         self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
         self.moves: list[int] = []
         self.copies = self  # the cache's copies (pipeline.runtime.copies) are the methods below
+        self.pooling = False  # a generate runner
 
     def groups_for(self, n):
         return min(self.stages, n)
