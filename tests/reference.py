@@ -3,6 +3,7 @@ checked against, and the fixture folders."""
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,35 @@ from qwen3_spmd.pipeline.speculative.policy import SAMPLES, RoundRule, pass_kind
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 FIXTURES = ROOT / "tests" / "fixtures"
 TINY = FIXTURES / "tiny"
+# The pooling runner's fixtures (make_pooling_reference.py): a Qwen3-Embedding folder as
+# published, and a causal LM served as Qwen3-Reranker with vLLM's hf_overrides.
+EMBED, RERANK = FIXTURES / "embed", FIXTURES / "rerank"
+RERANKER = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": True,
+}
+
+
+@functools.cache
+def embed_reference():
+    """(reference.npz of `embed`, [(input text with its sentence-transformers prompt,
+    its index i in the file)] for every input)."""
+    ref = np.load(EMBED / "reference.npz")
+    prompts = json.loads((EMBED / "config_sentence_transformers.json").read_text())["prompts"]
+    cases = []
+    for i in range(int(ref["num_inputs"])):
+        name = str(ref[f"prompt_name_{i}"])
+        cases.append((prompts.get(name, "") + str(ref[f"text_{i}"]), i))
+    return ref, cases
+
+
+@functools.cache
+def rerank_reference():
+    """(reference.npz of `rerank`, [(formatted query, formatted document)] per pair)."""
+    ref = np.load(RERANK / "reference.npz")
+    n = int(ref["num_pairs"])
+    return ref, [(str(ref[f"query_{i}"]), str(ref[f"document_{i}"])) for i in range(n)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,34 +20,16 @@ import shutil
 
 import numpy as np
 import pytest
-from reference import FIXTURES
+from reference import EMBED, RERANK, RERANKER, embed_reference, rerank_reference
 from safetensors.numpy import load_file, save_file
 
 from qwen3_spmd import LLM
 from qwen3_spmd.model.config import ConfigError
 from qwen3_spmd.pipeline.requests import RequestError
 
-EMBED, RERANK = FIXTURES / "embed", FIXTURES / "rerank"
 MAX_SEQ = 512  # the reranker's pairs are up to 363 tokens; one setting, shared programs
-RERANKER = {
-    "architectures": ["Qwen3ForSequenceClassification"],
-    "classifier_from_token": ["no", "yes"],
-    "is_original_qwen3_reranker": True,
-}
 TOL = 1e-5
-
-
-def _embed_ref():
-    ref = np.load(EMBED / "reference.npz")
-    prompts = json.loads((EMBED / "config_sentence_transformers.json").read_text())["prompts"]
-    cases = []
-    for i in range(int(ref["num_inputs"])):
-        name = str(ref[f"prompt_name_{i}"])
-        cases.append((prompts.get(name, "") + str(ref[f"text_{i}"]), i))
-    return ref, cases
-
-
-REF, CASES = _embed_ref()
+REF, CASES = embed_reference()
 TEXTS = [(text, i) for text, i in CASES if text]  # an empty string is refused (below)
 
 
@@ -107,16 +89,10 @@ def test_a_long_input_is_embedded_in_chunks_along_seq(cp):
     _close(out.outputs.embedding, REF[f"embedding_{i}"])
 
 
-def _rerank_ref():
-    ref = np.load(RERANK / "reference.npz")
-    n = int(ref["num_pairs"])
-    return ref, [(str(ref[f"query_{i}"]), str(ref[f"document_{i}"])) for i in range(n)]
-
-
 def test_rerank_scores_equal_transformers_in_the_same_order(reranker):
     """Each query against its documents (1:N, vLLM's score): the pair's ids are the
     query's then the document's; P(yes) equals transformers' within 1e-5."""
-    ref, pairs = _rerank_ref()
+    ref, pairs = rerank_reference()
     assert reranker.pooling.labels == (int(ref["no_id"]), int(ref["yes_id"]))
     for query in dict.fromkeys(q for q, _ in pairs):
         at = [i for i, (q, _) in enumerate(pairs) if q == query]
@@ -130,7 +106,7 @@ def test_rerank_scores_equal_transformers_in_the_same_order(reranker):
 
 
 def test_rerank_scores_on_2x2():
-    ref, pairs = _rerank_ref()
+    ref, pairs = rerank_reference()
     with LLM(str(RERANK), mesh="2x2", max_seq_len=MAX_SEQ, hf_overrides=RERANKER) as llm:
         outs = llm.score([q for q, _ in pairs[:2]], [d for _, d in pairs[:2]])  # pairwise
     got = [o.outputs.score for o in outs]
@@ -198,3 +174,29 @@ def test_a_folder_that_contradicts_the_task_is_refused_naming_its_file(tmp_path)
         LLM(str(folder), mesh="1x1", max_seq_len=64)
     with pytest.raises(RequestError, match="hf_overrides has 'architecture'"):
         LLM(str(RERANK), mesh="1x1", hf_overrides={"architecture": ["x"]})
+
+
+def test_the_embed_command_prints_a_json_line_an_input(capsys):
+    """`qwen3-spmd embed`: embeddings, a reranker's scores against --query, and a
+    refusal in one line with status 2."""
+    from qwen3_spmd.run.cli import main
+
+    (text, i), (_, j) = TEXTS[0], TEXTS[1]
+    ids = ",".join(map(str, REF[f"ids_{j}"].tolist()))
+    base = ["embed", "--mesh", "1x1", "--max-model-len", str(MAX_SEQ)]
+    argv = [*base, "--model", str(EMBED), "--input", text, "--input-ids", ids, "--dimensions", "16"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    for line, k in zip(lines, (i, j)):
+        assert line["prompt_tokens"] == len(REF[f"ids_{k}"])
+        _close(line["embedding"], REF[f"embedding_16_{k}"])
+    ref, pairs = rerank_reference()
+    overrides = json.dumps(RERANKER)
+    argv = [*base, "--model", str(RERANK), "--hf-overrides", overrides, "--query", pairs[0][0]]
+    assert main([*argv, "--input", pairs[0][1], "--input", pairs[1][1]]) == 0
+    scores = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
+    np.testing.assert_allclose(scores, [ref["score_0"], ref["score_1"]], atol=TOL, rtol=0)
+    assert main([*base, "--model", str(EMBED), "--input", "a", "--dimensions", "12"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "dimensions 12 is not one of [8, 16, 32]" in err and "\n" not in err

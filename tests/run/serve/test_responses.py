@@ -358,3 +358,15 @@ def test_langchain_in_responses_mode(http):
     reply = chat.invoke("Hi")
     assert isinstance(reply.text, str) and reply.usage_metadata["output_tokens"] > 0
     assert isinstance(chat.with_structured_output(Verdict).invoke("Verdict?"), Verdict)
+
+
+def test_a_generate_server_refuses_pooling_requests_naming_the_model(http):
+    """Embeddings, scores and reranking need the pooling runner: a 400 that says so."""
+    for path, body in (
+        ("/v1/embeddings", {"input": "a"}),
+        ("/v1/score", {"text_1": "a", "text_2": "b"}),
+        ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+    ):
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "generates text" in r.json()["error"]["message"]
