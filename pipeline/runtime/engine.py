@@ -194,9 +194,8 @@ class Engine:
         """
         laid = lay_out([[0] * prompt_len] * batch, 1, 1, self.C, self.slots_per_device)
         inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs())
-        prefill = self.jitted(
-            PrefillShape(laid.B, laid.P_pad, cp=self.cp_plan(batch, laid.P_pad)[0])
-        )
+        shape = PrefillShape(laid.B, laid.P_pad, cp=self.cp_plan(batch, laid.P_pad)[0])
+        prefill = self.jitted(dataclasses.replace(shape, pooled=self.pooling))
         m = (
             prefill.lower(self.weights, self.copies.abstract_cache(batch), inputs)
             .compile()

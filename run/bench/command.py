@@ -17,6 +17,10 @@ Scenarios (--scenario, repeatable; default all but peer):
             (every draft accepted) for each k of --spec-tokens, an always-wrong one and
             ngram, tokens/s and acceptance, each run's tokens checked against plain
             decoding's (run.bench.speculative);
+  embed     the pooling runner: --embed-inputs inputs of --embed-lens tokens through the
+            scheduler (input tokens/s), and one longest input's prefill memory per
+            device; with --peer, sentence-transformers' loop on transformers
+            (run.bench.embed);
   structured  a closed loop at the scheduler's rows of bounded-JSON-Schema requests
             against the same load unconstrained and with half of it constrained:
             output tokens/s, the host's mask time a token, the others' time per output
@@ -50,6 +54,7 @@ SCENARIOS = (
     "prompt_logprobs",
     "speculative",
     "structured",
+    "embed",
 )
 SMOKE = {
     "prompt_lens": "16,32",
@@ -62,6 +67,8 @@ SMOKE = {
     "serve_output_lens": "2,6",
     "serve_requests": 1,
     "spec_tokens": "2",
+    "embed_inputs": 3,
+    "embed_lens": "8,24",
 }
 
 
@@ -144,6 +151,12 @@ def register(subparsers) -> None:
         help="serve: also the prefix cache against none, on 16 requests that share an "
         "N-token system prompt, 4 conversations of 4 turns, and the unshared load "
         "(default 0: not run)",
+    )
+    p.add_argument("--embed-inputs", type=int, help="embed: inputs submitted at once (default 256)")
+    p.add_argument(
+        "--embed-lens",
+        metavar="MIN,MAX",
+        help="embed: input lengths in tokens, uniform in the range (default 32,512)",
     )
     p.add_argument(
         "--url",
@@ -240,6 +253,8 @@ def _settings(args) -> dict:
         "serve_requests_per_concurrency": given(args.serve_requests, "serve_requests", 2),
         "serve_shared_prefix": args.serve_shared_prefix,
         "spec_tokens": _ints(given(args.spec_tokens, "spec_tokens", "2,4,8"), "--spec-tokens"),
+        "embed_inputs": given(args.embed_inputs, "embed_inputs", 256),
+        "embed_lens": _range(given(args.embed_lens, "embed_lens", "32,512"), "--embed-lens"),
     }
     s["decode_prompt_len"] = (
         args.decode_prompt_len if args.decode_prompt_len is not None else min(s["prompt_lens"])
@@ -253,6 +268,7 @@ def _settings(args) -> dict:
         ("decode_prompt_len", "--decode-prompt-len"),
         ("serve_max_batch", "--serve-max-batch"),
         ("serve_requests_per_concurrency", "--serve-requests"),
+        ("embed_inputs", "--embed-inputs"),
     ):
         if s[name] < 1:
             raise CLIError(f"{flag} {s[name]} must be at least 1")

@@ -36,17 +36,18 @@ class MeshEngines:
         self.cp, self.roof = cp, roof
         self.state, self.engines = None, {}
 
-    def get(self, max_seq_len: int) -> Engine:
-        """The engine for this cache size, made (and placed) on first use."""
-        if max_seq_len not in self.engines:
+    def get(self, max_seq_len: int, runner: str = "generate") -> Engine:
+        """The engine for this cache size (and runner), made (and placed) on first use."""
+        key = (max_seq_len, runner)
+        if key not in self.engines:
             src = self.source if self.state is None else PlacedSource(self.state)
             rates = measured_rates(self.roof, self.mesh.shape["seq"])
             e = engine_args(self.s, self.cp, self.dtype.name).engine(
-                self.cfg, src, self.mesh, max_seq_len, **rates
+                self.cfg, src, self.mesh, max_seq_len, runner=runner, **rates
             )
             self.state = e.weights.state
-            self.engines[max_seq_len] = e
-        return self.engines[max_seq_len]
+            self.engines[key] = e
+        return self.engines[key]
 
 
 def engine_args(settings: dict, cp: str, dtype: str) -> EngineArgs:
@@ -283,6 +284,10 @@ def run_mesh(
         from qwen3_spmd.run.bench.serve import structured_scenario
 
         entry["structured"] = structured_scenario(engines, settings, grammars, say)
+    if "embed" in scenarios:
+        from qwen3_spmd.run.bench.embed import embed_job
+
+        entry["embed"] = embed_job(engines, settings, say)
     if "serve" in scenarios:
         from qwen3_spmd.run.bench.serve import serve_job
 

@@ -50,6 +50,11 @@ def _check_lengths(s: dict, scenarios, positions: int) -> None:
                 f"turn needs {need} positions, but the model has {positions}: shorten it "
                 f"or --serve-output-lens"
             )
+    if "embed" in scenarios and s["embed_lens"][1] > positions:
+        raise CLIError(
+            f"--embed-lens {s['embed_lens'][1]}: the model has {positions} positions: use "
+            "lengths up to it"
+        )
     need = s["decode_prompt_len"] + s["decode_steps"] + 1
     if scenarios & {"decode", "speculative"} and need > positions:
         raise CLIError(
@@ -288,11 +293,16 @@ def bench_meshes(args, settings: dict) -> int:
             entry = run_mesh(spec.cfg, source, mesh, engines=engines, cp=cp, **common)
             report["meshes"].append(entry)
     add_ratios(report["meshes"])
+    if "embed" in scenarios:
+        from qwen3_spmd.run.bench.embed import add_embed_ratios
+
+        add_embed_ratios(report["meshes"])
 
     if "peer" in scenarios:
         from qwen3_spmd.run.bench.peer import run_peer
 
-        report["peer"] = run_peer(spec, source, single, settings, scenarios, say)
+        embed = report["meshes"][0].get("embed")  # 1x1's, which the peer's is paired with
+        report["peer"] = run_peer(spec, source, single, settings, scenarios, say, embed)
     report["targets"] = check_targets(report)
 
     if args.plot:

@@ -176,8 +176,9 @@ def _pairs(engine, model, prompts, new_tokens, settings, phase: str, tokens: int
     }
 
 
-def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
-    """engines: our 1x1 MeshEngines (already compiled where the 1x1 jobs ran)."""
+def run_peer(spec, source, engines, settings, scenarios, say, embed=None) -> dict:
+    """engines: our 1x1 MeshEngines (already compiled where the 1x1 jobs ran); embed:
+    our 1x1 embed job's figures (run.bench.embed), which the peer's are set beside."""
     torch, transformers = _import()
 
     threads = os.cpu_count() or 1
@@ -220,4 +221,8 @@ def run_peer(spec, source, engines, settings, scenarios, say) -> dict:
                 f"theirs {job['theirs_tokens_per_s']['median']:.1f}, speedup "
                 f"{job['speedup']['median']:.2f}"
             )
+    if embed is not None:
+        from qwen3_spmd.run.bench.embed import embed_peer
+
+        out["embed"] = embed_peer(model, torch, device, embed, cfg, s, say)
     return out

@@ -519,9 +519,12 @@ def _generating(state: ServerState, request: Request) -> Service:
         raise APIError(
             400,
             f"this server runs the pooling runner ({service.pooling.task}): it generates no "
-            "text; use POST /v1/embeddings"
-            + (" (or /v1/score, /v1/rerank)" if service.pooling.task == "score" else "")
-            + ", or serve the model with --runner generate",
+            "text; "
+            + (
+                "use POST /v1/score or /v1/rerank"
+                if service.pooling.task == "score"
+                else "use POST /v1/embeddings"
+            ),
             "model",
             "invalid_value",
         )

@@ -10,7 +10,8 @@ servers in one process (tests) count apart. Two kinds of metric:
   with speculative decoding, the drafts, draft tokens and accepted tokens;
 - counted as choices end (`Metrics.ended`): prompt and generation tokens, finished
   requests by reason, time to first token, time per output token, end-to-end latency;
-  and the requests refused with a 503 (`Metrics.rejected`).
+  a pooling runner's requests (`Metrics.pooled`) count their prompt tokens, reason and
+  latency; and the requests refused with a 503 (`Metrics.rejected`).
 
 Every metric carries the label `model_name` (the served name), as vLLM's do. With
 several processes, process 0 serves HTTP and so the metrics: its own compiles, the
@@ -72,6 +73,14 @@ class Metrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def pooled(self, handle, submitted: float) -> None:
+        """A pooling request (`Service.pool`) ended: its prompt, its reason, its latency
+        (from `submitted`, a perf_counter reading); it generates no token."""
+        name = self.model_name
+        self._prompt_tokens.labels(name).inc(handle.prompt_tokens)
+        self._success.labels(name, handle.finish_reason).inc()
+        self._e2e.labels(name).observe(time.perf_counter() - submitted)
 
     def ended(self, choice, reason: str) -> None:
         """A choice (`service.Choice`) ended with `reason` ("stop", "length", "cancelled",

@@ -360,6 +360,7 @@ class Service:
         if self.draining:
             raise self.unavailable("the server is shutting down")
         fields = {**FIELDS, "prompts": field}
+        submitted = time.perf_counter()
         try:
             for i, p in enumerate(prompts):
                 try:
@@ -376,6 +377,7 @@ class Service:
             async for _ in handle.stream():  # none: it ends with its hidden state
                 pass
             self.finished[handle.finish_reason] += 1
+            self.metrics.pooled(handle, submitted)
         if any(h.pooled is None for h in handles):
             raise APIError(503, "the server ended the request (shutdown, or an engine error)")
         return [h.pooled for h in handles]

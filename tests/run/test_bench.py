@@ -604,3 +604,22 @@ def test_prompt_logprobs_scenario_times_a_prefill_with_and_without(capsys):
     check_spread(job["plain_s"])
     check_spread(job["scored_s"])
     assert job["ratio"] == job["scored_s"]["median"] / job["plain_s"]["median"] > 0
+
+
+def test_embed_throughput_and_a_long_inputs_memory_along_seq(capsys):
+    """--scenario embed on 1x2: each mesh's pass over the inputs (their tokens, the
+    rows), input tokens/s from its time, and the longest input's activations and K/V a
+    device: on 1x2 less than on 1x1 (the ring's share), with the ratios to 1x1."""
+    out = run_json(capsys, "--scenario", "embed", "--mesh", "1x2", "--embed-lens", "64,64")
+    meshes = {m["mesh"]: m["embed"] for m in out["meshes"]}
+    assert set(meshes) == {"1x1", "1x2"}
+    for job in meshes.values():
+        assert job["inputs"] == 3 and job["tokens"] == 3 * 64 and job["lens"] == [64, 64]
+        check_spread(job["time_s"])
+        assert job["tokens_per_s"] == pytest.approx(job["tokens"] / job["time_s"]["median"])
+        assert np.linalg.norm(job["first_embedding"]) == pytest.approx(1.0)
+    np.testing.assert_allclose(
+        meshes["1x2"]["first_embedding"], meshes["1x1"]["first_embedding"], atol=1e-5
+    )
+    one, two = (meshes[m]["longest_prefill_activations_and_kv_per_device"] for m in ("1x1", "1x2"))
+    assert 0 < two < one and meshes["1x2"]["memory_ratio_vs_1x1"] == pytest.approx(two / one)

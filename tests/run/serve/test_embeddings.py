@@ -68,6 +68,25 @@ def test_the_openai_client_gets_sentence_transformers_embeddings(http):
     np.testing.assert_allclose(got.data[0].embedding, REF[f"embedding_{TEXTS[0][1]}"], atol=TOL)
 
 
+def test_metrics_count_the_pooled_prompts(http):
+    """/metrics: each input's prompt tokens and a success, as the choices' are counted."""
+
+    def read():
+        text = http.get("/metrics").text
+        counts = {}
+        for line in text.splitlines():
+            for name in ("prompt_tokens_total", "request_success_total"):
+                if line.startswith("qwen3_spmd:" + name):
+                    counts[name] = counts.get(name, 0) + float(line.split()[-1])
+        return counts
+
+    before = read()
+    http.post("/v1/embeddings", json={"input": [[1, 2, 3], [4, 5]]}).raise_for_status()
+    after = read()
+    assert after["prompt_tokens_total"] - before.get("prompt_tokens_total", 0) == 5
+    assert after["request_success_total"] - before.get("request_success_total", 0) == 2
+
+
 def test_langchain_embeddings(http):
     """LangChain's OpenAIEmbeddings with the model's own tokenizer for its length
     checks (tiktoken's files cannot be fetched here): documents and a query."""
