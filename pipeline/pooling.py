@@ -79,6 +79,17 @@ class Pooling:
             which = f"one of {list(self.matryoshka)}" if self.matryoshka else f"from 1 to {self.D}"
             raise RequestError(f"$dimensions {dimensions} is not {which}", "dimensions")
 
+    def prompt(self, name: str) -> str:
+        """Named prompt `name` (sentence-transformers'), in words when there is none."""
+        if name not in self.prompts:
+            have = ", ".join(sorted(self.prompts)) or "none"
+            raise RequestError(
+                f"$prompt_name {name!r} is not a prompt of this model's "
+                f"{ST_CONFIG} (it has: {have})",
+                "prompt_name",
+            )
+        return self.prompts[name]
+
     def embed(self, hidden: np.ndarray, dimensions: int | None = None) -> np.ndarray:
         """hidden [D] -> the embedding [d] float32 (d = dimensions or D)."""
         self.check_dimensions(dimensions)

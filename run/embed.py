@@ -46,6 +46,12 @@ def register(subparsers) -> None:
         "--dimensions", type=int, help="a Matryoshka model's first d values, renormalised"
     )
     p.add_argument(
+        "--prompt-name",
+        metavar="NAME",
+        help="put the model's named prompt (config_sentence_transformers.json: "
+        "Qwen3-Embedding's query instruction is 'query') before each text input",
+    )
+    p.add_argument(
         "--query",
         metavar="TEXT",
         help="a reranker's query: each input is a document, scored against it",
@@ -71,6 +77,9 @@ def main(args) -> int:
         if pooling.task != "embed":
             raise CLIError("a reranker scores documents against a --query: give one")
         pooling.check_dimensions(args.dimensions)
+        if args.prompt_name is not None:
+            prefix = pooling.prompt(args.prompt_name)
+            inputs = [prefix + x if isinstance(x, str) else x for x in inputs]
         prompts = pooled.input_ids(inputs, text)
     try:
         hidden = pooled.run(built.engine, built.scheduler, prompts)

@@ -328,14 +328,20 @@ class LLM:
         prompts,
         dimensions: int | None = None,
         truncate_prompt_tokens: int | None = None,
+        prompt_name: str | None = None,
     ) -> list[PoolingOutput]:
         """Each prompt's embedding (vLLM's `LLM.embed`): one prompt or a list, each text
         (tokenized with the tokenizer's post-processor), token ids, or vLLM's dict forms.
-        dimensions: a Matryoshka model's first d values, renormalised. Needs an
+        dimensions: a Matryoshka model's first d values, renormalised. prompt_name:
+        sentence-transformers' named prompt put before each text (Qwen3-Embedding's
+        "query" instruction, from config_sentence_transformers.json). Needs an
         embedding model on the pooling runner."""
         pooling = self._pooling("embed")
         pooling.check_dimensions(dimensions)
         batch = [_unwrapped(p) for p in _as_batch(prompts)]
+        if prompt_name is not None:
+            prefix = pooling.prompt(prompt_name)
+            batch = [prefix + p if isinstance(p, str) else p for p in batch]
         ids = pooled.input_ids(batch, self.text, "prompts", truncate_prompt_tokens)
         hidden = self._pool(ids)
         return [

@@ -78,6 +78,8 @@ def check_common(out: dict, meshes: list[str]) -> None:
         "compile_s_max",
         "serve_c8_vs_c1_1x1",
         "serve_c8_vs_static_batch_8_1x1",
+        "embed_1x1_speedup_vs_peer",
+        "embed_1x4_memory_ratio_vs_1x1",
         "serve_loaded_idle_fraction_2x1",
     }
     for mesh in out["meshes"]:
@@ -373,7 +375,7 @@ def test_plot_path_is_checked_before_the_run(capsys, plot, words):
 def test_cp_ring_and_ulysses_side_by_side(capsys):
     """--cp runs every seq mesh once per strategy; each prefill job reports the bytes
     each device received along seq (as pipeline.runtime.cp_cost counts them) and the model's
-    time, and the link bandwidth is measured for it."""
+    time, and the link bandwidth is measured for it. The embed scenario beside it."""
     from qwen3_spmd.pipeline.runtime import cp_cost
 
     out = run_json(
@@ -382,6 +384,10 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         "prefill",
         "--scenario",
         "roofline",
+        "--scenario",
+        "embed",
+        "--embed-lens",
+        "64,64",
         "--prompt-lens",
         "16",
         "--mesh",
@@ -414,6 +420,7 @@ def test_cp_ring_and_ulysses_side_by_side(capsys):
         rate = link["ppermute" if job["cp_strategy"] == "ring" else "all_to_all"]["median"]
         assert job["cp_predicted_s"] >= job["cp_bytes_per_device"] / rate
         assert set(job["cp_model"]) == {"ring", "ulysses"}
+    check_embed({m["mesh"]: m["embed"] for m in out["meshes"]})
     assert (
         main(["bench", "--smoke", "--scenario", "prefill", "--mesh", "1x3", "--cp", "ulysses"]) == 2
     )
@@ -606,20 +613,21 @@ def test_prompt_logprobs_scenario_times_a_prefill_with_and_without(capsys):
     assert job["ratio"] == job["scored_s"]["median"] / job["plain_s"]["median"] > 0
 
 
-def test_embed_throughput_and_a_long_inputs_memory_along_seq(capsys):
-    """--scenario embed on 1x2: each mesh's pass over the inputs (their tokens, the
-    rows), input tokens/s from its time, and the longest input's activations and K/V a
-    device: on 1x2 less than on 1x1 (the ring's share), with the ratios to 1x1."""
-    out = run_json(capsys, "--scenario", "embed", "--mesh", "1x2", "--embed-lens", "64,64")
-    meshes = {m["mesh"]: m["embed"] for m in out["meshes"]}
-    assert set(meshes) == {"1x1", "1x2"}
+def check_embed(meshes: dict) -> None:
+    """--scenario embed on 1x1 and 1x2 (ring, Ulysses): each mesh's pass over the inputs
+    (their tokens, the rows), input tokens/s from its time, the same first embedding, and
+    the longest input's activations and K/V a device: on 1x2 less than on 1x1 (each
+    device its share of the input), with the ratios to 1x1."""
+    assert set(meshes) == {"1x1", "1x2", "1x2 ulysses"}
+    one = meshes["1x1"]
     for job in meshes.values():
         assert job["inputs"] == 3 and job["tokens"] == 3 * 64 and job["lens"] == [64, 64]
         check_spread(job["time_s"])
         assert job["tokens_per_s"] == pytest.approx(job["tokens"] / job["time_s"]["median"])
         assert np.linalg.norm(job["first_embedding"]) == pytest.approx(1.0)
-    np.testing.assert_allclose(
-        meshes["1x2"]["first_embedding"], meshes["1x1"]["first_embedding"], atol=1e-5
-    )
-    one, two = (meshes[m]["longest_prefill_activations_and_kv_per_device"] for m in ("1x1", "1x2"))
-    assert 0 < two < one and meshes["1x2"]["memory_ratio_vs_1x1"] == pytest.approx(two / one)
+        np.testing.assert_allclose(job["first_embedding"], one["first_embedding"], atol=1e-5)
+        memory = job["longest_prefill_activations_and_kv_per_device"]
+        base = one["longest_prefill_activations_and_kv_per_device"]
+        assert job["memory_ratio_vs_1x1"] == pytest.approx(memory / base)
+    for mesh in ("1x2", "1x2 ulysses"):
+        assert 0 < meshes[mesh]["memory_ratio_vs_1x1"] < 1

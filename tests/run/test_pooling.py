@@ -52,8 +52,9 @@ def reranker():
 def test_embeddings_equal_sentence_transformers_at_every_dimension(embedder):
     """The runner is found from modules.json; each text's ids are sentence-transformers'
     (ending in <|endoftext|>, the post-processor's), its embedding theirs within 1e-5
-    whole and cut to 8 and 16 dimensions (renormalised), all in one call; the empty
-    string's ids, sent as ids, give its embedding too."""
+    whole and cut to 8 and 16 dimensions (renormalised), all in one call; the query
+    prompt put before the text by prompt_name; the empty string's ids, sent as ids, give
+    its embedding too."""
     assert embedder.engine.runner == "pooling" and embedder.pooling.matryoshka == (8, 16, 32)
     texts = [text for text, _ in TEXTS]
     for dims in (None, 16, 8):
@@ -63,6 +64,10 @@ def test_embeddings_equal_sentence_transformers_at_every_dimension(embedder):
             want = REF[f"embedding_{i}"] if dims in (None, 32) else REF[f"embedding_{dims}_{i}"]
             assert len(out.outputs.embedding) == (dims or 32)
             _close(out.outputs.embedding, want)
+    queries = [(str(REF[f"text_{i}"]), i) for _, i in TEXTS if str(REF[f"prompt_name_{i}"])]
+    outs = embedder.embed([text for text, _ in queries], prompt_name="query")
+    for out, (_, i) in zip(outs, queries):  # the folder's query prompt put before each
+        _close(out.outputs.embedding, REF[f"embedding_{i}"])
     (empty,) = [i for text, i in CASES if not text]
     (out,) = embedder.embed([REF[f"ids_{empty}"].tolist()])
     _close(out.outputs.embedding, REF[f"embedding_{empty}"])
@@ -70,8 +75,10 @@ def test_embeddings_equal_sentence_transformers_at_every_dimension(embedder):
 
 @pytest.mark.parametrize("mesh", ["2x1", "1x2", "1x1x2", "2x2"])
 def test_embeddings_are_the_same_on_every_mesh(mesh):
-    """A short input, the longest and a query-prompted one on each mesh."""
-    picked = [TEXTS[0], max(TEXTS, key=lambda c: len(REF[f"ids_{c[1]}"])), TEXTS[1]]
+    """Two inputs of one length bucket (33-64 tokens: one prefill program a mesh), one
+    with the chat tokens, on each mesh."""
+    picked = [c for c in TEXTS if 32 < len(REF[f"ids_{c[1]}"]) <= 64]
+    assert len(picked) == 2
     with LLM(str(EMBED), mesh=mesh, max_seq_len=MAX_SEQ) as llm:
         outs = llm.embed([text for text, _ in picked])
     for out, (_, i) in zip(outs, picked):
@@ -103,14 +110,6 @@ def test_rerank_scores_equal_transformers_in_the_same_order(reranker):
             assert o.prompt_token_ids == ref[f"ids_{i}"].tolist()
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
         assert np.argsort(got).tolist() == np.argsort(want).tolist()
-
-
-def test_rerank_scores_on_2x2():
-    ref, pairs = rerank_reference()
-    with LLM(str(RERANK), mesh="2x2", max_seq_len=MAX_SEQ, hf_overrides=RERANKER) as llm:
-        outs = llm.score([q for q, _ in pairs[:2]], [d for _, d in pairs[:2]])  # pairwise
-    got = [o.outputs.score for o in outs]
-    np.testing.assert_allclose(got, [float(ref[f"score_{i}"]) for i in range(2)], atol=TOL)
 
 
 def _copy(tmp_path, rename=None, config=None):
@@ -148,6 +147,7 @@ def test_bad_input_is_refused_naming_it(embedder, reranker):
         (lambda: embedder.embed([[1, 99999]]), "prompts", "outside the vocabulary"),
         (lambda: embedder.embed([[1] * (MAX_SEQ + 1)]), "max_seq_len", "more than"),
         (lambda: embedder.embed("a", dimensions=12), "dimensions", "one of [8, 16, 32]"),
+        (lambda: embedder.embed("a", prompt_name="doc"), "prompt_name", "has: document, query"),
         (lambda: embedder.score("a", "b"), "runner", "needs a reranker"),
         (lambda: reranker.embed("a"), "runner", "needs an embedding model"),
         (lambda: reranker.score(["a", "b"], ["c", "d", "e"]), "data_1", "as many as"),
