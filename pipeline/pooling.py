@@ -29,7 +29,6 @@ from qwen3_spmd.model.config import ConfigError, Qwen3Config
 from qwen3_spmd.model.params import Part
 from qwen3_spmd.pipeline.requests import RequestError
 
-TASKS = ("embed", "score")
 RERANKER = "Qwen3ForSequenceClassification"  # the architecture vLLM's overrides name
 MODULES = "modules.json"
 POOLING_CONFIG = "1_Pooling/config.json"
@@ -50,8 +49,8 @@ class Pooling:
 
     task: "embed" or "score". normalize: embeddings L2-normalised. matryoshka: the
     `dimensions` an embedding may be cut to (None: not a Matryoshka model; () any from
-    1 to D). prompts: sentence-transformers' named prompts (the query instruction), for
-    a client to prepend. classifier: score's [D] float64, w_yes - w_no; labels: the
+    1 to D). prompts: sentence-transformers' named prompts (the query instruction), put
+    before a text on request (`prompt`). classifier: score's [D] float64, w_yes - w_no; labels: the
     (no, yes) token ids it was taken from."""
 
     task: str

@@ -58,6 +58,10 @@ HUB_FILES = [
     "tokenizer_config.json",
     "*.safetensors",
     "*.safetensors.index.json",
+    # sentence-transformers' (an embedding model: the pooling runner, pipeline.pooling)
+    "modules.json",
+    "1_Pooling/config.json",
+    "config_sentence_transformers.json",
 ]
 
 
