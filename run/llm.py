@@ -416,19 +416,7 @@ class LLM:
     ) -> tuple[list[int], str | None]:
         """(token ids, the text they came from or None)."""
         if isinstance(prompt, dict):  # vLLM's TextPrompt and TokensPrompt
-            if set(prompt) == {"prompt"}:
-                prompt = prompt["prompt"]
-            elif set(prompt) == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-            else:
-                raise RequestError(
-                    f"a prompt as a dict has one key, prompt (text) or prompt_token_ids, "
-                    f"not {sorted(prompt)}",
-                    "prompts",
-                )
-            if isinstance(prompt, dict):
-                raise RequestError("a prompt's text or ids are not a dict", "prompts")
-            return self._prompt_ids(prompt, chat, enable_thinking)
+            return self._prompt_ids(_unwrapped(prompt), chat, enable_thinking)
         if isinstance(prompt, str):
             t = self._need_text()
             shown = t.chat(prompt, enable_thinking) if chat else prompt
@@ -471,18 +459,20 @@ def _as_batch(prompts) -> list:
 
 
 def _unwrapped(prompt):
-    """vLLM's dict prompt forms -> the text or ids they hold."""
-    if isinstance(prompt, dict) and len(prompt) == 1:
-        key = next(iter(prompt))
-        if key in ("prompt", "prompt_token_ids"):
-            return prompt[key]
-    if isinstance(prompt, dict):
+    """vLLM's dict prompt forms (TextPrompt, TokensPrompt) -> the text or ids they hold;
+    anything else as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) not in ({"prompt"}, {"prompt_token_ids"}):
         raise RequestError(
             f"a prompt as a dict has one key, prompt (text) or prompt_token_ids, not "
             f"{sorted(prompt)}",
             "prompts",
         )
-    return prompt
+    (inner,) = prompt.values()
+    if isinstance(inner, dict):
+        raise RequestError("a prompt's text or ids are not a dict", "prompts")
+    return inner
 
 
 def _renamed(e: RequestError, index: int = 0) -> RequestError:

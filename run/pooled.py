@@ -109,17 +109,23 @@ def pairs(
     return out
 
 
+def check_all(check, prompts: list[list[int]]) -> None:
+    """Each prompt through `check` (`Engine.check`'s signature) as a pooling request,
+    before any is queued; a refusal says which prompt (RequestError.at_prompt)."""
+    for i, p in enumerate(prompts):
+        try:
+            check([p], 0)
+        except RequestError as e:
+            raise e.at_prompt(i) from None
+
+
 def run(engine, scheduler, prompts: list[list[int]]) -> list:
     """Each prompt's hidden state through `scheduler` (on `engine`, a pooling runner's):
     all checked before any runs (RequestError of prompt i), then queued as room frees
     (a batch larger than the queue goes in as the rounds run), then run to their ends."""
     from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull
 
-    for i, p in enumerate(prompts):
-        try:
-            engine.check([p], 0)
-        except RequestError as e:
-            raise e.at_prompt(i) from None
+    check_all(engine.check, prompts)
     handles = []
     for p in prompts:
         while True:

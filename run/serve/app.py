@@ -390,28 +390,26 @@ async def delete_response(request: Request, response_id: str):
 # ---- the pooling runner's (`embeddings`)
 
 
-async def create_embeddings(request: Request):
+async def _pooled(request: Request, model, answer):
+    """A pooling endpoint: the body parsed as `model` and answered by `answer` (one of
+    `embeddings`' embeddings, score, rerank) on the service."""
     state = _server(request)
     service = _ready(state, request)
-    body = protocol.parse(embeddings.EmbeddingRequest, await request.body())
+    body = protocol.parse(model, await request.body())
     _check_model(state, body.model)
-    return await embeddings.embeddings(service, state.text, state.model_name, body)
+    return await answer(service, state.text, state.model_name, body)
+
+
+async def create_embeddings(request: Request):
+    return await _pooled(request, embeddings.EmbeddingRequest, embeddings.embeddings)
 
 
 async def score(request: Request):
-    state = _server(request)
-    service = _ready(state, request)
-    body = protocol.parse(embeddings.ScoreRequest, await request.body())
-    _check_model(state, body.model)
-    return await embeddings.score(service, state.text, state.model_name, body)
+    return await _pooled(request, embeddings.ScoreRequest, embeddings.score)
 
 
 async def rerank(request: Request):
-    state = _server(request)
-    service = _ready(state, request)
-    body = protocol.parse(embeddings.RerankRequest, await request.body())
-    _check_model(state, body.model)
-    return await embeddings.rerank(service, state.text, state.model_name, body)
+    return await _pooled(request, embeddings.RerankRequest, embeddings.rerank)
 
 
 # ---- the tokenizer (vLLM's endpoints; outside /v1, so without the API key, as vLLM's):

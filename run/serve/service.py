@@ -25,7 +25,7 @@ from qwen3_spmd.pipeline.requests import SEEDS, RequestError, key_seed
 from qwen3_spmd.pipeline.scheduling.scheduler import QueueFull, Scheduler
 from qwen3_spmd.pipeline.structured.constraints import Constraint
 from qwen3_spmd.run.flags import in_flags
-from qwen3_spmd.run.pooled import POOLED
+from qwen3_spmd.run.pooled import POOLED, check_all
 from qwen3_spmd.run.request_fields import end_ids
 from qwen3_spmd.run.serve.detok import Detokenizer, StopText
 from qwen3_spmd.run.serve.metrics import Metrics
@@ -362,11 +362,7 @@ class Service:
         fields = {**FIELDS, "prompts": field}
         submitted = time.perf_counter()
         try:
-            for i, p in enumerate(prompts):
-                try:
-                    self.settings.check([p], 0)
-                except RequestError as e:
-                    raise e.at_prompt(i) from None
+            check_all(self.settings.check, prompts)
             handles = self.scheduler.submit_all([(p, POOLED, 0) for p in prompts])
         except QueueFull as e:
             self.metrics.rejected("queue_full")
