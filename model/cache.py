@@ -1,15 +1,19 @@
 """The KV cache: an immutable pytree passed from program to program.
 
-    k, v: [L_pad, B, K, S_cap, H]   keys and values of every layer slot and cache slot,
-                                    heads-major (ring.attention.heads_major: the layout
-                                    attention reads without a copy)
-    pos:  [B, S_cap] int32          the token position each slot holds, -1 = empty
+    k, v:  [L_pad, pages, K, C bs, H]  each device's pool of pages (`ring.pages`): a
+                                       page is bs cache slots on each `seq` device, of
+                                       every layer slot and KV head, heads-major inside
+    pos:   [B, S_cap] int32            the position each of a row's slots holds,
+                                       -1 = empty (S_cap = C n bs)
+    table: [B, n] int32                each row's pages: its local slot s lives in
+                                       page table[row, s // bs] at s % bs
 
-Attention masks come from `pos` alone (a key is visible when 0 <= pos <= the query's
-position), so the order slots are filled in (zigzag prompt shares, round-robin decode
-slots) needs no special case. The prefill and decode programs take k and v as donated
-arguments and return them, so XLA updates them in place; `pos` is written by the
-engine (it is the same on every stage) and read by the decode program.
+The rows are the program's (a prefill's batch, the decode rows); the pool is the
+server's, one for all of them. Attention masks come from `pos` alone (a key is visible
+when 0 <= pos <= the query's position), so the order slots are filled in (zigzag prompt
+shares, round-robin decode slots) needs no special case. The programs take k and v as
+donated arguments and return them, so XLA updates them in place; `pos` and `table` are
+written by the host (the row book) and only read by the programs.
 """
 
 from __future__ import annotations
@@ -23,3 +27,4 @@ class KVCache(NamedTuple):
     k: jax.Array
     v: jax.Array
     pos: jax.Array
+    table: jax.Array

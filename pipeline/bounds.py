@@ -8,4 +8,5 @@ LEAST = {
     # position would refuse every request.
     "max_seq_len": 2,
     "chunk": 1,
+    "block_size": 1,
 }

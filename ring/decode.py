@@ -10,6 +10,7 @@ terms and done with collectives on (o, lse)-sized values only:
     o   = psum(o_c * w_c) / psum(w_c),    lse = m + log(psum(w_c))
 
 The cache is never gathered. The result is the same (invariant) on every device.
+The cache is paged (`ring.pages`): each row's slots are read through its block table.
 Given how far the cache is filled, a device reads only its filled blocks of slots (on
 CPU; see DECODE_BLOCK).
 
@@ -28,9 +29,10 @@ from qwen3_spmd.ring.attention import (
     partial_attention,
 )
 from qwen3_spmd.ring.merge import finite_or_zero, merge
+from qwen3_spmd.ring.pages import page_size, read_slots
 
-# Cache slots per block when decode attention reads only the filled part of the cache
-# (on CPU). A cache has room for every token its requests may reach, and a request
+# Cache slots per block (whole pages: `read_block`) when decode attention reads only the
+# filled part of the cache (on CPU). A cache has room for every token its requests may reach, and a request
 # early in its generation has most of it empty: reading all of it at every step would
 # spend much of a decode step on empty slots. Each block is copied out of the
 # layer-stacked cache before its two products, and small blocks run much faster
@@ -56,60 +58,66 @@ def decode_attention(
     q_pos,
     slot_pos,
     *,
+    table,
     axis_name: str = "seq",
     scale: float,
-    at: tuple = (0,),
+    at: tuple = (),
     filled=None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention of new tokens over a sequence-sharded cache; call inside shard_map.
+    """Attention of new tokens over a sequence-sharded, paged cache; call inside shard_map.
 
     Args:
       q: [B, T, N, H] queries of the new tokens (T usually 1), the same on every device.
-      k_cache, v_cache: [*A, B', K, S, H] this device's cache slots, heads-major (the
-        layout attention reads in place: `ring.attention.heads_major`). The queries'
-        rows are the B from index `at` = (*A indices, first row): a layer-stacked
-        cache [L, B', K, S, H] is read at (layer, row0), and where blocks are read
-        only they are sliced out of it (XLA copies a slice before a product). A plain
-        [B, K, S, H] cache takes the default (0,).
+      k_cache, v_cache: [*A, pages, K, bs, H] this device's pool of pages (`ring.pages`),
+        read at leading indices `at` (a layer-stacked pool [L, pages, K, bs, H] at
+        (layer,)); a plain pool [pages, K, bs, H] takes the default ().
       q_pos: [B, T] int32 positions of the new tokens.
-      slot_pos: [B, S] int32 positions held in this device's slots (-1: empty).
+      slot_pos: [B, S] int32 positions held in the rows' local slots (-1: empty),
+        S = n bs.
+      table: [B, n] int32 the rows' pages (the same on every device).
       axis_name: the mesh axis the cache is sharded along.
       scale: multiplier of the scores, usually H ** -0.5.
       filled: optional int32, a scalar or one per row [B] (traced or not): a row's
         slots at or past it are ignored (a cache filled in slot order holds nothing
-        visible there yet). On CPU, with more than DECODE_BLOCK slots, attention then
-        reads only the blocks below the largest.
+        visible there yet). On CPU, with more than a read block of slots (`read_block`),
+        attention then reads only the blocks below the largest.
 
     Returns:
       o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: no visible slot on
       any device). Both invariant along `axis_name`.
     """
-    b = q.shape[0]
-    if k_cache.ndim != len(at) + 3 or v_cache.ndim != len(at) + 3:
+    b, n = table.shape
+    bs = page_size(k_cache)
+    if k_cache.ndim != len(at) + 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"decode_attention: caches {k_cache.shape}, {v_cache.shape} must have the "
-            f"{len(at) - 1} leading axes that at={at} indexes, then [B, K, S, H]"
+            f"decode_attention: pools {k_cache.shape}, {v_cache.shape} must have the "
+            f"{len(at)} leading axes that at={at} indexes, then [pages, K, bs, H]"
         )
 
-    def rows(x):  # the queries' rows of a cache, as a shape
-        return jax.ShapeDtypeStruct((b, *x.shape[-3:]), x.dtype)
+    def rows(x):  # the queries' rows of a pool, as a shape
+        return jax.ShapeDtypeStruct((b, x.shape[-3], n * bs, x.shape[-1]), x.dtype)
 
     check_attention_shapes(
         "decode_attention", q, rows(k_cache), rows(v_cache), q_pos, slot_pos, kv_heads_major=True
     )
     check_axis("decode_attention", axis_name)
-    S = k_cache.shape[-2]
+    S = n * bs
     if filled is not None:
         filled = jnp.asarray(filled)
         per_row = filled[:, None] if filled.ndim else filled
         slot_pos = jnp.where(jnp.arange(S) < per_row, slot_pos, -1)
-    if filled is None or S <= DECODE_BLOCK or jax.default_backend() != "cpu":
+    if filled is None or S <= read_block(bs) or jax.default_backend() != "cpu":
         o, lse = partial_attention(
-            q, _rows(k_cache, at, b), _rows(v_cache, at, b), q_pos, slot_pos, scale
+            q,
+            read_slots(k_cache, table, at),
+            read_slots(v_cache, table, at),
+            q_pos,
+            slot_pos,
+            scale,
         )
     else:
         most = jnp.max(filled)
-        o, lse = _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, most, scale)
+        o, lse = _filled_blocks(q, k_cache, v_cache, at, table, q_pos, slot_pos, most, scale)
     m = finite_or_zero(lax.pmax(lse, axis_name))
     w = jnp.exp(lse - m)  # [B, T, N]
     den = lax.psum(w, axis_name)
@@ -117,31 +125,32 @@ def decode_attention(
     return o.astype(q.dtype), m + jnp.log(den)
 
 
-def _rows(x, at, b: int, start=0, size: int | None = None):
-    """The [b, K, size, H] block of cache x [*A, B', K, S, H] at rows at[-1] .. + b of
-    index at[:-1], slots start .. start + size (all of them by default)."""
-    size = x.shape[-2] if size is None else size
-    lead = len(at) - 1
-    sizes = (1,) * lead + (b, x.shape[-3], size, x.shape[-1])
-    return lax.dynamic_slice(x, (*at, 0, start, 0), sizes).reshape(sizes[lead:])
+def read_block(bs: int) -> int:
+    """Slots a block of `_filled_blocks` reads: DECODE_BLOCK, in whole pages of bs."""
+    return bs * max(1, DECODE_BLOCK // bs)
 
 
-def _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale):
-    """partial_attention over the DECODE_BLOCK-slot blocks below `filled`, merged one by
+def _filled_blocks(q, k_cache, v_cache, at, table, q_pos, slot_pos, filled, scale):
+    """partial_attention over the `read_block`-slot blocks below `filled`, merged one by
     one in a loop whose trip count is the number of such blocks, then over the slots
-    after the last whole block (fewer than DECODE_BLOCK) if `filled` reaches them. Each
-    block is sliced from the cache as it is read: the rest is neither copied nor read."""
+    after the last whole block (fewer than a block) if `filled` reaches them. Each
+    block's pages are gathered from the pool as it is read: the rest is neither copied
+    nor read."""
     b, t, n, h = q.shape
-    S, block = k_cache.shape[-2], DECODE_BLOCK
+    bs = page_size(k_cache)
+    S, block = table.shape[1] * bs, read_block(bs)
     whole = S // block
-    axes = frozenset().union(*(varying_axes(x) for x in (q, k_cache, v_cache, q_pos, slot_pos)))
+    axes = frozenset().union(
+        *(varying_axes(x) for x in (q, k_cache, v_cache, q_pos, slot_pos, table))
+    )
 
     def attend(carry, start, size):
         pos = lax.dynamic_slice_in_dim(slot_pos, start, size, axis=1)
+        first, count = start // bs, size // bs
         part = partial_attention(
             q,
-            _rows(k_cache, at, b, start, size),
-            _rows(v_cache, at, b, start, size),
+            read_slots(k_cache, table, at, first, count),
+            read_slots(v_cache, table, at, first, count),
             q_pos,
             pos,
             scale,
@@ -165,7 +174,7 @@ def _filled_blocks(q, k_cache, v_cache, at, q_pos, slot_pos, filled, scale):
 
 
 def context_attention(
-    q, k_cache, v_cache, q_pos, slot_pos, *, axis_name: str = "seq", scale: float, at, filled
+    q, k_cache, v_cache, q_pos, slot_pos, *, table, axis_name: str = "seq", scale: float, at, filled
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of a chunk of prompt queries, sharded along `axis_name` as prefill holds
     them, over the cached slots below `filled` on every device (the same prompt's
@@ -176,7 +185,8 @@ def context_attention(
 
     Args:
       q: [B, T, N, H] local queries; q_pos: [B, T] their positions (-1: padding).
-      k_cache, v_cache, at, slot_pos, filled: as `decode_attention` (filled: a scalar).
+      k_cache, v_cache, at, slot_pos, table, filled: as `decode_attention` (filled: a
+        scalar).
     Returns:
       o: [B, T, N, H] in q's dtype; lse: [B, T, N] float32 (-inf: nothing cached is
       visible), for the local queries.
@@ -190,6 +200,7 @@ def context_attention(
         v_cache,
         pos_all,
         slot_pos,
+        table=table,
         axis_name=axis_name,
         scale=scale,
         at=at,

@@ -28,6 +28,7 @@ from qwen3_spmd.run.flags import (
     add_dtype,
     add_expert_split,
     add_model,
+    byte_count,
     flag,
     local_cpu_devices,
     mesh_devices,
@@ -73,6 +74,8 @@ class EngineArgs:
     cp: str = "ring"
     expert_split: str = "tp"
     max_batch: int = 8
+    block_size: int = 16
+    kv_cache_memory_bytes: str | int | None = None  # "2G" as vLLM writes it (flags.byte_count)
     prefill_tokens: int = 4096
     max_queue: int = 256
     enable_prefix_caching: bool | None = None
@@ -131,6 +134,13 @@ class EngineArgs:
             "--cpu-devices",
             type=int,
             help="emulate this many CPU devices (default on CPU: the mesh's devices)",
+        )
+        parser.add_argument(
+            "--block-size",
+            type=int,
+            default=d.block_size,
+            help="KV cache slots a page holds on each seq device (vLLM's flag; default "
+            f"{d.block_size})",
         )
         add_dtype(parser)
         add_expert_split(parser)
@@ -229,6 +239,7 @@ class EngineArgs:
             "chunk",
             "max_seq_len",
             "max_batch",
+            "block_size",
             "prefill_tokens",
             "max_queue",
             "tensor_parallel_size",
@@ -240,6 +251,10 @@ class EngineArgs:
                 raise CLIError(f"{flag(name)} {value} must be at least {least}")
         if self.cp not in CP:
             raise CLIError(f"--cp {self.cp} is not one of {', '.join(CP)}")
+        if self.kv_cache_memory_bytes is not None:
+            given = byte_count(self.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+            if given < 1:
+                raise CLIError(f"--kv-cache-memory-bytes {given} must be at least 1")
         if self.runner not in RUNNERS:
             raise CLIError(f"--runner {self.runner} is not one of {', '.join(RUNNERS)}")
         overrides = self.overrides()
@@ -460,6 +475,7 @@ class EngineArgs:
             chunk=self.chunk,
             cp=self.cp,
             experts=self.expert_split,
+            block_size=self.block_size,
         )
 
     def scheduler(self, engine, many: bool = False, decisions=None, speculator=None, **door):
@@ -479,12 +495,22 @@ class EngineArgs:
                 max_queue=self.max_queue,
                 decisions=decisions,
                 speculator=speculator,
+                kv_cache_memory_bytes=self.kv_cache_bytes(),
                 **door,
             )
-        except RequestError as e:  # a --prefix-cache-mib under one block
+        except RequestError as e:  # a --prefix-cache-mib under one block, a pool under a page
+            if e.param == "kv_cache_memory_bytes":
+                raise CLIError(
+                    f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}: {e}"
+                ) from None
             if e.param != "prefix_cache_bytes":
                 raise
             raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib}: {e}") from None
+
+    def kv_cache_bytes(self) -> int | None:
+        """--kv-cache-memory-bytes as a count (None: every row's most)."""
+        given = self.kv_cache_memory_bytes
+        return None if given is None else byte_count(given, "--kv-cache-memory-bytes")
 
     def prefix_pool(self):
         """The prefix cache's pool as these settings ask it
@@ -557,6 +583,14 @@ def _add_scheduler_args(parser, d: EngineArgs) -> None:
         metavar="N",
         default=d.max_batch,
         help=f"decode rows: requests running at once (default {d.max_batch})",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        metavar="BYTES",
+        help="each device's memory for the pool of KV cache pages (vLLM's flag): an "
+        "integer, or with k/m/g (decimal) or K/M/G (binary), e.g. 2G; requests take pages "
+        "for the tokens they may reach and wait for free ones (default: every row's "
+        "--max-model-len)",
     )
     parser.add_argument(
         "--max-queue",

@@ -65,6 +65,28 @@ def json_object(value: str | dict) -> dict:
     return value
 
 
+_BYTE_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BYTE_SUFFIXES.update({k.upper(): 2 ** (10 * (i + 1)) for i, k in enumerate("kmgt")})
+
+
+def byte_count(text: str | int, flag: str) -> int:
+    """A byte count as vLLM writes one: an integer, or a number with a suffix, k/m/g/t
+    decimal (1k = 1000) and K/M/G/T binary (1K = 1024): "2G" is 2 GiB, "1.5g" 1.5e9."""
+    if isinstance(text, int):
+        return text
+    value, unit = str(text).strip(), 1
+    if value and value[-1] in _BYTE_SUFFIXES:
+        value, unit = value[:-1], _BYTE_SUFFIXES[value[-1]]
+    try:
+        number = float(value) if unit > 1 else int(value)
+    except ValueError:
+        raise CLIError(
+            f"{flag} {text!r} is not a byte count: an integer, or a number with k/m/g "
+            "(decimal) or K/M/G (binary), e.g. 2G"
+        ) from None
+    return int(number * unit)
+
+
 def int_list(text: str, flag: str) -> list[int]:
     """'1,2, 3' -> [1, 2, 3] (a trailing comma is allowed; '' is []). Anything else
     between the commas, '1 2' included, is an error naming the flag."""

@@ -40,10 +40,14 @@ def bytes_per_device(
     max_seq_len: int = 0,
     tensor: int = 1,
     experts: str = "tp",
+    block_size: int = 16,
 ) -> dict[str, int]:
     """{'weights', 'linear', 'kv', 'total'}: bytes on one device (every device holds the
     same); 'linear' is the part of 'weights' in the attention and MLP projections (the
-    weights an FP8 config, `cfg.fp8_block`, holds in one byte plus scales: model.fp8)."""
+    weights an FP8 config, `cfg.fp8_block`, holds in one byte plus scales: model.fp8);
+    'kv' a pool of KV pages of `block_size` slots that gives `batch` requests of
+    `max_seq_len` tokens their pages (each `seq` device ceil(max_seq_len / seq) slots of
+    each, in whole pages)."""
     mesh = AbstractMesh((stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
     split = TensorSplit(tensor, experts)
@@ -63,7 +67,8 @@ def bytes_per_device(
         return x
 
     map_params(leaf, abstract)
-    kv_shape = (plan.padded_layers, batch, split.kv_heads(cfg), max_seq_len, cfg.H)
+    slots = math.ceil(math.ceil(max_seq_len / seq) / block_size) * block_size  # in pages
+    kv_shape = (plan.padded_layers, batch, split.kv_heads(cfg), seq * slots, cfg.H)
     kv = 2 * _shard_bytes(mesh, SPECS.cache_lbksh, kv_shape, dtype) if max_seq_len else 0
     weights = sum(sizes)
     return {"weights": weights, "linear": sum(linear), "kv": kv, "total": weights + kv}

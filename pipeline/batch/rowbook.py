@@ -1,8 +1,11 @@
 """The row book: which request each decode row holds, and where its K/V sits.
 
 The decode batch is B rows in round-robin groups. A row holds one request: its tokens
-so far, the local cache slots its prompt took, and (in `slot_pos`) the position each of
-its cache slots holds. A long prompt being prefilled a chunk a round holds a row too
+so far, the local cache slots its prompt took, (in `slot_pos`) the position each of its
+cache slots holds, and (in `table`) the pages of the KV pool those slots live in
+(`ring.pages`; the free ones in `pages`). A row holds no page until a request starts
+in it, then the pages of every slot the request may reach (its prompt's and its
+budget's), until it ends. A long prompt being prefilled a chunk a round holds a row too
 (`chunking`) until its last chunk. The methods below are the only writers of this
 state; the planner reads it, the executor writes it through them, and every process
 of a job applies the same writes in the same order.
@@ -15,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
+from qwen3_spmd.pipeline.batch.pages import PageBook
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
@@ -56,12 +60,14 @@ class Row:
 @dataclasses.dataclass(frozen=True)
 class Ended:
     """A request that ended in decode row `row` last round: the tokens whose K/V the row
-    still holds (its prompt and generated tokens but the last), and the position each
-    of the row's slots held (slot_pos [C, S_loc]), until the next round writes to it."""
+    held (its prompt and generated tokens but the last), the position each of the row's
+    slots held (slot_pos [C, S_loc]) and its pages (table [n]), freed but not written
+    until the next round's saves have read them."""
 
     row: int
     tokens: tuple[int, ...]
     slot_pos: np.ndarray
+    table: np.ndarray
 
 
 @dataclasses.dataclass
@@ -79,14 +85,31 @@ class Chunking:
 
 class RowBook:
     """B rows of a decode batch in `groups` groups, on C seq devices of `slots` local
-    cache slots each."""
+    cache slots each, in pages of `block_size` slots (default: one page a row) from a
+    pool of `pages` (default: every row's most)."""
 
-    def __init__(self, rows: int, groups: int, C: int, slots: int):
+    def __init__(
+        self,
+        rows: int,
+        groups: int,
+        C: int,
+        slots: int,
+        block_size: int | None = None,
+        pages: int | None = None,
+    ):
         self.B, self.groups = rows, groups
+        self.block_size = block_size or slots
+        if slots % self.block_size:
+            raise ValueError(f"{slots} slots a row are not whole pages of {self.block_size}")
+        n = slots // self.block_size
+        self.pages = PageBook(rows * n if pages is None else pages)
+        # [B, n] each row's pages; past the pool (pages.pages) where it holds none
+        self.table = np.full((rows, n), self.pages.pages, np.int32)
         self.rows: list[Row | None] = [None] * rows
         self.slot_pos = np.full((rows, C, slots), -1, np.int32)  # [B, C, S_loc], -1 = empty
         self.lengths = np.zeros(rows, np.int32)  # [B] prompt lengths
         self.chunking: Chunking | None = None
+        self._deferred: list[int] = []  # rows whose pages `free(defer=True)` kept
         # The requests that ended in a decode chunk since the last round began: the
         # prefix cache saves their blocks (`Round.ended_saves`) before their rows change.
         self.ended: list[Ended] = []
@@ -105,7 +128,39 @@ class RowBook:
     def row_of(self, id: int) -> int | None:
         return next((b for b, r in enumerate(self.rows) if r and r.request.id == id), None)
 
+    def held(self, b: int) -> int:
+        """Pages row b holds."""
+        return int((self.table[b] < self.pages.pages).sum())
+
+    def pages_for(self, slots: int) -> int:
+        """Pages that hold a row's first `slots` local slots."""
+        return -(-slots // self.block_size)
+
+    def budget_slots(self, prompt_slots: int, max_new_tokens: int) -> int:
+        """The local slots a request reaches on any device: its prompt's, then one for
+        every C decode steps (`ring.decode_slot`; the last new token writes none)."""
+        C = self.slot_pos.shape[1]
+        return prompt_slots + -(-max(max_new_tokens - 1, 0) // C)
+
+    def slot_pages(self, table: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
+        """(pages, offsets) of local slots `slots` [m] of a row with pages `table` [n]
+        (`ring.pages`), for the copies that address slots on the host."""
+        slots = np.asarray(slots)
+        return table[slots // self.block_size], slots % self.block_size
+
     # ---- writing -----------------------------------------------------------------
+
+    def grow(self, b: int, slots: int) -> None:
+        """Row b holds the pages of its first `slots` local slots (it takes those it
+        lacks, lowest first)."""
+        have, want = self.held(b), self.pages_for(slots)
+        if want > have:
+            self.table[b, have:want] = self.pages.take(want - have)
+
+    def release(self, b: int) -> None:
+        """Row b's pages are free again."""
+        self.pages.give(self.table[b, : self.held(b)])
+        self.table[b] = self.pages.pages
 
     def start(
         self,
@@ -124,8 +179,8 @@ class RowBook:
         self.lengths[b] = len(request.prompt)
         reason = request.params.finish_reason([token]) or ("stop" if done else None)
         update = Update(request.id, [token], reason)
-        if update.finish_reason:
-            self.free(b)
+        if update.finish_reason:  # its pages wait for the round's saves (`release_ended`)
+            self.free(b, defer=True)
         return update
 
     def extend(self, b: int, tokens, done: bool = False) -> Update:
@@ -143,16 +198,28 @@ class RowBook:
         reason = reason or ("stop" if done else None)
         if reason:
             tokens = row.request.prompt + tuple(row.generated[:-1])
-            self.ended.append(Ended(b, tokens, self.slot_pos[b].copy()))
+            self.ended.append(Ended(b, tokens, self.slot_pos[b].copy(), self.table[b].copy()))
             self.free(b)
         return Update(row.request.id, got, reason)
 
-    def free(self, b: int) -> None:
-        """Row b holds no request: it writes nothing from now on, and the slot positions
-        of its last request are cleared, so a later request in the row sees none."""
+    def free(self, b: int, defer: bool = False) -> None:
+        """Row b holds no request: it writes nothing from now on, its pages are free
+        (defer: once `release_ended` runs, after the round's prefix-cache saves have
+        read them), and the slot positions of its last request are cleared, so a later
+        request in the row sees none."""
         self.rows[b] = None
         self.slot_pos[b] = -1
         self.lengths[b] = 0
+        if defer:  # the row keeps its table until then (no round admits into it meanwhile)
+            self._deferred.append(b)
+        else:
+            self.release(b)
+
+    def release_ended(self) -> None:
+        """The pages of the requests that ended at their prefill this round are free."""
+        for b in self._deferred:
+            self.release(b)
+        self._deferred.clear()
 
     def cancel(self, id: int) -> bool:
         """Ends request `id` where it runs (a row, or the long prompt being chunked);
@@ -162,14 +229,17 @@ class RowBook:
             self.free(b)
             return True
         if self.chunking is not None and self.chunking.request.id == id:
+            self.release(self.chunking.row)
             self.chunking = None
             return True
         return False
 
     def move(self, src: int, dst: int) -> None:
-        """The request in row src now sits in row dst (its K/V copied by the caller)."""
+        """The request in row src now sits in row dst, its pages with it (no K/V moves)."""
         self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
         self.slot_pos[dst] = self.slot_pos[src]
+        self.table[dst] = self.table[src]
+        self.table[src] = self.pages.pages
         self.free(src)
 
     def hold(

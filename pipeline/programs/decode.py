@@ -94,7 +94,7 @@ class DecodeShape:
         (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their groups), of the
         engine's steps, without logits (`Engine.compile_decode`)."""
         program = dataclasses.replace(self, groups=settings.groups, steps=engine.chunk)
-        engine.compile_decode(program, settings.cache_rows, announce)
+        engine.compile_decode(program, settings.cache_rows, settings.pages, announce)
 
 
 class DecodeInputs(NamedTuple):
@@ -170,7 +170,7 @@ def tick_through(run: Run, cache: KVCache, steps, tick, carry):
     ticks = decode_ticks(run.shape.groups, stages, steps)
     carry = jax.lax.fori_loop(0, ticks, functools.partial(tick, run), carry)
     out = jax.tree.map(lambda x: from_device(x, stages - 1, 0), carry.out)
-    return out, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+    return out, cache._replace(k=carry.cache.k, v=carry.cache.v)
 
 
 def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Mesh, shape):
@@ -194,7 +194,9 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
     """
 
     def local(weights: Weights, cache: KVCache, inputs: DecodeInputs):
-        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        run = Run(
+            nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, cache.table, shape
+        )
         return tick_through(run, cache, inputs.run_steps, decode_tick, first_carry(run, cache))
 
     mapped = jax.shard_map(
@@ -279,7 +281,7 @@ def decode_stage(run: Run, x, kv: StageCache, active, row0, j, q_pos):
     C, c = jax.lax.axis_size("seq"), jax.lax.axis_index("seq")
     device, slot = decode_slot(j, rows(run.inputs.prompt_slots, row0, Bg), C)
     mine = active & (c == device) & (j < rows(run.inputs.limit, row0, Bg))
-    group_slot_pos = rows(run.slot_pos, row0, Bg)
+    group_slot_pos, group_table = rows(run.slot_pos, row0, Bg), rows(run.table, row0, Bg)
     scale = run.cfg.head_dim**-0.5
 
     def attend_at(layer):
@@ -291,14 +293,15 @@ def decode_stage(run: Run, x, kv: StageCache, active, row0, j, q_pos):
                 kv.v,
                 q_pos,
                 group_slot_pos,
+                table=group_table,
                 axis_name="seq",
                 scale=scale,
-                at=(layer, row0),
+                at=(layer,),
                 filled=slot + 1,
             )
             return o
 
-        return cache_attend(layer, row0, slot, mine, attention)
+        return cache_attend(layer, group_table, slot, mine, attention)
 
     def compute(x, kv, gate):
         real = run.weights.real

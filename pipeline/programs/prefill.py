@@ -112,7 +112,7 @@ class PrefillShape:
         (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their cp strategy and
         layout) and its helpers (`Engine.compile_prefill`)."""
         program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
-        engine.compile_prefill(program, settings.cache_rows, announce)
+        engine.compile_prefill(program, settings.cache_rows, settings.pages, announce)
 
 
 class PrefillInputs(NamedTuple):
@@ -196,9 +196,10 @@ def build_prefill(
 
     Returns f(weights: Weights, cache: KVCache, inputs: PrefillInputs) ->
     (logits [B, V] float32, or pooled the last tokens' normed hidden states [B, D]
-    float32, KVCache). It writes k and v [L_pad, B, K, S_cap, H] (in
-    `dtype`, the activations' dtype) at slots 0 .. P_pad/C - 1 of every device, so
-    `cache` is donated and updated in place; `cache.pos` passes through.
+    float32, KVCache). It writes k and v (in `dtype`, the activations' dtype) at each row's
+    local slots `inputs.offset` .. + P_pad/C - 1 of every device, through its pages
+    (`cache.table`), so `cache` is donated and updated in place; `cache.pos` and
+    `cache.table` pass through.
     With poison=True the hidden states of bubble slots are NaN, so a schedule that
     reads one shows NaN in the logits. cp: how attention splits along `seq`, "ring" or
     "ulysses" (ring.ulysses; C must divide N). Either writes each device's own tokens'
@@ -217,7 +218,7 @@ def build_prefill(
 
     def local(weights: Weights, cache: KVCache, inputs: PrefillInputs):
         model = nnx.merge(graphdef, weights.state)
-        device = (model, cfg, weights, inputs, cache.pos, shape)
+        device = (model, cfg, weights, inputs, cache.pos, cache.table, shape)
         run = PrefillRun(*device, microbatches, poison, fused, fused_ulysses)
         ticks = microbatches + jax.lax.axis_size("stage") - 1
         tick = functools.partial(prefill_tick, run)
@@ -261,7 +262,7 @@ def prefill_outputs(run: PrefillRun, carry: PrefillCarry, cache: KVCache) -> tup
     logits = carry.logits
     if not run.shape.pooled:
         logits = gather_vocab(logits, run.model.split, run.cfg.V)
-    out = (from_device(logits, stages - 1, 0), KVCache(carry.cache.k, carry.cache.v, cache.pos))
+    out = (from_device(logits, stages - 1, 0), cache._replace(k=carry.cache.k, v=carry.cache.v))
     if run.shape.prompt_logprobs:
         out += (jax.tree.map(from_last_stage, carry.prompt),)
     return out
@@ -298,7 +299,8 @@ def prefill_stage(run: PrefillRun, x, kv: StageCache, active, row0, pos):
 
     def attend_at(layer):
         at_layer = functools.partial(prefill_attention, run, row0, ring_pos, layer=layer)
-        return cache_attend(layer, row0, run.inputs.offset, active, at_layer)
+        table = rows(run.table, row0, run.Bm)
+        return cache_attend(layer, table, run.inputs.offset, active, at_layer)
 
     def compute(x, kv, gate):
         x, kv = run_stage(
@@ -329,9 +331,10 @@ def prefill_attention(run: PrefillRun, row0, pos, q, k, v, kv: StageCache, layer
             kv.v,
             pos,
             rows(run.slot_pos, row0, run.Bm),
+            table=rows(run.table, row0, run.Bm),
             axis_name="seq",
             scale=scale,
-            at=(layer, row0),
+            at=(layer,),
             filled=run.inputs.offset,
         )
         return merge(o, lse, o2, lse2)[0]

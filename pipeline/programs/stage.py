@@ -2,8 +2,8 @@
 prefill and decode loops.
 
 Inside the map every device holds its stage's layers (its `tensor` share of them), one
-[1, ...] buffer per slot and weight, its stage's slice of the KV cache
-`[L_pad / S, B, K' / X, S_cap / C, H]`, and its `seq` share of the tokens.
+[1, ...] buffer per slot and weight, its stage's pools of KV pages
+`[L_pad / S, pages, K' / X, bs, H]` (`ring.pages`), and its `seq` share of the tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.rope import rope_tables
 from qwen3_spmd.ops.varying import make_varying
-from qwen3_spmd.ring.attention import heads_major
+from qwen3_spmd.ring.pages import write_slots
 from qwen3_spmd.sharding.mesh import AXES
 from qwen3_spmd.sharding.specs import SPECS
 from qwen3_spmd.sharding.stages import StagePlan
@@ -38,12 +38,13 @@ class Weights(NamedTuple):
         return Weights(state_specs, SPECS.layers)
 
 
-# The KV cache as the programs take it: k, v [L_pad, B, K, S_cap, H] and pos [B, S_cap].
-CACHE_SPECS = KVCache(SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs)
+# The KV cache as the programs take it: pools k, v [L_pad, pages, K, C bs, H], the rows'
+# slot positions pos [B, S_cap] and block tables [B, n] (`model.cache`).
+CACHE_SPECS = KVCache(SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs, SPECS.replicated)
 
 
 class StageCache(NamedTuple):
-    """This stage's KV cache: k, v [L_pad / S, B, K, S_cap / C, H]."""
+    """This stage's pools of pages: k, v [L_pad / S, pages, K, bs, H]."""
 
     k: jax.Array
     v: jax.Array
@@ -52,8 +53,9 @@ class StageCache(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One device's program as its ticks read it: the model merged from this device's
-    weights, the weights (their `real` slots), the program's inputs, the cache's slot
-    positions [B, S_cap / C], and the program's shape record (`shape`: its static
+    weights, the weights (their `real` slots), the program's inputs, the rows' slot
+    positions [B, S_cap / C] and block tables [B, n] (`ring.pages`), and the program's
+    shape record (`shape`: its static
     choices, `pipeline.runtime.shapes`). Made inside the shard_map."""
 
     model: Qwen3
@@ -61,6 +63,7 @@ class Run:
     weights: Weights
     inputs: Any
     slot_pos: jax.Array
+    table: jax.Array
     shape: Any
 
     @property
@@ -114,42 +117,36 @@ def shift(x, cyclic: bool):
     return jax.lax.ppermute(x, "stage", perm) if perm else jax.tree.map(jnp.zeros_like, x)
 
 
-def write_kv(cache: jax.Array, new: jax.Array, at: tuple, ok) -> jax.Array:
-    """cache [L/S, B, K, S_cap/C, H] with new [B', T', K, H] written heads-major at `at`
-    = (layer, row0, 0, slot0, 0) where `ok`, else left as it was (a bubble, or a decode
-    step whose slot lies on another `seq` device)."""
-    new = heads_major(new)[None].astype(cache.dtype)
-    old = jax.lax.dynamic_slice(cache, at, new.shape)
-    return jax.lax.dynamic_update_slice(cache, jnp.where(ok, new, old), at)
+def write_kv(cache: jax.Array, new: jax.Array, layer, table, slots, ok) -> jax.Array:
+    """The stage's pool cache [L/S, pages, K, bs, H] with new [B', T, K, H] written at
+    local layer slot `layer`, through the rows' block table [B', n] (`ring.pages`), where
+    `ok`: slots [B', T] each token's own local slot (a verify pass: each row at its own
+    steps), [B'] one per row for T = 1 (a decode step), or a scalar, the first of T
+    consecutive slots every row writes (a prefill's chunk). ok: [B', T], [B'] or a
+    scalar alike (False: a bubble, or a decode step whose slot lies on another `seq`
+    device). One scatter; what is not `ok` is dropped."""
+    B, T = new.shape[:2]
+    slots = jnp.asarray(slots)
+    if slots.ndim == 0:
+        slots = jnp.broadcast_to(slots + jnp.arange(T), (B, T))
+    elif slots.ndim == 1:
+        slots = slots[:, None]
+    ok = jnp.asarray(ok)
+    ok = jnp.broadcast_to(ok[:, None] if ok.ndim == 1 else ok, (B, T))
+    return write_slots(cache, new, table, slots, ok, at=(layer,))
 
 
-def write_kv_rows(cache: jax.Array, new: jax.Array, layer, row0, slots, ok) -> jax.Array:
-    """cache [L/S, B, K, S_cap/C, H] with new [B', T, K, H] written at `layer`, rows
-    row0 .. row0 + B' - 1, each row's token t at its own slot `slots` [B', T] where `ok`
-    [B', T] (a verify pass: each row at its own steps), or with T = 1 at `slots` [B']
-    where `ok` [B'] (a decode step). One scatter of B' x T x K x H values; tokens not
-    `ok` go to a slot past the end, which the scatter drops."""
-    rows = row0 + jnp.arange(new.shape[0])
-    at = jnp.where(ok, slots, cache.shape[3])
-    if jnp.ndim(slots) == 2:
-        return cache.at[layer, rows[:, None], :, at, :].set(new.astype(cache.dtype), mode="drop")
-    return cache.at[layer, rows, :, at, :].set(new[:, 0].astype(cache.dtype), mode="drop")
-
-
-def cache_attend(layer, row0, slot0, ok, attention):
+def cache_attend(layer, table, slot0, ok, attention):
     """An attend function (`model.layers.Attend`) for local layer slot `layer` that
-    first writes the new k, v into the stage cache at rows row0.. and slots slot0.. (where
-    `ok`), then returns attention(q, k, v, cache) -> o with the updated cache. slot0 and
-    ok are scalars (a block of rows and slots), or one per row [B'] for one new token
-    each (`write_kv_rows`)."""
-
-    def write(cache, new):
-        if jnp.ndim(slot0):
-            return write_kv_rows(cache, new, layer, row0, slot0, ok)
-        return write_kv(cache, new, (layer, row0, 0, slot0, 0), ok)
+    first writes the new k, v into the stage's pool at the rows' slots from slot0 on
+    (through their table [B', n], where `ok`: `write_kv`), then returns
+    attention(q, k, v, cache) -> o with the updated cache."""
 
     def attend(q, k, v, cache: StageCache):
-        cache = StageCache(write(cache.k, k), write(cache.v, v))
+        cache = StageCache(
+            write_kv(cache.k, k, layer, table, slot0, ok),
+            write_kv(cache.v, v, layer, table, slot0, ok),
+        )
         return attention(q, k, v, cache), cache
 
     return attend

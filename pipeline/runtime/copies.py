@@ -1,17 +1,17 @@
-"""The KV cache's device programs besides prefill and decode: zeroed caches and pools,
-rows written in and moved, and the prefix cache's blocks copied between a row and the
-pool.
+"""The KV cache's device programs besides prefill and decode: zeroed pools, and slots
+copied between a row's pages and the prefix cache's pool.
 
-Each is jitted once per shape with its destination donated, so XLA writes the rows or
-blocks it changes into the destination's own buffers. What to copy where is decided on
-the host, by the books (`pipeline.batch.rowbook` for rows, `pipeline.batch.prefix` for blocks);
-this module only carries it out.
+Each is jitted once per shape with its destination donated, so XLA writes the slots it
+changes into the destination's own buffers. What to copy where is decided on the host,
+by the books (`pipeline.batch.rowbook` for rows and their pages, `pipeline.batch.prefix`
+for blocks); this module only carries it out.
 
-    cache   k and v [L_pad, B, K', S_cap, H] (`Engine.cache_shape`), pos [B, S_cap],
-            sharded as `stage.CACHE_SPECS`
-    pool    k and v [L_pad, slots, K', C*n, H], sharded as the cache's k and v: each
-            `seq` device holds the same n local slots of a block in a row and in the
-            pool, so no copy moves a byte between devices
+    cache   k and v [L_pad, pages, K', C bs, H] (`Engine.pool_shape`), with the rows'
+            pos [B, S_cap] and table [B, n] (`model.cache`), sharded as
+            `stage.CACHE_SPECS`
+    pool    k and v [L_pad, slots, K', C*m, H], sharded as the cache's k and v: each
+            `seq` device holds the same m local slots of a block in a row's pages and in
+            the pool, so no copy moves a byte between devices
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,72 +30,59 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.programs.layout import bucket
 from qwen3_spmd.pipeline.programs.stage import CACHE_SPECS
 from qwen3_spmd.pipeline.runtime.registry import JitTable
+from qwen3_spmd.ring.pages import identity_table
 from qwen3_spmd.sharding.specs import SPECS
 
 
 class BlockPool(NamedTuple):
-    """The prefix cache's pool: k and v, [L_pad, slots, K', C*n, H] each, sharded as the
+    """The prefix cache's pool: k and v, [L_pad, slots, K', C*m, H] each, sharded as the
     cache."""
 
     k: jax.Array
     v: jax.Array
 
 
-def put_rows(cache: KVCache, new: KVCache, rows) -> KVCache:
-    """Row r of `new` into row rows[r] of `cache` (past the rows: dropped)."""
-    k = cache.k.at[:, rows].set(new.k, mode="drop")
-    v = cache.v.at[:, rows].set(new.v, mode="drop")
-    return KVCache(k, v, cache.pos)
-
-
-def move_rows(cache: KVCache, src, dst) -> KVCache:
-    """Row src[i] of `cache` into row dst[i] (past the rows: dropped)."""
-    k = cache.k.at[:, dst].set(cache.k[:, src], mode="drop")
-    v = cache.v.at[:, dst].set(cache.v[:, src], mode="drop")
-    return KVCache(k, v, cache.pos)
-
-
-def copy_blocks(dst, src, count, dst_at, src_at, src_slots):
-    """dst with `count` blocks of src copied in, inside the shard_map (local arrays
-    [L_s, rows or slots, K_l, local slots, H]): block i is src[:, src_at[i], :,
-    src_slots[i], :] (its n local slots, in order) into dst[:, dst_at[i, 0], :,
-    dst_at[i, 1] : +n]. dst_at: [most, 2], src_at: [most], src_slots: [most, n] int32;
-    count <= most."""
-
-    def one(i, d):
-        L, _, K, S, H = src.shape
-        rows = lax.dynamic_slice(src, (0, src_at[i], 0, 0, 0), (L, 1, K, S, H))
-        piece = jnp.take(rows, src_slots[i], axis=3)
-        return lax.dynamic_update_slice(d, piece, (0, dst_at[i, 0], 0, dst_at[i, 1], 0))
-
-    return lax.fori_loop(0, count, one, dst)
+def copy_slots(dst, src, dst_at, src_at):
+    """dst with local slots of src copied in, inside the shard_map (local arrays
+    [L_s, pages or pool slots, K_l, slots a page, H]): slot src_at[i] = (page, offset)
+    into dst_at[i]; a dst page past dst's is dropped (padding). dst_at, src_at: [m, 2]
+    int32."""
+    piece = src[:, src_at[:, 0], :, src_at[:, 1], :]  # [m, L_s, K_l, H]
+    return dst.at[:, dst_at[:, 0], :, dst_at[:, 1], :].set(piece, mode="drop")
 
 
 class Copies:
-    """The cache's and the pool's programs on one mesh.
+    """The pools' programs on one mesh.
 
     Args:
       mesh: the engine's ('stage', 'seq', 'tensor') mesh.
       dtype: the cache's dtype.
-      cache_shape: B -> the shape of a cache of B rows' k (and v),
-        [L_pad, B, K', S_cap, H].
+      pool_shape: pages -> the shape of a pool of that many pages' k (and v),
+        [L_pad, pages, K', C bs, H].
+      n: table entries a row (its most pages: S_loc / bs).
     """
 
-    def __init__(self, mesh: Mesh, dtype, cache_shape: Callable[[int], tuple[int, ...]]):
-        self.mesh, self.dtype, self.cache_shape = mesh, jnp.dtype(dtype), cache_shape
+    def __init__(self, mesh: Mesh, dtype, pool_shape: Callable[[int], tuple[int, ...]], n: int):
+        self.mesh, self.dtype, self.pool_shape = mesh, jnp.dtype(dtype), pool_shape
         self.C = mesh.shape["seq"]
-        self.slots_per_device = cache_shape(1)[3] // self.C
-        self.jitted = JitTable()  # ("zeros", shape), ("insert", B), ("move", n), ...
+        self.n = n
+        self.block_size = pool_shape(1)[3] // self.C
+        self.slots_per_device = n * self.block_size
+        self.jitted = JitTable()  # ("zeros", shape), ("slots", dst, src, m)
 
     # ---- sizes ------------------------------------------------------------------------
 
+    def page_bytes_per_device(self) -> int:
+        """Bytes of one page (k and v, every layer) on each device."""
+        return 2 * math.prod(self.pool_shape(1)) * self.dtype.itemsize // self.mesh.devices.size
+
     def cache_bytes_per_device(self, B: int) -> int:
-        """Bytes of a KV cache of B rows (k and v) on each device."""
-        return 2 * math.prod(self.cache_shape(B)) * self.dtype.itemsize // self.mesh.devices.size
+        """Bytes on each device of a pool that gives B rows their most pages."""
+        return B * self.n * self.page_bytes_per_device()
 
     def pool_bytes_per_block(self, block: int) -> int:
-        """Bytes of one pool block of `block` tokens (k and v) on each device."""
-        L, _, K, _, H = self.cache_shape(1)
+        """Bytes of one prefix-pool block of `block` tokens (k and v) on each device."""
+        L, _, K, _, H = self.pool_shape(1)
         return 2 * L * K * block * H * self.dtype.itemsize // self.mesh.devices.size
 
     # ---- made -------------------------------------------------------------------------
@@ -104,27 +90,33 @@ class Copies:
     def placed(self, x: np.ndarray, spec) -> jax.Array:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def new_cache(self, B: int, slot_pos: np.ndarray) -> KVCache:
-        """Zeroed k and v of B rows, with slot positions slot_pos [B, C, S_loc]."""
-        zeros = self._zeros(self.cache_shape(B))
-        return KVCache(zeros(), zeros(), self._slot_pos(slot_pos))
+    def empty_cache(self, B: int, pages: int | None = None) -> KVCache:
+        """A zeroed pool of `pages` pages for B rows that hold nothing (every slot
+        position -1). pages None: B n, each row its own n pages (an identity table: a
+        prefill's or a draft model's own cache); else every table entry past the pool,
+        for the row book to fill."""
+        table = identity_table(B, self.n) if pages is None else np.full((B, self.n), pages)
+        zeros = self._zeros(self.pool_shape(B * self.n if pages is None else pages))
+        empty = np.full((B, self.C, self.slots_per_device), -1, np.int32)
+        return KVCache(zeros(), zeros(), self._slot_pos(empty), self._table(table))
 
-    def empty_cache(self, B: int) -> KVCache:
-        """A cache of B rows that holds nothing (every slot position -1)."""
-        return self.new_cache(B, np.full((B, self.C, self.slots_per_device), -1, np.int32))
-
-    def with_slot_pos(self, cache: KVCache, slot_pos: np.ndarray) -> KVCache:
-        """cache with its slot positions replaced by the host's slot_pos [B, C, S_loc]."""
-        return cache._replace(pos=self._slot_pos(slot_pos))
+    def with_rows(self, cache: KVCache, slot_pos: np.ndarray, table=None) -> KVCache:
+        """cache with its rows' slot positions replaced by the host's slot_pos
+        [B, C, S_loc], and their block tables by `table` [B, n] (None: kept)."""
+        cache = cache._replace(pos=self._slot_pos(slot_pos))
+        return cache if table is None else cache._replace(table=self._table(table))
 
     def _slot_pos(self, slot_pos: np.ndarray) -> jax.Array:
         return self.placed(slot_pos.reshape(slot_pos.shape[0], -1), SPECS.slots_bs)
+
+    def _table(self, table: np.ndarray) -> jax.Array:
+        return self.placed(np.asarray(table, np.int32), SPECS.replicated)
 
     def empty_pool(self, slots: int, block: int) -> BlockPool:
         """A pool of `slots` prompt blocks of `block` tokens, zeroed, sharded as the
         cache: k and v [L_pad, slots, K', block, H] (each `seq` device its block / C
         slots of every block)."""
-        L, _, K, _, H = self.cache_shape(1)
+        L, _, K, _, H = self.pool_shape(1)
         zeros = self._zeros((L, slots, K, block, H))
         return BlockPool(zeros(), zeros())
 
@@ -138,98 +130,56 @@ class Copies:
             ),
         )
 
-    # ---- rows -------------------------------------------------------------------------
-
-    def insert(self, cache: KVCache, new: KVCache, rows: np.ndarray) -> KVCache:
-        """cache (donated, updated in place) with k and v row r of `new` written into row
-        rows[r] (rows[r] >= cache's B: row r is left out). Both caches have the same
-        slots; the caller keeps the slot positions."""
-        return self._insert_fn(new.k.shape[1])(cache, new, np.asarray(rows, np.int32))
-
-    def _insert_fn(self, B: int):
-        return self._in_place(("insert", B), put_rows)
-
-    def move_rows(self, cache: KVCache, src: np.ndarray, dst: np.ndarray) -> KVCache:
-        """cache (donated, updated in place) with the k and v of row src[i] copied into
-        row dst[i], for src, dst [n] (padded to a power of two: few programs). The
-        caller moves the slot positions."""
-        n = bucket(len(src), 1)
-        src = np.pad(np.asarray(src, np.int32), (0, n - len(src)))
-        past = cache.k.shape[1]  # padding moves to past the rows: dropped
-        dst = np.pad(np.asarray(dst, np.int32), (0, n - len(dst)), constant_values=past)
-        return self._move_fn(n)(cache, src, dst)
-
-    def _move_fn(self, n: int):
-        return self._in_place(("move", n), move_rows)
-
-    def _in_place(self, key: tuple, update):
-        """update(cache, ...) -> KVCache, jitted once per key with the cache donated."""
-
-        def make():
-            spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
-            pos = NamedSharding(self.mesh, SPECS.slots_bs)
-            return jax.jit(update, donate_argnums=0, out_shardings=KVCache(spec, spec, pos))
-
-        return self.jitted.get(key, make)
-
     # ---- blocks -----------------------------------------------------------------------
 
-    def save_blocks(self, pool: BlockPool, cache: KVCache, saves, slots=None) -> BlockPool:
-        """pool (donated, updated in place) with, for each `pipeline.batch.prefix.Save`, block
-        `block` of cache row `row` written into pool slot `slot`. slots: [len(saves), n]
-        the local row slots each block's n pool slots take, in order (the same on every
-        device); None: a prompt's block layout, block j at [j n, (j + 1) n)."""
-        n = pool.k.shape[3] // self.C  # a block's local slots
-        if slots is None:
-            slots = [s.block * n + np.arange(n) for s in saves]
-        at_pool = [(s.slot, 0) for s in saves]
-        k, v = self._copy_blocks(pool, (cache.k, cache.v), at_pool, [s.row for s in saves], slots)
+    def save_blocks(self, pool: BlockPool, cache: KVCache, saves, rows: list) -> BlockPool:
+        """pool (donated, updated in place) with, for each `pipeline.batch.prefix.Save`,
+        the cache's local slots rows[i] = (pages [m], offsets [m]) (the same on every
+        device: a block's m local slots in order, `RowBook.slot_pages`) written into pool
+        slot saves[i].slot."""
+        m = pool.k.shape[3] // self.C
+        dst = [np.stack([np.full(m, s.slot), np.arange(m)], 1) for s in saves]
+        src = [np.stack(at, 1) for at in rows]
+        k, v = self._copy((pool.k, pool.v), (cache.k, cache.v), dst, src)
         return BlockPool(k, v)
 
-    def load_blocks(self, cache: KVCache, pool: BlockPool, row: int, slots) -> KVCache:
-        """cache (donated, updated in place) with pool slots[j] written into block j of
-        row `row` (its slot positions are the caller's to set)."""
-        n = pool.k.shape[3] // self.C
-        at_row = [(row, j * n) for j in range(len(slots))]
-        whole = [np.arange(n)] * len(slots)
-        k, v = self._copy_blocks((cache.k, cache.v), pool, at_row, list(slots), whole)
+    def load_blocks(self, cache: KVCache, pool: BlockPool, slots, rows: list) -> KVCache:
+        """cache (donated, updated in place) with pool slot slots[j] written into the local
+        slots rows[j] = (pages [m], offsets [m]) of a row's pages (its slot positions are
+        the caller's to set)."""
+        m = pool.k.shape[3] // self.C
+        src = [np.stack([np.full(m, s), np.arange(m)], 1) for s in slots]
+        dst = [np.stack(at, 1) for at in rows]
+        k, v = self._copy((cache.k, cache.v), (pool.k, pool.v), dst, src)
         return cache._replace(k=k, v=v)
 
-    def _copy_blocks(self, dst, src, dst_at, src_at, src_slots):
-        """(k, v) of dst (donated) with blocks of src copied in (`copy_blocks`); the index
-        lists are padded to the most blocks a row holds, so one program serves every
-        count."""
-        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
-        for i in range(0, len(dst_at), most):  # a round's saves may span several rows
-            count = len(dst_at[i : i + most])
-            pad = most - count
-            at = np.array(list(dst_at[i : i + most]) + [(0, 0)] * pad, np.int32)
-            rows = np.array(list(src_at[i : i + most]) + [0] * pad, np.int32)
-            slots = np.zeros((most, n), np.int32)
-            slots[:count] = np.asarray(src_slots[i : i + most], np.int32).reshape(count, n)
-            dst = fn(*dst, *src, np.int32(count), at, rows, slots)
-        return dst
+    def _copy(self, dst, src, dst_at: list, src_at: list):
+        """(k, v) of dst (donated) with src's slots src_at (a list of [m, 2] (page,
+        offset) arrays) copied to dst_at, as one program over a power of two of slots
+        (padding copies go past dst's pages: dropped)."""
+        dst_at, src_at = np.concatenate(dst_at), np.concatenate(src_at)
+        m = bucket(len(dst_at), 1)
+        pad = ((0, m - len(dst_at)), (0, 0))
+        dst_at = np.pad(dst_at, pad, constant_values=dst[0].shape[1]).astype(np.int32)
+        src_at = np.pad(src_at, pad).astype(np.int32)
+        return self._copy_fn(dst[0].shape, src[0].shape, m)(*dst, *src, dst_at, src_at)
 
-    def _copy_fn(self, dst_shape: tuple, src_shape: tuple):
-        """(the jitted copy between arrays of these shapes, the most blocks it copies at
-        once: a row's, a block's local slots)."""
-        n = min(src_shape[3], dst_shape[3]) // self.C  # a block's local slots: the pool's
-        fn = self.jitted.get(("blocks", dst_shape, src_shape), self._copy_program)
-        return fn, self.slots_per_device // n, n
+    def _copy_fn(self, dst_shape: tuple, src_shape: tuple, m: int):
+        """The jitted copy of m slots between arrays of these shapes."""
+        return self.jitted.get(("slots", dst_shape, src_shape, m), self._copy_program)
 
     def _copy_program(self):
         spec, one = SPECS.cache_lbksh, P()
 
-        def local(dst_k, dst_v, src_k, src_v, count, dst_at, src_at, src_slots):
-            return (
-                copy_blocks(dst_k, src_k, count, dst_at, src_at, src_slots),
-                copy_blocks(dst_v, src_v, count, dst_at, src_at, src_slots),
+        def local(dst_k, dst_v, src_k, src_v, dst_at, src_at):
+            return copy_slots(dst_k, src_k, dst_at, src_at), copy_slots(
+                dst_v, src_v, dst_at, src_at
             )
 
         mapped = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(spec, spec, spec, spec, one, one, one, one),
+            in_specs=(spec, spec, spec, spec, one, one),
             out_specs=(spec, spec),
         )
         return jax.jit(mapped, donate_argnums=(0, 1))
@@ -246,33 +196,28 @@ class Copies:
             specs,
         )
 
-    def abstract_cache(self, B: int) -> KVCache:
-        kv = jax.ShapeDtypeStruct(self.cache_shape(B), self.dtype)
+    def abstract_cache(self, B: int, pages: int | None = None) -> KVCache:
+        """A cache of B rows on a pool of `pages` pages (None: B n), abstract."""
+        kv = jax.ShapeDtypeStruct(
+            self.pool_shape(B * self.n if pages is None else pages), self.dtype
+        )
         pos = jax.ShapeDtypeStruct((B, self.slots_per_device * self.C), jnp.int32)
-        return self.abstract(KVCache(kv, kv, pos), CACHE_SPECS)
+        table = jax.ShapeDtypeStruct((B, self.n), jnp.int32)
+        return self.abstract(KVCache(kv, kv, pos, table), CACHE_SPECS)
 
-    def compile_new(self, B: int, new: KVCache, cache_rows: int) -> None:
-        """Compiles the zeros of a new cache of B rows and the insert of such a cache
-        (`new`, abstract) into a cache of `cache_rows` rows."""
-        self._zeros(self.cache_shape(B)).lower().compile()
-        self.compile_insert(new, cache_rows)
+    def compile_zeros(self, pages: int) -> None:
+        """Compiles the zeros of a pool of `pages` pages."""
+        self._zeros(self.pool_shape(pages)).lower().compile()
 
-    def compile_insert(self, new: KVCache, cache_rows: int) -> None:
-        """Compiles the insert of `new` (abstract) into a cache of `cache_rows` rows."""
-        rows = jax.ShapeDtypeStruct((new.k.shape[1],), jnp.int32)
-        self._insert_fn(new.k.shape[1]).lower(self.abstract_cache(cache_rows), new, rows).compile()
-
-    def compile_copy(self, pool: BlockPool, cache_rows: int, into_pool: bool) -> None:
-        """Compiles, unless compiled, the block copy between `pool` and a cache of
-        `cache_rows` rows: into the pool (`save_blocks`) or out of it (`load_blocks`)."""
-        cache = self.abstract_cache(cache_rows)
+    def compile_copy(self, pool: BlockPool, pages: int, blocks: int, into_pool: bool) -> None:
+        """Compiles, unless compiled, the copy of up to `blocks` blocks between `pool` and
+        a cache pool of `pages` pages: into the pool (`save_blocks`) or out of it
+        (`load_blocks`)."""
+        cache = jax.ShapeDtypeStruct(self.pool_shape(pages), self.dtype)
+        spec = NamedSharding(self.mesh, SPECS.cache_lbksh)
+        cache = jax.ShapeDtypeStruct(cache.shape, cache.dtype, sharding=spec)
         pool = self.abstract(tuple(pool), (SPECS.cache_lbksh,) * 2)
-        dst, src = (pool, (cache.k, cache.v)) if into_pool else ((cache.k, cache.v), pool)
-        fn, most, n = self._copy_fn(dst[0].shape, src[0].shape)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        fn.lower(*dst, *src, i32(), i32(most, 2), i32(most), i32(most, n)).compile()
-
-    def compile_move(self, n: int, cache_rows: int) -> None:
-        """Compiles, unless compiled, `move_rows` of n (a power of two) rows."""
-        rows = jax.ShapeDtypeStruct((n,), jnp.int32)
-        self._move_fn(n).lower(self.abstract_cache(cache_rows), rows, rows).compile()
+        dst, src = (pool, (cache, cache)) if into_pool else ((cache, cache), pool)
+        m = bucket(blocks * (pool[0].shape[3] // self.C), 1)
+        at = jax.ShapeDtypeStruct((m, 2), jnp.int32)
+        self._copy_fn(dst[0].shape, src[0].shape, m).lower(*dst, *src, at, at).compile()

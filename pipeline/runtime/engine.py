@@ -58,7 +58,9 @@ class Engine:
       mesh: a ('stage', 'seq', 'tensor') mesh (sharding.make_mesh).
       dtype: compute and storage dtype.
       max_seq_len: KV cache capacity per request (prompt + new tokens, so at least 2);
-        each `seq` device holds ceil(max_seq_len / C) slots.
+        each `seq` device holds ceil(max_seq_len / C) slots of it, in whole pages.
+      block_size: cache slots a page holds on each `seq` device (vLLM's --block-size;
+        `ring.pages`): a row's table lists S_loc / block_size pages.
       microbatches: M for prefill.
       groups: decode groups (default: the stage count, or the number of requests when
         fewer; a batch smaller than the stage count then runs with bubbles).
@@ -97,6 +99,7 @@ class Engine:
         flops_per_s: float | None = None,
         experts: str = "tp",
         runner: str = "generate",
+        block_size: int = 16,
     ):
         if runner not in RUNNERS:
             raise RequestError(f"$runner {runner!r} is not one of {', '.join(RUNNERS)}", "runner")
@@ -116,6 +119,7 @@ class Engine:
             ("groups", groups),
             ("max_seq_len", max_seq_len),
             ("chunk", chunk),
+            ("block_size", block_size),
         ):
             if value is not None and value < LEAST[name]:
                 raise RequestError(f"${name} {value} must be at least {LEAST[name]}", name)
@@ -129,7 +133,10 @@ class Engine:
         # CPU devices are emulated on one host: working at once, they share its rate.
         shared = mesh.devices.size if platform == "cpu" else 1
         self.flops_per_s = (flops_per_s or flops) / shared
-        self.slots_per_device = math.ceil(max_seq_len / self.C)
+        self.block_size = block_size
+        # A row's most pages (its table's entries), and its local slots in them.
+        self.pages_per_row = math.ceil(math.ceil(max_seq_len / self.C) / block_size)
+        self.slots_per_device = self.pages_per_row * block_size
         graphdef, abstract = abstract_model(cfg, self.dtype, self.split)
         self.graphdef = graphdef
         state = place_state(abstract, self.plan, mesh, source, self.split)
@@ -138,8 +145,8 @@ class Engine:
         )
         self.state_specs = map_params(lambda path, x: param_spec(path, experts), state)
         self.programs = Programs(self.dtype, self.jitted, on_compile)
-        # The cache's other programs: zeros, row inserts and moves, block copies.
-        self.copies = Copies(mesh, self.dtype, self.cache_shape)
+        # The cache's other programs: zeroed pools, the prefix cache's copies.
+        self.copies = Copies(mesh, self.dtype, self.pool_shape, self.pages_per_row)
         self._sample = jax.jit(sample_rows, static_argnames="sampled")
         self._logprobs = jax.jit(token_logprobs)
 
@@ -179,11 +186,11 @@ class Engine:
             prompts, self.M, self.groups_for(len(prompts)), self.C, self.slots_per_device
         )
 
-    def cache_shape(self, B: int) -> tuple[int, ...]:
-        """k and v [L_pad, B, K', S_cap, H] (heads-major: model.cache; K' the KV heads as
-        placed, repeats included: model.split)."""
+    def pool_shape(self, pages: int) -> tuple[int, ...]:
+        """k and v of a pool of `pages` pages, [L_pad, pages, K', C bs, H] (model.cache;
+        K' the KV heads as placed, repeats included: model.split)."""
         K = self.split.kv_heads(self.cfg)
-        return (self.plan.padded_layers, B, K, self.slots_per_device * self.C, self.cfg.H)
+        return (self.plan.padded_layers, pages, K, self.block_size * self.C, self.cfg.H)
 
     def prefill_memory(self, batch: int, prompt_len: int) -> dict:
         """Per-device bytes of the prefill program for `batch` prompts of `prompt_len`
@@ -283,12 +290,14 @@ class Engine:
         cache: KVCache | None = None,
         allowed: np.ndarray | None = None,
     ):
-        """Runs the prefill of `batch` into a new cache and samples each row's first token
+        """Runs the prefill of `batch` into `cache` (donated; its pos and table the batch
+        rows', `Copies.with_rows`; None: a new cache of the batch's rows, each its own
+        pages) and samples each row's first token
         with its `params` (host arrays [B]; sampled=False: every row is greedy) within
         its `allowed` tokens ([B, ceil(V/32)] packed bits, `sampling.only_allowed`;
         None: no row is constrained).
-        A batch of later chunks (batch.offset > 0) continues `cache` (donated), whose pos
-        must list the earlier chunks' slots; its prefill attends to them too. A batch
+        A batch of later chunks (batch.offset > 0) continues `cache`, whose pos must list
+        the earlier chunks' slots; its prefill attends to them too. A batch
         laid out with targets (`layout.lay_out`) scores its prompts' tokens too.
         Returns (first tokens [B] numpy, logits [B, V], the cache, PromptLogprobs of
         numpy arrays [B, P_pad, ...] in the batch's device order, or None without
@@ -317,7 +326,7 @@ class Engine:
         started once its inputs are on the mesh, its outputs)."""
         scored = batch.prefill.targets is not None
         if cache is None:
-            cache = self.copies.new_cache(batch.B, batch.slot_pos)
+            cache = self.copies.with_rows(self.copies.empty_cache(batch.B), batch.slot_pos)
         inputs = self._place_inputs(batch.prefill, PrefillInputs.specs(scored))
         program = PrefillShape(
             batch.B, batch.P_pad, batch.offset > 0, scored, strategy, batch.block, self.pooling
@@ -335,6 +344,7 @@ class Engine:
         self,
         cache: KVCache,
         slot_pos: np.ndarray,
+        table: np.ndarray,
         inputs: DecodeInputs,
         groups: int,
         sampled: bool,
@@ -343,14 +353,14 @@ class Engine:
         logprobs: bool = False,
     ):
         """One decode chunk (the program of `self.chunk` steps, `inputs.run_steps` of
-        them run) on `cache`, donated, with its slot positions replaced by the host's
-        slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
-        `layout.list_decode_slots`). inputs: host arrays (with `allowed`: the program
+        them run) on `cache`, donated, with its rows' slot positions and pages replaced by
+        the host's slot_pos [B, C, S_loc] (which must list the slots the chunk writes:
+        `layout.list_decode_slots`) and table [B, n] (which must give them pages). inputs: host arrays (with `allowed`: the program
         that masks each row's choice). logprobs: also each new token's
         log-probabilities (DecodeOutputs.logprobs). Returns (DecodeOutputs on device,
         the cache)."""
         constrained = inputs.allowed is not None
-        cache = self.copies.with_slot_pos(cache, slot_pos)
+        cache = self.copies.with_rows(cache, slot_pos, table)
         rows = inputs.tokens.shape[0]
         inputs = self._place_inputs(inputs, DecodeInputs.specs(constrained))
         program = DecodeShape(rows, sampled, logprobs, constrained, groups, self.chunk, with_logits)
@@ -362,14 +372,16 @@ class Engine:
 
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
-    def compile_prefill(self, shape: PrefillShape, cache_rows: int, announce: bool = True) -> None:
+    def compile_prefill(
+        self, shape: PrefillShape, cache_rows: int, pages: int | None, announce: bool = True
+    ) -> None:
         """Compiles, where not compiled yet, all that `prefill` runs for `shape` (its cp
-        strategy and layout included): a new cache's zeros, the prefill program, the
-        first tokens' sampling (greedy and sampled) and log-probabilities, and `insert`
-        of its rows into a cache of `cache_rows` rows (a later chunk's: into the rows'
-        cache). Nothing runs (compiling is local to this process: no collective, so a
-        background thread may compile while rounds run). announce=False: no on_compile
-        for the program."""
+        strategy and layout included): the prefill program into a pool of `pages` pages
+        (None: a new cache of its own rows, whose zeros compile too), the first tokens'
+        sampling (greedy and sampled) and log-probabilities. cache_rows: unused (the
+        rows a prefill's cache lists are its batch's). Nothing runs (compiling is local
+        to this process: no collective, so a background thread may compile while rounds
+        run). announce=False: no on_compile for the program."""
         shape = dataclasses.replace(shape, pooled=self.pooling)
         B, P_pad, scored = shape.B, shape.P_pad, shape.prompt_logprobs
         prompts = [[0] * P_pad] * B
@@ -385,14 +397,16 @@ class Engine:
             targets=prompts if scored else None,
         )
         inputs = self.copies.abstract(laid.prefill, PrefillInputs.specs(scored))
+        if pages is None:
+            self.copies.compile_zeros(B * self.pages_per_row)
         program, _ = self.programs.get(
-            shape, self.weights, self.copies.abstract_cache(B), inputs, announce
+            shape, self.weights, self.copies.abstract_cache(B, pages), inputs, announce
         )
         if self.pooling:  # no token to sample, no row to fill: a pooled prompt is done
             return
-        logits, new, *_ = (
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), out)
-            for out in program.out_info
+        logits = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            program.out_info[0],
         )
         params = RowSampling.of(Sampling(), 0, laid.request)
         tokens = jax.ShapeDtypeStruct((B,), jnp.int32)
@@ -400,19 +414,17 @@ class Engine:
         for sampled in (False, True):  # as `prefill` calls it (allowed: a keyword, None)
             self._sample.lower(logits, params, step, sampled=sampled, allowed=None).compile()
         self._logprobs.lower(logits, tokens).compile()
-        if shape.with_context:
-            self.copies.compile_insert(new, cache_rows)
-        else:
-            self.copies.compile_new(B, new, cache_rows)
 
-    def compile_decode(self, shape: DecodeShape, cache_rows: int, announce: bool = True) -> None:
+    def compile_decode(
+        self, shape: DecodeShape, cache_rows: int, pages: int | None, announce: bool = True
+    ) -> None:
         """Compiles, unless compiled, the decode chunk of `shape` (its groups and steps
-        given) over a cache of `cache_rows` rows. Nothing runs. announce=False: no
-        on_compile."""
+        given) over a cache of `cache_rows` rows on a pool of `pages` pages (None: the
+        rows' own). Nothing runs. announce=False: no on_compile."""
         self.programs.get(
             shape,
             self.weights,
-            self.copies.abstract_cache(cache_rows),
+            self.copies.abstract_cache(cache_rows, pages),
             self._abstract_decode_inputs(shape.rows, shape.constrained),
             announce,
         )

@@ -33,13 +33,14 @@ from qwen3_spmd.ring import padded_length, slots_per_device
 @dataclasses.dataclass(frozen=True)
 class RoundSettings:
     """What a scheduler's rounds run every shape's program with, beside the shape: a
-    cache of `cache_rows` rows in `groups` decode groups, prompts laid out by `block`
+    cache of `cache_rows` rows on a pool of `pages` pages in `groups` decode groups, prompts laid out by `block`
     (`ShapeRules.layout_block`), each prefill's cp strategy `cp(shape)` (the planner's),
     the prefix cache's block `pool` (None without one), and the `speculator` whose verify
     passes they run (None without speculation)."""
 
     cache_rows: int
     groups: int
+    pages: int | None = None  # the cache's pool (None: its rows' own pages)
     block: int | None = None
     cp: Callable[[PrefillShape], str] = lambda shape: "ring"
     pool: Any = None
@@ -55,27 +56,27 @@ class RoundSettings:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class MoveShape:
-    """A move of `rows` rows (padded to a power of two) down into free rows."""
+    """A move of `rows` rows (padded to a power of two) down into free rows: their
+    tables and slot positions move on the host (`RowBook.move`); no program runs."""
 
     rows: int
 
     def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
-        engine.copies.compile_move(self.rows, settings.cache_rows)
+        pass
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class CopyShape:
-    """The prefix cache's block copies: from the rows into the pool ("save"), or from the
-    pool into a chunk's cache ("load")."""
+    """The prefix cache's block copies: from the rows' pages into the pool ("save"), or
+    from the pool into a chunking row's pages ("load")."""
 
     direction: str
 
     def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
-        """Compiles the copy between the pool and the rows' cache ("save") or a chunk's
-        cache of a microbatch's rows ("load")."""
+        """Compiles the copy of a row's blocks between the pool and the cache's pages."""
+        blocks = engine.slots_per_device * engine.C // settings.pool.k.shape[3]
         save = self.direction == "save"
-        rows = settings.cache_rows if save else engine.M
-        engine.copies.compile_copy(settings.pool, rows, into_pool=save)
+        engine.copies.compile_copy(settings.pool, settings.pages, blocks, into_pool=save)
 
 
 # The shapes a scheduler's rounds run; a speculative pass's VerifyShape
@@ -191,6 +192,19 @@ class ShapeRules:
         if offset + slots_per_device(padded, new_tokens, self.C) > self.slots:
             padded = padded_length(tokens, self.C)
         return PrefillShape(self.microbatches, padded, with_context=offset > 0)
+
+    def slots_taken(self, prompt_len: int, new_tokens: int) -> int:
+        """The local cache slots a request takes on a device, padded as these rules pad
+        it (no stand-in): its prompt (whole, or chunk by chunk) and its decode steps'."""
+        if prompt_len <= self.chunk_tokens:
+            P_pad = self.prefill(1, prompt_len, [new_tokens]).P_pad
+            return slots_per_device(P_pad, new_tokens, self.C)
+        done = offset = 0
+        while done < prompt_len:
+            tokens = min(self.chunk_tokens, prompt_len - done)
+            offset += self.chunk(tokens, offset, new_tokens).P_pad // self.C
+            done += tokens
+        return offset + slots_per_device(0, new_tokens, self.C)
 
     def decode_rows(self, highest: int) -> int:
         """Rows a decode chunk runs over when row `highest` is the highest busy one: up

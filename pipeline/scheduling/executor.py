@@ -1,9 +1,9 @@
 """The executor: runs a planned `Round`'s programs and writes what came out.
 
-It owns the device state of continuous batching (the KV cache of every row, and the
-cache a long prompt's chunks fill before they join it), runs each part of a `Round` on
-the `Engine` (prefills, in-place K/V inserts and row moves, the decode chunk), and
-writes the results into the row book through its methods. It decides nothing: every
+It owns the device state of continuous batching (the pool of KV pages every row's
+slots live in), runs each part of a `Round` on the `Engine` (prefills into the rows'
+pages, the prefix cache's copies, the decode chunk), and writes the results into the
+row book through its methods (which hand out the pages). It decides nothing: every
 process of a job executes the same `Round` alike, and gets the same tokens.
 """
 
@@ -36,9 +36,7 @@ class Executor:
     """Runs rounds on `engine` for the rows of `book`, timing its programs on `clock`
     and counting decode work in `accounting`.
 
-    cache: the KV cache of the book's rows (a server allocates it at start); None: the
-    first admission makes it (an admission that fills every row, as a static batch's,
-    becomes it without a copy). prefix, pool: the prefix cache's book and blocks
+    cache: the KV pool of the book's pages (`Copies.empty_cache`). prefix, pool: the prefix cache's book and blocks
     (`pipeline.batch.prefix`), None without one; block_layout: the block prompts are laid out
     by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
     constraint (`pipeline.structured.constraints`), None when none can have one.
@@ -52,7 +50,7 @@ class Executor:
         book: RowBook,
         accounting: Accounting,
         clock: Clock,
-        cache: KVCache | None,
+        cache: KVCache,
         prefix: PrefixBook | None = None,
         pool: BlockPool | None = None,
         block_layout: int | None = None,
@@ -64,7 +62,6 @@ class Executor:
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
         self.grammars = RowGrammars(grammars, clock, accounting) if grammars else None
         self.speculator = speculator
-        self._chunk_cache: KVCache | None = None  # the chunking prompt's earlier chunks
         self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
         # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
@@ -79,7 +76,8 @@ class Executor:
         if round.ended_saves:  # before anything writes to the rows they read
             block, where = self.prefix.block, {}
             for e in self.book.ended:  # its blocks' slots (one seq device: slot_pos[0])
-                where[e.row] = block_slots(e.slot_pos[0], block, len(e.tokens) // block)
+                slots = block_slots(e.slot_pos[0], block, len(e.tokens) // block)
+                where[e.row] = [self.book.slot_pages(e.table, at) for at in slots]
             self._save(round.ended_saves, [where[s.row][s.block] for s in round.ended_saves])
         self.book.ended.clear()
         for id in round.cancels:
@@ -90,22 +88,20 @@ class Executor:
                 updates.append(Update(id, [], "cancelled"))
                 self.accounting.early_ends += in_row  # a row freed before its budget
                 if not in_row:  # the long prompt being chunked
-                    self._chunk_cache, self._chunk_prompt = None, []
+                    self._chunk_prompt = []
         if round.chunk is not None:
             updates += self._chunk(round.chunk)
         for admission in round.admissions:
             updates += self._prefill(admission)
         if round.saves:  # before any later write to the rows they read
             self._save(round.saves)
+        self.book.release_ended()
         return self._forget(updates)
 
     def decode(self, round: Round) -> list[Update]:
         """The round's row moves and decode chunk: every busy row's new tokens."""
-        if round.moves:
-            src, dst = (np.array(rows) for rows in zip(*round.moves))
-            self.cache = self.engine.copies.move_rows(self.cache, src, dst)
-            for a, b in round.moves:
-                self.book.move(a, b)
+        for a, b in round.moves:  # their tables move: no K/V does
+            self.book.move(a, b)
         chunk = round.decode
         if chunk is None:
             return []
@@ -150,31 +146,25 @@ class Executor:
             block=self.block_layout,
             targets=[_targets(request.prompt, chunk.start, chunk.end)] if scored else None,
         )
-        book.chunk_prefilled(batch, chunk.end)
-        cache = self._chunk_cache
-        if cache is not None:  # the chunk's context: the earlier chunks' slots
-            cache = eng.copies.with_slot_pos(
-                cache, np.broadcast_to(held.slot_pos, batch.slot_pos.shape)
-            )
         last = chunk.end == len(request.prompt)  # its sampled token is the request's first
+        decodes = last and not eng.pooling
+        budget = book.budget_slots(batch.prompt_slots, request.params.max_new_tokens)
+        book.grow(held.row, budget if decodes else batch.prompt_slots)
+        book.chunk_prefilled(batch, chunk.end)  # its slots listed after the earlier ones'
+        cache = self._rows_cache(np.broadcast_to(held.slot_pos, batch.slot_pos.shape), [held.row])
         if eng.pooling:
             return self._pooled_chunk(batch, chunk, cache, last)
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
         allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
-        first, logits, cache, prompt = eng.prefill(
+        first, logits, self.cache, prompt = eng.prefill(
             batch, chunk.cp, params, sampled, self.clock, cache, allowed
         )
         if scored:
             self._chunk_prompt += _prompt_rows(batch, prompt, 0)
         if not last:
-            self._chunk_cache = cache
             return []
-        self._chunk_cache = None
         held = book.chunked_in()
-        rows = np.full(batch.B, book.B, np.int32)  # the copies past the first: dropped
-        rows[0] = held.row
-        self._insert(cache, rows)
         done = self._advance({request.id: int(first[0])})
         update = book.start(
             held.row, request, int(first[0]), held.offset, held.slot_pos, request.id in done
@@ -189,32 +179,42 @@ class Executor:
     def _pooled_chunk(self, batch: Batch, chunk: Chunk, cache, last: bool) -> list[Update]:
         """A pooling runner's chunk: after the last, the request ends with its hidden
         state, and its row is free again (nothing decodes)."""
-        hidden, cache = self.engine.pool(batch, chunk.cp, self.clock, cache)
+        hidden, self.cache = self.engine.pool(batch, chunk.cp, self.clock, cache)
         if not last:
-            self._chunk_cache = cache
             return []
-        self._chunk_cache = None
         held = self.book.chunked_in()
+        self.book.release(held.row)
         update = Update(held.request.id, [], "stop", pooled=hidden[0])
         update.cached_tokens = held.cached_tokens
         return [update]
 
     def _hit(self, chunk: Chunk) -> Chunking:
         """A prompt whose first blocks the prefix cache holds starts chunking past them:
-        its chunk cache holds their K/V, copied from the pool."""
-        eng, block = self.engine, self.prefix.block
+        its row's first pages hold their K/V, copied from the pool."""
+        eng, book, block = self.engine, self.book, self.prefix.block
         done = len(chunk.cached) * block
         slot_pos = block_slot_pos(len(chunk.cached), block, eng.C, eng.slots_per_device)
-        held = self.book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
+        held = book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
         held.cached_tokens = done
-        cache = eng.copies.empty_cache(chunk.shape.B)  # rows past the first are dropped copies
-        self._chunk_cache = eng.copies.load_blocks(cache, self.pool, 0, chunk.cached)
+        book.grow(chunk.row, done // eng.C)
+        m = block // eng.C  # a block's local slots
+        at = [
+            book.slot_pages(book.table[chunk.row], j * m + np.arange(m))
+            for j in range(len(chunk.cached))
+        ]
+        self.cache = eng.copies.load_blocks(self.cache, self.pool, chunk.cached, at)
         self._count(chunk.request, chunk.cached)
         return held
 
-    def _save(self, saves, slots=None) -> None:
-        """Runs `saves` (the rows' slots of each block: `Copies.save_blocks`)."""
-        self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, slots)
+    def _save(self, saves, at=None) -> None:
+        """Runs `saves`: block s.block of row s.row into pool slot s.slot, each block's
+        local slots at[i] = (pages, offsets) (None: a prompt's block layout, block j in
+        the row's local slots [j m, (j + 1) m))."""
+        book = self.book
+        if at is None:
+            m = self.prefix.block // self.engine.C
+            at = [book.slot_pages(book.table[s.row], s.block * m + np.arange(m)) for s in saves]
+        self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, at)
         for save in saves:
             self.prefix.store(save)
 
@@ -241,20 +241,20 @@ class Executor:
         )
         for r in requests:
             self._count(r, ())
-        if eng.pooling:  # each ends with its hidden state; no row is taken
+        if eng.pooling:  # each ends with its hidden state; no row (nor page) is taken
             hidden, _ = eng.pool(batch, admission.cp, self.clock)
             return [Update(r.id, [], "stop", pooled=hidden[i]) for i, r in enumerate(requests)]
+        for b, r in zip(admission.rows, requests):
+            book.grow(b, book.budget_slots(batch.prompt_slots, r.params.max_new_tokens))
         params = RowSampling.stack(
             [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
         )
         sampled = any(r.params.sampling.temperature > 0 for r in requests)
         allowed = self._masks(list(requests) + [None] * (batch.B - len(requests)))
-        first, self.logits, new, prompt = eng.prefill(
-            batch, admission.cp, params, sampled, self.clock, None, allowed
+        cache = self._rows_cache(batch.slot_pos, admission.rows)
+        first, self.logits, self.cache, prompt = eng.prefill(
+            batch, admission.cp, params, sampled, self.clock, cache, allowed
         )
-        into = np.full(batch.B, book.B, np.int32)  # padding rows: past the end, dropped
-        into[: len(requests)] = admission.rows
-        self._insert(new, into)
         logits = self.logits
         lp = eng.logprobs(logits, first) if any(r.params.logprobs for r in requests) else None
         done = self._advance({r.id: int(first[i]) for i, r in enumerate(requests)})
@@ -282,6 +282,7 @@ class Executor:
         out, self.cache = eng.decode(
             self.cache,
             book.slot_pos,
+            book.table,
             inputs,
             groups=book.groups,
             sampled=chunk.shape.sampled,
@@ -328,15 +329,13 @@ class Executor:
             self.grammars.forget(u.id for u in updates if u.finish_reason)
         return updates
 
-    def _insert(self, new: KVCache, rows: np.ndarray) -> None:
-        """Row r of a prefill's cache `new` into the book's row rows[r] (past the rows:
-        left out), in place."""
-        if self.cache is None and rows.tolist() == list(range(self.book.B)):
-            self.cache = new  # it holds every row already
-            return
-        if self.cache is None:
-            self.cache = self.engine.copies.empty_cache(self.book.B)
-        self.cache = self.engine.copies.insert(self.cache, new, rows)
+    def _rows_cache(self, slot_pos: np.ndarray, rows) -> KVCache:
+        """The pool, as a prefill of a batch sees it: its rows' slot positions slot_pos
+        [B', C, S_loc] and pages, the book's rows `rows` first, then padding rows (copies
+        of the first prompt, their results dropped) with no page: their writes drop."""
+        table = np.full((len(slot_pos), self.book.table.shape[1]), self.book.pages.pages)
+        table[: len(rows)] = self.book.table[list(rows)]
+        return self.engine.copies.with_rows(self.cache, slot_pos, table)
 
 
 def _logprob(lp: TokenLogprobs, r: int) -> Logprob:

@@ -284,6 +284,12 @@ class Planner:
             held = None
         queue = [r for r in queue if r.id not in cancels]
         free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
+        # Free pages once the round's cancels have given theirs back.
+        pages = book.pages.free + sum(
+            book.held(b) for b in book.live() if book.rows[b].request.id in cancels
+        )
+        if book.chunking is not None and held is None:
+            pages += book.held(book.chunking.row)
 
         # The requests that ended last round save their blocks first (generated tokens
         # are in a block's layout on one seq device only); this round's hits see them.
@@ -295,13 +301,25 @@ class Planner:
         if held is None and queue and free:
             hit = self.cached(queue[0], prefix)
             if hit or self.long(queue[0]):
-                request, row = queue.pop(0), free.pop(0)
-                chunk = self._chunk(request, row, done=0, offset=0, first=True, cached=hit)
+                chunk = self._chunk(queue[0], free[0], done=0, offset=0, first=True, cached=hit)
+                offset = len(hit) * (rules.block or 0) // rules.C
+                need = self._chunk_pages(book, chunk, queue[0], offset, 0)
+                if need <= pages:  # else it waits for pages at the queue's head
+                    queue.pop(0), free.pop(0)
+                    pages -= need
+                else:
+                    chunk = None
         elif held is not None:
             chunk = self._chunk(held.request, held.row, held.done, held.offset, first=False)
-        held_row = None  # the row a long prompt holds after this round
+            need = self._chunk_pages(book, chunk, held.request, held.offset, book.held(held.row))
+            if need <= pages:
+                pages -= need
+            else:  # it waits for pages, holding its row, and nothing starts before it
+                chunk, pages = None, 0
+        held_row = held.row if held is not None else None  # a long prompt's after this round
         prefilled = []  # (row, prompt) of the prompts whose prefill ends this round
         if chunk is not None:
+            held_row = None
             budget -= chunk.shape.P_pad  # the padded tokens it computes
             request = chunk.request or held.request
             if chunk.end == len(request.prompt):
@@ -310,7 +328,7 @@ class Planner:
             else:
                 held_row = chunk.row
 
-        admissions, queue = self._admit(queue, free, max(budget, 0), prefix)
+        admissions, queue = self._admit(queue, free, max(budget, 0), prefix, book, pages)
         for a in admissions:
             busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
             prefilled += [(b, r.prompt) for r, b in zip(a.requests, a.rows)]
@@ -356,8 +374,24 @@ class Planner:
         shape = self._stand_in(self.rules.prefill_stand_ins, shape, [new_tokens], offset) or shape
         return Chunk(row, done, end, shape, request if first else None, cached, self.cp(shape))
 
+    def _chunk_pages(
+        self, book: RowBook, chunk: Chunk, request: Request, offset: int, held: int
+    ) -> int:
+        """The pages `chunk` of `request` after `offset` local slots takes beyond the
+        `held` its row holds: its slots', and after the last chunk its decode steps'."""
+        slots = offset + chunk.shape.P_pad // self.rules.C
+        if chunk.end == len(request.prompt) and self.rules.decodes:
+            slots = book.budget_slots(slots, request.params.max_new_tokens)
+        return max(0, book.pages_for(slots) - held)
+
     def _admit(
-        self, queue: list[Request], free: list[int], budget: int, prefix: PrefixBook | None
+        self,
+        queue: list[Request],
+        free: list[int],
+        budget: int,
+        prefix: PrefixBook | None,
+        book: RowBook,
+        pages: int,
     ) -> tuple[list[Admission], list[Request]]:
         """Waiting short prompts, in their order, into the free rows within `budget`
         tokens (one at least, when no chunk runs this round). Prompts of one length
@@ -380,14 +414,28 @@ class Planner:
                 break  # padded with longer prompts it would not fit: next round
             together.append(request)
             n, tokens = n + 1, tokens + length
-        admissions, rows = [], iter(free)
+        admissions, rows, left = [], iter(free), []
         for P_pad, together in by_bucket.items():
             while together:
                 k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
                 batch, together = together[:k], together[k:]
+                # A pooling runner's prompts take no page; the others take their budget's.
+                need = rules.decodes and sum(
+                    book.pages_for(
+                        book.budget_slots(shape.P_pad // rules.C, r.params.max_new_tokens)
+                    )
+                    for r in batch
+                )
+                if left or need > pages:  # they wait for pages, in their order
+                    left += batch + together
+                    break
+                pages -= need
                 into = tuple(next(rows) for _ in batch)
                 admissions.append(Admission(tuple(batch), into, shape, self.cp(shape)))
-        return admissions, queue[n:]
+        if left:
+            ids = {r.id for r in left}
+            left = [r for r in queue[:n] if r.id in ids]
+        return admissions, left + queue[n:]
 
     def _batch(self, together: list[Request], k: int) -> tuple[int, PrefillShape]:
         """(prompts, shape) of a prefill of the first k of `together`; where its program

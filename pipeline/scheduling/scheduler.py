@@ -90,6 +90,9 @@ class Scheduler:
       speculator: speculative decoding (`pipeline.speculative.speculator.Speculator`):
         process 0's planner decides each round with its policy, every process's executor
         runs it; None: plain decoding.
+      kv_cache_memory_bytes: each device's bytes for the pool of KV pages (vLLM's
+        --kv-cache-memory-bytes), rounded down to whole pages; None: every row's most
+        (max_seq_len a row, so no request ever waits for pages).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class Scheduler:
         prefix_block: int = 256,
         grammars: Grammars | None = None,
         speculator: Speculator | None = None,
+        kv_cache_memory_bytes: int | None = None,
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -150,7 +154,24 @@ class Scheduler:
             cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
             speculate=speculator.policy if speculator is not None else None,
         )
-        self.book = RowBook(self.B, self.groups, engine.C, engine.slots_per_device)
+        page_bytes = engine.copies.page_bytes_per_device()
+        self.pages = self.B * engine.pages_per_row
+        if kv_cache_memory_bytes is not None:
+            self.pages = kv_cache_memory_bytes // page_bytes
+            if self.pages < 1:
+                raise RequestError(
+                    f"$kv_cache_memory_bytes {kv_cache_memory_bytes} holds no page of KV cache ({page_bytes} "
+                    f"bytes a device for {engine.block_size * engine.C} tokens): raise it",
+                    "kv_cache_memory_bytes",
+                )
+        self.book = RowBook(
+            self.B,
+            self.groups,
+            engine.C,
+            engine.slots_per_device,
+            block_size=engine.block_size,
+            pages=self.pages,
+        )
         self.accounting = Accounting()
         self.clock = Clock()
         self.executor = Executor(
@@ -158,7 +179,7 @@ class Scheduler:
             self.book,
             self.accounting,
             self.clock,
-            cache=engine.copies.empty_cache(self.B),
+            cache=engine.copies.empty_cache(self.B, self.pages),
             prefix=self.prefix,
             pool=pool,
             block_layout=self.rules.layout_block,
@@ -235,8 +256,31 @@ class Scheduler:
 
     @property
     def kv_bytes_per_device(self) -> int:
-        """Bytes of the K and V cache each device holds (allocated once, all rows)."""
-        return self.engine.copies.cache_bytes_per_device(self.B)
+        """Bytes of the pool of KV pages each device holds (allocated once)."""
+        return self.pages * self.engine.copies.page_bytes_per_device()
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the pool's pages hold (on all `seq` devices together)."""
+        return self.pages * self.engine.block_size * self.engine.C
+
+    def pool_line(self) -> str:
+        """The pool at start-up, as vLLM says it: its pages, the tokens they hold, and
+        how many requests of max_seq_len tokens fit at once."""
+        eng = self.engine
+        return (
+            f"KV cache: {self.pages} pages of {eng.block_size * eng.C} tokens, "
+            f"{self.kv_tokens:,} tokens ({self.kv_bytes_per_device / 2**30:.2f} GiB a device); "
+            f"maximum concurrency for {eng.max_seq_len:,} tokens per request: "
+            f"{self.pages / eng.pages_per_row:.2f}x ({self.B} rows)"
+        )
+
+    def max_concurrency(self) -> float:
+        """Requests of max_seq_len tokens the pool holds at once (vLLM's "Maximum
+        concurrency"), at most the rows."""
+        eng = self.engine
+        per_request = eng.pages_per_row  # a max_seq_len request's pages
+        return min(self.B, self.pages / per_request)
 
     def precompile(
         self,
@@ -307,6 +351,7 @@ class Scheduler:
         settings = RoundSettings(
             self.B,
             self.groups,
+            self.pages,
             self.rules.layout_block,
             self.planner.cp,
             self.executor.pool,
@@ -316,6 +361,22 @@ class Scheduler:
         self._compiled.add(shape)
 
     # ---- the caller's side -----------------------------------------------------------
+
+    def _check_pages(self, prompt_len: int, max_new_tokens: int) -> None:
+        """A RequestError, in words, for a request the whole pool of pages could not hold."""
+        if self.engine.pooling and prompt_len <= self.rules.chunk_tokens:
+            return  # prefilled whole into a cache of its own
+        slots = self.rules.slots_taken(prompt_len, max_new_tokens)
+        if self.book.pages_for(slots) > self.pages:
+            eng = self.engine
+            raise RequestError(
+                f"a prompt of {prompt_len} tokens and $max_new_tokens {max_new_tokens} "
+                f"need {slots * eng.C} tokens of KV cache; the pool holds {self.kv_tokens} "
+                f"({self.pages} pages of {eng.block_size * eng.C}): raise "
+                "$kv_cache_memory_bytes, or ask for fewer tokens",
+                "max_new_tokens",
+                "kv_cache_memory_bytes",
+            )
 
     def submit(self, prompt_ids, params: Params = Params(), sample_index: int = 0) -> Handle:
         """Queues a request (checked now, in words: RequestError; QueueFull when
@@ -339,6 +400,7 @@ class Scheduler:
             self.engine.check(
                 [list(prompt)], params.max_new_tokens, params.min_tokens, params.eos_ids
             )
+            self._check_pages(len(prompt), params.max_new_tokens)
             if params.constraint is not None:
                 self.compile_constraint(params.constraint)
             checked.append((prompt, params, sample_index))

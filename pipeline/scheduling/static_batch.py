@@ -107,10 +107,11 @@ def generate(
     requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
     # Rows past the prompts are copies of request 0 (its key too), dropped at the end.
     requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
-    book = RowBook(shape.B, groups, engine.C, engine.slots_per_device)
+    book = RowBook(shape.B, groups, engine.C, engine.slots_per_device, engine.block_size)
     clock, accounting = Clock(), Accounting()
+    cache = engine.copies.empty_cache(shape.B, book.pages.pages)  # every row's most
     executor = Executor(
-        engine, book, accounting, clock, cache=None, grammars=grammars, speculator=speculator
+        engine, book, accounting, clock, cache=cache, grammars=grammars, speculator=speculator
     )
     policy = speculator.policy if speculator is not None else None
     sampled = sampling.temperature > 0

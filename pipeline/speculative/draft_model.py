@@ -240,7 +240,7 @@ class DraftModel:
             allowed=allowed,
         )
         sampled = bool((inputs.sampling.temperature > 0).any())
-        cache = eng.copies.with_slot_pos(self.cache, self.slot_pos)
+        cache = eng.copies.with_rows(self.cache, self.slot_pos)
         program = self._program(n, book.groups, T, sampled, allowed is not None)
         out, _, self.cache = eng.run_program(program, clock, cache, inputs.placed(eng.mesh))
         return np.asarray(out)

@@ -246,7 +246,9 @@ def build_spec_loop(
     """
 
     def local(weights: Weights, cache: KVCache, inputs: LoopInputs):
-        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        run = Run(
+            nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, cache.table, shape
+        )
         return tick_through(run, cache, inputs.rounds, loop_tick, first_carry(run, cache))
 
     mapped = jax.shard_map(

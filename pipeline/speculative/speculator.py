@@ -140,9 +140,11 @@ class Speculator:
             for sampled in (False, True)
         ]
 
-    def compile(self, shape: VerifyShape, cache_rows: int, groups: int, announce: bool) -> None:
+    def compile(
+        self, shape: VerifyShape, cache_rows: int, pages: int | None, groups: int, announce: bool
+    ) -> None:
         """Compiles, unless compiled, the verify pass of `shape` on a cache of
-        `cache_rows` rows in `groups` groups (what `run` would meet), a draft model's
+        `cache_rows` rows (on a pool of `pages` pages) in `groups` groups (what `run` would meet), a draft model's
         passes over as many rows, and at the widest pass the loop of passes. Nothing
         runs."""
         eng, n = self.engine, shape.rows
@@ -153,7 +155,7 @@ class Speculator:
         eng.programs.get(
             dataclasses.replace(shape, groups=groups),
             eng.weights,
-            eng.copies.abstract_cache(cache_rows),
+            eng.copies.abstract_cache(cache_rows, pages),
             inputs,
             announce,
         )
@@ -163,7 +165,7 @@ class Speculator:
             eng.programs.get(
                 self._loop_program(n, groups, shape.sampled),
                 eng.weights,
-                eng.copies.abstract_cache(cache_rows),
+                eng.copies.abstract_cache(cache_rows, pages),
                 zeros.placed(eng.mesh),
                 announce,
             )
@@ -249,7 +251,7 @@ class Speculator:
             pace=pace,
             rounds=np.int32(plan.rounds),
         ).placed(eng.mesh)
-        cache = eng.copies.with_slot_pos(cache, book.slot_pos)
+        cache = eng.copies.with_rows(cache, book.slot_pos, book.table)
         sampled = any(book.rows[b].request.params.sampling.temperature > 0 for b in live)
         watch = Stopwatch(ctx.clock)
         program = self._loop_program(n, book.groups, sampled)
@@ -293,7 +295,7 @@ class Speculator:
             key_offset=np.zeros(n, np.int32),
             allowed=allowed[:, :T] if constrained else None,
         ).placed(eng.mesh)
-        cache = eng.copies.with_slot_pos(cache, book.slot_pos)
+        cache = eng.copies.with_rows(cache, book.slot_pos, book.table)
         params = [book.rows[b].request.params for b in live]
         sampled = any(p.sampling.temperature > 0 for p in params)
         logprobs = any(p.logprobs for p in params)

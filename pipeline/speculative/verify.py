@@ -60,7 +60,7 @@ from qwen3_spmd.pipeline.programs.stage import (
     shift,
     vary,
     when,
-    write_kv_rows,
+    write_kv,
 )
 from qwen3_spmd.pipeline.runtime.shapes import RoundSettings
 from qwen3_spmd.ring import decode_attention, decode_slot
@@ -103,7 +103,9 @@ class VerifyShape:
     def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
         """Compiles, unless compiled, this pass in the rounds' groups and what it runs
         beside it (`Speculator.compile`: a draft model's passes, a loop of rounds)."""
-        settings.speculator.compile(self, settings.cache_rows, settings.groups, announce)
+        settings.speculator.compile(
+            self, settings.cache_rows, settings.pages, settings.groups, announce
+        )
 
 
 class VerifyInputs(NamedTuple):
@@ -182,14 +184,16 @@ def build_verify(
     """
 
     def local(weights: Weights, cache: KVCache, inputs: VerifyInputs):
-        run = Run(nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, shape)
+        run = Run(
+            nnx.merge(graphdef, weights.state), cfg, weights, inputs, cache.pos, cache.table, shape
+        )
         stages = jax.lax.axis_size("stage")
         ticks = decode_ticks(shape.groups, stages, 1)
         tick = functools.partial(verify_tick, run)
         carry = jax.lax.fori_loop(0, ticks, tick, first_carry(run, cache))
         out = from_device(carry.out, stages - 1, 0)
         lp = jax.tree.map(lambda a: from_device(a, stages - 1, 0), carry.logprobs)
-        return out, lp, KVCache(carry.cache.k, carry.cache.v, cache.pos)
+        return out, lp, cache._replace(k=carry.cache.k, v=carry.cache.v)
 
     mapped = jax.shard_map(
         local,
@@ -312,23 +316,25 @@ def pass_stage(run: Run, kv: StageCache, x_in, group: GroupPass, active):
     # hold nothing the row may see.
     filled = decode_slot(j[:, -1], group.prompt_slots, C)[1] + 1  # [Bg]
     group_slot_pos = rows(run.slot_pos, row0, x_in.shape[0])
+    group_table = rows(run.table, row0, x_in.shape[0])
     scale = run.cfg.head_dim**-0.5
 
     def attend_at(layer):
         def attend(q, k, v, kv: StageCache):
             # Every token's K/V first (each at its own step's slot), then the queries
             # over the cache: token i sees tokens 0 .. i by position.
-            ck = write_kv_rows(kv.k, k, layer, row0, slot, mine)
-            cv = write_kv_rows(kv.v, v, layer, row0, slot, mine)
+            ck = write_kv(kv.k, k, layer, group_table, slot, mine)
+            cv = write_kv(kv.v, v, layer, group_table, slot, mine)
             o, _ = decode_attention(
                 q,
                 ck,
                 cv,
                 q_pos,
                 group_slot_pos,
+                table=group_table,
                 axis_name="seq",
                 scale=scale,
-                at=(layer, row0),
+                at=(layer,),
                 filled=filled,
             )
             return o, StageCache(ck, cv)

@@ -246,6 +246,8 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int, runner
     scheduler = engine_args.scheduler(
         engine, procs.many, decisions, speculator=speculator, grammars=grammars
     )
+    if procs.leader:
+        _say(scheduler.pool_line())
     # Every process compiles the same programs, each its own (compiling is local).
     first, rest = scheduler.rules.first()
     if grammars is not None:  # structured outputs' programs: the last to compile

@@ -139,6 +139,16 @@ class _Now:
             "Seconds rounds waited for a compile.",
             scheduler.clock.compile_s,
         )
+        pages = scheduler.book.pages
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of the KV cache's pages the requests hold (vLLM's).",
+            pages.used / pages.pages,
+        )
+        yield gauge("kv_cache_pages", "Pages of the KV cache's pool.", pages.pages)
+        yield gauge(
+            "kv_cache_tokens", "Tokens the KV cache's pages hold in all.", scheduler.kv_tokens
+        )
         p = scheduler.prefix  # None without a prefix cache: every figure 0
         queries, hits, evictions, held, slots = (
             (p.queries, p.hits, p.evictions, p.blocks_held, p.slots) if p else (0, 0, 0, 0, 1)

@@ -1,5 +1,8 @@
-"""Decode attention over a sequence-sharded cache against dense attention over the
-gathered cache, on 1, 4 and 8 emulated CPU devices, empty devices included."""
+"""Decode attention over a sequence-sharded, paged cache against dense attention over
+the gathered cache, on 1, 4 and 8 emulated CPU devices, empty devices included.
+
+A plain cache [B, K, S, H] is a pool of B pages of S slots, row b in page b (the table
+`_rows_table`); the stacked test reads a pool of small pages in shuffled order."""
 
 import functools
 
@@ -19,14 +22,20 @@ CACHE = P(None, None, "seq")  # a heads-major cache [B, K, S, H], slots along se
 SLOTS = 4  # cache slots per device
 
 
+def _rows_table(b: int) -> np.ndarray:
+    """Each row its own page: a plain cache [B, K, S, H] as a pool of B pages."""
+    return np.arange(b, dtype=np.int32)[:, None]
+
+
 @functools.cache
 def _decode(c):
     """Jitted shard_map decode on c devices; o and lse come back stacked [C, ...]
     (one copy per device) so a test can see that every device holds the same."""
 
     def fn(q, k_cache, v_cache, q_pos, slot_pos):
+        table = _rows_table(q.shape[0])
         o, lse = ring.decode_attention(
-            q, k_cache, v_cache, q_pos, slot_pos, axis_name="seq", scale=0.25
+            q, k_cache, v_cache, q_pos, slot_pos, table=table, axis_name="seq", scale=0.25
         )
         return o[None], lse[None]
 
@@ -108,8 +117,9 @@ def test_decode_inside_stage_seq_mesh():
     mesh = jax.make_mesh((2, 4), ("stage", "seq"))
 
     def fn(q, k_cache, v_cache, q_pos, slot_pos):
+        table = _rows_table(q.shape[0])
         return ring.decode_attention(
-            q, k_cache, v_cache, q_pos, slot_pos, axis_name="seq", scale=0.25
+            q, k_cache, v_cache, q_pos, slot_pos, table=table, axis_name="seq", scale=0.25
         )
 
     in_specs = (P("stage"), P("stage", None, "seq"), P("stage", None, "seq"), P(), SEQ)
@@ -194,6 +204,7 @@ def test_decode_bad_input(kwargs, message):
             v_cache,
             q_pos,
             slot_pos,
+            table=_rows_table(2),
             axis_name=kwargs.get("axis_name", "seq"),
             scale=1.0,
         )
@@ -221,8 +232,8 @@ def test_decode_bad_input(kwargs, message):
 @pytest.mark.parametrize("filled", [0, 5, 8, 9, 10])
 def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monkeypatch):
     """With blocks of 4 of a device's 10 slots, decode attention reads rows 1..2 of
-    layer 1 of a stacked cache [L, B', K, S, H] block by block below `filled` (slots 8
-    and 9 as a last, shorter block). It matches dense attention over the slots below
+    layer 1 of a stacked pool [L, pages, K, C bs, H] of pages of 2 slots (in shuffled
+    order) block by block below `filled` (slots 8 and 9 as a last, shorter block). It matches dense attention over the slots below
     `filled`: the slots at or past it hold positions the queries could see, and are
     ignored. Whole blocks past `filled` hold NaN keys and values: on CPU they are never
     read."""
@@ -247,30 +258,47 @@ def test_decode_reads_only_the_filled_blocks_of_a_stacked_cache(c, filled, monke
     mesh = jax.make_mesh((c,), ("seq",), devices=jax.devices()[:c])
     stacked = P(None, None, None, "seq")
 
-    def fn(q, k_cache, v_cache, q_pos, slot_pos, filled):
+    def fn(q, k_cache, v_cache, q_pos, slot_pos, table, filled):
         return ring.decode_attention(
             q,
             k_cache,
             v_cache,
             q_pos,
             slot_pos,
+            table=table,
             axis_name="seq",
             scale=0.25,
-            at=(layer, row0),
+            at=(layer,),
             filled=filled,
         )
 
-    in_specs = (P(), stacked, stacked, P(), SEQ, P())
+    bs = 2
+    perm = rng.permutation(rows * s_loc // bs).astype(np.int32)
+    k_pool, table = _paged(np.swapaxes(k_in, 2, 3), c, bs, perm)
+    v_pool, _ = _paged(np.swapaxes(v_in, 2, 3), c, bs, perm)
+    in_specs = (P(), stacked, stacked, P(), SEQ, P(), P())
     sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(P(), P())))
     put = lambda x, spec: jax.device_put(jnp.asarray(x), NamedSharding(mesh, spec))
-    args = (q, np.swapaxes(k_in, 2, 3), np.swapaxes(v_in, 2, 3), q_pos, slot_pos, np.int32(filled))
+    group = slice(row0, row0 + b)
+    args = (q, k_pool, v_pool, q_pos, slot_pos, table[group], np.int32(filled))
     o, lse = sharded(*(put(x, spec) for x, spec in zip(args, in_specs)))
 
     seen = np.where(local < filled, slot_pos, -1)
-    group = slice(row0, row0 + b)
     o_ref, lse_ref = dense_attention(q, k[layer, group], v[layer, group], q_pos, seen, 0.25)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
     np.testing.assert_allclose(o, o_ref, atol=1e-5, rtol=0)
     finite = ~np.isneginf(lse_ref)
     np.testing.assert_allclose(np.asarray(lse)[finite], lse_ref[finite], atol=1e-5, rtol=0)
     assert filled > 0 or not np.asarray(o).any()
+
+
+def _paged(x, c: int, bs: int, perm: np.ndarray):
+    """A stacked rows cache x [L, R, K, C S, H] (each `seq` device its S local slots of
+    a row) as a pool of pages of bs slots [L, R S / bs, K, C bs, H], page j of row r at
+    perm[r n + j], and the rows' table [R, n]."""
+    L, R, K, CS, H = x.shape
+    n = CS // c // bs
+    pages = x.reshape(L, R, K, c, n, bs, H).transpose(0, 1, 4, 2, 3, 5, 6)
+    pool = np.empty_like(pages.reshape(L, R * n, K, c * bs, H))
+    pool[:, perm] = pages.reshape(L, R * n, K, c * bs, H)
+    return pool, perm.reshape(R, n)

@@ -220,9 +220,11 @@ def test_programs_alias_the_cache(S, C):
     )
     out = static_batch.generate(eng, [[5, 6, 7, 8, 9]] * S, 6, with_logits=False)
     assert isinstance(out.cache, KVCache)
-    k, v, pos = out.cache
+    k, v, pos, table = out.cache
     kv_bytes = 2 * k.addressable_shards[0].data.nbytes  # one device's k and v
-    assert np.asarray(pos).shape == (k.shape[1], k.shape[3])  # k [L_pad, B, K, S_cap, H]
+    # k [L_pad, pages, K, C bs, H]: each row its most pages (a static batch's pool)
+    B, n = np.asarray(table).shape
+    assert k.shape[1] == B * n and np.asarray(pos).shape == (B, n * k.shape[3])
     names = list(eng.programs.compiled)
     assert any(n.startswith("prefill") for n in names) and any(
         n.startswith("decode") for n in names

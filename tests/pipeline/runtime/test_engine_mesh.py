@@ -23,6 +23,7 @@ from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.scheduling.static_batch import Generation
 from qwen3_spmd.ring import zigzag
+from qwen3_spmd.ring.pages import as_rows
 from qwen3_spmd.sharding.mesh import make_mesh
 
 TOL = 1e-4
@@ -74,9 +75,10 @@ class Run:
     engine: Engine
     prompts: list
     gen: Generation
-    k: Any  # the returned cache, jax arrays [L_pad, B, K, C * S_loc, H]
+    k: Any  # the returned cache's rows, numpy [L_pad, B, K, C * S_loc, H] (`ring.pages.as_rows`)
     v: Any
     slot_pos: np.ndarray  # [B, C * S_loc]
+    pool: tuple  # the returned pool's k and v, jax arrays [L_pad, pages, K, C bs, H]
 
     @property
     def tokens(self):
@@ -137,8 +139,9 @@ class Runs:
             all_prompts = self.model(setup.model)[2]
             prompts = all_prompts if batch is None else [all_prompts[i] for i in batch]
             gen = static_batch.generate(eng, prompts, n_new, sampling=sampling, seed=SEED)
-            k, v, slot_pos = gen.cache
-            self.runs[key] = Run(setup, eng, prompts, gen, k, v, np.asarray(slot_pos))
+            k, v, slot_pos, table = gen.cache
+            rows = [as_rows(np.asarray(a), np.asarray(table), eng.C) for a in (k, v)]
+            self.runs[key] = Run(setup, eng, prompts, gen, *rows, np.asarray(slot_pos), (k, v))
         return self.runs[key]
 
     def ref(self, name):
@@ -461,14 +464,14 @@ def _check_memory(run):
     eng = run.engine
     S, C = eng.stages, eng.C
     L_pad = eng.plan.padded_layers
-    for a in (run.k, run.v):
+    for a in run.pool:
         shards = a.addressable_shards
         assert len(shards) == S * C
         assert len({tuple((s.start, s.stop) for s in sh.index) for sh in shards}) == S * C
         for sh in shards:
             assert sh.data.nbytes * S * C == a.nbytes
-            # [L_pad, B, K, S_cap, H]: layers split over stages, slots over seq
-            assert sh.data.shape == (L_pad // S, *a.shape[1:3], eng.slots_per_device, a.shape[4])
+            # [L_pad, pages, K, C bs, H]: layers split over stages, each page's slots over seq
+            assert sh.data.shape == (L_pad // S, *a.shape[1:3], eng.block_size, a.shape[4])
     n_slots = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(eng.weights.state):
         name = jax.tree_util.keystr(path)

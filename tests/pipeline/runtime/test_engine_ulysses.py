@@ -19,6 +19,7 @@ from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.ring.pages import as_rows
 from qwen3_spmd.sharding.mesh import make_mesh
 
 TOL = 1e-4
@@ -76,7 +77,8 @@ class Runs:
             gen = static_batch.generate(
                 eng, self.model(name)[2], N_NEW, sampling=sampling, seed=SEED
             )
-            cache = tuple(np.asarray(a) for a in gen.cache)
+            k, v, slot_pos, table = (np.asarray(a) for a in gen.cache)
+            cache = (as_rows(k, table, eng.C), as_rows(v, table, eng.C), slot_pos)
             self.runs[key, sampling] = (eng, gen, cache)
         return self.runs[key, sampling]
 

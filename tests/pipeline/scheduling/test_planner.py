@@ -4,6 +4,7 @@ fake runner outputs). What a round plans, which shapes it pads to, and what the 
 holds after it are checked here; that the programs give each request its own tokens is
 tests/pipeline/scheduling/test_scheduler.py's."""
 
+import math
 import types
 
 import numpy as np
@@ -47,10 +48,11 @@ class FakeEngine:
     def __init__(self, stages=1, C=1, M=1, max_seq_len=64, chunk=4):
         self.stages, self.C, self.M, self.chunk = stages, C, M, chunk
         self.max_seq_len = max_seq_len
-        self.slots_per_device = -(-max_seq_len // C)
+        self.block_size = 4  # a page's slots
+        self.pages_per_row = math.ceil(math.ceil(max_seq_len / C) / self.block_size)
+        self.slots_per_device = self.pages_per_row * self.block_size
         self.prefills: list[PrefillShape] = []
         self.decodes: list[tuple[DecodeShape, int]] = []  # and the steps run
-        self.moves: list[int] = []
         self.copies = self  # the cache's copies (pipeline.runtime.copies) are the methods below
         self.pooling = False  # a generate runner
 
@@ -62,20 +64,16 @@ class FakeEngine:
         cfg = types.SimpleNamespace(V=V, max_position_embeddings=self.max_seq_len)
         check_request(cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids)
 
-    def empty_cache(self, B):
+    def empty_cache(self, B, pages=None):
         return None
+
+    def page_bytes_per_device(self):
+        return 1  # so that a pool of kv_cache_memory_bytes=n holds n pages
 
     def cp_plan(self, B, P_pad):
         return "ring", {}
 
-    def with_slot_pos(self, cache, slot_pos):
-        return cache
-
-    def insert(self, cache, new, rows):
-        return cache
-
-    def move_rows(self, cache, src, dst):
-        self.moves.append(len(src))
+    def with_rows(self, cache, slot_pos, table=None):
         return cache
 
     def prefill(self, batch, strategy, params, sampled, clock, cache=None, allowed=None):
@@ -91,7 +89,7 @@ class FakeEngine:
     def logprobs(self, logits, tokens):
         return _no_logprobs(len(tokens))
 
-    def decode(self, cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs):
+    def decode(self, cache, slot_pos, table, inputs, groups, sampled, with_logits, clock, logprobs):
         """Each row's next `chunk` tokens: one more than the last, each step."""
         n = len(inputs.step)
         constrained = inputs.allowed is not None
@@ -119,15 +117,46 @@ CONFIGS = [  # (stages, C, M, max_batch, prefill_tokens)
 ]
 
 
+def _record_moves(sched) -> list[int]:
+    """The rows each round moves (`RowBook.move`, one call a row)."""
+    moves, move = [], sched.book.move
+    sched.book.move = lambda a, b: moves.append(a) or move(a, b)
+    return moves
+
+
+def _check_pages(book: RowBook) -> None:
+    """The page book's invariant: every page is free or held by one row, never both,
+    never two (no page has two writers), and a row holds its first pages only."""
+    held = [p for b in range(book.B) for p in book.table[b] if p < book.pages.pages]
+    assert len(held) == len(set(held)), "a page held by two rows"
+    assert len(held) + book.pages.free == book.pages.pages, "a page lost"
+    assert not set(held) & set(book.pages._free), "a page held and free"
+    for b in range(book.B):
+        n = book.held(b)
+        assert (book.table[b, :n] < book.pages.pages).all() and (
+            book.table[b, n:] == book.pages.pages
+        ).all()
+
+
+@pytest.mark.parametrize("pages", [None, 40], ids=["every-row", "40-pages"])
 @pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
-def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget):
+def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget, pages):
     """A random load (staggered arrivals, short and long prompts, end ids, cancels,
     sampled rows and log-probabilities) over a fake engine: every prefill, decode and
     move the rounds run has a shape `ShapeRules.declared()` lists (what precompile
-    compiles), each request gets its tokens, and every row is free at the end."""
+    compiles), each request gets its tokens, and every row is free at the end. With a
+    pool of 40 pages of 4 slots (fewer than the rows' most), requests wait for pages;
+    after every round no page is held twice or lost, and at the end all are free."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
-    sched = Scheduler(engine, max_batch=rows, prefill_tokens=budget, short_chunk=2)
+    sched = Scheduler(
+        engine,
+        max_batch=rows,
+        prefill_tokens=budget,
+        short_chunk=2,
+        kv_cache_memory_bytes=pages,
+    )
+    moves = _record_moves(sched)
     handles, asked, cancelled = [], [], set()
     for wave in range(8):
         for _ in range(rng.integers(0, 4)):
@@ -143,11 +172,15 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, b
             sched.cancel(handles[running[-1]])
             cancelled.add(running[-1])
         sched.step()
-    sched.run()
+        _check_pages(sched.book)
+    while not sched.idle:
+        sched.step()
+        _check_pages(sched.book)
     declared = sched.rules.declared()
     assert set(engine.prefills) <= set(declared.prefills)
     assert {shape for shape, _ in engine.decodes} <= set(declared.decodes)
-    assert {1 << (n - 1).bit_length() for n in engine.moves} <= set(declared.moves)
+    assert moves == [] or 1 in declared.moves
+    assert sched.book.pages.free == sched.pages
     for i, (h, (prompt, p)) in enumerate(zip(handles, asked)):
         if i in cancelled and h.finish_reason == "cancelled":
             assert h.tokens == tokens_of(prompt, len(h.tokens))
@@ -168,6 +201,7 @@ def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_t
     or sampled) runs only first shapes."""
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
     sched = Scheduler(engine, max_batch=rows, prefill_tokens=budget, short_chunk=2)
+    moves = _record_moves(sched)
     first, rest = sched.rules.first()
     shapes = first + rest
     assert len(shapes) == len(set(shapes)) == len(sched.rules.declared())
@@ -193,7 +227,7 @@ def test_first_shapes_and_the_rest_are_every_shape_once_and_a_light_load_meets_t
         sched.run()
     met = engine.prefills + [shape for shape, _ in engine.decodes]
     assert set(met) <= set(first), set(met) - set(first)
-    assert MoveShape(1) in rest and not engine.moves
+    assert MoveShape(1) in rest and not moves
 
 
 def test_a_prompt_whose_bucket_leaves_no_room_is_padded_to_its_own_length():

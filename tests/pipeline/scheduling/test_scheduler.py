@@ -15,6 +15,7 @@ from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.batch.handles import Params, Request
 from qwen3_spmd.pipeline.programs.layout import bucket, lay_out, length_bucket
+from qwen3_spmd.pipeline.programs.prefill import PrefillInputs
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
@@ -67,9 +68,11 @@ def _record_decodes(monkeypatch, engine) -> list[tuple[int, bool, bool]]:
     test: the shapes a shared engine's compiled programs no longer tell apart."""
     seen, decode = [], engine.decode
 
-    def recording(cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs=False):
+    def recording(
+        cache, slot_pos, table, inputs, groups, sampled, with_logits, clock, logprobs=False
+    ):
         seen.append((len(inputs.step), sampled, logprobs))
-        return decode(cache, slot_pos, inputs, groups, sampled, with_logits, clock, logprobs)
+        return decode(cache, slot_pos, table, inputs, groups, sampled, with_logits, clock, logprobs)
 
     monkeypatch.setattr(engine, "decode", recording)
     return seen
@@ -297,19 +300,23 @@ def test_background_loop_streams_to_async_and_blocking_readers(cfg, alone):
     assert sched.idle
 
 
-def test_admitted_rows_are_inserted_into_the_cache_in_place(cfg):
-    """The insert donates the running cache: XLA aliases it to the output (no copy of
-    the whole cache), and the old buffers are gone."""
+def test_admitted_prompts_are_prefilled_into_the_pool_in_place(cfg):
+    """A prefill donates the running pool and writes the admitted rows' pages: XLA
+    aliases the pool to the output (no copy of it), the old buffers are gone, and the
+    request's pages are the lowest free ones."""
     engine = _engine(cfg, 2, 2)
     sched = Scheduler(engine, max_batch=4)
     before = sched.executor.cache
     sched.submit([1, 2, 3], Params(2))
     sched.step()
     assert before.k.is_deleted() and before.v.is_deleted()
-    new = engine.copies.empty_cache(engine.lay_out([[1, 2, 3]]).B)
-    insert = engine.copies.jitted[("insert", new.k.shape[1])]
-    memory = insert.lower(sched.executor.cache, new, np.zeros(new.k.shape[1], np.int32)).compile()
-    assert memory.memory_analysis().alias_size_in_bytes >= sched.kv_bytes_per_device
+    assert sched.executor.cache.k.shape == before.k.shape
+    laid = engine.lay_out([[1, 2, 3]])
+    shape = PrefillShape(laid.B, laid.P_pad)
+    cache = engine.copies.abstract_cache(laid.B, sched.pages)
+    inputs = engine.copies.abstract(laid.prefill, PrefillInputs.specs())
+    program, _ = engine.programs.get(shape, engine.weights, cache, inputs)
+    assert program.memory_analysis().alias_size_in_bytes >= sched.kv_bytes_per_device
 
 
 def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
@@ -501,19 +508,17 @@ def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_row
     handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
     sched.step()  # admits all four; the chunk ends where rows 0 and 2 are done
     assert handles[0].done and handles[2].done and not handles[3].done
+    pages = sched.book.table[3].copy()
     sched.step()
     assert sched.book.rows[0].request.id == handles[3].id and sched.book.rows[3] is None
+    # its pages moved with it (no K/V is copied); row 3 holds none
+    np.testing.assert_array_equal(sched.book.table[0], pages)
+    assert (sched.book.table[3] == sched.pages).all()
     sched.run()
     for h, prompt, n in zip(handles, prompts, budgets):
         assert h.tokens == alone(prompt, Params(n))
     rows = [n for n, _, _ in decodes]
     assert rows == sorted(rows, reverse=True) and sorted(set(rows)) == [1, 2, 4], rows
-    move = engine.copies.jitted[("move", 1)].lower(
-        sched.executor.cache, np.zeros(1, np.int32), np.zeros(1, np.int32)
-    )
-    memory = move.compile().memory_analysis()
-    assert memory.alias_size_in_bytes >= sched.kv_bytes_per_device
-    assert memory.temp_size_in_bytes < 2 * sched.kv_bytes_per_device / 4  # a row, not 4
 
 
 def test_a_chunk_ends_where_the_first_row_reaches_its_budget(cfg, alone):
@@ -642,12 +647,8 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     declared = sched.rules.declared()
     assert sched.precompile() == len(declared)
     moves, chunks = [], []
-    move_rows, prefill = sched.engine.copies.move_rows, sched.engine.prefill
-    monkeypatch.setattr(
-        sched.engine.copies,
-        "move_rows",
-        lambda c, src, dst: moves.append(src) or move_rows(c, src, dst),
-    )
+    move, prefill = sched.book.move, sched.engine.prefill
+    monkeypatch.setattr(sched.book, "move", lambda a, b: moves.append(a) or move(a, b))
     monkeypatch.setattr(
         sched.engine,
         "prefill",
@@ -678,3 +679,31 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
         assert len(h.tokens) == q.max_new_tokens
         if q.sampling == Sampling():
             assert h.tokens == alone(p, q)
+
+
+@pytest.mark.parametrize("S, C", [(1, 1), (2, 2)], ids=["1x1", "2x2"])
+def test_a_pool_of_few_pages_runs_requests_as_pages_free_with_their_tokens(cfg, alone, S, C):
+    """A pool of 3 pages (of 16 slots a device) under 4 rows: requests start as pages
+    free, so fewer run at once than the rows; each gets its tokens alone; after every
+    round no page is held twice, and at the end every page is free. A request the whole
+    pool could not hold is refused, naming the pool and the flag."""
+    engine = _engine(cfg, S, C)
+    page = engine.copies.page_bytes_per_device()
+    sched = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=3 * page + page // 2)
+    assert sched.pages == 3 and sched.kv_bytes_per_device == 3 * page
+    prompts = _prompts(cfg, 6, seed=5)
+    budgets = [12, 20, 6, 16, 9, 3]
+    handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
+    most = 0
+    while not sched.idle:
+        sched.step()
+        most = max(most, len(sched.book.live()))
+        held = [int(p) for p in sched.book.table.flat if p < sched.pages]
+        assert len(held) == len(set(held)) and len(held) + sched.book.pages.free == 3
+    assert 1 <= most < 4  # the pages, not the rows, bounded them
+    assert sched.book.pages.free == 3
+    for h, p, n in zip(handles, prompts, budgets):
+        assert h.tokens == alone(p, Params(n))
+    if C == 1:  # 39 tokens and 24 new: 63 slots, 4 pages
+        with pytest.raises(RequestError, match=r"the pool holds 48 \(3 pages of 16\).*kv_cache"):
+            sched.submit(list(range(1, 40)), Params(24))

@@ -214,7 +214,8 @@ def test_rounds_on_the_device_give_plain_tokens(engines, looping, monkeypatch, S
     B, groups = static_batch.batch_rows(engine, len(LOOPING))
     before = loops()
     T = 1 + LOOKUP.num_speculative_tokens
-    spec.compile(VerifyShape(B, T, how == "sampled", False), B, groups, announce=False)
+    shape = VerifyShape(B, T, how == "sampled", False)
+    spec.compile(shape, B, B * engine.pages_per_row, groups, announce=False)  # a static pool
     ahead = loops()
     assert len(ahead - before) == 1  # one loop, its widths those of the ladder
     sampling = SAMPLED if how == "sampled" else Sampling()
@@ -264,7 +265,7 @@ def test_verify_passes_compile_ahead_as_a_server_does(engines, plain):
         assert len(set(shapes)) == len(rows) * len(ladder(2)) * 2 == 8  # rows 1 and 2
         sched.precompile(shapes, workers=1, announce=False)
         ahead = verify_programs()  # with those the module's other tests compiled
-        cache = "x".join(map(str, engine.copies.cache_shape(sched.B)))
+        cache = "x".join(map(str, engine.pool_shape(sched.pages)))
         assert {
             f"verify 1 {s.T} {'sampled' if s.sampled else 'greedy'} [{cache}; {s.rows}x{s.T}]"
             for s in shapes
