@@ -260,6 +260,11 @@ class Scheduler:
         return self.pages * self.engine.copies.page_bytes_per_device()
 
     @property
+    def kv_usage(self) -> float:
+        """The share of the pool's pages the requests hold."""
+        return self.book.pages.used / self.pages
+
+    @property
     def kv_tokens(self) -> int:
         """Tokens the pool's pages hold (on all `seq` devices together)."""
         return self.pages * self.engine.block_size * self.engine.C

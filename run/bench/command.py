@@ -241,6 +241,7 @@ def _settings(args) -> dict:
         "prefill_batch": args.prefill_batch,
         "seed": args.seed,
         "expert_split": args.expert_split,
+        "block_size": args.block_size,
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
         "serve_max_batch": given(args.serve_max_batch, "serve_max_batch", 8),

@@ -59,6 +59,7 @@ def engine_args(settings: dict, cp: str, dtype: str) -> EngineArgs:
         chunk=settings["chunk"],
         cp=cp,
         expert_split=settings["expert_split"],
+        block_size=settings.get("block_size", EngineArgs.block_size),
     )
 
 

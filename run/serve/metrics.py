@@ -139,13 +139,12 @@ class _Now:
             "Seconds rounds waited for a compile.",
             scheduler.clock.compile_s,
         )
-        pages = scheduler.book.pages
         yield gauge(
             "kv_cache_usage_perc",
             "Fraction of the KV cache's pages the requests hold (vLLM's).",
-            pages.used / pages.pages,
+            scheduler.kv_usage,
         )
-        yield gauge("kv_cache_pages", "Pages of the KV cache's pool.", pages.pages)
+        yield gauge("kv_cache_pages", "Pages of the KV cache's pool.", scheduler.pages)
         yield gauge(
             "kv_cache_tokens", "Tokens the KV cache's pages hold in all.", scheduler.kv_tokens
         )

@@ -474,11 +474,14 @@ def test_serve_closed_loops_beside_static_batches(capsys):
         G = m["stage"]
         assert serve["max_batch"] == 2 and serve["groups"] == G
         assert [j["concurrency"] for j in serve["concurrency"]] == sorted({1, G, 2, 4})
-        # The rows' caches, [L_pad, rows, K, slots, H] for k and v, over the devices; the
-        # slots fit a 4-token prompt padded to twice (a bucket) and --smoke's 6 outputs.
+        # The pool that gives every row its most: [L_pad, rows x pages, K, C x 16, H] for
+        # k and v, over the devices; a row's pages fit a 4-token prompt padded to twice
+        # (a bucket) and --smoke's 6 outputs.
         S, C, rows = m["stage"], m["seq"], serve["max_batch"]
         L_pad = S * -(-TINY.L // S)
-        cache = 2 * L_pad * rows * TINY.K * fitting_seq_len(2 * 4, 6, C) * TINY.H * 4
+        pages = math.ceil(math.ceil(fitting_seq_len(2 * 4, 6, C) / C) / 16)  # of 16 slots
+        slots = pages * 16 * C
+        cache = 2 * L_pad * rows * TINY.K * slots * TINY.H * 4
         assert serve["kv_bytes_per_device"] == cache // m["devices"]
         for j in serve["concurrency"]:
             assert j["requests"] == 2 * j["concurrency"] and j["output_tokens"] >= j["requests"]

@@ -16,9 +16,17 @@ from qwen3_spmd.run.flags import CLIError
 # The engine's settings, as flags and as LLM's keyword arguments.
 FLAGS = [
     "--dtype", "float32", "--chunk", "4", "--groups", "2", "--microbatches", "3",
-    "--cp", "ulysses", "--expert-split", "ep",
+    "--cp", "ulysses", "--expert-split", "ep", "--block-size", "8",
 ]  # fmt: skip
-KWARGS = dict(dtype="float32", chunk=4, groups=2, microbatches=3, cp="ulysses", expert_split="ep")
+KWARGS = dict(
+    dtype="float32",
+    chunk=4,
+    groups=2,
+    microbatches=3,
+    cp="ulysses",
+    expert_split="ep",
+    block_size=8,
+)
 
 
 def _cli(command: str, *argv: str) -> EngineArgs:
@@ -43,7 +51,7 @@ def test_the_same_arguments_give_the_same_engine_through_each_door():
     kwargs = {door: args.engine_kwargs(64) for door, args in doors.items()}
     assert kwargs["LLM"] == dict(
         dtype="float32", max_seq_len=64, microbatches=3, groups=2, chunk=4, cp="ulysses",
-        experts="ep",
+        experts="ep", block_size=8,
     )  # fmt: skip
     for door in doors:
         assert kwargs[door] == kwargs["LLM"], door

@@ -605,6 +605,9 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
             clock=NS(compile_s=0.0),
             prefix=None,
             prefix_cache_bytes=0,
+            kv_usage=0.0,
+            pages=1,
+            kv_tokens=16,
         )
         return NS(scheduler=scheduler, settings=NS(model_name="m"))
 
