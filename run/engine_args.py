@@ -142,6 +142,13 @@ class EngineArgs:
             help="KV cache slots a page holds on each seq device (vLLM's flag; default "
             f"{d.block_size})",
         )
+        if bench:
+            parser.add_argument(
+                "--kv-cache-memory-bytes",
+                metavar="BYTES",
+                help="the paged scenario's pool of KV pages a device (e.g. 2G: K/M/G binary, "
+                "k/m/g decimal; default: its rows' most)",
+            )
         add_dtype(parser)
         add_expert_split(parser)
         if not bench:

@@ -55,12 +55,27 @@ class Params:
 class Request:
     """What a scheduler runs for one submit: its id, prompt ids and parameters.
     sample_index is folded into its sampling key after the seed: 0 for a request on
-    its own (key (seed, 0, step)), the row's index in a static batch of `generate`."""
+    its own (key (seed, 0, step)), the row's index in a static batch of `generate`.
+    made: a preempted request's tokens so far, which its prompt ends with when it is
+    queued again (`resumed`): its steps (keys, bans) count from there."""
 
     id: int
     prompt: tuple[int, ...]
     params: Params
     sample_index: int = 0
+    made: int = 0
+
+    def resumed(self, generated: list[int]) -> Request:
+        """This request preempted after `generated` tokens, to be prefilled again (vLLM's
+        recompute): its prompt and those tokens as its prompt, the tokens left as its
+        budget, its prompt's log-probabilities not asked again."""
+        params = dataclasses.replace(
+            self.params,
+            max_new_tokens=self.params.max_new_tokens - len(generated),
+            prompt_logprobs=False,
+        )
+        made = self.made + len(generated)
+        return Request(self.id, self.prompt + tuple(generated), params, self.sample_index, made)
 
 
 class Logprob(NamedTuple):

@@ -136,11 +136,25 @@ class RowBook:
         """Pages that hold a row's first `slots` local slots."""
         return -(-slots // self.block_size)
 
-    def budget_slots(self, prompt_slots: int, max_new_tokens: int) -> int:
-        """The local slots a request reaches on any device: its prompt's, then one for
-        every C decode steps (`ring.decode_slot`; the last new token writes none)."""
+    def decode_slots(self, prompt_slots: int, steps: int) -> int:
+        """The local slots a request holds on any device once `steps` decode steps have
+        written: its prompt's, then one for every C steps (`ring.decode_slot`)."""
         C = self.slot_pos.shape[1]
-        return prompt_slots + -(-max(max_new_tokens - 1, 0) // C)
+        return prompt_slots + -(-max(steps, 0) // C)
+
+    def decode_pages(self, b: int, ahead: int) -> int:
+        """The pages row b lacks for `ahead` more decode steps (within its budget: the
+        last new token writes none)."""
+        row = self.rows[b]
+        done = len(row.generated) - 1  # decode step j feeds token j
+        steps = min(done + ahead, row.request.params.max_new_tokens - 1)
+        return max(0, self.pages_for(self.decode_slots(row.prompt_slots, steps)) - self.held(b))
+
+    def grow_ahead(self, b: int, ahead: int) -> None:
+        """Row b takes the pages `decode_pages` says it lacks."""
+        row = self.rows[b]
+        steps = min(len(row.generated) - 1 + ahead, row.request.params.max_new_tokens - 1)
+        self.grow(b, self.decode_slots(row.prompt_slots, steps))
 
     def slot_pages(self, table: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
         """(pages, offsets) of local slots `slots` [m] of a row with pages `table` [n]
@@ -324,8 +338,8 @@ class RowBook:
 
 
 def row_sampling(request: Request) -> tuple:
-    """A request's row of RowSampling.stack: its settings, seed and sample index, and its
-    end ids banned before step min_tokens."""
+    """A request's row of RowSampling.stack: its settings, seed and sample index, its
+    end ids banned before step min_tokens, and the steps it made before a preemption."""
     p = request.params
     ban = (p.min_tokens, p.eos_ids) if p.min_tokens > 0 else (0, ())
-    return (p.sampling, p.seed, request.sample_index, ban)
+    return (p.sampling, p.seed, request.sample_index, ban, request.made)

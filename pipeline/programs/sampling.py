@@ -86,6 +86,9 @@ class RowSampling(NamedTuple):
     request: jax.Array  # [B] int32: folded into the key after the seed
     ban_until: jax.Array  # [B] int32: steps before this one cannot produce ban_ids
     ban_ids: jax.Array  # [B, MAX_BANNED] int32, -1 padded
+    # [B] int32: tokens the row's request made before it was preempted (its prompt ends
+    # with them): its steps count from there, for its keys and bans
+    step0: jax.Array
 
     @classmethod
     def of(cls, sampling: Sampling, seed: int, request) -> RowSampling:
@@ -95,7 +98,7 @@ class RowSampling(NamedTuple):
 
     @classmethod
     def stack(cls, rows: list[tuple]) -> RowSampling:
-        """Host arrays from (sampling, seed, request[, Ban]) for each row."""
+        """Host arrays from (sampling, seed, request[, Ban[, step0]]) for each row."""
         bans = [Ban(*r[3]) if len(r) > 3 else Ban() for r in rows]
         # A ban of more ids than MAX_BANNED was refused by requests.check_request.
         ids = np.full((len(rows), MAX_BANNED), -1, np.int32)
@@ -109,6 +112,7 @@ class RowSampling(NamedTuple):
             np.array([r[2] for r in rows], np.int32),
             np.array([ban.until for ban in bans], np.int32),
             ids,
+            np.array([r[4] if len(r) > 4 else 0 for r in rows], np.int32),
         )
 
 
@@ -132,6 +136,7 @@ def sample(
         request,
         jnp.zeros((B,), jnp.int32),
         jnp.full((B, MAX_BANNED), -1, jnp.int32),
+        jnp.zeros((B,), jnp.int32),
     )
     return sample_rows(logits, rows, step, sampled=cfg.temperature > 0)
 
@@ -184,7 +189,7 @@ def _filtered_draw(logits, rows: RowSampling, step, hot, argmax) -> jax.Array:
     kept = jnp.sum((jnp.cumsum(probs, axis=-1) - probs) < rows.top_p[:, None], axis=-1)
     last = jnp.take_along_axis(desc, jnp.maximum(kept, 1)[:, None] - 1, axis=-1)
     x = jnp.where((rows.top_p < 1.0)[:, None] & (x < last), -jnp.inf, x)
-    step = jnp.broadcast_to(step, (B,))
+    step = jnp.broadcast_to(step, (B,)) + rows.step0
 
     def one(seed, r, s, row):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), r), s)
@@ -198,7 +203,7 @@ def ban(logits: jax.Array, rows: RowSampling, step, first=0) -> jax.Array:
     """logits [B, V] with each row's banned ids at -inf while step < its ban_until.
     first: the id of column 0 (a device's block of a vocabulary split over `tensor`)."""
     B, V = logits.shape
-    on = jnp.broadcast_to(step, (B,)) < rows.ban_until
+    on = jnp.broadcast_to(step, (B,)) + rows.step0 < rows.ban_until
     ids = rows.ban_ids - first
     ids = jnp.where(on[:, None] & (rows.ban_ids >= 0) & (ids >= 0), ids, V)  # V: dropped
     return logits.at[jnp.arange(B)[:, None], ids].set(-jnp.inf, mode="drop")

@@ -62,7 +62,12 @@ class Executor:
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
         self.grammars = RowGrammars(grammars, clock, accounting) if grammars else None
         self.speculator = speculator
-        self._chunk_prompt: list[Logprob] = []  # their prompt log-probabilities, if asked
+        self._chunk_prompt: list[Logprob] = []
+        # Requests preempted this round, oldest first, for the scheduler to queue first.
+        self.resumed: list[Request] = []
+        self.preemptions = (
+            0  # requests preempted in all  # their prompt log-probabilities, if asked
+        )
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
         # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
         self.logits = None
@@ -80,6 +85,8 @@ class Executor:
                 where[e.row] = [self.book.slot_pages(e.table, at) for at in slots]
             self._save(round.ended_saves, [where[s.row][s.block] for s in round.ended_saves])
         self.book.ended.clear()
+        for id in round.preempts:  # their pages free for this round's rows to grow into
+            self._preempt(id)
         for id in round.cancels:
             in_row = self.book.row_of(id) is not None
             if self.grammars is not None:
@@ -105,6 +112,10 @@ class Executor:
         chunk = round.decode
         if chunk is None:
             return []
+        # Each row takes the pages its steps will write (the planner saw them free).
+        ahead = chunk.steps if chunk.spec is None else 1 << 30
+        for b in self.book.live():
+            self.book.grow_ahead(b, ahead)
         if chunk.spec is not None:
             context = SpecContext(self.book, self.accounting, self.clock, self.grammars)
             updates, self.cache = self.speculator.run(
@@ -118,6 +129,25 @@ class Executor:
         return self._forget(updates)
 
     # ---- the parts of a round ------------------------------------------------------
+
+    def _preempt(self, id: int) -> None:
+        """Request `id` gives its pages back: a decoding row's request waits to be
+        prefilled again from its prompt and tokens so far (`Request.resumed`, in
+        `self.resumed` for the scheduler's queue); the long prompt being chunked starts
+        over. Its handle hears nothing: the tokens it has are its own, the next follow."""
+        book = self.book
+        b = book.row_of(id)
+        if b is not None:
+            row = book.rows[b]
+            self.resumed.append(row.request.resumed(row.generated))
+            book.free(b)
+        else:  # the chunking prompt
+            held = book.chunking
+            self.resumed.append(held.request)
+            book.release(held.row)
+            book.chunking = None
+            self._chunk_prompt = []
+        self.preemptions += 1
 
     def _chunk(self, chunk: Chunk) -> list[Update]:
         """The next chunk of the long prompt; after its last, the request decodes."""
@@ -147,9 +177,7 @@ class Executor:
             targets=[_targets(request.prompt, chunk.start, chunk.end)] if scored else None,
         )
         last = chunk.end == len(request.prompt)  # its sampled token is the request's first
-        decodes = last and not eng.pooling
-        budget = book.budget_slots(batch.prompt_slots, request.params.max_new_tokens)
-        book.grow(held.row, budget if decodes else batch.prompt_slots)
+        book.grow(held.row, batch.prompt_slots)
         book.chunk_prefilled(batch, chunk.end)  # its slots listed after the earlier ones'
         cache = self._rows_cache(np.broadcast_to(held.slot_pos, batch.slot_pos.shape), [held.row])
         if eng.pooling:
@@ -244,8 +272,8 @@ class Executor:
         if eng.pooling:  # each ends with its hidden state; no row (nor page) is taken
             hidden, _ = eng.pool(batch, admission.cp, self.clock)
             return [Update(r.id, [], "stop", pooled=hidden[i]) for i, r in enumerate(requests)]
-        for b, r in zip(admission.rows, requests):
-            book.grow(b, book.budget_slots(batch.prompt_slots, r.params.max_new_tokens))
+        for b in admission.rows:
+            book.grow(b, batch.prompt_slots)
         params = RowSampling.stack(
             [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
         )

@@ -125,6 +125,9 @@ class Round:
     saves: tuple[Save, ...] = ()  # prompt blocks into the prefix cache, after the prefills
     # the blocks of the requests that ended last round (`RowBook.ended`), first
     ended_saves: tuple[Save, ...] = ()
+    # requests whose rows (or chunks) give their pages back and who wait to be
+    # prefilled again, after the cancels (`Request.resumed`)
+    preempts: tuple[int, ...] = ()
 
     def taken(self) -> set[int]:
         """The waiting requests this round takes out of the queue."""
@@ -176,6 +179,7 @@ class Round:
             close=d["close"],
             saves=tuple(Save(**x) for x in d["saves"]),
             ended_saves=tuple(Save(**x) for x in d["ended_saves"]),
+            preempts=tuple(d["preempts"]),
         )
 
 
@@ -192,7 +196,7 @@ def _request(d: dict | None) -> Request | None:
             "constraint": constraint,
         }
     )
-    return Request(d["id"], tuple(d["prompt"]), params, d["sample_index"])
+    return Request(d["id"], tuple(d["prompt"]), params, d["sample_index"], d["made"])
 
 
 @dataclasses.dataclass
@@ -290,6 +294,16 @@ class Planner:
         )
         if book.chunking is not None and held is None:
             pages += book.held(book.chunking.row)
+        # Each decoding row takes the pages its next chunk may write; where they are not
+        # free, the youngest requests give theirs back and wait to be prefilled again
+        # (vLLM's recompute preemption), and nothing new starts this round.
+        preempts, pages = self._preempt(book, decoding, held, pages)
+        for b in [b for b in decoding if decoding[b].request.id in preempts]:
+            del busy[b], decoding[b]
+        if held is not None and held.request.id in preempts:
+            held = None
+        if preempts:
+            queue = []  # (the queue's requests wait behind the preempted ones)
 
         # The requests that ended last round save their blocks first (generated tokens
         # are in a block's layout on one seq device only); this round's hits see them.
@@ -350,8 +364,37 @@ class Planner:
             )
             decode = self._speculated(decode, busy, decoding)
         return Round(
-            tuple(found), chunk, tuple(admissions), moves, decode, saves=saves, ended_saves=ended
+            tuple(found),
+            chunk,
+            tuple(admissions),
+            moves,
+            decode,
+            saves=saves,
+            ended_saves=ended,
+            preempts=preempts,
         )
+
+    def ahead(self) -> int:
+        """Decode steps a round may write for a row at most: a chunk's, or (speculating:
+        a loop of verify passes) the row's whole budget."""
+        return self.long_chunk if self.speculate is None else 1 << 30
+
+    def _preempt(self, book: RowBook, decoding: dict, held, pages: int) -> tuple[tuple, int]:
+        """(the ids of the requests preempted, the free pages left) when every decoding
+        row takes the pages its next chunk may write (`RowBook.decode_pages`): the
+        youngest (the last submitted) go first; when the oldest alone still lacks pages,
+        the long prompt being chunked gives its pages back too (it starts again)."""
+        need = {b: book.decode_pages(b, self.ahead()) for b in decoding}
+        order = sorted(decoding, key=lambda b: decoding[b].request.id)  # oldest first
+        preempts = []
+        while sum(need[b] for b in order) > pages and len(order) > 1:
+            b = order.pop()
+            preempts.append(decoding[b].request.id)
+            pages += book.held(b)
+        if sum(need[b] for b in order) > pages and held is not None:
+            preempts.append(held.request.id)
+            pages += book.held(held.row)
+        return tuple(preempts), pages - sum(need[b] for b in order)
 
     def _chunk(
         self,
@@ -381,8 +424,19 @@ class Planner:
         `held` its row holds: its slots', and after the last chunk its decode steps'."""
         slots = offset + chunk.shape.P_pad // self.rules.C
         if chunk.end == len(request.prompt) and self.rules.decodes:
-            slots = book.budget_slots(slots, request.params.max_new_tokens)
+            slots = book.decode_slots(slots, self._first(request))
         return max(0, book.pages_for(slots) - held)
+
+    def _pages(self, book: RowBook, shape: PrefillShape, request: Request) -> int:
+        """The pages a short prompt's prefill in `shape` takes: its prompt's and its first
+        decode chunk's (none on a pooling runner, whose prefill has a cache of its own)."""
+        if not self.rules.decodes:
+            return 0
+        return book.pages_for(book.decode_slots(shape.P_pad // self.rules.C, self._first(request)))
+
+    def _first(self, request: Request) -> int:
+        """Decode steps a request's first round after its prefill may write."""
+        return min(self.ahead(), request.params.max_new_tokens - 1)
 
     def _admit(
         self,
@@ -402,7 +456,7 @@ class Planner:
         left."""
         rules = self.rules
         by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
-        n = tokens = 0
+        n = tokens = taking = 0  # taking: the pages of the requests taken so far
         for request in queue:
             if n == len(free) or self.long(request) or self.cached(request, prefix):
                 break  # a long prompt (or a hit) starts chunking when the one before is done
@@ -412,20 +466,19 @@ class Planner:
             together = by_bucket.setdefault(rules.prompt_length(length), [])
             if not _fits(rules, together + [request]):
                 break  # padded with longer prompts it would not fit: next round
+            wants = self._pages(
+                book, rules.prefill(1, length, [request.params.max_new_tokens]), request
+            )
+            if wants > pages - taking:
+                break  # it waits for pages, and those after it with it
             together.append(request)
-            n, tokens = n + 1, tokens + length
+            n, tokens, taking = n + 1, tokens + length, taking + wants
         admissions, rows, left = [], iter(free), []
         for P_pad, together in by_bucket.items():
             while together:
                 k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
                 batch, together = together[:k], together[k:]
-                # A pooling runner's prompts take no page; the others take their budget's.
-                need = rules.decodes and sum(
-                    book.pages_for(
-                        book.budget_slots(shape.P_pad // rules.C, r.params.max_new_tokens)
-                    )
-                    for r in batch
-                )
+                need = sum(self._pages(book, shape, r) for r in batch)
                 if left or need > pages:  # they wait for pages, in their order
                     left += batch + together
                     break

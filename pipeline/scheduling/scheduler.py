@@ -189,6 +189,7 @@ class Scheduler:
         self.grammars = grammars
         self.max_queue = max_queue
         self.rounds = 0
+        self.most_running = 0  # the most requests a round has decoded at once
         self._ids = itertools.count()
         self._waiting: collections.deque[Request] = collections.deque()
         self._gone: set[int] = set()  # waiting requests the round being run cancels
@@ -263,6 +264,11 @@ class Scheduler:
     def kv_usage(self) -> float:
         """The share of the pool's pages the requests hold."""
         return self.book.pages.used / self.pages
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted when pages ran out (each prefilled again later)."""
+        return self.executor.preemptions
 
     @property
     def kv_tokens(self) -> int:
@@ -553,7 +559,11 @@ class Scheduler:
             # the prefill's, not the prefill's and a chunk's.
             waiting = [Update(id, [], "cancelled") for id in round.cancels if id in self._gone]
             updates = self._deliver(waiting + self.executor.admit(round))
+            resumed, self.executor.resumed = self.executor.resumed, []
+            if not self.follower:  # (a follower plans nothing: process 0 queues them)
+                self._waiting.extendleft(reversed(resumed))  # first in line, oldest first
             updates += self._deliver(self.executor.decode(round))
+            self.most_running = max(self.most_running, len(self.book.live()))
             self._compiled |= round.shapes(self.rules)
             self.rounds += 1
             return updates

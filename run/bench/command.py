@@ -21,6 +21,11 @@ Scenarios (--scenario, repeatable; default all but peer):
             scheduler (input tokens/s), and one longest input's prefill memory per
             device; with --peer, sentence-transformers' loop on transformers
             (run.bench.embed);
+  paged     the paged KV cache under a served load: --serve-requests x
+            --serve-max-batch requests, that many in flight, over a pool of
+            --kv-cache-memory-bytes, against the same load and pool through 2 rows:
+            tokens/s, the most decoding at once, preemptions, the same tokens in both
+            (run.bench.paged);
   structured  a closed loop at the scheduler's rows of bounded-JSON-Schema requests
             against the same load unconstrained and with half of it constrained:
             output tokens/s, the host's mask time a token, the others' time per output
@@ -42,7 +47,7 @@ This module holds the flags and their checks; the two benchmarks are run.bench.m
 from __future__ import annotations
 
 from qwen3_spmd.run.engine_args import EngineArgs
-from qwen3_spmd.run.flags import CLIError, int_list
+from qwen3_spmd.run.flags import CLIError, byte_count, int_list
 
 SCENARIOS = (
     "prefill",
@@ -55,6 +60,7 @@ SCENARIOS = (
     "speculative",
     "structured",
     "embed",
+    "paged",
 )
 SMOKE = {
     "prompt_lens": "16,32",
@@ -242,6 +248,11 @@ def _settings(args) -> dict:
         "seed": args.seed,
         "expert_split": args.expert_split,
         "block_size": args.block_size,
+        "kv_cache_memory_bytes": (
+            None
+            if args.kv_cache_memory_bytes is None
+            else byte_count(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+        ),
         "smoke": bool(args.smoke),
         "decode_cache_len": args.decode_cache_len,
         "serve_max_batch": given(args.serve_max_batch, "serve_max_batch", 8),

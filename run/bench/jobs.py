@@ -289,6 +289,10 @@ def run_mesh(
         from qwen3_spmd.run.bench.embed import embed_job
 
         entry["embed"] = embed_job(engines, settings, say)
+    if "paged" in scenarios:
+        from qwen3_spmd.run.bench.paged import paged_job
+
+        entry["paged"] = paged_job(engines, settings, say)
     if "serve" in scenarios:
         from qwen3_spmd.run.bench.serve import serve_job
 

@@ -36,14 +36,19 @@ def _percentiles(xs) -> dict:
 
 
 def closed_loop(
-    sched: Scheduler, requests, concurrency: int, constraint=None, every: int = 1
+    sched: Scheduler,
+    requests,
+    concurrency: int,
+    constraint=None,
+    every: int = 1,
+    tokens: list | None = None,
 ) -> dict:
     """Every request through `sched` with `concurrency` in flight (greedy). The decode
     use (`Scheduler.decode_use`) is given over the whole loop, and over its steady part
     before the drain: until the last request goes in, each one that finishes has a
     successor (None when no decode round ran before it). constraint: request i follows
     it where i % every == 0 (a structured load; "unconstrained" gives the others'
-    figures apart)."""
+    figures apart). tokens: a list that gets each request's tokens, in order."""
     pending, live, finished = list(enumerate(requests)), [], []
     free = set()  # the handles of the requests under no constraint
     index = {}  # handle -> its request's index
@@ -73,6 +78,8 @@ def closed_loop(
     by_index = sorted(finished, key=index.get)
     out["completion_tokens"] = [h.completion_tokens for h in by_index]
     out["tpot_by_request_s"] = [_tpot(h) for h in by_index]
+    if tokens is not None:
+        tokens[:] = [h.tokens for h in by_index]
     if constraint is not None:
         masks = sched.accounting.masks
         out["mask_s_per_token"] = sched.clock.mask_s / masks if masks else None

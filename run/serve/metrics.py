@@ -145,6 +145,11 @@ class _Now:
             scheduler.kv_usage,
         )
         yield gauge("kv_cache_pages", "Pages of the KV cache's pool.", scheduler.pages)
+        yield counter(
+            "num_preemptions",
+            "Requests preempted when the KV cache's pages ran out (prefilled again later).",
+            scheduler.preemptions,
+        )
         yield gauge(
             "kv_cache_tokens", "Tokens the KV cache's pages hold in all.", scheduler.kv_tokens
         )

@@ -77,11 +77,13 @@ class FakeEngine:
         return cache
 
     def prefill(self, batch, strategy, params, sampled, clock, cache=None, allowed=None):
-        """The first token of each row: its prompt's last id."""
+        """The first token of each row: its prompt's last id (one more for a preempted
+        request's, whose prompt ends with its tokens so far: the next, as decode's)."""
         self.prefills.append(PrefillShape(batch.B, batch.P_pad, batch.offset > 0))
         inputs = batch.prefill
         first = [
             inputs.tokens[b][list(inputs.positions[b]).index(inputs.last_pos[b])]
+            + (params.step0[b] > 0)
             for b in range(batch.B)
         ]
         return np.array(first) % V, None, cache, None
@@ -138,15 +140,17 @@ def _check_pages(book: RowBook) -> None:
         ).all()
 
 
-@pytest.mark.parametrize("pages", [None, 40], ids=["every-row", "40-pages"])
+@pytest.mark.parametrize("pages", [None, 40, 16], ids=["every-row", "40-pages", "16-pages"])
 @pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
 def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget, pages):
     """A random load (staggered arrivals, short and long prompts, end ids, cancels,
     sampled rows and log-probabilities) over a fake engine: every prefill, decode and
     move the rounds run has a shape `ShapeRules.declared()` lists (what precompile
     compiles), each request gets its tokens, and every row is free at the end. With a
-    pool of 40 pages of 4 slots (fewer than the rows' most), requests wait for pages;
-    after every round no page is held twice or lost, and at the end all are free."""
+    pool of 40 or 16 pages of 4 slots (fewer than the rows' most; 16 holds one request
+    of max_seq_len on one seq device), requests wait for pages and the youngest are
+    preempted and resumed when decode runs out, with the same tokens; after every round
+    no page is held twice or lost, and at the end all are free."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
     sched = Scheduler(
@@ -545,3 +549,34 @@ def test_a_decode_programs_empty_inputs_are_an_empty_books():
         assert jax.tree.structure(book) == jax.tree.structure(empty)
         for a, b in zip(jax.tree.leaves(book), jax.tree.leaves(empty)):
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_when_pages_run_out_the_youngest_is_preempted_and_resumed_with_its_tokens():
+    """Four requests of 40 new tokens over a pool of 16 pages of 4 slots (one such
+    request's most): they start with their prompt's and first chunk's pages, grow as
+    they decode, and when the pages run out the youngest gives its pages back and is
+    prefilled again later from its prompt and tokens so far (its round's plan says so,
+    and survives the trip to the followers as JSON). Every request gets its tokens, in
+    order, none lost or repeated; no page is ever held twice; all are free at the end."""
+    engine = FakeEngine(1, 1, 1, max_seq_len=64, chunk=4)
+    sched = Scheduler(engine, max_batch=4, short_chunk=2, kv_cache_memory_bytes=16)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(4)]
+    handles = [sched.submit(p, Params(40)) for p in prompts]
+    planned, plan = [], sched.planner.plan
+
+    def planning(*args, **kw):
+        round = plan(*args, **kw)
+        assert Round.from_json(round.to_json()) == round
+        planned.append(round.preempts)
+        return round
+
+    sched.planner.plan = planning
+    while not sched.idle:
+        sched.step()
+        _check_pages(sched.book)
+    preempted = [id for p in planned for id in p]
+    assert sched.preemptions == len(preempted) > 0
+    assert handles[0].id not in preempted  # the oldest always keeps its pages
+    for h, p in zip(handles, prompts):
+        assert (h.tokens, h.finish_reason) == (tokens_of(p, 40), "length")
+    assert sched.book.pages.free == 16 and sched.most_running >= 2

@@ -682,28 +682,38 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
 
 
 @pytest.mark.parametrize("S, C", [(1, 1), (2, 2)], ids=["1x1", "2x2"])
-def test_a_pool_of_few_pages_runs_requests_as_pages_free_with_their_tokens(cfg, alone, S, C):
-    """A pool of 3 pages (of 16 slots a device) under 4 rows: requests start as pages
-    free, so fewer run at once than the rows; each gets its tokens alone; after every
-    round no page is held twice, and at the end every page is free. A request the whole
-    pool could not hold is refused, naming the pool and the flag."""
+def test_a_pool_of_few_pages_preempts_and_resumes_with_the_same_tokens(cfg, alone, S, C):
+    """A pool of 4 pages (of 16 slots a device) under 4 rows: requests start when their
+    prompt's and first chunk's pages are free, take pages as decode reaches them, and
+    when those run out the youngest is preempted and prefilled again later from its
+    prompt and tokens so far. Every request, greedy or seeded sampling, gets exactly its
+    tokens alone (its stream has no gap and no repeat); after every round no page is
+    held twice, and at the end every page is free. A request a pool of 3 pages could
+    not hold is refused, naming the pool and the flag."""
     engine = _engine(cfg, S, C)
     page = engine.copies.page_bytes_per_device()
-    sched = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=3 * page + page // 2)
-    assert sched.pages == 3 and sched.kv_bytes_per_device == 3 * page
+    sched = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=4 * page + page // 2)
+    assert sched.pages == 4 and sched.kv_bytes_per_device == 4 * page
     prompts = _prompts(cfg, 6, seed=5)
-    budgets = [12, 20, 6, 16, 9, 3]
-    handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
-    most = 0
+    sampled = Sampling(0.9, 0, 1.0)
+    params = [Params(20), Params(26, sampled, seed=3), Params(6), Params(24), Params(9)]
+    params.append(Params(18, sampled, seed=1, min_tokens=4, eos_ids=(7,)))
+    handles = [sched.submit(p, q) for p, q in zip(prompts, params)]
     while not sched.idle:
         sched.step()
-        most = max(most, len(sched.book.live()))
         held = [int(p) for p in sched.book.table.flat if p < sched.pages]
-        assert len(held) == len(set(held)) and len(held) + sched.book.pages.free == 3
-    assert 1 <= most < 4  # the pages, not the rows, bounded them
-    assert sched.book.pages.free == 3
-    for h, p, n in zip(handles, prompts, budgets):
-        assert h.tokens == alone(p, Params(n))
+        assert len(held) == len(set(held)) and len(held) + sched.book.pages.free == 4
+    assert sched.preemptions > 0 and sched.most_running >= 2
+    assert sched.book.pages.free == 4
+    roomy = Scheduler(engine, max_batch=4)  # every row's most: no request waits for pages
+    unpressured = [roomy.submit(p, q) for p, q in zip(prompts, params)]
+    roomy.run()
+    assert roomy.preemptions == 0
+    for h, u, p, q in zip(handles, unpressured, prompts, params):
+        assert h.tokens == u.tokens and h.finish_reason == u.finish_reason
+        if q.min_tokens == 0:
+            assert h.tokens == alone(p, q)
     if C == 1:  # 39 tokens and 24 new: 63 slots, 4 pages
+        small = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=3 * page)
         with pytest.raises(RequestError, match=r"the pool holds 48 \(3 pages of 16\).*kv_cache"):
-            sched.submit(list(range(1, 40)), Params(24))
+            small.submit(list(range(1, 40)), Params(24))
