@@ -681,16 +681,16 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
             assert h.tokens == alone(p, q)
 
 
-@pytest.mark.parametrize("S, C", [(1, 1), (2, 2)], ids=["1x1", "2x2"])
-def test_a_pool_of_few_pages_preempts_and_resumes_with_the_same_tokens(cfg, alone, S, C):
-    """A pool of 4 pages (of 16 slots a device) under 4 rows: requests start when their
+def test_a_pool_of_few_pages_preempts_and_resumes_with_the_same_tokens(cfg, alone):
+    """A pool of 4 pages (of 16 slots a seq device) under 4 rows: requests start when their
     prompt's and first chunk's pages are free, take pages as decode reaches them, and
     when those run out the youngest is preempted and prefilled again later from its
     prompt and tokens so far. Every request, greedy or seeded sampling, gets exactly its
     tokens alone (its stream has no gap and no repeat); after every round no page is
-    held twice, and at the end every page is free. A request a pool of 3 pages could
-    not hold is refused, naming the pool and the flag."""
-    engine = _engine(cfg, S, C)
+    held twice, and at the end every page is free. A request a pool of 1 page could
+    not hold is refused, naming the pool and the flag. On 2x2: stages, and seq devices
+    each holding its share of a request's slots in the same pages."""
+    engine = _engine(cfg, 2, 2)
     page = engine.copies.page_bytes_per_device()
     sched = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=4 * page + page // 2)
     assert sched.pages == 4 and sched.kv_bytes_per_device == 4 * page
@@ -713,7 +713,9 @@ def test_a_pool_of_few_pages_preempts_and_resumes_with_the_same_tokens(cfg, alon
         assert h.tokens == u.tokens and h.finish_reason == u.finish_reason
         if q.min_tokens == 0:
             assert h.tokens == alone(p, q)
-    if C == 1:  # 39 tokens and 24 new: 63 slots, 4 pages
-        small = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=3 * page)
-        with pytest.raises(RequestError, match=r"the pool holds 48 \(3 pages of 16\).*kv_cache"):
-            small.submit(list(range(1, 40)), Params(24))
+    # 30 tokens and 20 new: 16 + 10 slots a device, 2 pages
+    small = Scheduler(engine, max_batch=4, kv_cache_memory_bytes=page)
+    with pytest.raises(
+        RequestError, match=r"need 52 tokens.*pool holds 32 \(1 pages of 32\).*kv_cache"
+    ):
+        small.submit(list(range(1, 31)), Params(20))
