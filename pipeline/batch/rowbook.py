@@ -4,8 +4,8 @@ The decode batch is B rows in round-robin groups. A row holds one request: its t
 so far, the local cache slots its prompt took, (in `slot_pos`) the position each of its
 cache slots holds, and (in `table`) the pages of the KV pool those slots live in
 (`ring.pages`; the free ones in `pages`). A row holds no page until a request starts
-in it, then the pages of every slot the request may reach (its prompt's and its
-budget's), until it ends. A long prompt being prefilled a chunk a round holds a row too
+in it, then its prompt's pages, and more as its decode steps reach them, until it ends
+(or is preempted). A long prompt being prefilled a chunk a round holds a row too
 (`chunking`) until its last chunk. The methods below are the only writers of this
 state; the planner reads it, the executor writes it through them, and every process
 of a job applies the same writes in the same order.
@@ -142,25 +142,31 @@ class RowBook:
         C = self.slot_pos.shape[1]
         return prompt_slots + -(-max(steps, 0) // C)
 
-    def decode_pages(self, b: int, ahead: int) -> int:
-        """The pages row b lacks for `ahead` more decode steps (within its budget: the
-        last new token writes none)."""
+    def ahead_slots(self, b: int, ahead: int) -> int:
+        """The local slots row b holds after `ahead` more decode steps (within its
+        budget: the last new token writes none; decode step j feeds token j)."""
         row = self.rows[b]
-        done = len(row.generated) - 1  # decode step j feeds token j
-        steps = min(done + ahead, row.request.params.max_new_tokens - 1)
-        return max(0, self.pages_for(self.decode_slots(row.prompt_slots, steps)) - self.held(b))
+        steps = min(len(row.generated) - 1 + ahead, row.request.params.max_new_tokens - 1)
+        return self.decode_slots(row.prompt_slots, steps)
+
+    def decode_pages(self, b: int, ahead: int) -> int:
+        """The pages row b lacks for `ahead` more decode steps."""
+        return max(0, self.pages_for(self.ahead_slots(b, ahead)) - self.held(b))
 
     def grow_ahead(self, b: int, ahead: int) -> None:
         """Row b takes the pages `decode_pages` says it lacks."""
-        row = self.rows[b]
-        steps = min(len(row.generated) - 1 + ahead, row.request.params.max_new_tokens - 1)
-        self.grow(b, self.decode_slots(row.prompt_slots, steps))
+        self.grow(b, self.ahead_slots(b, ahead))
 
     def slot_pages(self, table: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
         """(pages, offsets) of local slots `slots` [m] of a row with pages `table` [n]
         (`ring.pages`), for the copies that address slots on the host."""
         slots = np.asarray(slots)
         return table[slots // self.block_size], slots % self.block_size
+
+    def block_pages(self, table: np.ndarray, j: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """`slot_pages` of prompt block j, local slots [j m, (j + 1) m) (a prefix-cache
+        block of m local slots, in a prompt's block layout)."""
+        return self.slot_pages(table, j * m + np.arange(m))
 
     # ---- writing -----------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class PrefillShape:
         (`settings`, a `pipeline.runtime.shapes.RoundSettings`: their cp strategy and
         layout) and its helpers (`Engine.compile_prefill`)."""
         program = dataclasses.replace(self, cp=settings.cp(self), block=settings.block)
-        engine.compile_prefill(program, settings.cache_rows, settings.pages, announce)
+        engine.compile_prefill(program, settings.pages, announce)
 
 
 class PrefillInputs(NamedTuple):

@@ -373,13 +373,13 @@ class Engine:
     # ---- compiling ahead: what a server compiles at start -----------------------------
 
     def compile_prefill(
-        self, shape: PrefillShape, cache_rows: int, pages: int | None, announce: bool = True
+        self, shape: PrefillShape, pages: int | None, announce: bool = True
     ) -> None:
         """Compiles, where not compiled yet, all that `prefill` runs for `shape` (its cp
         strategy and layout included): the prefill program into a pool of `pages` pages
         (None: a new cache of its own rows, whose zeros compile too), the first tokens'
-        sampling (greedy and sampled) and log-probabilities. cache_rows: unused (the
-        rows a prefill's cache lists are its batch's). Nothing runs (compiling is local
+        sampling (greedy and sampled) and log-probabilities (the rows a prefill's cache
+        lists are its batch's). Nothing runs (compiling is local
         to this process: no collective, so a background thread may compile while rounds
         run). announce=False: no on_compile for the program."""
         shape = dataclasses.replace(shape, pooled=self.pooling)

@@ -36,7 +36,8 @@ class Executor:
     """Runs rounds on `engine` for the rows of `book`, timing its programs on `clock`
     and counting decode work in `accounting`.
 
-    cache: the KV pool of the book's pages (`Copies.empty_cache`). prefix, pool: the prefix cache's book and blocks
+    cache: the KV pool of the book's pages (`Copies.empty_cache`). prefix, pool: the
+    prefix cache's book and blocks
     (`pipeline.batch.prefix`), None without one; block_layout: the block prompts are laid out
     by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
     constraint (`pipeline.structured.constraints`), None when none can have one.
@@ -62,12 +63,10 @@ class Executor:
         self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
         self.grammars = RowGrammars(grammars, clock, accounting) if grammars else None
         self.speculator = speculator
-        self._chunk_prompt: list[Logprob] = []
+        self._chunk_prompt: list[Logprob] = []  # its prompt log-probabilities, if asked
         # Requests preempted this round, oldest first, for the scheduler to queue first.
         self.resumed: list[Request] = []
-        self.preemptions = (
-            0  # requests preempted in all  # their prompt log-probabilities, if asked
-        )
+        self.preemptions = 0  # requests preempted in all
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
         # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
         self.logits = None
@@ -226,10 +225,7 @@ class Executor:
         held.cached_tokens = done
         book.grow(chunk.row, done // eng.C)
         m = block // eng.C  # a block's local slots
-        at = [
-            book.slot_pages(book.table[chunk.row], j * m + np.arange(m))
-            for j in range(len(chunk.cached))
-        ]
+        at = [book.block_pages(book.table[chunk.row], j, m) for j in range(len(chunk.cached))]
         self.cache = eng.copies.load_blocks(self.cache, self.pool, chunk.cached, at)
         self._count(chunk.request, chunk.cached)
         return held
@@ -241,7 +237,7 @@ class Executor:
         book = self.book
         if at is None:
             m = self.prefix.block // self.engine.C
-            at = [book.slot_pages(book.table[s.row], s.block * m + np.arange(m)) for s in saves]
+            at = [book.block_pages(book.table[s.row], s.block, m) for s in saves]
         self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, at)
         for save in saves:
             self.prefix.store(save)

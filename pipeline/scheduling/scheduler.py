@@ -160,8 +160,9 @@ class Scheduler:
             self.pages = kv_cache_memory_bytes // page_bytes
             if self.pages < 1:
                 raise RequestError(
-                    f"$kv_cache_memory_bytes {kv_cache_memory_bytes} holds no page of KV cache ({page_bytes} "
-                    f"bytes a device for {engine.block_size * engine.C} tokens): raise it",
+                    f"$kv_cache_memory_bytes {kv_cache_memory_bytes} holds no page of KV "
+                    f"cache ({page_bytes} bytes a device for {engine.block_size * engine.C} "
+                    "tokens): raise it",
                     "kv_cache_memory_bytes",
                 )
         self.book = RowBook(
@@ -283,15 +284,14 @@ class Scheduler:
             f"KV cache: {self.pages} pages of {eng.block_size * eng.C} tokens, "
             f"{self.kv_tokens:,} tokens ({self.kv_bytes_per_device / 2**30:.2f} GiB a device); "
             f"maximum concurrency for {eng.max_seq_len:,} tokens per request: "
-            f"{self.pages / eng.pages_per_row:.2f}x ({self.B} rows)"
+            f"{self.max_concurrency:.2f}x ({self.B} rows)"
         )
 
+    @property
     def max_concurrency(self) -> float:
         """Requests of max_seq_len tokens the pool holds at once (vLLM's "Maximum
-        concurrency"), at most the rows."""
-        eng = self.engine
-        per_request = eng.pages_per_row  # a max_seq_len request's pages
-        return min(self.B, self.pages / per_request)
+        concurrency"; the rows may allow fewer)."""
+        return self.pages / self.engine.pages_per_row
 
     def precompile(
         self,

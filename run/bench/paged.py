@@ -53,7 +53,7 @@ def paged_job(engines, settings: dict, say) -> dict:
         kv_tokens=sched.kv_tokens,
         kv_bytes_per_device=sched.kv_bytes_per_device,
         max_model_len=engine.max_seq_len,
-        max_concurrency=sched.pages / engine.pages_per_row,
+        max_concurrency=sched.max_concurrency,
         requests=len(requests),
         speedup_vs_2_rows=many["output_tokens_per_s"] / two["output_tokens_per_s"],
         same_tokens=tokens[flight] == tokens[2],
