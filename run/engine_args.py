@@ -79,7 +79,6 @@ class EngineArgs:
     prefill_tokens: int = 4096
     max_queue: int = 256
     enable_prefix_caching: bool | None = None
-    prefix_cache_mib: float | None = None
     speculative_config: str | dict | None = None  # JSON text or a mapping
     structured_outputs_config: str | dict | None = None  # JSON text or a mapping
     runner: str = "auto"
@@ -271,13 +270,6 @@ class EngineArgs:
             raise CLIError(
                 "--hf-overrides ask for a reranker, which the pooling runner serves: "
                 "--runner pooling (or auto)"
-            )
-        if self.prefix_cache_mib is not None and not self.prefix_cache_mib >= 0:
-            raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib} must be >= 0 (0: no cache)")
-        if self.enable_prefix_caching is False and self.prefix_cache_mib:
-            raise CLIError(
-                f"--no-enable-prefix-caching and --prefix-cache-mib {self.prefix_cache_mib} "
-                "disagree: give one"
             )
         from qwen3_spmd.pipeline.speculative.config import SpeculativeConfig, SpeculativeConfigError
 
@@ -485,10 +477,10 @@ class EngineArgs:
             block_size=self.block_size,
         )
 
-    def scheduler(self, engine, many: bool = False, decisions=None, speculator=None, **door):
+    def scheduler(self, engine, decisions=None, speculator=None, **door):
         """The continuous-batching Scheduler over `engine` with these settings, speculating
-        with `speculator` (`pipeline.scheduling.build.scheduler`; many: several
-        processes; door: what a door adds that is not a setting)."""
+        with `speculator` (`pipeline.scheduling.build.scheduler`; decisions: how several
+        processes share each round; door: what a door adds that is not a setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling import build
 
@@ -496,8 +488,7 @@ class EngineArgs:
             return build.scheduler(
                 engine,
                 self.max_batch,
-                self.prefix_pool(),
-                many=many,
+                self.enable_prefix_caching,
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
                 decisions=decisions,
@@ -505,27 +496,15 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_bytes(),
                 **door,
             )
-        except RequestError as e:  # a --prefix-cache-mib under one block, a pool under a page
-            if e.param == "kv_cache_memory_bytes":
-                raise CLIError(
-                    f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}: {e}"
-                ) from None
-            if e.param != "prefix_cache_bytes":
+        except RequestError as e:  # a pool under a page
+            if e.param != "kv_cache_memory_bytes":
                 raise
-            raise CLIError(f"--prefix-cache-mib {self.prefix_cache_mib}: {e}") from None
+            raise CLIError(f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}: {e}") from None
 
     def kv_cache_bytes(self) -> int | None:
         """--kv-cache-memory-bytes as a count (None: every row's most)."""
         given = self.kv_cache_memory_bytes
         return None if given is None else byte_count(given, "--kv-cache-memory-bytes")
-
-    def prefix_pool(self):
-        """The prefix cache's pool as these settings ask it
-        (`pipeline.scheduling.build.PrefixPool`)."""
-        from qwen3_spmd.pipeline.scheduling.build import PrefixPool
-
-        mib = self.prefix_cache_mib
-        return PrefixPool(self.enable_prefix_caching, None if mib is None else int(mib * 2**20))
 
     def build(self, mesh=None) -> Built:
         """Everything at once, in one process: started, the model opened, its weights on
@@ -616,13 +595,7 @@ def _add_scheduler_args(parser, d: EngineArgs) -> None:
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        help="the prefix cache on or off (default: on with one seq device, off with several)",
-    )
-    parser.add_argument(
-        "--prefix-cache-mib",
-        type=float,
-        help="MiB of each device for the prefix cache's pool of prompt blocks, whose K/V a "
-        "later prompt that begins alike copies instead of computing; 0 turns it off "
-        "(default: half the device memory free after weights and rows on one process with "
-        "a GPU, else as much as the rows' own KV cache; none with several seq devices)",
+        help="the prefix cache on or off: the KV pages of requests' whole blocks stay "
+        "named, and a later prompt that begins alike shares them instead of computing "
+        "(default: on with one seq device, off with several)",
     )

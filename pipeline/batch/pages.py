@@ -1,41 +1,76 @@
-"""The page book: which pages of the KV pool are free.
+"""The page book: which pages of the KV pool are free, and how many rows hold each.
 
 The pool is `pages` pages on every device (`ring.pages`); a row's block table names
-the ones it holds. Pages are handed out lowest first and taken back in any order, so
-every process of a job that applies the same takes and gives holds the same table.
+the ones it holds. A page is held by one row, or (a prefix cache's block,
+`pipeline.batch.prefix`) by several that read it; when no row holds it any more it is
+free, unless the prefix cache keeps it, in which case it stays as it is until a row
+needs a page and none is free (then the cache gives up its least recently used block).
+Pages are handed out lowest first and taken back in any order, so every process of a
+job that applies the same takes and gives holds the same tables.
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from qwen3_spmd.pipeline.batch.prefix import PrefixBook
 
 
 class PageBook:
-    """`pages` pages, all free at first."""
+    """`pages` pages, all free at first. cache: the prefix cache that keeps pages no
+    row holds (`PrefixBook` sets it), None without one."""
 
     def __init__(self, pages: int):
         self.pages = pages
-        self._free = list(range(pages))  # a heap
+        self.refs = np.zeros(pages, np.int32)  # [pages] rows that hold each page
+        self._free = list(range(pages))  # a heap: pages no row holds nor the cache keeps
+        self.cache: PrefixBook | None = None
 
     @property
     def free(self) -> int:
-        """Pages no row holds."""
-        return len(self._free)
+        """Pages a row can take: free ones, and those the prefix cache keeps for no row
+        (it gives them up when asked)."""
+        return len(self._free) + (self.cache.idle_pages if self.cache is not None else 0)
 
     @property
     def used(self) -> int:
-        return self.pages - len(self._free)
+        """Pages some row holds."""
+        return self.pages - self.free
 
     def take(self, n: int) -> list[int]:
-        """n free pages, lowest first; a ValueError if fewer are free (the planner
-        admits by free pages, so it never asks for more)."""
-        if n > len(self._free):
-            raise ValueError(f"{n} pages asked for, {len(self._free)} of {self.pages} free")
-        return [heapq.heappop(self._free) for _ in range(n)]
+        """n pages for one row, lowest free first, then the prefix cache's least recently
+        used; a ValueError if fewer are there (the planner admits by free pages, so it
+        never asks for more)."""
+        if n > self.free:
+            raise ValueError(f"{n} pages asked for, {self.free} of {self.pages} free")
+        while len(self._free) < n:
+            for p in self.cache.evict():
+                heapq.heappush(self._free, p)
+        taken = [heapq.heappop(self._free) for _ in range(n)]
+        self.refs[taken] = 1
+        return taken
+
+    def share(self, pages) -> None:
+        """A row holds `pages` too (the prefix cache's, which keeps them)."""
+        for p in pages:
+            if self.refs[p] == 0:
+                self.cache.busy(int(p))
+            self.refs[p] += 1
 
     def give(self, pages) -> None:
-        """Pages a row held, free again."""
-        for p in pages:
-            if not 0 <= p < self.pages:
-                raise ValueError(f"page {p} is not one of the pool's {self.pages}")
-            heapq.heappush(self._free, int(p))
+        """A row lets `pages` go (in its table's order): a page no row holds any more is
+        free, or kept by the prefix cache, the later pages first in its eviction order."""
+        for p in reversed(list(pages)):
+            if not 0 <= p < self.pages or self.refs[p] < 1:
+                raise ValueError(f"page {p} is not one of the pool's {self.pages} held")
+            self.refs[p] -= 1
+            if self.refs[p]:
+                continue
+            if self.cache is not None and self.cache.keeps(int(p)):
+                self.cache.idle(int(p))
+            else:
+                heapq.heappush(self._free, int(p))

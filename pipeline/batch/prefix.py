@@ -1,50 +1,55 @@
-"""Automatic prefix caching: prompt blocks whose K/V a later prompt copies instead of
-computing.
+"""Automatic prefix caching: the pages of prompt blocks a later prompt reads instead of
+computing them.
 
 Chat traffic repeats itself (a system prompt, tool definitions, the turns before), so
-the scheduler keeps a pool of prompt blocks in device memory and a prompt that begins
-with blocks in the pool prefills only the rest, as a long prompt's later chunks do
-(`ring.context_attention` reads the copied blocks from the row's cache).
+the K/V pages a request wrote for its tokens' whole blocks stay named in the KV pool
+after it ends, and a prompt that begins with named blocks puts those pages in its own
+block table (shared by reference: no K/V is copied) and prefills only the rest, as a
+long prompt's later chunks do (`ring.context_attention` reads the shared pages).
 
-    block   `block` prompt tokens (a multiple of 2C that divides the scheduler's chunk).
-            With the cache on every prompt is laid out block by block
-            (`ring.zigzag_blocks`), so block j of any prompt sits at the same local
-            slots of every `seq` device, [j*n, (j+1)*n) with n = block / C, and its K/V
-            is the same wherever the same tokens come first.
+    block   `block` tokens, one page's (C x block_size tokens), or two where a page's
+            are not a multiple of 2C. With the cache on every prompt is laid out block
+            by block (`ring.zigzag_blocks`), so block j of any prompt sits at the same
+            local slots of every `seq` device, [j*n, (j+1)*n) with n = block / C: the
+            pages of table entries [j*n/bs, (j+1)*n/bs), the same K/V wherever the same
+            tokens come first.
     name    a hash chain: block j's name hashes block j-1's name and block j's tokens,
             so equal names mean equal tokens from position 0 on, hence equal K/V.
-    pool    k and v [L_pad, slots, K', C*n, H], sharded as the cache (each stage its
-            layers, each `seq` device its n slots of every block, each `tensor`
-            device its heads): a copy between a row and the pool moves no byte
-            between devices (`pipeline.runtime.copies`).
-    book    `PrefixBook`, on the host: which name each pool slot holds and when it was
-            last used. The planner reads it (the longest cached run of a prompt's
-            blocks; the slots new blocks go to, free ones first, then the least
-            recently used); the executor is its only writer, in the round's order, on
-            every process alike (the pool's decisions travel in the `Round`).
+    book    `PrefixBook`, on the host: which pages hold each named block, and which
+            blocks no row holds (evictable, least recently let go first). The page book
+            (`pipeline.batch.pages`) counts them free; it evicts them only when a row
+            needs a page and no other is free. The planner reads the book (the longest
+            named run of a prompt's blocks); the row book names blocks and the page
+            book evicts them, in the round's order, on every process alike.
 
-A prompt's last token is always computed (its logits give the first token), so a hit
-covers at most (len - 1) // block blocks. A prompt's blocks are saved right after its
-prefill, from the row it went into. When a request ends, the blocks of its prompt and
-generated tokens together (those whose K/V its row holds: all but the last token) are
-saved the next round, before anything writes to its row, so a conversation's next turn
-(the prompt, the reply, a new user turn) hits the reply's blocks too. That needs one
-`seq` device: with several, generated tokens sit round-robin over the devices
-(`ring.decode_slot`), not in a block's layout, and only prompt blocks are saved. The
-generated tokens' K/V were computed by decode steps, not by a prefill, so a turn that
-hits them differs from one that computes them by float rounding only, as two mesh
-shapes do.
+A request writes only pages it owns: a named block is whole (its tokens all before
+the request's next slot), and a hit's prompt computes from its first unnamed block
+on, into pages of its own. A prompt's last token is always computed (its logits give
+the first token), so a hit covers at most (len - 1) // block blocks. A row names its
+whole blocks as its prefill writes them, and when it lets its pages go (it ended, was
+cancelled or preempted) the blocks of its prompt and generated tokens together (those
+whose K/V it holds: all but the last token), so a conversation's next turn (the
+prompt, the reply, a new user turn) hits the reply's blocks too, and a preempted
+request its own. Generated tokens sit in a block's layout with one `seq` device only
+(decode continues right after the prompt); with several they sit round-robin over the
+devices (`ring.decode_slot`) and only prompt blocks are named. The generated tokens'
+K/V were computed by decode steps, not by a prefill, so a turn that hits them differs
+from one that computes them by float rounding only, as two mesh shapes do.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import functools
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qwen3_spmd.ring import zigzag_blocks
+
+if TYPE_CHECKING:
+    from qwen3_spmd.pipeline.batch.pages import PageBook
 
 ROOT = b"qwen3-spmd prefix"
 
@@ -78,126 +83,96 @@ def block_slot_pos(blocks: int, block: int, C: int, slots: int) -> np.ndarray:
     return slot_pos
 
 
-@dataclasses.dataclass(frozen=True)
-class Save:
-    """Block `block` of the tokens in row `row` (a prompt just prefilled, or a request
-    that ended: `Round`) goes into pool slot `slot`, as `name`."""
-
-    row: int
-    block: int
-    slot: int
-    name: str
+def prefix_block(C: int, block_size: int) -> int:
+    """The prefix cache's block in tokens on C seq devices with pages of `block_size`
+    local slots: a page's C x block_size tokens, or two pages' where that is not a
+    multiple of 2C (a block's zigzag layout splits it into 2C parts)."""
+    page = C * block_size
+    return page if page % (2 * C) == 0 else 2 * page
 
 
 class PrefixBook:
-    """The pool's index: which block name each of `slots` slots holds, and the round
-    each was last used in. Counts, for /metrics: prompt tokens looked up (`queries`),
-    those found (`hits`), blocks evicted."""
+    """The named blocks of the page book `pages`, each `block` tokens in `m` pages.
+    Counts, for /metrics: prompt tokens looked up (`queries`), those found (`hits`),
+    blocks evicted."""
 
-    def __init__(self, slots: int, block: int):
-        self.slots, self.block = slots, block
+    def __init__(self, pages: PageBook, block: int, m: int):
+        self.book, self.block, self.m = pages, block, m
+        pages.cache = self
         # A waiting prompt is looked up every round until admitted, then its blocks are
-        # named again for the saves: hash each prompt once. As many as the server's
-        # default queue (256) and as many again, not every prompt ever seen (it holds them).
+        # named again as its row keeps them: hash each prompt once. As many as the
+        # server's default queue (256) and as many again, not every prompt ever seen.
         self.names = functools.lru_cache(maxsize=512)(lambda prompt: block_names(prompt, block))
-        self.where: dict[str, int] = {}  # block name -> slot
-        self.held: list[tuple[str, int] | None] = [None] * slots  # (name, block index)
-        self.used = [0] * slots
-        self.clock = 0
+        self.where: dict[str, tuple[int, ...]] = {}  # block name -> its pages
+        self.name_of: dict[int, str] = {}  # page -> the block it is part of
+        # The blocks no row holds, least recently let go first (a request's later
+        # blocks before its earlier ones, which the later need).
+        self._idle: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.queries = self.hits = self.evictions = 0
 
     # ---- reading (the planner) ---------------------------------------------------
 
-    def lookup(self, prompt) -> tuple[int, ...]:
-        """The slots of the longest run of the prompt's first blocks in the pool (at
-        most `hit_blocks`), in block order."""
+    def lookup(self, prompt) -> list[tuple[int, ...]]:
+        """The pages of the longest run of the prompt's first blocks the book names (at
+        most `hit_blocks`), block by block."""
         found = []
         for name in self.names(tuple(prompt))[: hit_blocks(len(prompt), self.block)]:
-            slot = self.where.get(name)
-            if slot is None:
+            pages = self.where.get(name)
+            if pages is None:
                 break
-            found.append(slot)
-        return tuple(found)
+            found.append(pages)
+        return found
 
-    def victims(self, n: int, keep: set[int]) -> list[int]:
-        """Up to n slots for new blocks: empty ones first, then the least recently used
-        (the later block of a prompt before its earlier ones, which the later need),
-        none of `keep`."""
-        order = sorted(
-            (s for s in range(self.slots) if s not in keep),
-            key=lambda s: (self.held[s] is not None, self.used[s], -(self.held[s] or ("", 0))[1]),
-        )
-        return order[:n]
+    def idle_of(self, blocks) -> int:
+        """Pages of `blocks` (lists of pages, `lookup`'s) that no row holds: a row that
+        shares them takes them out of the free count."""
+        return sum(len(pages) for pages in blocks if self.name_of[pages[0]] in self._idle)
+
+    @property
+    def idle_pages(self) -> int:
+        """Pages the book keeps for no row."""
+        return len(self._idle) * self.m
 
     @property
     def blocks_held(self) -> int:
         return len(self.where)
 
-    def after(self, saves) -> PrefixBook:
-        """What the book will say once `saves` run at the start of the next round (the
-        planner's view of a round that saves before it reads)."""
-        view = PrefixBook.__new__(PrefixBook)
-        view.__dict__.update(self.__dict__)
-        view.where, view.held, view.used = dict(self.where), list(self.held), list(self.used)
-        view.clock = self.clock + 1
-        for save in saves:
-            view._put(save)
-        return view
+    def keeps(self, page: int) -> bool:
+        return page in self.name_of
 
-    # ---- writing (the executor, in the round's order) ----------------------------
+    # ---- writing (the row book and the page book, in the round's order) ----------
 
-    def tick(self) -> None:
-        """A round begins: what it uses is more recent than anything before."""
-        self.clock += 1
+    def name(self, name: str, pages: tuple[int, ...]) -> None:
+        """A row's `pages` hold block `name` (whole): later prompts may share them. A
+        name the book has already, or pages of another name, stay as they are."""
+        if name in self.where or any(p in self.name_of for p in pages):
+            return
+        self.where[name] = pages
+        self.name_of.update((p, name) for p in pages)
 
-    def use(self, slots, prompt_tokens: int) -> None:
-        """A request of `prompt_tokens` tokens was admitted, its first blocks read from
-        `slots`."""
-        for s in slots:
-            self.used[s] = self.clock
+    def idle(self, page: int) -> None:
+        """No row holds `page` any more: its block, once no row holds any of its pages,
+        is the most recently let go."""
+        name = self.name_of[page]
+        if not self.book.refs[list(self.where[name])].any():
+            self._idle[name] = None
+            self._idle.move_to_end(name)
+
+    def busy(self, page: int) -> None:
+        """A row shares `page`: its block is not evictable while it does."""
+        self._idle.pop(self.name_of[page], None)
+
+    def evict(self) -> tuple[int, ...]:
+        """The least recently let go block is forgotten: its pages (free now)."""
+        name, _ = self._idle.popitem(last=False)
+        pages = self.where.pop(name)
+        for p in pages:
+            del self.name_of[p]
+        self.evictions += 1
+        return pages
+
+    def use(self, blocks: int, prompt_tokens: int) -> None:
+        """A prompt of `prompt_tokens` tokens starts its prefill, its first `blocks`
+        blocks shared."""
         self.queries += prompt_tokens
-        self.hits += len(slots) * self.block
-
-    def store(self, save: Save) -> None:
-        """`save` ran: its slot holds its block now (evicting what it held)."""
-        self.evictions += self.held[save.slot] is not None
-        self._put(save)
-
-    def _put(self, save: Save) -> None:
-        old = self.held[save.slot]
-        if old is not None:
-            del self.where[old[0]]
-        self.held[save.slot] = (save.name, save.block)
-        self.where[save.name] = save.slot
-        self.used[save.slot] = self.clock
-
-
-def plan_saves(book: PrefixBook, admitted: list[tuple[int, tuple[int, ...]]], keep: set[int]):
-    """The saves of (row, tokens) sequences (prompts just prefilled, or the tokens of
-    requests that ended), in order: each one's whole blocks not in the pool (nor saved
-    earlier this round), into the slots `PrefixBook.victims` gives, none of `keep` (the
-    round's hits) nor of the blocks those sequences already have in the pool. Earlier
-    blocks first: a later block is found only after the ones before it."""
-    wanted, seen, keep = [], set(book.where), set(keep)
-    for row, tokens in admitted:
-        for j, name in enumerate(book.names(tuple(tokens))):
-            if name in book.where:  # the earlier blocks a new one needs stay
-                keep.add(book.where[name])
-            elif name not in seen:
-                seen.add(name)
-                wanted.append((row, j, name))
-    slots = book.victims(len(wanted), keep)
-    return tuple(Save(row, j, slot, name) for (row, j, name), slot in zip(wanted, slots))
-
-
-def block_slots(slot_pos: np.ndarray, block: int, blocks: int) -> np.ndarray:
-    """[blocks, block] the cache slots of a row on one `seq` device that hold the
-    positions of its first `blocks` blocks, in position order. slot_pos: [S_loc] the
-    position each slot holds (-1: none), as `RowBook` lists them; every position of
-    those blocks must be held."""
-    slot_of = np.full(blocks * block, -1, np.int64)
-    held = (slot_pos >= 0) & (slot_pos < blocks * block)
-    slot_of[slot_pos[held]] = np.flatnonzero(held)
-    if (slot_of < 0).any():
-        raise ValueError("a block's position is in no slot of the row")
-    return slot_of.reshape(blocks, block).astype(np.int32)
+        self.hits += blocks * self.block

@@ -5,7 +5,8 @@ so far, the local cache slots its prompt took, (in `slot_pos`) the position each
 cache slots holds, and (in `table`) the pages of the KV pool those slots live in
 (`ring.pages`; the free ones in `pages`). A row holds no page until a request starts
 in it, then its prompt's pages, and more as its decode steps reach them, until it ends
-(or is preempted). A long prompt being prefilled a chunk a round holds a row too
+(or is preempted); with a prefix cache a row's first pages may be shared with other
+rows (a hit), and its whole blocks are named for later prompts (`pipeline.batch.prefix`). A long prompt being prefilled a chunk a round holds a row too
 (`chunking`) until its last chunk. The methods below are the only writers of this
 state; the planner reads it, the executor writes it through them, and every process
 of a job applies the same writes in the same order.
@@ -19,6 +20,7 @@ import numpy as np
 
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
 from qwen3_spmd.pipeline.batch.pages import PageBook
+from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_slot_pos, prefix_block
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
@@ -48,26 +50,13 @@ class Row:
 
     request: Request
     generated: list[int]  # every token so far (token 0 came from the prefill)
-    prompt_slots: int  # local cache slots its prompt took (P_pad / C of its admission)
+    prompt_slots: int  # local slots before its first decode step's (`RowBook.start`)
     pace: object | None = None  # how far it drafts (pipeline.speculative.policy.Pace)
 
     @property
     def steps_left(self) -> int:
         """Decode steps it may still run (each gives one token)."""
         return self.request.params.max_new_tokens - len(self.generated)
-
-
-@dataclasses.dataclass(frozen=True)
-class Ended:
-    """A request that ended in decode row `row` last round: the tokens whose K/V the row
-    held (its prompt and generated tokens but the last), the position each of the row's
-    slots held (slot_pos [C, S_loc]) and its pages (table [n]), freed but not written
-    until the next round's saves have read them."""
-
-    row: int
-    tokens: tuple[int, ...]
-    slot_pos: np.ndarray
-    table: np.ndarray
 
 
 @dataclasses.dataclass
@@ -86,7 +75,8 @@ class Chunking:
 class RowBook:
     """B rows of a decode batch in `groups` groups, on C seq devices of `slots` local
     cache slots each, in pages of `block_size` slots (default: one page a row) from a
-    pool of `pages` (default: every row's most)."""
+    pool of `pages` (default: every row's most); prefix: a prefix cache over the pool's
+    pages (`prefix_block`'s blocks), in `self.prefix`."""
 
     def __init__(
         self,
@@ -96,6 +86,7 @@ class RowBook:
         slots: int,
         block_size: int | None = None,
         pages: int | None = None,
+        prefix: bool = False,
     ):
         self.B, self.groups = rows, groups
         self.block_size = block_size or slots
@@ -109,10 +100,10 @@ class RowBook:
         self.slot_pos = np.full((rows, C, slots), -1, np.int32)  # [B, C, S_loc], -1 = empty
         self.lengths = np.zeros(rows, np.int32)  # [B] prompt lengths
         self.chunking: Chunking | None = None
-        self._deferred: list[int] = []  # rows whose pages `free(defer=True)` kept
-        # The requests that ended in a decode chunk since the last round began: the
-        # prefix cache saves their blocks (`Round.ended_saves`) before their rows change.
-        self.ended: list[Ended] = []
+        self.prefix = None
+        if prefix:
+            block = prefix_block(C, self.block_size)
+            self.prefix = PrefixBook(self.pages, block, block // C // self.block_size)
 
     # ---- reading -----------------------------------------------------------------
 
@@ -131,6 +122,11 @@ class RowBook:
     def held(self, b: int) -> int:
         """Pages row b holds."""
         return int((self.table[b] < self.pages.pages).sum())
+
+    def lets_go(self, b: int) -> int:
+        """Pages that are free again when row b lets its pages go: those no other row
+        shares (a page the prefix cache keeps then counts free too)."""
+        return int((self.pages.refs[self.table[b, : self.held(b)]] == 1).sum())
 
     def pages_for(self, slots: int) -> int:
         """Pages that hold a row's first `slots` local slots."""
@@ -170,6 +166,32 @@ class RowBook:
 
     # ---- writing -----------------------------------------------------------------
 
+    def share(self, b: int, blocks) -> None:
+        """Row b, holding no page yet, holds the prefix cache's `blocks` (`lookup`'s
+        lists of pages) as its first pages."""
+        pages = [p for block in blocks for p in block]
+        self.table[b, : len(pages)] = pages
+        self.pages.share(pages)
+
+    def name_blocks(self, table: np.ndarray, tokens, slot_pos: np.ndarray) -> None:
+        """The prefix cache names the whole blocks of `tokens` whose K/V a row with pages
+        `table` [n] holds in a block's layout (slot_pos [C, S_loc]: the position each of
+        its slots holds): a block whose slots hold other positions (a prompt's padding
+        before generated tokens; decode's round-robin over several seq devices) ends
+        the run."""
+        if self.prefix is None:
+            return
+        block, C = self.prefix.block, slot_pos.shape[0]
+        n = block // C  # a block's local slots
+        names = self.prefix.names(tuple(tokens))
+        want = block_slot_pos(len(names), block, C, slot_pos.shape[1])
+        for j, name in enumerate(names):
+            at = slice(j * n, (j + 1) * n)
+            if not np.array_equal(slot_pos[:, at], want[:, at]):
+                break
+            pages = table[j * n // self.block_size : (j + 1) * n // self.block_size]
+            self.prefix.name(name, tuple(int(p) for p in pages))
+
     def grow(self, b: int, slots: int) -> None:
         """Row b holds the pages of its first `slots` local slots (it takes those it
         lacks, lowest first)."""
@@ -193,14 +215,19 @@ class RowBook:
     ) -> Update:
         """Request `request`, prefilled (its first token `token`, its slots' positions
         slot_pos [C, S_loc]), decodes in row b from now on, unless that token ends it
-        (done: its constraint admits nothing more, an end for "stop")."""
-        self.rows[b] = Row(request, [token], prompt_slots)
+        (done: its constraint admits nothing more, an end for "stop"). With one seq
+        device its decode steps write right after its prompt's last token (over the
+        prompt's padding), so its tokens sit in order and its reply's blocks can be
+        named too; with several, after its prompt's `prompt_slots` local slots."""
+        C = self.slot_pos.shape[1]
+        self.rows[b] = Row(request, [token], len(request.prompt) if C == 1 else prompt_slots)
         self.slot_pos[b] = slot_pos
         self.lengths[b] = len(request.prompt)
+        self.name_blocks(self.table[b], request.prompt, slot_pos)
         reason = request.params.finish_reason([token]) or ("stop" if done else None)
         update = Update(request.id, [token], reason)
-        if update.finish_reason:  # its pages wait for the round's saves (`release_ended`)
-            self.free(b, defer=True)
+        if update.finish_reason:
+            self.free(b)
         return update
 
     def extend(self, b: int, tokens, done: bool = False) -> Update:
@@ -217,29 +244,26 @@ class RowBook:
                 break
         reason = reason or ("stop" if done else None)
         if reason:
-            tokens = row.request.prompt + tuple(row.generated[:-1])
-            self.ended.append(Ended(b, tokens, self.slot_pos[b].copy(), self.table[b].copy()))
             self.free(b)
         return Update(row.request.id, got, reason)
 
-    def free(self, b: int, defer: bool = False) -> None:
-        """Row b holds no request: it writes nothing from now on, its pages are free
-        (defer: once `release_ended` runs, after the round's prefix-cache saves have
-        read them), and the slot positions of its last request are cleared, so a later
-        request in the row sees none."""
+    def free(self, b: int) -> None:
+        """Row b holds no request (it ended, was cancelled or preempted): it writes
+        nothing from now on, the prefix cache names the blocks of its tokens with K/V
+        (its prompt and generated tokens but the last), its pages are let go, and the
+        slot positions of its last request are cleared, so a later request in the row
+        sees none."""
+        row = self.rows[b]
+        if row is not None:
+            tokens = row.request.prompt + tuple(row.generated[:-1])
+            self.name_blocks(self.table[b], tokens, self.slot_pos[b])
+        self._clear(b)
+        self.release(b)
+
+    def _clear(self, b: int) -> None:
         self.rows[b] = None
         self.slot_pos[b] = -1
         self.lengths[b] = 0
-        if defer:  # the row keeps its table until then (no round admits into it meanwhile)
-            self._deferred.append(b)
-        else:
-            self.release(b)
-
-    def release_ended(self) -> None:
-        """The pages of the requests that ended at their prefill this round are free."""
-        for b in self._deferred:
-            self.release(b)
-        self._deferred.clear()
 
     def cancel(self, id: int) -> bool:
         """Ends request `id` where it runs (a row, or the long prompt being chunked);
@@ -260,7 +284,7 @@ class RowBook:
         self.slot_pos[dst] = self.slot_pos[src]
         self.table[dst] = self.table[src]
         self.table[src] = self.pages.pages
-        self.free(src)
+        self._clear(src)
 
     def hold(
         self,
@@ -286,6 +310,7 @@ class RowBook:
             mine = slice(ch.offset, batch.prompt_slots)
             ch.slot_pos[:, mine] = batch.slot_pos[0][:, mine]
         ch.done, ch.offset = end, batch.prompt_slots
+        self.name_blocks(self.table[ch.row], ch.request.prompt[:end], ch.slot_pos)
 
     def chunked_in(self) -> Chunking:
         """The chunking prompt's last chunk ran: it leaves the chunking seat (the caller

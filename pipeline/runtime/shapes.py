@@ -35,15 +35,13 @@ class RoundSettings:
     """What a scheduler's rounds run every shape's program with, beside the shape: a
     cache of `cache_rows` rows on a pool of `pages` pages in `groups` decode groups, prompts laid out by `block`
     (`ShapeRules.layout_block`), each prefill's cp strategy `cp(shape)` (the planner's),
-    the prefix cache's block `pool` (None without one), and the `speculator` whose verify
-    passes they run (None without speculation)."""
+    and the `speculator` whose verify passes they run (None without speculation)."""
 
     cache_rows: int
     groups: int
     pages: int | None = None  # the cache's pool (None: its rows' own pages)
     block: int | None = None
     cp: Callable[[PrefillShape], str] = lambda shape: "ring"
-    pool: Any = None
     speculator: Any = None
 
 
@@ -65,23 +63,9 @@ class MoveShape:
         pass
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class CopyShape:
-    """The prefix cache's block copies: from the rows' pages into the pool ("save"), or
-    from the pool into a chunking row's pages ("load")."""
-
-    direction: str
-
-    def compile(self, engine, settings: RoundSettings, announce: bool = True) -> None:
-        """Compiles the copy of a row's blocks between the pool and the cache's pages."""
-        blocks = engine.slots_per_device * engine.C // settings.pool.k.shape[3]
-        save = self.direction == "save"
-        engine.copies.compile_copy(settings.pool, settings.pages, blocks, into_pool=save)
-
-
 # The shapes a scheduler's rounds run; a speculative pass's VerifyShape
 # (`pipeline.speculative.verify`) compiles alike.
-Shape = PrefillShape | DecodeShape | MoveShape | CopyShape
+Shape = PrefillShape | DecodeShape | MoveShape
 
 # A light load's prompts: at most this many tokens. A few words: each first-set shape
 # costs a 0.6B server about 8 s cold and 2 s warm on 2 CPU cores, so this keeps the
@@ -112,19 +96,13 @@ class DeclaredShapes:
     prefills: tuple[PrefillShape, ...]
     decodes: tuple[DecodeShape, ...]
     moves: tuple[int, ...]  # rows a move copies (padded)
-    copies: tuple[str, ...] = ()  # the prefix cache's block copies ("load", "save")
 
     def __len__(self) -> int:
-        return len(self.prefills) + len(self.decodes) + len(self.moves) + len(self.copies)
+        return len(self.prefills) + len(self.decodes) + len(self.moves)
 
     def shapes(self) -> list[Shape]:
-        """Every shape, moves as MoveShape, copies as CopyShape."""
-        return [
-            *self.prefills,
-            *self.decodes,
-            *map(MoveShape, self.moves),
-            *map(CopyShape, self.copies),
-        ]
+        """Every shape, moves as MoveShape."""
+        return [*self.prefills, *self.decodes, *map(MoveShape, self.moves)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +261,7 @@ class ShapeRules:
             prefills.add(PrefillShape(M, self.chunk_tokens))
             before.append(self.chunk_tokens)
         if self.block is not None and self.max_seq_len - 1 > self.block:
-            before.append(self.block)  # a prefix cache's hit: its copied blocks
+            before.append(self.block)  # a prefix cache's hit: its shared blocks
         if before:
             prefills |= {PrefillShape(M, P, True) for P in last if P <= room - min(before)}
         rows = {self.decode_rows(b) for b in range(self.rows)} if self.decodes else set()
@@ -294,10 +272,7 @@ class ShapeRules:
             for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
             if self.decodes
         }
-        copies = ("load", "save") if self.block is not None else ()
-        return DeclaredShapes(
-            tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)), copies
-        )
+        return DeclaredShapes(tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)))
 
     def decode_row_counts(self) -> list[int]:
         """The row counts a decode chunk (or a verify pass) runs over."""
@@ -322,8 +297,6 @@ class ShapeRules:
             units, tokens, rare = shape.B / self.microbatches, shape.P_pad, shape.with_context
         elif isinstance(shape, DecodeShape):
             units, tokens, rare = shape.rows / self.groups, light, shape.logprobs
-        elif isinstance(shape, CopyShape):  # met once a prompt has a whole block
-            units, tokens, rare = 1, self.block, False
         else:
             units, tokens, rare = shape.rows + 1, light, False
         return math.ceil(units) * max(tokens, light) * (4 if rare else 1)
@@ -344,7 +317,6 @@ class ShapeRules:
         cover: set[Shape] = set(programs.decodes) & {
             DecodeShape(self.rows, True, lp) for lp in (False, True)
         }
-        cover |= set(map(CopyShape, programs.copies))
         for context in (False, True):
             lengths = sorted(
                 s.P_pad

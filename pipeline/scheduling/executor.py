@@ -2,8 +2,8 @@
 
 It owns the device state of continuous batching (the pool of KV pages every row's
 slots live in), runs each part of a `Round` on the `Engine` (prefills into the rows'
-pages, the prefix cache's copies, the decode chunk), and writes the results into the
-row book through its methods (which hand out the pages). It decides nothing: every
+pages, the decode chunk), and writes the results into the row book through its
+methods (which hand out the pages and name the prefix cache's blocks). It decides nothing: every
 process of a job executes the same `Round` alike, and gets the same tokens.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
-from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_slot_pos, block_slots
+from qwen3_spmd.pipeline.batch.prefix import block_slot_pos
 from qwen3_spmd.pipeline.batch.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
 from qwen3_spmd.pipeline.programs.sampling import (
@@ -23,7 +23,6 @@ from qwen3_spmd.pipeline.programs.sampling import (
     TokenLogprobs,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
-from qwen3_spmd.pipeline.runtime.copies import BlockPool
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.runtime.registry import Clock, Stopwatch
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, Chunk, DecodeChunk, Round
@@ -36,10 +35,9 @@ class Executor:
     """Runs rounds on `engine` for the rows of `book`, timing its programs on `clock`
     and counting decode work in `accounting`.
 
-    cache: the KV pool of the book's pages (`Copies.empty_cache`). prefix, pool: the
-    prefix cache's book and blocks
-    (`pipeline.batch.prefix`), None without one; block_layout: the block prompts are laid out
-    by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
+    cache: the KV pool of the book's pages (`Copies.empty_cache`), with the prefix
+    cache's blocks where the book has one (`RowBook.prefix`); block_layout: the block
+    prompts are laid out by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
     constraint (`pipeline.structured.constraints`), None when none can have one.
     speculator: runs the rounds the planner plans as verify passes (None: plain
     decoding only).
@@ -52,15 +50,13 @@ class Executor:
         accounting: Accounting,
         clock: Clock,
         cache: KVCache,
-        prefix: PrefixBook | None = None,
-        pool: BlockPool | None = None,
         block_layout: int | None = None,
         grammars: Grammars | None = None,
         speculator: Speculator | None = None,
     ):
         self.engine, self.book, self.accounting, self.clock = engine, book, accounting, clock
         self.cache = cache
-        self.prefix, self.pool, self.block_layout = prefix, pool, block_layout
+        self.prefix, self.block_layout = book.prefix, block_layout
         self.grammars = RowGrammars(grammars, clock, accounting) if grammars else None
         self.speculator = speculator
         self._chunk_prompt: list[Logprob] = []  # its prompt log-probabilities, if asked
@@ -75,15 +71,6 @@ class Executor:
         """The round's cancellations, long-prompt chunk and admissions: the first tokens
         of the requests prefilled (and the ends of those cancelled in rows)."""
         updates = []
-        if self.prefix is not None:
-            self.prefix.tick()
-        if round.ended_saves:  # before anything writes to the rows they read
-            block, where = self.prefix.block, {}
-            for e in self.book.ended:  # its blocks' slots (one seq device: slot_pos[0])
-                slots = block_slots(e.slot_pos[0], block, len(e.tokens) // block)
-                where[e.row] = [self.book.slot_pages(e.table, at) for at in slots]
-            self._save(round.ended_saves, [where[s.row][s.block] for s in round.ended_saves])
-        self.book.ended.clear()
         for id in round.preempts:  # their pages free for this round's rows to grow into
             self._preempt(id)
         for id in round.cancels:
@@ -99,9 +86,6 @@ class Executor:
             updates += self._chunk(round.chunk)
         for admission in round.admissions:
             updates += self._prefill(admission)
-        if round.saves:  # before any later write to the rows they read
-            self._save(round.saves)
-        self.book.release_ended()
         return self._forget(updates)
 
     def decode(self, round: Round) -> list[Update]:
@@ -157,7 +141,7 @@ class Executor:
             held = self._hit(chunk)
         else:
             held = book.hold(chunk.request, chunk.row)
-            self._count(chunk.request, ())
+            self._count(chunk.request, 0)
         request = held.request
         if chunk.request is not None:  # its first chunk
             self._chunk_prompt = []
@@ -216,34 +200,21 @@ class Executor:
         return [update]
 
     def _hit(self, chunk: Chunk) -> Chunking:
-        """A prompt whose first blocks the prefix cache holds starts chunking past them:
-        its row's first pages hold their K/V, copied from the pool."""
+        """A prompt whose first blocks the prefix cache names starts chunking past them:
+        its row's first pages are theirs, shared."""
         eng, book, block = self.engine, self.book, self.prefix.block
-        done = len(chunk.cached) * block
-        slot_pos = block_slot_pos(len(chunk.cached), block, eng.C, eng.slots_per_device)
+        blocks = self.prefix.lookup(chunk.request.prompt)[: chunk.cached]
+        assert len(blocks) == chunk.cached, "the planner's hit is not in the book"
+        done = chunk.cached * block
+        slot_pos = block_slot_pos(chunk.cached, block, eng.C, eng.slots_per_device)
         held = book.hold(chunk.request, chunk.row, done, done // eng.C, slot_pos)
         held.cached_tokens = done
-        book.grow(chunk.row, done // eng.C)
-        m = block // eng.C  # a block's local slots
-        at = [book.block_pages(book.table[chunk.row], j, m) for j in range(len(chunk.cached))]
-        self.cache = eng.copies.load_blocks(self.cache, self.pool, chunk.cached, at)
+        book.share(chunk.row, blocks)
         self._count(chunk.request, chunk.cached)
         return held
 
-    def _save(self, saves, at=None) -> None:
-        """Runs `saves`: block s.block of row s.row into pool slot s.slot, each block's
-        local slots at[i] = (pages, offsets) (None: a prompt's block layout, block j in
-        the row's local slots [j m, (j + 1) m))."""
-        book = self.book
-        if at is None:
-            m = self.prefix.block // self.engine.C
-            at = [book.block_pages(book.table[s.row], s.block, m) for s in saves]
-        self.pool = self.engine.copies.save_blocks(self.pool, self.cache, saves, at)
-        for save in saves:
-            self.prefix.store(save)
-
-    def _count(self, request: Request, cached: tuple[int, ...]) -> None:
-        """A prompt starts its prefill, its first blocks from `cached` pool slots."""
+    def _count(self, request: Request, cached: int) -> None:
+        """A prompt starts its prefill, its first `cached` blocks shared."""
         if self.prefix is not None:
             self.prefix.use(cached, len(request.prompt))
 
@@ -264,7 +235,7 @@ class Executor:
             targets=targets,
         )
         for r in requests:
-            self._count(r, ())
+            self._count(r, 0)
         if eng.pooling:  # each ends with its hidden state; no row (nor page) is taken
             hidden, _ = eng.pool(batch, admission.cp, self.clock)
             return [Update(r.id, [], "stop", pooled=hidden[i]) for i, r in enumerate(requests)]

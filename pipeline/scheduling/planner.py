@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Iterable
 
 from qwen3_spmd.pipeline.batch.handles import Params, Request
-from qwen3_spmd.pipeline.batch.prefix import PrefixBook, Save, plan_saves
+from qwen3_spmd.pipeline.batch.prefix import PrefixBook
 from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.layout import whole_batch
 from qwen3_spmd.pipeline.programs.sampling import Sampling
@@ -63,8 +63,8 @@ class Chunk:
     end: int
     shape: PrefillShape
     request: Request | None = None
-    cached: tuple[int, ...] = ()  # a first chunk's prefix-cache hit: the pool slots of
-    # its first blocks, in order (its tokens before `start`)
+    cached: int = 0  # a first chunk's prefix-cache hit: its first blocks the cache
+    # names (its tokens before `start`), whose pages its row shares
     cp: str = "ring"  # how its prompt attention splits along seq (Engine.cp_plan's choice)
 
 
@@ -112,9 +112,8 @@ def decode_chunk(
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """Everything one round runs, in this order (ended_saves before anything writes to
-    the rows, saves right after the prefills). close: process 0 has stopped (the
-    followers stop after this)."""
+    """Everything one round runs, in this order (preempts, cancels, chunk, admissions,
+    moves, decode). close: process 0 has stopped (the followers stop after this)."""
 
     cancels: tuple[int, ...] = ()  # request ids
     chunk: Chunk | None = None
@@ -122,9 +121,6 @@ class Round:
     moves: tuple[tuple[int, int], ...] = ()  # (from row, to row)
     decode: DecodeChunk | None = None
     close: bool = False
-    saves: tuple[Save, ...] = ()  # prompt blocks into the prefix cache, after the prefills
-    # the blocks of the requests that ended last round (`RowBook.ended`), first
-    ended_saves: tuple[Save, ...] = ()
     # requests whose rows (or chunks) give their pages back and who wait to be
     # prefilled again, after the cancels (`Request.resumed`)
     preempts: tuple[int, ...] = ()
@@ -137,7 +133,7 @@ class Round:
         return ids
 
     def shapes(self, rules: ShapeRules) -> set[Shape]:
-        """The program shapes the round runs (besides the prefix cache's copies)."""
+        """The program shapes the round runs."""
         shapes: set[Shape] = {a.shape for a in self.admissions}
         if self.chunk is not None:
             shapes.add(self.chunk.shape)
@@ -157,7 +153,7 @@ class Round:
         if d["chunk"]:
             c = d["chunk"]
             shape, request = PrefillShape(**c.pop("shape")), _request(c.pop("request"))
-            chunk = Chunk(**{**c, "cached": tuple(c["cached"])}, shape=shape, request=request)
+            chunk = Chunk(**c, shape=shape, request=request)
         if d["decode"]:
             c = d["decode"]
             spec = SpecPlan.from_dict(c["spec"]) if c["spec"] else None
@@ -177,8 +173,6 @@ class Round:
             moves=tuple(tuple(m) for m in d["moves"]),
             decode=decode,
             close=d["close"],
-            saves=tuple(Save(**x) for x in d["saves"]),
-            ended_saves=tuple(Save(**x) for x in d["ended_saves"]),
             preempts=tuple(d["preempts"]),
         )
 
@@ -249,15 +243,15 @@ class Planner:
         """Whether a prompt is prefilled in chunks."""
         return len(request.prompt) > self.rules.chunk_tokens
 
-    def cached(self, request: Request, prefix: PrefixBook | None) -> tuple[int, ...]:
-        """The pool slots of the prompt's first blocks `prefix` (the prefix cache's book
-        as the round will read it) holds: a hit is prefilled from its first uncached
-        token on, as a long prompt's later chunks. None for a request that asks for its
-        prompt's log-probabilities: a hit would skip the positions it asks for (vLLM
-        bypasses the cache for it too)."""
-        if prefix is None or request.params.prompt_logprobs:
-            return ()
-        return prefix.lookup(request.prompt)
+    def cached(self, request: Request) -> list[tuple[int, ...]]:
+        """The pages of the prompt's first blocks the prefix cache names
+        (`PrefixBook.lookup`): a hit is prefilled from its first uncached token on, as a
+        long prompt's later chunks. None for a request that asks for its prompt's
+        log-probabilities: a hit would skip the positions it asks for (vLLM bypasses
+        the cache for it too)."""
+        if self.prefix is None or request.params.prompt_logprobs:
+            return []
+        return self.prefix.lookup(request.prompt)
 
     def plan(
         self,
@@ -290,10 +284,10 @@ class Planner:
         free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
         # Free pages once the round's cancels have given theirs back.
         pages = book.pages.free + sum(
-            book.held(b) for b in book.live() if book.rows[b].request.id in cancels
+            book.lets_go(b) for b in book.live() if book.rows[b].request.id in cancels
         )
         if book.chunking is not None and held is None:
-            pages += book.held(book.chunking.row)
+            pages += book.lets_go(book.chunking.row)
         # Each decoding row takes the pages its next chunk may write; where they are not
         # free, the youngest requests give theirs back and wait to be prefilled again
         # (vLLM's recompute preemption), and nothing new starts this round.
@@ -304,20 +298,18 @@ class Planner:
             held = None
         if preempts:
             queue = []  # (the queue's requests wait behind the preempted ones)
-
-        # The requests that ended last round save their blocks first (generated tokens
-        # are in a block's layout on one seq device only); this round's hits see them.
-        prefix, ended = self.prefix, ()
-        if prefix is not None and rules.C == 1 and book.ended:
-            ended = plan_saves(prefix, [(e.row, e.tokens) for e in book.ended], keep=set())
-            prefix = prefix.after(ended)
         budget, chunk = rules.prefill_tokens, None
         if held is None and queue and free:
-            hit = self.cached(queue[0], prefix)
+            hit = self.cached(queue[0])
             if hit or self.long(queue[0]):
-                chunk = self._chunk(queue[0], free[0], done=0, offset=0, first=True, cached=hit)
+                chunk = self._chunk(
+                    queue[0], free[0], done=0, offset=0, first=True, cached=len(hit)
+                )
                 offset = len(hit) * (rules.block or 0) // rules.C
-                need = self._chunk_pages(book, chunk, queue[0], offset, 0)
+                # its row shares the hit's pages (no longer free where no row held them)
+                shared = sum(map(len, hit))
+                need = self._chunk_pages(book, chunk, queue[0], offset, shared)
+                need += self.prefix.idle_of(hit) if hit else 0
                 if need <= pages:  # else it waits for pages at the queue's head
                     queue.pop(0), free.pop(0)
                     pages -= need
@@ -331,25 +323,18 @@ class Planner:
             else:  # it waits for pages, holding its row, and nothing starts before it
                 chunk, pages = None, 0
         held_row = held.row if held is not None else None  # a long prompt's after this round
-        prefilled = []  # (row, prompt) of the prompts whose prefill ends this round
         if chunk is not None:
             held_row = None
             budget -= chunk.shape.P_pad  # the padded tokens it computes
             request = chunk.request or held.request
             if chunk.end == len(request.prompt):
                 busy[chunk.row] = (request, 1)
-                prefilled.append((chunk.row, request.prompt))
             else:
                 held_row = chunk.row
 
-        admissions, queue = self._admit(queue, free, max(budget, 0), prefix, book, pages)
+        admissions, queue = self._admit(queue, free, max(budget, 0), book, pages)
         for a in admissions:
             busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
-            prefilled += [(b, r.prompt) for r, b in zip(a.requests, a.rows)]
-        saves = ()
-        if prefix is not None:
-            hits = set(chunk.cached) if chunk is not None else set()
-            saves = plan_saves(prefix, prefilled, keep=hits)
         # A request whose budget is its first token ends at its prefill.
         busy = {b: (r, n) for b, (r, n) in busy.items() if n < r.params.max_new_tokens}
         moves, decode = (), None
@@ -369,8 +354,6 @@ class Planner:
             tuple(admissions),
             moves,
             decode,
-            saves=saves,
-            ended_saves=ended,
             preempts=preempts,
         )
 
@@ -390,10 +373,10 @@ class Planner:
         while sum(need[b] for b in order) > pages and len(order) > 1:
             b = order.pop()
             preempts.append(decoding[b].request.id)
-            pages += book.held(b)
+            pages += book.lets_go(b)
         if sum(need[b] for b in order) > pages and held is not None:
             preempts.append(held.request.id)
-            pages += book.held(held.row)
+            pages += book.lets_go(held.row)
         return tuple(preempts), pages - sum(need[b] for b in order)
 
     def _chunk(
@@ -403,12 +386,12 @@ class Planner:
         done: int,
         offset: int,
         first: bool,
-        cached: tuple[int, ...] = (),
+        cached: int = 0,
     ) -> Chunk:
         """The next chunk of `request` in `row` after `done` tokens in `offset` local
-        slots; a first chunk after a hit of `cached` pool slots starts past them."""
+        slots; a first chunk after a hit of `cached` blocks starts past them."""
         if cached:
-            done = len(cached) * self.rules.block
+            done = cached * self.rules.block
             offset = done // self.rules.C
         end = min(done + self.rules.chunk_tokens, len(request.prompt))
         new_tokens = request.params.max_new_tokens
@@ -443,7 +426,6 @@ class Planner:
         queue: list[Request],
         free: list[int],
         budget: int,
-        prefix: PrefixBook | None,
         book: RowBook,
         pages: int,
     ) -> tuple[list[Admission], list[Request]]:
@@ -451,14 +433,14 @@ class Planner:
         tokens (one at least, when no chunk runs this round). Prompts of one length
         bucket go together (padded to one length, a short prompt would cost a long
         one's compute), in whole bucketed batches (padding rows compute for nobody): 7
-        prompts of a bucket are batches of 4, 2 and 1; a prefix cache's hit (in
-        `prefix`) waits for the chunking seat. Returns the admissions and the queue
+        prompts of a bucket are batches of 4, 2 and 1; a prefix cache's hit waits for
+        the chunking seat. Returns the admissions and the queue
         left."""
         rules = self.rules
         by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
         n = tokens = taking = 0  # taking: the pages of the requests taken so far
         for request in queue:
-            if n == len(free) or self.long(request) or self.cached(request, prefix):
+            if n == len(free) or self.long(request) or self.cached(request):
                 break  # a long prompt (or a hit) starts chunking when the one before is done
             length = len(request.prompt)
             if tokens + length > budget and (n or budget < rules.prefill_tokens):

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 
 from qwen3_spmd.pipeline.batch.handles import Handle, Params, Request
-from qwen3_spmd.pipeline.batch.prefix import PrefixBook
+from qwen3_spmd.pipeline.batch.prefix import prefix_block
 from qwen3_spmd.pipeline.batch.rowbook import RowBook, Update
 from qwen3_spmd.pipeline.requests import RequestError
 from qwen3_spmd.pipeline.runtime.engine import Engine
@@ -79,11 +79,10 @@ class Scheduler:
         that does not fit whole.
       decisions: with several processes, how they share each round
         (`pipeline.scheduling.decisions.SharedDecisions`); None in a single process.
-      prefix_cache_bytes: each device's bytes for the prefix cache's pool of prompt
-        blocks (`pipeline.batch.prefix`); 0: no prefix cache (nor when no request the rows
-        hold could hit: max_seq_len under a block and two tokens).
-      prefix_block: the prefix cache's block in tokens (rounded down to a multiple of
-        2C, at most the chunk, which is then rounded down to a multiple of it).
+      prefix_caching: whether the K/V pages of requests' whole blocks stay named for
+        later prompts that begin with the same tokens (`pipeline.batch.prefix`; its
+        block is a page's tokens, and the chunk is rounded down to a multiple of it);
+        never where no request could hit (max_seq_len under a block and two tokens).
       grammars: the grammar engine over the model's tokenizer
         (`pipeline.structured.constraints.Grammars`) for requests with a constraint (structured
         outputs); None: such requests are refused. Every process needs its own.
@@ -103,8 +102,7 @@ class Scheduler:
         short_chunk: int | None = None,
         max_queue: int = 256,
         decisions: SharedDecisions | None = None,
-        prefix_cache_bytes: int = 0,
-        prefix_block: int = 256,
+        prefix_caching: bool = False,
         grammars: Grammars | None = None,
         speculator: Speculator | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -116,23 +114,12 @@ class Scheduler:
         self.B = -(-max_batch // self.groups) * self.groups
         two_c = 2 * engine.C
         chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
-        self.prefix, pool = None, None
-        room = engine.slots_per_device * engine.C  # a block fits a row
-        block = max(two_c, min(prefix_block, chunk_tokens, room) // two_c * two_c)
+        block = prefix_block(engine.C, engine.block_size)
         # A hit needs a whole block before a prompt's last token and a token after it.
         # A pooling runner's prompts are prefilled whole, each once: no prefix cache.
-        if prefix_cache_bytes > 0 and engine.max_seq_len >= block + 2 and not engine.pooling:
-            chunk_tokens = chunk_tokens // block * block
-            per_block = engine.copies.pool_bytes_per_block(block)
-            if prefix_cache_bytes < per_block:
-                raise RequestError(
-                    f"$prefix_cache_bytes {prefix_cache_bytes} holds no block of {block} "
-                    f"tokens ({per_block} bytes a device): raise it, or 0 for no prefix cache",
-                    "prefix_cache_bytes",
-                )
-            self.prefix = PrefixBook(prefix_cache_bytes // per_block, block)
-            pool = engine.copies.empty_pool(self.prefix.slots, block)
-        self.prefix_cache_bytes = self.prefix.slots * per_block if self.prefix else 0
+        cached = prefix_caching and engine.max_seq_len >= block + 2 and not engine.pooling
+        if cached:
+            chunk_tokens = max(block, chunk_tokens // block * block)
         self.rules = ShapeRules(
             rows=self.B,
             groups=self.groups,
@@ -142,17 +129,8 @@ class Scheduler:
             max_seq_len=engine.max_seq_len,
             prefill_tokens=prefill_tokens,
             chunk_tokens=chunk_tokens,
-            block=self.prefix.block if self.prefix else None,
+            block=block if cached else None,
             decodes=not engine.pooling,
-        )
-        self.planner = Planner(
-            self.rules,
-            stages=engine.stages,
-            short_chunk=short_chunk or max(1, engine.chunk // 4),
-            long_chunk=engine.chunk,
-            prefix=self.prefix,
-            cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
-            speculate=speculator.policy if speculator is not None else None,
         )
         page_bytes = engine.copies.page_bytes_per_device()
         self.pages = self.B * engine.pages_per_row
@@ -172,6 +150,17 @@ class Scheduler:
             engine.slots_per_device,
             block_size=engine.block_size,
             pages=self.pages,
+            prefix=cached,
+        )
+        self.prefix = self.book.prefix
+        self.planner = Planner(
+            self.rules,
+            stages=engine.stages,
+            short_chunk=short_chunk or max(1, engine.chunk // 4),
+            long_chunk=engine.chunk,
+            prefix=self.prefix,
+            cp=lambda shape: engine.cp_plan(shape.B, shape.P_pad)[0],
+            speculate=speculator.policy if speculator is not None else None,
         )
         self.accounting = Accounting()
         self.clock = Clock()
@@ -181,8 +170,6 @@ class Scheduler:
             self.accounting,
             self.clock,
             cache=engine.copies.empty_cache(self.B, self.pages),
-            prefix=self.prefix,
-            pool=pool,
             block_layout=self.rules.layout_block,
             grammars=grammars,
             speculator=speculator,
@@ -302,7 +289,7 @@ class Scheduler:
     ) -> int:
         """Compiles every program a round can run (`ShapeRules.programs`: each prefill
         batch and chunk, the decode chunk over each row count, with log-probabilities or
-        without, the row moves and the prefix cache's copies), or those of `shapes`, so
+        without, the row moves), or those of `shapes`, so
         that no request waits for a compile while the running ones stall (what a server does
         at start-up). `workers` compiles run at once; on_compiled() after each shape;
         announce=False: the engine's on_compile is not called. Returns the number of
@@ -365,7 +352,6 @@ class Scheduler:
             self.pages,
             self.rules.layout_block,
             self.planner.cp,
-            self.executor.pool,
             self.speculator,
         )
         shape.compile(self.engine, settings, announce)

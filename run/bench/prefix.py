@@ -10,8 +10,7 @@ one run, on the loads it is for and on one it is not.
                 nothing to share): what the cache costs where it cannot help.
 
 Each load runs once to compile what it meets, then timed with the cache and without,
-in turn. The pool holds as many bytes as the rows' KV cache (what `serve` takes on a CPU
-by default). Ratios are the cache's over no cache's: time to first token p50 (lower is
+in turn, over the same pool of KV pages (every row's most). Ratios are the cache's over no cache's: time to first token p50 (lower is
 better) and output tokens/s.
 """
 
@@ -51,12 +50,11 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
     for c in conversations:  # every conversation opens with the system prompt
         c[0] = (system + c[0][0], c[0][1])
     unshared = loop_requests(engine.cfg, s, B_max)
-    pool = engine.copies.cache_bytes_per_device(B_max)
 
     def scheduler(cache: bool) -> Scheduler:
-        sched = Scheduler(engine, B_max, prefix_cache_bytes=pool if cache else 0)
-        # A server fills its rows and pool with zeros once, at start: not a request's time.
-        jax.block_until_ready((sched.executor.cache, sched.executor.pool))
+        sched = Scheduler(engine, B_max, prefix_caching=cache)
+        # A server fills its pool with zeros once, at start: not a request's time.
+        jax.block_until_ready(sched.executor.cache)
         return sched
 
     loads = {
@@ -64,6 +62,7 @@ def prefix_job(engine, settings: dict, B_max: int, say) -> dict:
         "turns": lambda sched: _turns(sched, conversations),
         "unshared": lambda sched: closed_loop(sched, unshared, B_max),
     }
+    pool = engine.copies.cache_bytes_per_device(B_max)
     out = {"prefix_tokens": len(system), "pool_bytes_per_device": pool}
     for name, load in loads.items():
         for cache in (True, False):  # compiles every shape the timed runs meet

@@ -6,7 +6,7 @@ servers in one process (tests) count apart. Two kinds of metric:
 
 - read when scraped (`_Now`): requests running and waiting, rows busy, the programs
   the engine has compiled and the seconds rounds waited for compiles, the prefix
-  cache's queries and hits (in prompt tokens, as vLLM counts them), evictions and pool;
+  cache's queries and hits (in prompt tokens, as vLLM counts them), evictions and blocks;
   with speculative decoding, the drafts, draft tokens and accepted tokens;
 - counted as choices end (`Metrics.ended`): prompt and generation tokens, finished
   requests by reason, time to first token, time per output token, end-to-end latency;
@@ -154,8 +154,8 @@ class _Now:
             "kv_cache_tokens", "Tokens the KV cache's pages hold in all.", scheduler.kv_tokens
         )
         p = scheduler.prefix  # None without a prefix cache: every figure 0
-        queries, hits, evictions, held, slots = (
-            (p.queries, p.hits, p.evictions, p.blocks_held, p.slots) if p else (0, 0, 0, 0, 1)
+        queries, hits, evictions, held = (
+            (p.queries, p.hits, p.evictions, p.blocks_held) if p else (0, 0, 0, 0)
         )
         yield counter(
             "prefix_cache_queries",
@@ -167,17 +167,13 @@ class _Now:
             "Prompt tokens whose K/V the prefix cache gave (not computed).",
             hits,
         )
-        yield counter("prefix_cache_evictions", "Blocks evicted from the pool.", evictions)
-        yield gauge("prefix_cache_blocks", "Blocks the pool holds.", held)
-        yield gauge(
-            "prefix_cache_usage_perc",
-            "Fraction of the pool's blocks in use (vLLM's kv_cache_usage_perc, for the pool).",
-            held / slots,
+        yield counter(
+            "prefix_cache_evictions", "Named blocks whose pages went to other rows.", evictions
         )
         yield gauge(
-            "prefix_cache_bytes",
-            "Bytes of the pool on each device (its budget, allocated at start).",
-            scheduler.prefix_cache_bytes,
+            "prefix_cache_blocks",
+            "Blocks named in the KV cache's pages (held by rows, or kept for later prompts).",
+            held,
         )
         spec = scheduler.speculator  # as vLLM, only when speculation is on
         if spec is not None:

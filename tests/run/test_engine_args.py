@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from qwen3_spmd.pipeline.scheduling.build import prefix_caching
 from qwen3_spmd.run import llm
 from qwen3_spmd.run.bench.command import _settings
 from qwen3_spmd.run.bench.jobs import engine_args as bench_engine_args
@@ -96,50 +97,18 @@ def test_parallel_sizes_build_the_mesh():
         _cli("generate", "--mesh", "2x2", "-tp", "2").mesh_shape(on_cpu=False)
 
 
-def _engine(C: int, stats: dict | None = None):
-    """What PrefixPool.bytes_per_device reads of an Engine: C, the rows' KV bytes (1000 a
-    row), its device's memory `stats` (a CPU says nothing)."""
-    device = SimpleNamespace(memory_stats=lambda: stats)
-    return SimpleNamespace(
-        C=C,
-        copies=SimpleNamespace(cache_bytes_per_device=lambda rows: 1000 * rows),
-        mesh=SimpleNamespace(devices=SimpleNamespace(flat=[device])),
-    )
-
-
-def _speculator(draft_row_bytes: int):
-    """What PrefixPool.bytes_per_device reads of a Speculator: its draft model's rows' KV bytes."""
-    copies = SimpleNamespace(cache_bytes_per_device=lambda rows: draft_row_bytes * rows)
-    return SimpleNamespace(drafter=SimpleNamespace(engine=SimpleNamespace(copies=copies)))
-
-
 @pytest.mark.parametrize(
     "flags, C, expected",
     [
-        ([], 1, 8000),  # the rows' own KV cache (a CPU says nothing of its memory)
-        ([], 2, 0),  # several seq devices: none by default
-        (["--enable-prefix-caching"], 2, 8000),
-        (["--no-enable-prefix-caching"], 1, 0),
-        (["--prefix-cache-mib", "0"], 1, 0),
-        (["--prefix-cache-mib", "1"], 2, 2**20),
+        ([], 1, True),
+        ([], 2, False),  # several seq devices: none by default
+        (["--enable-prefix-caching"], 2, True),
+        (["--no-enable-prefix-caching"], 1, False),
     ],
 )
 def test_prefix_caching_switch(flags, C, expected):
     args = _cli("serve", *flags)
-    assert args.prefix_pool().bytes_per_device(_engine(C), args.max_batch) == expected
-
-
-def test_the_default_pool_is_half_the_memory_the_weights_and_every_cache_leave():
-    """On a device that tells its memory: (limit - in use - the rows' KV - a draft
-    model's rows' KV) / 2; 8 rows (the default max_batch)."""
-    stats = {"bytes_limit": 100_000, "bytes_in_use": 20_000}
-    pool = _cli("serve").prefix_pool()
-    assert pool.bytes_per_device(_engine(1, stats), 8) == (80_000 - 8000) // 2
-    drafter = _speculator(draft_row_bytes=500)
-    got = pool.bytes_per_device(_engine(1, stats), 8, speculator=drafter)
-    assert got == (80_000 - 8000 - 4000) // 2
-    # several processes: the rows' own KV cache, whatever each device has free
-    assert pool.bytes_per_device(_engine(1, stats), 8, many=True) == 8000
+    assert prefix_caching(args.enable_prefix_caching, SimpleNamespace(C=C)) is expected
 
 
 def test_llm_takes_vllm_names_and_refuses_unknown_ones():

@@ -66,14 +66,13 @@ MESHES = [  # (stage, seq, tensor, cp): each axis split, all three at once on 2x
 
 def _scored(engine: Engine, prompts: list[list[int]], cached: bool) -> list:
     """Each prompt's Logprobs through a scheduler over `engine` (cached: with a prefix
-    cache of 8-token blocks, which the prompts fill first: a request that asks for its
+    cache, in 8-token pages, which the prompts fill first: a request that asks for its
     prompt's log-probabilities is still prefilled whole)."""
     scheduler = Scheduler(
         engine,
         max_batch=4,
         prefill_tokens=CHUNK,
-        prefix_cache_bytes=2**20 if cached else 0,
-        prefix_block=8,
+        prefix_caching=cached,
     )
     asked = Params(max_new_tokens=1, prompt_logprobs=True)
     for _ in range(2 if cached else 1):  # the second time, every long prompt could hit
@@ -95,7 +94,9 @@ def test_prompt_logprobs_equal_transformers(tiny, stage, seq, tensor, cp):
     assert max(map(len, prompts)) > CHUNK
     devices = jax.devices()[: stage * seq * tensor]
     mesh = make_mesh(stage, seq, devices, tensor=tensor)
-    engine = Engine(cfg, source, mesh, jnp.float32, max_seq_len=48, microbatches=2, cp=cp)
+    engine = Engine(
+        cfg, source, mesh, jnp.float32, max_seq_len=48, microbatches=2, cp=cp, block_size=8 // seq
+    )
     runs = [_scored(engine, prompts, cached=(stage, seq) == (2, 2))]
     if (stage, seq, tensor) == (1, 1, 1):
         runs.append(_scored(engine, prompts, cached=True))

@@ -4,6 +4,7 @@ fake runner outputs). What a round plans, which shapes it pads to, and what the 
 holds after it are checked here; that the programs give each request its own tokens is
 tests/pipeline/scheduling/test_scheduler.py's."""
 
+import collections
 import math
 import types
 
@@ -127,12 +128,25 @@ def _record_moves(sched) -> list[int]:
 
 
 def _check_pages(book: RowBook) -> None:
-    """The page book's invariant: every page is free or held by one row, never both,
-    never two (no page has two writers), and a row holds its first pages only."""
-    held = [p for b in range(book.B) for p in book.table[b] if p < book.pages.pages]
-    assert len(held) == len(set(held)), "a page held by two rows"
-    assert len(held) + book.pages.free == book.pages.pages, "a page lost"
-    assert not set(held) & set(book.pages._free), "a page held and free"
+    """The page book's invariant: every page is free, kept by the prefix cache for no
+    row, or held by as many rows as its count says, never two of these; a page two rows
+    hold is a named block's, and no row writes into a named page (its next slot lies
+    past them: no page has two writers); a row holds its first pages only."""
+    pages, prefix = book.pages, book.prefix
+    held = collections.Counter(p for p in book.table.flat if p < pages.pages)
+    assert all(pages.refs[p] == held[p] for p in range(pages.pages)), "a page miscounted"
+    named = set(prefix.name_of) if prefix is not None else set()
+    kept, free = named - set(held), set(pages._free)
+    assert not free & (set(held) | kept), "a page held (or kept) and free"
+    assert len(free) + len(kept) + len(held) == pages.pages, "a page lost"
+    assert prefix is None or len(kept) == prefix.idle_pages
+    assert {p for p, n in held.items() if n > 1} <= named, "a page shared but not named"
+    C = book.slot_pos.shape[1]
+    writes = {b: r.prompt_slots + (len(r.generated) - 1) // C for b, r in enumerate(book.rows) if r}
+    if book.chunking is not None:
+        writes[book.chunking.row] = book.chunking.offset
+    for b, slot in writes.items():
+        assert not set(book.table[b, slot // book.block_size :]) & named, "a named page written"
     for b in range(book.B):
         n = book.held(b)
         assert (book.table[b, :n] < book.pages.pages).all() and (
@@ -140,17 +154,22 @@ def _check_pages(book: RowBook) -> None:
         ).all()
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["", "prefix-cache"])
 @pytest.mark.parametrize("pages", [None, 40, 16], ids=["every-row", "40-pages", "16-pages"])
 @pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
-def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, budget, pages):
+def test_every_shape_a_load_plans_is_one_the_rules_declare(
+    stages, C, M, rows, budget, pages, cached
+):
     """A random load (staggered arrivals, short and long prompts, end ids, cancels,
     sampled rows and log-probabilities) over a fake engine: every prefill, decode and
     move the rounds run has a shape `ShapeRules.declared()` lists (what precompile
     compiles), each request gets its tokens, and every row is free at the end. With a
     pool of 40 or 16 pages of 4 slots (fewer than the rows' most; 16 holds one request
     of max_seq_len on one seq device), requests wait for pages and the youngest are
-    preempted and resumed when decode runs out, with the same tokens; after every round
-    no page is held twice or lost, and at the end all are free."""
+    preempted and resumed when decode runs out, with the same tokens. With the prefix
+    cache, half the prompts begin with one of three shared prefixes: hits share pages,
+    kept blocks are evicted when pages run short. After every round the page book's
+    invariant holds (`_check_pages`), and at the end every page is free or kept."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
     engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
     sched = Scheduler(
@@ -159,13 +178,18 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, b
         prefill_tokens=budget,
         short_chunk=2,
         kv_cache_memory_bytes=pages,
+        prefix_caching=cached,
     )
+    other = np.random.default_rng(7)  # the prefixes' draws (the load's are rng's alone)
+    shared = [other.integers(0, V, int(other.integers(6, 24))).tolist() for _ in range(3)]
     moves = _record_moves(sched)
     handles, asked, cancelled = [], [], set()
     for wave in range(8):
         for _ in range(rng.integers(0, 4)):
             n = int(rng.integers(1, 12))
             prompt = rng.integers(0, V, int(rng.integers(1, 64 - n - 8))).tolist()
+            if cached and other.random() < 0.5:
+                prompt = (shared[int(other.integers(3))] + prompt)[: len(prompt)]
             eos = (int(rng.integers(0, V)),) if rng.random() < 0.3 else ()
             sampling = Sampling(temperature=0.7) if rng.random() < 0.3 else Sampling()
             p = Params(n, sampling, eos_ids=eos, logprobs=bool(rng.random() < 0.2))
@@ -184,7 +208,9 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(stages, C, M, rows, b
     assert set(engine.prefills) <= set(declared.prefills)
     assert {shape for shape, _ in engine.decodes} <= set(declared.decodes)
     assert moves == [] or 1 in declared.moves
-    assert sched.book.pages.free == sched.pages
+    assert sched.book.pages.free == sched.pages and not sched.book.pages.refs.any()
+    if cached:
+        assert sched.prefix.hits > 0
     for i, (h, (prompt, p)) in enumerate(zip(handles, asked)):
         if i in cancelled and h.finish_reason == "cancelled":
             assert h.tokens == tokens_of(prompt, len(h.tokens))
@@ -300,17 +326,16 @@ def test_a_request_for_its_prompts_logprobs_is_prefilled_whole_past_a_prefix_hit
     """With the prompt's first two 8-token blocks in the prefix cache, a request that
     does not ask for its prompt's log-probabilities is a hit (a chunk after the cached
     blocks); one that asks is admitted whole, in a prefill shape that scores."""
-    from qwen3_spmd.pipeline.batch.prefix import PrefixBook, plan_saves
-
     rules = ShapeRules(
         4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=32, chunk_tokens=32, block=8
     )
-    prefix = PrefixBook(slots=4, block=8)
+    book = RowBook(4, 1, C=1, slots=64, block_size=8, prefix=True)
     prompt = tuple(range(1, 21))
-    for save in plan_saves(prefix, [(0, prompt)], keep=set()):
-        prefix.store(save)
+    held = np.full((1, 64), -1)
+    held[0, :20] = np.arange(20)
+    book.name_blocks(np.array(book.pages.take(3)), prompt, held)  # a row's pages
+    prefix = book.prefix
     planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4, prefix=prefix)
-    book = _book_with(4, 1, {})
     plain = planner.plan(book, [Request(0, prompt, Params(4))])
     assert plain.chunk.cached and plain.chunk.start == 16 and not plain.admissions
     asked = planner.plan(book, [Request(0, prompt, Params(4, prompt_logprobs=True))])

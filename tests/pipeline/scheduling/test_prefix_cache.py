@@ -1,8 +1,9 @@
-"""pipeline.batch.prefix: prompt blocks named by a hash chain, the pool's book (lookups, least
-recently used eviction, the saves a round plans), the block layout, and a scheduler
-whose requests get the same tokens with the cache as without it, on every mesh shape,
-through hits that end mid-block, evictions, two requests of one prefix in a round, and
-a conversation whose turns hit the blocks of the replies before."""
+"""pipeline.batch.prefix: blocks named by a hash chain in the KV pool's pages (lookups,
+pages shared by rows, blocks kept for no row and evicted least recently let go first,
+which blocks a row names), the block layout, and a scheduler whose requests get the
+same tokens with the cache as without it, on every mesh shape, through hits that end
+mid-block, evictions, two requests of one prefix in a round, and a conversation whose
+turns hit the blocks of the replies before."""
 
 import jax
 import numpy as np
@@ -12,18 +13,18 @@ from reference import TINY
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.pipeline.batch.handles import Params
+from qwen3_spmd.pipeline.batch.pages import PageBook
 from qwen3_spmd.pipeline.batch.prefix import (
     PrefixBook,
-    Save,
     block_names,
     block_slot_pos,
-    block_slots,
     hit_blocks,
-    plan_saves,
+    prefix_block,
 )
+from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.runtime.engine import Engine
-from qwen3_spmd.pipeline.runtime.shapes import CopyShape, PrefillShape
+from qwen3_spmd.pipeline.runtime.shapes import PrefillShape
 from qwen3_spmd.pipeline.scheduling.planner import Chunk, Round
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 from qwen3_spmd.ring import causal_work, zigzag, zigzag_blocks
@@ -43,50 +44,71 @@ def test_a_blocks_name_is_the_same_exactly_when_every_token_up_to_its_end_is():
     assert len(set(na)) == 5
 
 
+def _named(prompt, pages, book: PrefixBook) -> None:
+    """Names the prompt's whole blocks as held in `pages`, one page a block."""
+    for name, page in zip(block_names(prompt, BLOCK), pages):
+        book.name(name, (page,))
+
+
 def test_a_hit_leaves_the_prompts_last_token_to_compute():
     assert [hit_blocks(n, BLOCK) for n in (1, 8, 9, 16, 17)] == [0, 0, 1, 1, 2]
-    book = PrefixBook(slots=4, block=BLOCK)
+    book = PrefixBook(PageBook(4), block=BLOCK, m=1)
     prompt = list(range(16))
-    for j, name in enumerate(block_names(prompt, BLOCK)):
-        book.store(Save(row=0, block=j, slot=j, name=name))
-    assert book.lookup(prompt) == (0,)  # 16 tokens: block 1 would leave nothing to compute
-    assert book.lookup(prompt + [5]) == (0, 1)
-    assert book.lookup([7] + prompt) == ()
+    _named(prompt, [2, 0], book)
+    assert book.lookup(prompt) == [(2,)]  # 16 tokens: block 1 would leave nothing to compute
+    assert book.lookup(prompt + [5]) == [(2,), (0,)]
+    assert book.lookup([7] + prompt) == []
 
 
-def test_eviction_takes_empty_slots_then_the_least_recently_used_later_blocks_first():
-    book = PrefixBook(slots=4, block=BLOCK)
+def test_kept_blocks_count_free_and_go_least_recently_let_go_later_blocks_first():
+    pages = PageBook(4)
+    book = PrefixBook(pages, block=BLOCK, m=1)
     old, new = list(range(100, 117)), list(range(200, 217))
-    book.tick()
-    for j, name in enumerate(block_names(old, BLOCK)):
-        book.store(Save(0, j, j, name))  # slots 0, 1
-    assert book.victims(2, keep=set()) == [2, 3]  # empty ones first
-    book.tick()
-    book.store(Save(0, 0, 2, block_names(new, BLOCK)[0]))
-    book.tick()
-    book.use((2,), prompt_tokens=17)
-    # slot 3 is empty; then old's blocks, the later (1) before the earlier (0); 2 is recent
-    assert book.victims(4, keep=set()) == [3, 1, 0, 2]
-    assert book.victims(2, keep={3, 1}) == [0, 2]
-    assert (book.queries, book.hits) == (17, BLOCK)
-    book.store(Save(0, 1, 1, "x" * 32))
-    assert book.evictions == 1 and book.lookup(old) == (0,)
+    a, b = pages.take(2), pages.take(1)  # two rows: pages 0, 1 and 2
+    _named(old, a, book)
+    _named(new, b, book)
+    assert (pages.free, book.idle_pages, book.blocks_held) == (1, 0, 3)
+    pages.give(a)  # old's blocks: the later (page 1) is let go first
+    pages.give(b)
+    assert (pages.free, pages.used, book.idle_pages) == (4, 0, 3)
+    assert pages.take(2) == [1, 3]  # the free page 3, then old's later block evicted
+    assert book.evictions == 1 and book.lookup(old) == [(0,)]
+    # a row shares new's block: no longer evictable; old's first block is
+    hit = book.lookup(new)
+    assert hit == [(2,)] and book.idle_of(hit) == 1
+    pages.share([2])
+    assert (pages.free, book.idle_of(hit)) == (1, 0)
+    assert pages.take(1) == [0] and book.lookup(old) == []
+    with pytest.raises(ValueError, match="1 pages asked for, 0 of 4 free"):
+        pages.take(1)
+    # two rows hold page 2: it is kept only once both let it go
+    pages.share([2])
+    pages.give([2])
+    assert pages.refs[2] == 1 and book.idle_pages == 0
+    pages.give([2])
+    assert book.idle_pages == 1 and book.lookup(new) == [(2,)]
+    with pytest.raises(ValueError, match="page 2 is not"):
+        pages.give([2])
 
 
-def test_a_rounds_saves_skip_what_the_pool_holds_and_keep_the_blocks_a_new_one_follows():
-    book = PrefixBook(slots=3, block=BLOCK)
-    shared = list(range(16))
-    first = block_names(shared, BLOCK)[0]
-    book.store(Save(0, 0, 0, first))
-    a, b = shared + [1, 2, 3], shared + [4, 5]
-    saves = plan_saves(book, [(2, a), (3, b)], keep=set())
-    # block 0 is held (its slot 0 is kept), block 1 once for both prompts, from row 2
-    assert [(s.row, s.block, s.slot) for s in saves] == [(2, 1, 1)]
-    assert saves[0].name == block_names(a, BLOCK)[1]
-    # a pool of one slot holding block 0: no room for block 1 without losing block 0
-    small = PrefixBook(slots=1, block=BLOCK)
-    small.store(Save(0, 0, 0, first))
-    assert plan_saves(small, [(0, a)], keep=set()) == ()
+def test_a_row_names_only_blocks_whose_slots_hold_their_positions():
+    """One seq device: a 5-token prompt padded to 8 slots and 11 tokens after it. Decode
+    right after the prompt (`RowBook.start`) leaves its tokens in order: two blocks; had
+    it started past the padding, no block would hold its positions."""
+    book = RowBook(1, 1, C=1, slots=32, block_size=BLOCK, prefix=True)
+    tokens = list(range(50, 66))  # 16 tokens with K/V
+    table = np.array(book.pages.take(4))
+    in_order = np.full((1, 32), -1, np.int32)
+    in_order[0, :16] = np.arange(16)
+    book.name_blocks(table, tokens, in_order)
+    assert book.prefix.lookup(tokens + [1]) == [(table[0],), (table[1],)]
+    past_padding = np.full((1, 32), -1, np.int32)
+    past_padding[0, :5], past_padding[0, 8:19] = np.arange(5), np.arange(5, 16)
+    other = list(range(70, 86))
+    book.name_blocks(table[2:], other, past_padding)
+    assert book.prefix.lookup(other + [1]) == [] and book.prefix.blocks_held == 2
+    assert prefix_block(C=1, block_size=8) == 8 and prefix_block(C=2, block_size=4) == 8
+    assert prefix_block(C=2, block_size=3) == 12  # a page's 6 tokens: two, for 2C parts
 
 
 def test_blocks_sit_at_the_same_local_slots_in_every_prompt_and_the_work_stays_balanced():
@@ -109,24 +131,10 @@ def test_blocks_sit_at_the_same_local_slots_in_every_prompt_and_the_work_stays_b
         zigzag_blocks(16, 2, 6)
 
 
-def test_the_pools_decisions_survive_the_rounds_json():
-    chunk = Chunk(3, 16, 21, PrefillShape(1, 8, True), cached=(4, 0))
-    round = Round(
-        chunk=chunk, saves=(Save(1, 2, 5, "ab" * 16),), ended_saves=(Save(0, 1, 2, "c" * 32),)
-    )
+def test_a_hit_survives_the_rounds_json():
+    chunk = Chunk(3, 16, 21, PrefillShape(1, 8, True), cached=2)
+    round = Round(chunk=chunk, preempts=(4,))
     assert Round.from_json(round.to_json()) == round
-
-
-def test_an_ended_rows_blocks_are_read_from_its_prompt_and_decode_slots():
-    # A 5-token prompt padded to 8 slots, then 7 decode steps from slot 8 (positions 5-11).
-    slot_pos = np.full(16, -1, np.int32)
-    slot_pos[:5] = np.arange(5)
-    slot_pos[8:15] = np.arange(5, 12)
-    np.testing.assert_array_equal(
-        block_slots(slot_pos, 4, 3), [[0, 1, 2, 3], [4, 8, 9, 10], [11, 12, 13, 14]]
-    )
-    with pytest.raises(ValueError, match="no slot"):
-        block_slots(slot_pos, 4, 4)  # positions 12-15 were never written
 
 
 # ---- a scheduler with the cache against one without, on every mesh -------------------
@@ -150,10 +158,13 @@ def _engines_go_with_the_module():
 
 def _engine(cfg, S, C):
     """One engine per mesh for the module (1x1's serves the reference too: the programs
-    of one `seq` device are the same with the cache and without it)."""
+    of one `seq` device are the same with the cache and without it), in pages of
+    BLOCK tokens: the cache's block is a page's."""
     if (S, C) not in _ENGINES:
         mesh = make_mesh(S, C, jax.devices()[: S * C])
-        _ENGINES[S, C] = Engine(cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=64, chunk=4)
+        _ENGINES[S, C] = Engine(
+            cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=64, chunk=4, block_size=BLOCK // C
+        )
     return _ENGINES[S, C]
 
 
@@ -176,18 +187,20 @@ def plain(cfg):
 @pytest.mark.parametrize("mesh", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
 def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh):
     engine = _engine(cfg, *mesh)
-    pool = 3 * engine.copies.pool_bytes_per_block(BLOCK)  # three blocks: evictions happen
+    pages = 9  # a row's most (8) and one: a long request evicts a kept block
     scheduler = Scheduler(
-        engine, max_batch=4, prefill_tokens=32, prefix_cache_bytes=pool, prefix_block=BLOCK
+        engine,
+        max_batch=4,
+        prefill_tokens=32,
+        prefix_caching=True,
+        kv_cache_memory_bytes=pages * engine.copies.page_bytes_per_device(),
     )
-    assert (scheduler.prefix.slots, scheduler.prefix.block) == (3, BLOCK)
-    copies = [s for s in scheduler.rules.declared().shapes() if isinstance(s, CopyShape)]
-    assert copies == [CopyShape("load"), CopyShape("save")]
-    assert scheduler.precompile(copies) == 2  # what a server compiles before it serves
+    p, book = scheduler.prefix, scheduler.book
+    assert (scheduler.pages, p.block, p.m) == (pages, BLOCK, 1)
     rng = np.random.default_rng(1)
     words = lambda n: rng.integers(0, cfg.V, n).tolist()  # noqa: E731
     system, other = words(19), words(17)
-    # Requests that end at their first token first: the pool then holds prompt blocks only.
+    # Requests that end at their first token first: only prompt blocks are named.
     greedy = Params(max_new_tokens=1)
     sampled = Params(max_new_tokens=1, sampling=Sampling(temperature=0.8, top_k=20), seed=7)
 
@@ -197,29 +210,35 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
         scheduler.run()
         for h, (p, params) in zip(handles, requests):
             assert h.tokens == plain(p, params), (p, params)
+        assert (book.pages.free, book.pages.refs.any()) == (pages, False)  # all let go
         return [h.cached_tokens for h in handles]
 
     # Every hit below leaves 7 or 8 tokens to compute: one chunk shape after a hit.
-    # Misses: two short requests of one prefix admitted in one round; block 0 saved once.
+    # Misses: two short requests of one prefix admitted in one round; block 0 named once.
     assert run((system[:12] + words(3), greedy), (system[:12] + words(2), greedy)) == [0, 0]
-    assert scheduler.prefix.blocks_held == 1
+    assert p.blocks_held == 1
     # A prompt of two whole blocks takes one: its last token is computed.
     assert run((system[:16], greedy)) == [8]
     # A hit that ends mid-block: 19 shared tokens, two whole blocks.
     assert run((system + words(4), sampled)) == [16]
-    # Another prefix takes the empty slot and evicts the least recently used block, the
-    # later of system's two first.
-    assert run((other + words(4), greedy)) == [0]
-    assert scheduler.prefix.evictions == 1
+    assert (p.blocks_held, p.evictions) == (2, 0)
+    # A request of a row's 8 pages: its eighth is system's block 1's (let go before its
+    # block 0, which the later need); with one seq device its reply's blocks are named
+    # too (60 tokens with K/V: 7 blocks), with two its prompt's (21 tokens: 2).
+    long = Params(max_new_tokens=40)
+    assert run((other + words(4), long)) == [0]
+    assert p.evictions == 1 and p.blocks_held == 1 + (7 if mesh[1] == 1 else 2)
+    # Its chunk after the hit is padded to 16 tokens: 3 pages, 2 its own. With one seq
+    # device one page is free, and the block let go least recently goes: the reply's last.
     assert run((system[:15], greedy)) == [8]
-    assert run((other + words(7), sampled)) == [16]  # evicts system's block 0 for its third
-    assert run((system[:12] + words(3), greedy)) == [0]
-    p = scheduler.prefix
-    assert (p.hits, p.evictions) == (8 + 16 + 8 + 16, 3) and p.queries > p.hits
+    evicted = 2 if mesh[1] == 1 else 1
+    assert p.evictions == evicted and p.lookup(other + words(1))  # other's first blocks stay
+    assert run((other + words(7), sampled)) == [16]
+    assert (p.hits, p.evictions) == (8 + 16 + 8 + 16, evicted) and p.queries > p.hits
 
     # A conversation: each turn's prompt is the one before, its reply and a new user
     # turn. With one seq device the blocks of an ended request's prompt and reply (but
-    # its last token, whose K/V no step wrote) are saved, so the next turn hits the
+    # its last token, whose K/V no step wrote) are named, so the next turn hits the
     # reply's blocks too; with two only its prompt's.
     greedy = Params(max_new_tokens=5)
     sampled = Params(max_new_tokens=5, sampling=Sampling(temperature=0.8, top_k=20), seed=7)
@@ -232,3 +251,4 @@ def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh
         turn = turn + handle.tokens + words(user)  # 6, 15, 23 and 30 tokens
     # 6 + 4 = 10 tokens with K/V: block 0 (generated tokens in it); then 15 + 4 = 19: 2.
     assert cached == ([0, 8, 16] if mesh[1] == 1 else [0, 0, 8])
+    assert (book.pages.free, book.pages.refs.any()) == (pages, False)

@@ -1,5 +1,5 @@
 """pipeline.scheduling.scheduler: requests join and leave the decode rows while the mesh runs, and
-each request gets exactly the tokens it gets alone (static_batch.generate on its prompt only),
+each request gets exactly the tokens it gets alone (a scheduler that runs nothing else),
 whatever arrived before, beside or after it, on every mesh shape."""
 
 import asyncio
@@ -63,6 +63,18 @@ def _engine(cfg, S, C, **kw):
     return _ENGINES[key]
 
 
+# Every scheduler of the module on an engine holds one pool of this many rows' pages
+# (the most rows a test asks for), so they run the same prefill programs (a program
+# takes the pool; rows of their own change only the decode programs).
+POOL_ROWS = 8
+
+
+def _scheduler(engine, max_batch, **kw) -> Scheduler:
+    page = engine.copies.page_bytes_per_device()
+    kw.setdefault("kv_cache_memory_bytes", POOL_ROWS * engine.pages_per_row * page)
+    return Scheduler(engine, max_batch, **kw)
+
+
 def _record_decodes(monkeypatch, engine) -> list[tuple[int, bool, bool]]:
     """(rows, sampled, logprobs) of every decode chunk `engine` runs from now on in this
     test: the shapes a shared engine's compiled programs no longer tell apart."""
@@ -80,23 +92,16 @@ def _record_decodes(monkeypatch, engine) -> list[tuple[int, bool, bool]]:
 
 @pytest.fixture(scope="module")
 def alone(cfg):
-    """(prompt, params) -> its tokens from static_batch.generate on the prompt alone (1x1)."""
-    engine = _engine(cfg, 1, 1)
+    """(prompt, params) -> its tokens through a 1x1 scheduler that runs nothing else."""
+    sched = _scheduler(_engine(cfg, 1, 1), 4)
     seen = {}
 
     def tokens(prompt, p: Params) -> list[int]:
         key = (tuple(prompt), p)
         if key not in seen:
-            gen = static_batch.generate(
-                engine,
-                [list(prompt)],
-                p.max_new_tokens,
-                p.sampling,
-                p.seed,
-                p.eos_ids,
-                with_logits=False,
-            )
-            seen[key] = gen.completions[0].token_ids
+            handle = sched.submit(list(prompt), p)
+            sched.run()
+            seen[key] = handle.tokens
         return seen[key]
 
     return tokens
@@ -120,7 +125,7 @@ def test_staggered_greedy_requests_get_their_tokens_alone(cfg, alone, mesh):
     # An EOS id the third request meets in its third token: it must stop there.
     eos = alone(prompts[2], params[2])[2]
     params[2] = Params(BUDGETS[2], eos_ids=(eos,))
-    sched = Scheduler(_engine(cfg, *mesh, microbatches=2), max_batch=3, prefill_tokens=20)
+    sched = _scheduler(_engine(cfg, *mesh, microbatches=2), max_batch=3, prefill_tokens=20)
     handles = [sched.submit(p, q) for p, q in zip(prompts[:2], params[:2])]
     sched.step()
     handles += [sched.submit(p, q) for p, q in zip(prompts[2:5], params[2:5])]
@@ -149,7 +154,7 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(cfg, alone, mesh):
     rng = np.random.default_rng(5)
     short, long_a, long_b = (rng.integers(0, cfg.V, n).tolist() for n in (4, 30, 17))
     sampled = Params(6, Sampling(temperature=0.9, top_k=20), seed=4)
-    sched = Scheduler(_engine(cfg, *mesh), max_batch=3, prefill_tokens=8)
+    sched = _scheduler(_engine(cfg, *mesh), max_batch=3, prefill_tokens=8)
     first = sched.submit(short, Params(12))
     sched.step()
     a = sched.submit(long_a, Params(5))
@@ -180,7 +185,7 @@ def test_long_prompt_chunks_run_ulysses_when_asked(cfg, alone):
     rng = np.random.default_rng(8)
     prompt = rng.integers(0, cfg.V, 21).tolist()
     engine = _engine(cfg, 1, 2, cp="ulysses")
-    sched = Scheduler(engine, max_batch=2, prefill_tokens=8)
+    sched = _scheduler(engine, max_batch=2, prefill_tokens=8)
     handle = sched.submit(prompt, Params(5))
     sched.run()
     assert handle.tokens == alone(prompt, Params(5))
@@ -200,7 +205,7 @@ def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone, monkeyp
     ]
     prompts = _prompts(cfg, 5, seed=1)
     engine = _engine(cfg, 2, 2)
-    sched = Scheduler(engine, max_batch=6)
+    sched = _scheduler(engine, max_batch=6)
     decodes = _record_decodes(monkeypatch, engine)
     handles = [sched.submit(p, q) for p, q in zip(prompts, settings)]
     sched.run()
@@ -209,13 +214,13 @@ def test_mixed_sampling_in_one_program_each_request_as_alone(cfg, alone, monkeyp
     assert len(set(decodes)) == 1 and decodes[0][1], decodes  # one shape, sampled
     # the blocking iterator runs the rounds itself: the same request alone in the
     # scheduler streams the same tokens as under load
-    lone = Scheduler(engine, max_batch=6)
+    lone = _scheduler(engine, max_batch=6)
     assert list(lone.submit(prompts[3], settings[3])) == handles[3].tokens
 
 
 def test_cancel_frees_the_row_for_a_waiting_request(cfg, alone):
     prompts = _prompts(cfg, 3, seed=2)
-    sched = Scheduler(_engine(cfg, 1, 1), max_batch=2)
+    sched = _scheduler(_engine(cfg, 1, 1), max_batch=2)
     handles = [sched.submit(p, Params(12)) for p in prompts]
     sched.step()
     assert [len(h.tokens) > 0 for h in handles] == [True, True, False] and sched.waiting == 1
@@ -237,7 +242,7 @@ def test_admission_prefills_each_length_bucket_in_whole_batches(cfg, alone, monk
     its length bucket only, in batches a bucketed shape fills without padding rows."""
     prompts = _prompts(cfg, 4, seed=5, lengths=(17, 30, 20, 18))  # buckets 24, 32, 24, 24
     engine = _engine(cfg, 1, 1)
-    sched = Scheduler(engine, max_batch=4)
+    sched = _scheduler(engine, max_batch=4)
     prefill, shapes = engine.prefill, []
 
     def recording(batch, *args, **kw):
@@ -260,7 +265,7 @@ def test_stand_ins_run_while_programs_compile_and_give_the_same_tokens(cfg, alon
     of bucket 24 are prefilled one at a time padded to 48, and the decode runs over both
     rows when one is left: each request's tokens are its tokens alone."""
     engine = _engine(cfg, 1, 1)
-    sched = Scheduler(engine, max_batch=2)
+    sched = _scheduler(engine, max_batch=2)
     prefill, shapes = engine.prefill, []
     monkeypatch.setattr(
         engine, "prefill", lambda b, *a: shapes.append((b.B, b.P_pad)) or prefill(b, *a)
@@ -277,7 +282,7 @@ def test_stand_ins_run_while_programs_compile_and_give_the_same_tokens(cfg, alon
 
 def test_background_loop_streams_to_async_and_blocking_readers(cfg, alone):
     prompts = _prompts(cfg, 4, seed=3)
-    sched = Scheduler(_engine(cfg, 2, 1), max_batch=2)
+    sched = _scheduler(_engine(cfg, 2, 1), max_batch=2)
     sched.start()
     try:
 
@@ -305,7 +310,7 @@ def test_admitted_prompts_are_prefilled_into_the_pool_in_place(cfg):
     aliases the pool to the output (no copy of it), the old buffers are gone, and the
     request's pages are the lowest free ones."""
     engine = _engine(cfg, 2, 2)
-    sched = Scheduler(engine, max_batch=4)
+    sched = _scheduler(engine, max_batch=4)
     before = sched.executor.cache
     sched.submit([1, 2, 3], Params(2))
     sched.step()
@@ -320,7 +325,7 @@ def test_admitted_prompts_are_prefilled_into_the_pool_in_place(cfg):
 
 
 def test_refusals_are_one_line_errors_and_disturb_nothing(cfg, alone):
-    sched = Scheduler(_engine(cfg, 1, 2), max_batch=2, max_queue=2)
+    sched = _scheduler(_engine(cfg, 1, 2), max_batch=2, max_queue=2)
     prompt = _prompts(cfg, 1)[0]
     running = sched.submit(prompt, Params(5))
     for bad, match in [
@@ -373,15 +378,14 @@ from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 from qwen3_spmd.sharding.mesh import make_mesh
 
 folder, mesh_text, requests = sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
-pool_blocks, later = int(sys.argv[6]), json.loads(sys.argv[7])
+cached, later = sys.argv[6] == "cached", json.loads(sys.argv[7])
 S, C, X = [*map(int, mesh_text.split("x")), 1][:3]
 cfg = Qwen3Config.from_hf(folder)
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 engine = Engine(cfg, HFCheckpoint(folder, cfg), make_mesh(S, C, devices, tensor=X),
-                max_seq_len=64, chunk=4)
+                max_seq_len=64, chunk=4, block_size=8)
 sched = Scheduler(engine, max_batch=2, prefill_tokens=8, decisions=SharedDecisions(30),
-                  prefix_cache_bytes=pool_blocks * engine.copies.pool_bytes_per_block(8),
-                  prefix_block=8)
+                  prefix_caching=cached)
 if rank:
     sched.follow()
     print("FOLLOWED", sched.rounds, flush=True)
@@ -404,16 +408,17 @@ else:
 
 # 2x1x2: stages across the processes, tensor inside each (seq across two processes is
 # test_serve's two-process server, on 1x2).
-@pytest.mark.parametrize("mesh, pool_blocks", [("2x1x2", 8)])
-def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
+@pytest.mark.parametrize("mesh, cached", [("2x1x2", True)])
+def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, cached):
     """Two processes of two CPU devices each run one scheduler: process 0 takes staggered
     requests (a long one prefilled in chunks, greedy and sampled, a cancellation) and
     the other follows its rounds; every request's tokens are those it gets alone. On
     2x1x2 (a stage per process, its heads over the process's two devices) with a prefix
-    cache of eight 8-token blocks (room for every block, no eviction): a later request that begins as the long one hits
-    both blocks, and a next turn of the first request (its prompt, its reply, more)
-    hits the block its reply completed, so the pool's saves and hits, those of ended
-    requests included, came to both processes."""
+    cache in pages of 8 tokens (room for every block, no eviction): a later request
+    that begins as the long one hits both blocks, and a next turn of the first request
+    (its prompt, its reply, more) hits the block its reply completed, so the blocks
+    named and shared, those of ended requests included, are the same on both
+    processes."""
     import json
     import subprocess
     import sys
@@ -432,7 +437,14 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
     later = [(first[0] + reply + rng.integers(0, cfg.V, 3).tolist(), 4, 0.0)]  # 15 tokens
     port = free_port()
     env = child_env()
-    argv = [str(port), str(TINY), mesh, json.dumps(waves), str(pool_blocks), json.dumps(later)]
+    argv = [
+        str(port),
+        str(TINY),
+        mesh,
+        json.dumps(waves),
+        "cached" if cached else "-",
+        json.dumps(later),
+    ]
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PROCESS, str(r), *argv],
@@ -455,7 +467,7 @@ def test_two_processes_follow_process_0_rounds(cfg, alone, mesh, pool_blocks):
         assert reason == "length"
     assert got[-1][1] == "cancelled"
     # the first request's 5 + 6 tokens with K/V make one block
-    hits = [0, 0, 0, 0, 16, 8] if pool_blocks else [0] * 6
+    hits = [0, 0, 0, 0, 16, 8] if cached else [0] * 6
     assert [c for _, _, c in got[:-1]] == hits
 
 
@@ -485,7 +497,7 @@ def test_a_light_load_decodes_only_the_rows_up_to_the_highest_busy_one(cfg, alon
     """One request among 8 rows in 2 groups takes row 0: the chunks run over the first
     group's worth of rows (2), not all 8, and give the same tokens."""
     engine = _engine(cfg, 2, 1)
-    sched = Scheduler(engine, max_batch=8)
+    sched = _scheduler(engine, max_batch=8)
     decodes = _record_decodes(monkeypatch, engine)
     prompt = _prompts(cfg, 1, seed=6)[0]
     handle = sched.submit(prompt, Params(6))
@@ -501,7 +513,7 @@ def test_a_request_left_in_a_high_row_moves_down_and_the_chunks_run_over_few_row
     moves to row 0 (its K/V copied in place, the cache not copied whole), so the chunks
     run over 2 rows, then 1, not 4, with the same tokens."""
     engine = _engine(cfg, 1, 1)
-    sched = Scheduler(engine, max_batch=4)
+    sched = _scheduler(engine, max_batch=4)
     decodes = _record_decodes(monkeypatch, engine)
     prompts = _prompts(cfg, 4, seed=12)
     budgets = [2, 3, 2, 9]
@@ -526,7 +538,7 @@ def test_a_chunk_ends_where_the_first_row_reaches_its_budget(cfg, alone):
     stops when the first row is done (no step past it), and the waiting request takes
     that row the next round. The accounting sees every row-step used."""
     prompts = _prompts(cfg, 3, seed=7)
-    sched = Scheduler(_engine(cfg, 1, 1), max_batch=2, short_chunk=4)
+    sched = _scheduler(_engine(cfg, 1, 1), max_batch=2, short_chunk=4)
     budgets = [3, 12, 5]
     handles = [sched.submit(p, Params(n)) for p, n in zip(prompts, budgets)]
     sched.step()  # admits two; a 4-step chunk would run 2 steps past the first's end
@@ -554,7 +566,7 @@ def test_on_two_stages_a_chunk_ends_early_only_when_the_empty_row_costs_more(
     costs that row's empty steps (1 stage-tick each). 3 empty steps: it ends; 2: it
     runs on."""
     engine = _engine(cfg, 2, 1)
-    sched = Scheduler(engine, max_batch=4, short_chunk=4)
+    sched = _scheduler(engine, max_batch=4, short_chunk=4)
     budgets = [first_budget, 12, 12, 12, 3]
     for p, n in zip(_prompts(cfg, 5, seed=9), budgets):
         sched.submit(p, Params(n))
@@ -584,7 +596,7 @@ def test_a_cancel_shortens_the_chunks_while_requests_wait(cfg, alone):
     """2x1, 4 rows, requests waiting: the first chunk runs the engine's whole chunk (no
     row has ended early: a short one would only add a pipeline fill and drain); after
     two cancels in 16 busy row-steps, round(sqrt(2 * 16 / (2 * 2))) = 3 steps."""
-    sched = Scheduler(_engine(cfg, 2, 1), max_batch=4, short_chunk=2)
+    sched = _scheduler(_engine(cfg, 2, 1), max_batch=4, short_chunk=2)
     prompts = _prompts(cfg, 7, seed=11)
     handles = [sched.submit(p, Params(12)) for p in prompts]
     sched.step()  # admits four; three wait
@@ -609,7 +621,7 @@ def test_logprobs_are_the_models_and_min_tokens_bans_the_end(cfg, alone):
     gen = static_batch.generate(engine, [prompt], n, Sampling(), 0, (), with_logits=True)
     tokens = gen.completions[0].token_ids
     logp = jax.nn.log_softmax(np.asarray(gen.first_logits, np.float64), axis=-1)
-    sched = Scheduler(engine, max_batch=2)
+    sched = _scheduler(engine, max_batch=2)
     got = sched.submit(prompt, Params(n, logprobs=True))
     sched.run()
     assert got.tokens == tokens and len(got.logprobs) == n
@@ -643,7 +655,7 @@ def test_after_precompile_a_load_of_every_kind_compiles_nothing(cfg, alone, monk
     bucket), greedy and sampled rows, log-probabilities and a row moving down compiles
     nothing (XLA's compile events are counted while it runs), and the greedy tokens
     are those of each request alone."""
-    sched = Scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=32)
+    sched = _scheduler(_engine(cfg, 2, 2), max_batch=4, prefill_tokens=32)
     declared = sched.rules.declared()
     assert sched.precompile() == len(declared)
     moves, chunks = [], []
@@ -705,7 +717,7 @@ def test_a_pool_of_few_pages_preempts_and_resumes_with_the_same_tokens(cfg, alon
         assert len(held) == len(set(held)) and len(held) + sched.book.pages.free == 4
     assert sched.preemptions > 0 and sched.most_running >= 2
     assert sched.book.pages.free == 4
-    roomy = Scheduler(engine, max_batch=4)  # every row's most: no request waits for pages
+    roomy = _scheduler(engine, max_batch=4)  # 8 rows' most: no request waits for pages
     unpressured = [roomy.submit(p, q) for p, q in zip(prompts, params)]
     roomy.run()
     assert roomy.preemptions == 0

@@ -604,7 +604,6 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
             compiles_left=0,
             clock=NS(compile_s=0.0),
             prefix=None,
-            prefix_cache_bytes=0,
             kv_usage=0.0,
             pages=1,
             kv_tokens=16,
