@@ -12,12 +12,8 @@ job that applies the same takes and gives holds the same tables.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from qwen3_spmd.pipeline.batch.prefix import PrefixBook
 
 
 class PageBook:
@@ -28,7 +24,7 @@ class PageBook:
         self.pages = pages
         self.refs = np.zeros(pages, np.int32)  # [pages] rows that hold each page
         self._free = list(range(pages))  # a heap: pages no row holds nor the cache keeps
-        self.cache: PrefixBook | None = None
+        self.cache = None  # the prefix cache (`pipeline.batch.prefix.PrefixBook`)
 
     @property
     def free(self) -> int:

@@ -389,7 +389,8 @@ def _lengths(run):
 
 def _check_slot_positions(run):
     """Decode step j writes the K/V of generated token j on seq device j % C at local slot
-    P/C + j // C; the prompt's zigzag share fills local slots 0 .. P/C - 1."""
+    P/C + j // C (one seq device: right after the prompt's n tokens, at n + j, over its
+    padding: `RowBook.start`); the prompt's zigzag share fills local slots 0 .. P/C - 1."""
     eng, layout = run.engine, run.gen.layout
     C, S_loc, P = eng.C, eng.slots_per_device, layout["padded_prompt"]
     steps = layout["decode_steps"]
@@ -400,8 +401,9 @@ def _check_slot_positions(run):
     for b, n in enumerate(_lengths(run)):
         for c in range(C):
             want[b, c, : P // C] = np.where(share[c] < n, share[c], -1)
+        first = n if C == 1 else P // C
         for j in range(steps):
-            want[b, j % C, P // C + j // C] = n + j
+            want[b, j % C, first + j // C] = n + j
     np.testing.assert_array_equal(sp, want)
     return sp
 
