@@ -76,6 +76,7 @@ class EngineArgs:
     max_batch: int = 8
     block_size: int = 16
     kv_cache_memory_bytes: str | int | None = None  # "2G" as vLLM writes it (flags.byte_count)
+    gpu_memory_utilization: float = 0.9
     prefill_tokens: int = 4096
     max_queue: int = 256
     enable_prefix_caching: bool | None = None
@@ -261,6 +262,10 @@ class EngineArgs:
             given = byte_count(self.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
             if given < 1:
                 raise CLIError(f"--kv-cache-memory-bytes {given} must be at least 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise CLIError(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]"
+            )
         if self.runner not in RUNNERS:
             raise CLIError(f"--runner {self.runner} is not one of {', '.join(RUNNERS)}")
         overrides = self.overrides()
@@ -477,29 +482,45 @@ class EngineArgs:
             block_size=self.block_size,
         )
 
-    def scheduler(self, engine, decisions=None, speculator=None, **door):
+    def scheduler(self, engine, many: bool = False, decisions=None, speculator=None, **door):
         """The continuous-batching Scheduler over `engine` with these settings, speculating
-        with `speculator` (`pipeline.scheduling.build.scheduler`; decisions: how several
-        processes share each round; door: what a door adds that is not a setting)."""
+        with `speculator` (`pipeline.scheduling.build.scheduler`; many: several processes,
+        decisions: how they share each round; door: what a door adds that is not a
+        setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling import build
 
         try:
+            pool = build.pool_size(
+                engine,
+                self.max_batch,
+                self.kv_cache_bytes(),
+                self.gpu_memory_utilization,
+                many,
+                speculator,
+                self.prefill_tokens,
+            )
             return build.scheduler(
                 engine,
                 self.max_batch,
+                pool,
                 self.enable_prefix_caching,
                 prefill_tokens=self.prefill_tokens,
                 max_queue=self.max_queue,
                 decisions=decisions,
                 speculator=speculator,
-                kv_cache_memory_bytes=self.kv_cache_bytes(),
                 **door,
             )
         except RequestError as e:  # a pool under a page
             if e.param != "kv_cache_memory_bytes":
                 raise
-            raise CLIError(f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes}: {e}") from None
+            given = self.kv_cache_memory_bytes
+            if given is None:  # sized from the device's memory: too little of it is free
+                raise CLIError(
+                    f"{e}; the pool was sized by {pool.how}: give --kv-cache-memory-bytes "
+                    "or a higher --gpu-memory-utilization"
+                ) from None
+            raise CLIError(f"--kv-cache-memory-bytes {given}: {e}") from None
 
     def kv_cache_bytes(self) -> int | None:
         """--kv-cache-memory-bytes as a count (None: every row's most)."""
@@ -577,6 +598,16 @@ def _add_scheduler_args(parser, d: EngineArgs) -> None:
         "integer, or with k/m/g (decimal) or K/M/G (binary), e.g. 2G; requests take pages "
         "for the tokens they may reach and wait for free ones (default: every row's "
         "--max-model-len)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        metavar="FRACTION",
+        default=d.gpu_memory_utilization,
+        help="without --kv-cache-memory-bytes: the share of each device's memory for "
+        "weights, activations and KV pages, the pages being what is left (vLLM's flag; "
+        "default %(default)s); a CPU tells no memory: every row's --max-model-len, "
+        "within that share of the host's available memory",
     )
     parser.add_argument(
         "--max-queue",

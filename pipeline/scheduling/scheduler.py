@@ -91,7 +91,9 @@ class Scheduler:
         runs it; None: plain decoding.
       kv_cache_memory_bytes: each device's bytes for the pool of KV pages (vLLM's
         --kv-cache-memory-bytes), rounded down to whole pages; None: every row's most
-        (max_seq_len a row, so no request ever waits for pages).
+        (max_seq_len a row, so no request ever waits for pages). kv_sizing: how those
+        bytes were found, in words (`pipeline.scheduling.build.pool_size`), for
+        `pool_line`.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class Scheduler:
         grammars: Grammars | None = None,
         speculator: Speculator | None = None,
         kv_cache_memory_bytes: int | None = None,
+        kv_sizing: str = "",
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
@@ -175,6 +178,7 @@ class Scheduler:
             speculator=speculator,
         )
         self.grammars = grammars
+        self.kv_sizing = kv_sizing
         self.max_queue = max_queue
         self.rounds = 0
         self.most_running = 0  # the most requests a round has decoded at once
@@ -272,6 +276,7 @@ class Scheduler:
             f"{self.kv_tokens:,} tokens ({self.kv_bytes_per_device / 2**30:.2f} GiB a device); "
             f"maximum concurrency for {eng.max_seq_len:,} tokens per request: "
             f"{self.max_concurrency:.2f}x ({self.B} rows)"
+            + (f"; sized by {self.kv_sizing}" if self.kv_sizing else "")
         )
 
     @property

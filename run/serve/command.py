@@ -243,7 +243,9 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int, runner
     # Structured outputs: every process runs the same matchers on the same tokens.
     if not engine.pooling:
         speculator = engine_args.speculator(engine, on_compile=announce)
-    scheduler = engine_args.scheduler(engine, decisions, speculator=speculator, grammars=grammars)
+    scheduler = engine_args.scheduler(
+        engine, procs.many, decisions, speculator=speculator, grammars=grammars
+    )
     if procs.leader:
         _say(scheduler.pool_line())
     # Every process compiles the same programs, each its own (compiling is local).

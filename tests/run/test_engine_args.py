@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qwen3_spmd.pipeline.scheduling.build import prefix_caching
+from qwen3_spmd.pipeline.scheduling import build
+from qwen3_spmd.pipeline.scheduling.build import pool_size, prefix_caching
 from qwen3_spmd.run import llm
 from qwen3_spmd.run.bench.command import _settings
 from qwen3_spmd.run.bench.jobs import engine_args as bench_engine_args
@@ -95,6 +96,44 @@ def test_parallel_sizes_build_the_mesh():
     assert _cli("generate", "--mesh", "2x1x2", "-tp", "2").mesh_shape(on_cpu=False).tensor == 2
     with pytest.raises(CLIError, match="--mesh 2x2 has 1 where --tensor-parallel-size says 2"):
         _cli("generate", "--mesh", "2x2", "-tp", "2").mesh_shape(on_cpu=False)
+
+
+def _engine(stats: dict | None = None, devices: int = 1):
+    """What pool_size reads of an Engine: its first device's memory `stats` (a CPU says
+    nothing), its devices, the rows' KV bytes (1000 a row), a prefill's temporaries."""
+    device = SimpleNamespace(memory_stats=lambda: stats, platform="gpu" if stats else "cpu")
+    return SimpleNamespace(
+        mesh=SimpleNamespace(devices=SimpleNamespace(flat=[device], size=devices)),
+        copies=SimpleNamespace(cache_bytes_per_device=lambda rows: 1000 * rows),
+        max_seq_len=64,
+        M=1,
+        prefill_memory=lambda batch, tokens: {"temp": 3 * tokens},
+    )
+
+
+def test_the_pool_is_what_the_device_leaves_or_every_rows_most(monkeypatch):
+    """vLLM's sizing: --kv-cache-memory-bytes as given; on a device that tells its memory,
+    --gpu-memory-utilization of it less what is in use, a draft model's rows and the
+    largest prefill's temporaries (a microbatch of min(prefill_tokens, max_seq_len));
+    several processes, or a CPU: every row's most, on a CPU within that share of the
+    host's available memory over its devices."""
+    gpu = {"bytes_limit": 100_000, "bytes_in_use": 20_000}
+    assert pool_size(_engine(gpu), 8, asked=5000).bytes == 5000
+    got = pool_size(_engine(gpu), 8, utilization=0.9)
+    assert got.bytes == 90_000 - 20_000 - 3 * 64 and "--gpu-memory-utilization 0.9" in got.how
+    drafter = SimpleNamespace(
+        drafter=SimpleNamespace(engine=SimpleNamespace(copies=_engine().copies))
+    )
+    assert pool_size(_engine(gpu), 8, speculator=drafter).bytes == 90_000 - 20_000 - 192 - 8000
+    assert pool_size(_engine(gpu), 8, many=True).bytes is None
+    monkeypatch.setattr(build, "host_available_bytes", lambda: 10**9)
+    assert pool_size(_engine(), 8).bytes is None  # 8 rows of 1000 bytes fit
+    monkeypatch.setattr(build, "host_available_bytes", lambda: 10_000)
+    cpu = pool_size(_engine(devices=2), 8, utilization=0.5)
+    assert cpu.bytes == 2500 and "no memory stats on cpu" in cpu.how
+    with pytest.raises(CLIError, match="--gpu-memory-utilization 1.5 must be in"):
+        _cli("serve", "--gpu-memory-utilization", "1.5").check()
+    assert llm.engine_args(gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
 
 
 @pytest.mark.parametrize(
