@@ -25,6 +25,8 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # pages' examples, which run in a reader's environment and print their tokens.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 # Many tests compile the same programs (a fresh engine of the same shapes, a server and
 # the generate runs beside it): one compilation cache in a folder made for this session,
