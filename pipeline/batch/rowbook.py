@@ -6,8 +6,9 @@ cache slots holds, and (in `table`) the pages of the KV pool those slots live in
 (`ring.pages`; the free ones in `pages`). A row holds no page until a request starts
 in it, then its prompt's pages, and more as its decode steps reach them, until it ends
 (or is preempted); with a prefix cache a row's first pages may be shared with other
-rows (a hit), and its whole blocks are named for later prompts (`pipeline.batch.prefix`). A long prompt being prefilled a chunk a round holds a row too
-(`chunking`) until its last chunk. The methods below are the only writers of this
+rows (a hit), and its whole blocks are named for later prompts
+(`pipeline.batch.prefix`). A long prompt being prefilled a chunk a round holds a row
+too (`chunking`) until its last chunk. The methods below are the only writers of this
 state; the planner reads it, the executor writes it through them, and every process
 of a job applies the same writes in the same order.
 """

@@ -54,12 +54,25 @@ def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> di
         ),
         "schedule": engine.schedules(out.layout),
         "kv_bytes_per_device": max(traffic.bytes_per_device((out.cache.k, out.cache.v))),
+        "kv_cache": _pool_report(engine, out.cache.k.shape[1]),
         "weight_bytes_per_device": max(traffic.bytes_per_device(engine.weights.state)),
         # what each process read from the checkpoint (0 for random weights)
         "weight_bytes_read_per_process": _per_process(read, procs),
         "layout": out.layout,
         **_cp_report(out.layout, out.timing),
         **_speculative_report(speculator),
+    }
+
+
+def _pool_report(engine, pages: int) -> dict:
+    """The pool of KV pages the run held: its pages, the tokens a page and the pool hold
+    (over the seq devices), and how many requests of max_seq_len tokens it holds."""
+    page_tokens = engine.block_size * engine.C
+    return {
+        "pages": pages,
+        "page_tokens": page_tokens,
+        "tokens": pages * page_tokens,
+        "max_concurrency": pages / engine.pages_per_row,
     }
 
 
@@ -165,7 +178,8 @@ def readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) -
         "",
         f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
         f"at {r['bytes_per_value']} bytes per value)",
-        f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}",
+        f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}  "
+        f"({r['kv_cache']['pages']} pages of {r['kv_cache']['page_tokens']} tokens)",
         f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
         # With one seq device nothing moves along seq: no strategy to name.
         f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "

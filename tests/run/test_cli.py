@@ -65,6 +65,9 @@ def test_demo_on_2x2_matches_single_device(capsys):
     assert out["schedule"]["prefill"]["idle_fraction"] == pytest.approx(0.5)
     assert out["schedule"]["decode"]["steady_idle_fraction"] == 0.0
     assert out["kv_bytes_per_device"] > 0 and out["weight_bytes_per_device"] > 0
+    pool = out["kv_cache"]  # a static batch: each row its max_seq_len of pages of 16 x 2
+    assert pool["page_tokens"] == 32 and pool["tokens"] == 32 * pool["pages"]
+    assert pool["max_concurrency"] == int(pool["max_concurrency"]) >= len(out["requests"])
     # Its prompts are text, through Qwen3's tokenizer; its replies decoded text (noise).
     assert out["requests"][0]["prompt_ids"] == [785, 14796, 27455]  # "The river flows"
     assert all(isinstance(r["text"], str) for r in out["requests"])

@@ -136,6 +136,12 @@ def test_the_pool_is_what_the_device_leaves_or_every_rows_most(monkeypatch):
     assert llm.engine_args(gpu_memory_utilization=0.5).gpu_memory_utilization == 0.5
 
 
+def test_max_num_seqs_defaults_to_vllms_on_a_gpu_and_to_8_on_a_cpu():
+    gpu = {"bytes_limit": 100_000, "bytes_in_use": 20_000}
+    assert (_cli("serve").rows(_engine(gpu)), _cli("serve").rows(_engine())) == (256, 8)
+    assert _cli("serve", "--max-num-seqs", "3").rows(_engine(gpu)) == 3
+
+
 @pytest.mark.parametrize(
     "flags, C, expected",
     [
