@@ -154,17 +154,6 @@ class RowBook:
         """Row b takes the pages `decode_pages` says it lacks."""
         self.grow(b, self.ahead_slots(b, ahead))
 
-    def slot_pages(self, table: np.ndarray, slots) -> tuple[np.ndarray, np.ndarray]:
-        """(pages, offsets) of local slots `slots` [m] of a row with pages `table` [n]
-        (`ring.pages`), for the copies that address slots on the host."""
-        slots = np.asarray(slots)
-        return table[slots // self.block_size], slots % self.block_size
-
-    def block_pages(self, table: np.ndarray, j: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-        """`slot_pages` of prompt block j, local slots [j m, (j + 1) m) (a prefix-cache
-        block of m local slots, in a prompt's block layout)."""
-        return self.slot_pages(table, j * m + np.arange(m))
-
     # ---- writing -----------------------------------------------------------------
 
     def share(self, b: int, blocks) -> None:

@@ -3,8 +3,9 @@
 It owns the device state of continuous batching (the pool of KV pages every row's
 slots live in), runs each part of a `Round` on the `Engine` (prefills into the rows'
 pages, the decode chunk), and writes the results into the row book through its
-methods (which hand out the pages and name the prefix cache's blocks). It decides nothing: every
-process of a job executes the same `Round` alike, and gets the same tokens.
+methods (which hand out the pages and name the prefix cache's blocks). It decides
+nothing: every process of a job executes the same `Round` alike, and gets the same
+tokens.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class Executor:
 
     cache: the KV pool of the book's pages (`Copies.empty_cache`), with the prefix
     cache's blocks where the book has one (`RowBook.prefix`); block_layout: the block
-    prompts are laid out by (`ShapeRules.layout_block`). grammars: the grammar engine for requests with a
-    constraint (`pipeline.structured.constraints`), None when none can have one.
+    prompts are laid out by (`ShapeRules.layout_block`). grammars: the grammar engine
+    for requests with a constraint (`pipeline.structured.constraints`), None when none
+    can have one.
     speculator: runs the rounds the planner plans as verify passes (None: plain
     decoding only).
     """
