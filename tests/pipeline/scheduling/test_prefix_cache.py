@@ -156,16 +156,16 @@ def _engines_go_with_the_module():
     _ENGINES.clear()
 
 
-def _engine(cfg, S, C):
+def _engine(cfg, S, C, X=1):
     """One engine per mesh for the module (1x1's serves the reference too: the programs
     of one `seq` device are the same with the cache and without it), in pages of
     BLOCK tokens: the cache's block is a page's."""
-    if (S, C) not in _ENGINES:
-        mesh = make_mesh(S, C, jax.devices()[: S * C])
-        _ENGINES[S, C] = Engine(
+    if (S, C, X) not in _ENGINES:
+        mesh = make_mesh(S, C, jax.devices()[: S * C * X], tensor=X)
+        _ENGINES[S, C, X] = Engine(
             cfg, HFCheckpoint(TINY, cfg), mesh, max_seq_len=64, chunk=4, block_size=BLOCK // C
         )
-    return _ENGINES[S, C]
+    return _ENGINES[S, C, X]
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,11 @@ def plain(cfg):
     return tokens
 
 
-@pytest.mark.parametrize("mesh", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize(
+    "mesh",
+    [(1, 1), (2, 1), (1, 2), (2, 2), (1, 1, 2)],
+    ids=lambda m: "x".join(map(str, m)),
+)
 def test_requests_get_the_same_tokens_with_the_cache_as_without(cfg, plain, mesh):
     engine = _engine(cfg, *mesh)
     pages = 9  # a row's most (8) and one: a long request evicts a kept block
