@@ -99,9 +99,9 @@ class PrefixBook:
     def __init__(self, pages: PageBook, block: int, m: int):
         self.book, self.block, self.m = pages, block, m
         pages.cache = self
-        # A waiting prompt is looked up every round until admitted, then its blocks are
-        # named again as its row keeps them: hash each prompt once. As many as the
-        # server's default queue (256) and as many again, not every prompt ever seen.
+        # A waiting prompt is looked up every round until admitted: hash each prompt
+        # once. As many as the server's default queue (256) and as many again, not
+        # every prompt ever seen.
         self.names = functools.lru_cache(maxsize=512)(lambda prompt: block_names(prompt, block))
         self.where: dict[str, tuple[int, ...]] = {}  # block name -> its pages
         self.name_of: dict[int, str] = {}  # page -> the block it is part of

@@ -21,7 +21,7 @@ import numpy as np
 
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
 from qwen3_spmd.pipeline.batch.pages import PageBook
-from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_slot_pos, prefix_block
+from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_names, block_slot_pos
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
@@ -76,8 +76,9 @@ class Chunking:
 class RowBook:
     """B rows of a decode batch in `groups` groups, on C seq devices of `slots` local
     cache slots each, in pages of `block_size` slots (default: one page a row) from a
-    pool of `pages` (default: every row's most); prefix: a prefix cache over the pool's
-    pages (`prefix_block`'s blocks), in `self.prefix`."""
+    pool of `pages` (default: every row's most); prefix_block: a prefix cache over the
+    pool's pages in blocks of that many tokens (`pipeline.batch.prefix.prefix_block`,
+    whole pages), in `self.prefix` (None: none)."""
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class RowBook:
         slots: int,
         block_size: int | None = None,
         pages: int | None = None,
-        prefix: bool = False,
+        prefix_block: int | None = None,
     ):
         self.B, self.groups = rows, groups
         self.block_size = block_size or slots
@@ -102,9 +103,9 @@ class RowBook:
         self.lengths = np.zeros(rows, np.int32)  # [B] prompt lengths
         self.chunking: Chunking | None = None
         self.prefix = None
-        if prefix:
-            block = prefix_block(C, self.block_size)
-            self.prefix = PrefixBook(self.pages, block, block // C // self.block_size)
+        if prefix_block is not None:
+            m = prefix_block // C // self.block_size  # a block's pages
+            self.prefix = PrefixBook(self.pages, prefix_block, m)
 
     # ---- reading -----------------------------------------------------------------
 
@@ -173,7 +174,9 @@ class RowBook:
             return
         block, C = self.prefix.block, slot_pos.shape[0]
         n = block // C  # a block's local slots
-        names = self.prefix.names(tuple(tokens))
+        # hashed here, not through the book's cache of waiting prompts' names: a row's
+        # tokens are named once, and would push those out
+        names = block_names(tokens, block)
         want = block_slot_pos(len(names), block, C, slot_pos.shape[1])
         for j, name in enumerate(names):
             at = slice(j * n, (j + 1) * n)

@@ -1,7 +1,8 @@
 """An engine and its scheduler built from settings: the Engine, its Speculator (a draft
 model's own Engine on the same mesh), the pool of KV pages sized from the device's
-memory, whether the prefix cache is on, the Scheduler over them. Every door builds through here
-(run.engine_args says its settings in these terms, and these errors in its own words);
+memory, whether the prefix cache is on, the Scheduler over them. Every door builds
+through here (run.engine_args says its settings in these terms, and these errors in its
+own words);
 it sits in the last room because it needs the engine, speculation and the scheduler."""
 
 from __future__ import annotations

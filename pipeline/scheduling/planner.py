@@ -247,8 +247,8 @@ class Planner:
         """The pages of the prompt's first blocks the prefix cache names
         (`PrefixBook.lookup`): a hit is prefilled from its first uncached token on, as a
         long prompt's later chunks. None for a request that asks for its prompt's
-        log-probabilities (nor without a cache): a hit would skip the positions it asks for (vLLM bypasses
-        the cache for it too)."""
+        log-probabilities (nor without a cache): a hit would skip the positions it asks
+        for (vLLM bypasses the cache for it too)."""
         if self.prefix is None or request.params.prompt_logprobs:
             return []
         return self.prefix.lookup(request.prompt)

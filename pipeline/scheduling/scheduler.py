@@ -153,7 +153,7 @@ class Scheduler:
             engine.slots_per_device,
             block_size=engine.block_size,
             pages=self.pages,
-            prefix=cached,
+            prefix_block=block if cached else None,
         )
         self.prefix = self.book.prefix
         self.planner = Planner(

@@ -10,8 +10,8 @@ one run, on the loads it is for and on one it is not.
                 nothing to share): what the cache costs where it cannot help.
 
 Each load runs once to compile what it meets, then timed with the cache and without,
-in turn, over the same pool of KV pages (every row's most). Ratios are the cache's over no cache's: time to first token p50 (lower is
-better) and output tokens/s.
+in turn, over the same pool of KV pages (every row's most). Ratios are the cache's
+over no cache's: time to first token p50 (lower is better) and output tokens/s.
 """
 
 from __future__ import annotations

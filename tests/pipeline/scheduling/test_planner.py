@@ -329,7 +329,7 @@ def test_a_request_for_its_prompts_logprobs_is_prefilled_whole_past_a_prefix_hit
     rules = ShapeRules(
         4, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=32, chunk_tokens=32, block=8
     )
-    book = RowBook(4, 1, C=1, slots=64, block_size=8, prefix=True)
+    book = RowBook(4, 1, C=1, slots=64, block_size=8, prefix_block=8)
     prompt = tuple(range(1, 21))
     held = np.full((1, 64), -1)
     held[0, :20] = np.arange(20)

@@ -95,7 +95,7 @@ def test_a_row_names_only_blocks_whose_slots_hold_their_positions():
     """One seq device: a 5-token prompt padded to 8 slots and 11 tokens after it. Decode
     right after the prompt (`RowBook.start`) leaves its tokens in order: two blocks; had
     it started past the padding, no block would hold its positions."""
-    book = RowBook(1, 1, C=1, slots=32, block_size=BLOCK, prefix=True)
+    book = RowBook(1, 1, C=1, slots=32, block_size=BLOCK, prefix_block=BLOCK)
     tokens = list(range(50, 66))  # 16 tokens with K/V
     table = np.array(book.pages.take(4))
     in_order = np.full((1, 32), -1, np.int32)
