@@ -75,7 +75,9 @@ def decode_attention(
       slot_pos: [B, S] int32 positions held in the rows' local slots (-1: empty),
         S = n bs.
       table: [B, n] int32 the rows' pages (the same on every device).
-      axis_name: the mesh axis the cache is sharded along.
+      axis_name: the mesh axis the cache is sharded along; None: this device holds
+        every slot (one `seq` device), and its partial result is the whole (no merge:
+        over one device, its three all-reduces would each still be a launch a layer).
       scale: multiplier of the scores, usually H ** -0.5.
       filled: optional int32, a scalar or one per row [B] (traced or not): a row's
         slots at or past it are ignored (a cache filled in slot order holds nothing
@@ -100,7 +102,8 @@ def decode_attention(
     check_attention_shapes(
         "decode_attention", q, rows(k_cache), rows(v_cache), q_pos, slot_pos, kv_heads_major=True
     )
-    check_axis("decode_attention", axis_name)
+    if axis_name is not None:
+        check_axis("decode_attention", axis_name)
     S = n * bs
     if filled is not None:
         filled = jnp.asarray(filled)
@@ -118,6 +121,8 @@ def decode_attention(
     else:
         most = jnp.max(filled)
         o, lse = _filled_blocks(q, k_cache, v_cache, at, table, q_pos, slot_pos, most, scale)
+    if axis_name is None:
+        return o.astype(q.dtype), lse
     m = finite_or_zero(lax.pmax(lse, axis_name))
     w = jnp.exp(lse - m)  # [B, T, N]
     den = lax.psum(w, axis_name)

@@ -109,10 +109,20 @@ def from_last_stage(x: jax.Array) -> jax.Array:
     return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), ("stage", "tensor"))
 
 
+def seq_axis() -> str | None:
+    """The axis decode attention merges over: "seq", or None on one `seq` device, whose
+    slots are all the cache (`ring.decode_attention`: no merge collectives). The
+    program's values vary along every axis anyway (`vary`); `from_device` makes its
+    outputs invariant."""
+    return "seq" if jax.lax.axis_size("seq") > 1 else None
+
+
 def shift(x, cyclic: bool):
     """Sends x from stage s to stage s + 1 (and the last back to stage 0 when cyclic);
     a stage that receives nothing gets zeros."""
     n = jax.lax.axis_size("stage")
+    if n == 1 and cyclic:
+        return x  # one stage sends to itself: no permute (a launch a tick)
     perm = [(s, (s + 1) % n) for s in range(n if cyclic else n - 1)]
     return jax.lax.ppermute(x, "stage", perm) if perm else jax.tree.map(jnp.zeros_like, x)
 

@@ -118,3 +118,24 @@ def test_lookup_replay_drafts_after_every_token_or_after_plain_chunks():
     }
     # Loop: after [.., 3, 1] it drafts [2, 3]; then one (the last token left) [2].
     assert replay(prompt, tokens, 2, every_token=True) == {"drafted": 3, "kept": 3, "passes": 2}
+
+
+@pytest.mark.parametrize("name", ["gate_fd", "down_df"])  # D the input; D the output
+def test_fp8_measure_formulations_compute_the_dequantized_product(name):
+    """Each FP8 formulation the tool times is the product on the dequantized weight:
+    `blocked` to float32 rounding, `w8a8` (activations in float8 too) to a few percent."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    tool = load("fp8_measure")
+    rng = np.random.default_rng(0)
+    O, I = (256, 384) if name == "gate_fd" else (384, 256)
+    w = rng.standard_normal((O, I)).astype(np.float32)
+    w8, scale_inv = tool.fp8.quantize_blocks(w, tool.BLOCKS)
+    scale = jnp.asarray(tool.fp8.expand_scales(scale_inv, (O, I), name, tool.BLOCKS))
+    h = jnp.asarray(rng.standard_normal((3, I)).astype(np.float32))
+    want = np.asarray(h) @ tool.fp8.dequantize_blocks(w8, scale_inv, tool.BLOCKS).T
+    w8 = jnp.asarray(w8)
+    for how, tol in (("float32", 1e-5), ("blocked", 1e-5), ("w8a8", 0.1)):
+        got = np.asarray(tool.product(how, h, w8, scale, name))
+        assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want)), how

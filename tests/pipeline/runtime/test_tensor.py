@@ -27,7 +27,7 @@ from qwen3_spmd.pipeline.batch.handles import Params
 from qwen3_spmd.pipeline.programs.layout import lay_out
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling, greedy_split, sample_rows
 from qwen3_spmd.pipeline.runtime.engine import Engine
-from qwen3_spmd.pipeline.runtime.shapes import PrefillShape
+from qwen3_spmd.pipeline.runtime.shapes import DecodeShape, PrefillShape
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
 from qwen3_spmd.pipeline.speculative.speculator import Speculator
@@ -357,6 +357,30 @@ def test_two_all_reduces_of_the_hidden_state_per_layer():
     reduces = re.findall(r"= f32\[(\d+),(\d+),(\d+)\][^=]* all-reduce\(", hlo)
     hidden = [s for s in reduces if int(s[2]) == cfg.D]  # [B, T, D]
     assert len(hidden) == 2 * cfg.L + 1, reduces
+
+
+def _collectives(jaxpr):
+    """(primitive, axes) of every collective in a jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith(("psum", "pmax", "ppermute")):
+            yield eqn.primitive.name, tuple(eqn.params.get("axes", eqn.params.get("axis_name")))
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _collectives(sub)
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (1, 2, 1), (2, 1, 2)], ids=["1x1", "1x2", "2x1x2"])
+def test_merge_and_shift_collectives_only_where_the_mesh_has_several(mesh):
+    """A decode chunk merges decode attention over `seq` (pmax, psums) only with several
+    `seq` devices (over one, each all-reduce would still be a launch a layer), and
+    shifts between stages (ppermute) only with several stages."""
+    S, C, _ = mesh
+    engine = _engine("wide", *mesh)
+    B = 2
+    shape = DecodeShape(B, False, False, groups=1, steps=engine.chunk, with_logits=False)
+    args = engine.weights, engine.copies.abstract_cache(B), engine._abstract_decode_inputs(B)
+    found = set(_collectives(jax.make_jaxpr(engine.jitted(shape))(*args).jaxpr))
+    assert (("pmax", ("seq",)) in found) == (C > 1), found
+    assert any(name == "ppermute" for name, _ in found) == (S > 1), found
 
 
 @pytest.mark.parametrize(
