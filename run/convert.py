@@ -441,7 +441,7 @@ def measure(hf_folder, orbax_folder, meshes, dtype: str = "float32", say=print) 
     results = []
     from qwen3_spmd.sharding.mesh import MeshShape
 
-    for stage, seq, tensor in (MeshShape(*m) for m in meshes):  # (S, C) or (S, C, X)
+    for stage, seq, tensor in (MeshShape(*m)[:3] for m in meshes):  # (S, C) or (S, C, X)
         for folder in (hf_folder, orbax_folder):
             code = (
                 "import json, sys; from qwen3_spmd.run.convert import measure_load; "

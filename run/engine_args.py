@@ -69,6 +69,7 @@ class EngineArgs:
     mesh: str | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
     cpu_devices: int | None = None
     dtype: str | None = None
     max_seq_len: int | None = None
@@ -110,15 +111,16 @@ class EngineArgs:
                 "--mesh",
                 action="append",
                 default=[],
-                metavar="SxC[xX]",
+                metavar="[DxSxCxX|SxC[xX]]",
                 help="a mesh shape to run (repeatable); 1x1 always runs as the baseline",
             )
         else:
             parser.add_argument(
                 "--mesh",
-                help="SxC or SxCxX: S pipeline stages x C sequence devices x X tensor devices "
-                "(default: PPx1xTP of -pp and -tp, else 1x1, but 2x2 emulated CPU devices on "
-                "a CPU without --model or with several processes)",
+                help="SxC, SxCxX or DxSxCxX: D replicas x S pipeline stages x C sequence "
+                "devices x X tensor devices (default: DPxPPx1xTP of -dp, -pp and -tp, else "
+                "1x1, but 2x2 emulated CPU devices on a CPU without --model or with several "
+                "processes)",
             )
             parser.add_argument(
                 "--tensor-parallel-size",
@@ -133,6 +135,14 @@ class EngineArgs:
                 type=int,
                 metavar="S",
                 help="S, the pipeline stages (vLLM's name): with no --mesh, the mesh is PPx1xTP",
+            )
+            parser.add_argument(
+                "--data-parallel-size",
+                "-dp",
+                type=int,
+                metavar="D",
+                help="D, the replicas (vLLM's name): each its own rows and KV pages, the same "
+                "weights; with no --mesh, the mesh is DPxPPx1xTP",
             )
         parser.add_argument(
             "--cpu-devices",
@@ -255,6 +265,7 @@ class EngineArgs:
             "max_queue",
             "tensor_parallel_size",
             "pipeline_parallel_size",
+            "data_parallel_size",
             "cpu_devices",
         ):
             value, least = getattr(self, name), LEAST.get(name, 1)
@@ -354,19 +365,23 @@ class EngineArgs:
         """--mesh, or the one default rule (said in --mesh's help)."""
         if self.mesh is not None:
             return self.mesh
-        if self.tensor_parallel_size is not None or self.pipeline_parallel_size is not None:
-            return f"{self.pipeline_parallel_size or 1}x1x{self.tensor_parallel_size or 1}"
+        pp, tp, dp = self.pipeline_parallel_size, self.tensor_parallel_size, self.data_parallel_size
+        if dp is not None:
+            return f"{dp}x{pp or 1}x1x{tp or 1}"
+        if tp is not None or pp is not None:
+            return f"{pp or 1}x1x{tp or 1}"
         demo = on_cpu and (self.model is None or self.num_processes is not None)
         return "2x2" if demo else "1x1"
 
     def mesh_shape(self, on_cpu: bool):
-        """The MeshShape of `mesh_text`, checked against -tp and -pp."""
+        """The MeshShape of `mesh_text`, checked against -tp, -pp and -dp."""
         from qwen3_spmd.sharding.mesh import parse_mesh
 
         shape = parse_mesh(self.mesh_text(on_cpu))
         for name, size in (
             ("tensor_parallel_size", shape.tensor),
             ("pipeline_parallel_size", shape.stage),
+            ("data_parallel_size", shape.data),
         ):
             given = getattr(self, name)
             if given is not None and given != size:
@@ -493,7 +508,14 @@ class EngineArgs:
         setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling import build
+        from qwen3_spmd.sharding.mesh import MeshShape
 
+        if engine.D > 1:
+            raise CLIError(
+                f"--mesh {MeshShape.of(engine.mesh)}: serving and LLM run one replica, and "
+                f"D = {engine.D}; continuous batching over `data` replicas is not built "
+                "yet: use D = 1 here (`generate` and `bench` run a static batch over D)"
+            )
         try:
             rows = self.rows(engine)
             pool = build.pool_size(
@@ -572,13 +594,13 @@ class Runtime:
     cache: object  # run.compile_cache.CompileCache
 
     def mesh(self):
-        """The ('stage', 'seq', 'tensor') Mesh over the job's first S*C*X devices,
-        process 0's first (so they form stage 0)."""
+        """The ('data', 'stage', 'seq', 'tensor') Mesh over the job's first D*S*C*X
+        devices, process 0's first (so they form replica 0's stage 0)."""
         from qwen3_spmd.sharding.mesh import make_mesh
 
         s = self.shape
         devices = mesh_devices(s.devices, self.procs, self.mesh_text)
-        return make_mesh(s.stage, s.seq, devices, tensor=s.tensor)
+        return make_mesh(s.stage, s.seq, devices, tensor=s.tensor, data=s.data)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,7 +186,7 @@ class PoolingOutput:
 
 
 class LLM:
-    """A Qwen3 model on a (stage, seq, tensor) mesh, ready to generate, or with
+    """A Qwen3 model on a (data, stage, seq, tensor) mesh, ready to generate, or with
     runner="pooling" to embed (Qwen3-Embedding) or score (Qwen3-Reranker, with vLLM's
     hf_overrides).
 
@@ -195,15 +195,17 @@ class LLM:
         convert`, a hub id, or a preset name (tiny, 0.6B, ..., 32B: seeded random
         weights); None: the demo (the tiny preset's layers with Qwen3's tokenizer). Text
         needs the folder's tokenizer.json.
-      mesh: "SxC" or "SxCxX" (S pipeline stages x C sequence devices x X tensor
-        devices), or a jax Mesh with axes ('stage', 'seq', 'tensor'). On CPU, a mesh of
+      mesh: "SxC", "SxCxX" or "DxSxCxX" (D replicas x S pipeline stages x C sequence
+        devices x X tensor devices), or a jax Mesh with axes ('data', 'stage', 'seq',
+        'tensor'). On CPU, a mesh of
         several devices is emulated when JAX has not started yet (else JAX must already
         see them).
       **settings: any other field of `run.engine_args.EngineArgs` (dtype, max_seq_len,
         max_batch, chunk, microbatches, cp, expert_split, weights_seed, prefill_tokens,
         enable_prefix_caching, compile_cache, ...), with the default and meaning it has
         for every door; vLLM's names too (max_model_len, max_num_seqs,
-        max_num_batched_tokens, tensor_parallel_size, pipeline_parallel_size).
+        max_num_batched_tokens, tensor_parallel_size, pipeline_parallel_size,
+        data_parallel_size).
     """
 
     def __init__(self, model: str | None = None, mesh=None, **settings):
@@ -212,7 +214,7 @@ class LLM:
         from qwen3_spmd.sharding.mesh import MeshShape
 
         given = mesh if isinstance(mesh, Mesh) else None
-        text = str(MeshShape(*given.devices.shape)) if given is not None else mesh
+        text = str(MeshShape.of(given)) if given is not None else mesh
         args = engine_args(model=model, mesh=text, **settings)
         with _as_arguments():
             built = args.build(given)

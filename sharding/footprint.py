@@ -48,7 +48,7 @@ def bytes_per_device(
     'kv' a pool of KV pages of `block_size` slots that gives `batch` requests of
     `max_seq_len` tokens their pages (each `seq` device ceil(max_seq_len / seq) slots of
     each, in whole pages)."""
-    mesh = AbstractMesh((stages, seq, tensor), AXES)
+    mesh = AbstractMesh((1, stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
     split = TensorSplit(tensor, experts)
     split.check(cfg)

@@ -1,7 +1,7 @@
 """One PartitionSpec per tensor role: sharding as data.
 
 Letters: L_pad stacked layer slots, B batch, S cache slots, T tokens, K KV heads,
-H head dim.
+H head dim. Rows (B) and the pool's pages split over `data`: each replica its own.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from qwen3_spmd.model.split import EXPERT_AXIS, TENSOR_AXIS
 class Specs:
     layers: P = P("stage")  # layer weights: stacked [L_pad, ...] as placed, then per slot [S, ...]
     replicated: P = P()  # final norm, router, scalars
-    cache_lbksh: P = P("stage", None, "tensor", "seq", None)  # KV cache k, v (heads-major)
-    slots_bs: P = P(None, "seq")  # cache slot positions, -1 = empty
-    tokens_bt: P = P(None, "seq")  # prompt tokens and positions, zigzag order
+    rows: P = P("data")  # one per row [B, ...]: each replica its own rows
+    # KV cache k, v [L_pad, pages, K, C bs, H] (heads-major): each replica its own pages
+    cache_lbksh: P = P("stage", "data", "tensor", "seq", None)
+    slots_bs: P = P("data", "seq")  # cache slot positions, -1 = empty
+    tokens_bt: P = P("data", "seq")  # prompt tokens and positions, zigzag order
 
 
 SPECS = Specs()

@@ -6,7 +6,9 @@ the ones it holds. A page is held by one row, or (a prefix cache's block,
 free, unless the prefix cache keeps it, in which case it stays as it is until a row
 needs a page and none is free (then the cache gives up its least recently used block).
 Pages are handed out lowest first and taken back in any order, so every process of a
-job that applies the same takes and gives holds the same tables.
+job that applies the same takes and gives holds the same tables. With `data` replicas
+the pool is theirs in equal ranges (replica d the pages d P/D .. (d+1) P/D - 1, its own
+devices' pages), and a row takes pages of its replica's range only.
 """
 
 from __future__ import annotations
@@ -17,36 +19,50 @@ import numpy as np
 
 
 class PageBook:
-    """`pages` pages, all free at first. cache: the prefix cache that keeps pages no
-    row holds (`PrefixBook` sets it), None without one."""
+    """`pages` pages, all free at first, in `replicas` equal ranges. cache: the prefix
+    cache that keeps pages no row holds (`PrefixBook` sets it; one replica only), None
+    without one."""
 
-    def __init__(self, pages: int):
-        self.pages = pages
+    def __init__(self, pages: int, replicas: int = 1):
+        if pages % replicas:
+            raise ValueError(f"{pages} pages do not split into {replicas} equal replicas'")
+        self.pages, self.replicas = pages, replicas
         self.refs = np.zeros(pages, np.int32)  # [pages] rows that hold each page
-        self._free = list(range(pages))  # a heap: pages no row holds nor the cache keeps
+        per = pages // replicas
+        # one heap a replica: its pages no row holds nor the cache keeps
+        self._heaps = [list(range(d * per, (d + 1) * per)) for d in range(replicas)]
         self.cache = None  # the prefix cache (`pipeline.batch.prefix.PrefixBook`)
 
     @property
     def free(self) -> int:
         """Pages a row can take: free ones, and those the prefix cache keeps for no row
         (it gives them up when asked)."""
-        return len(self._free) + (self.cache.idle_pages if self.cache is not None else 0)
+        kept = self.cache.idle_pages if self.cache is not None else 0
+        return sum(map(len, self._heaps)) + kept
+
+    def free_in(self, replica: int) -> int:
+        """Pages a row of `replica` can take."""
+        return self.free if self.replicas == 1 else len(self._heaps[replica])
+
+    def replica_of(self, page: int) -> int:
+        return page // (self.pages // self.replicas)
 
     @property
     def used(self) -> int:
         """Pages some row holds."""
         return self.pages - self.free
 
-    def take(self, n: int) -> list[int]:
-        """n pages for one row, lowest free first, then the prefix cache's least recently
-        used; a ValueError if fewer are there (the planner admits by free pages, so it
-        never asks for more)."""
-        if n > self.free:
-            raise ValueError(f"{n} pages asked for, {self.free} of {self.pages} free")
-        while len(self._free) < n:
+    def take(self, n: int, replica: int = 0) -> list[int]:
+        """n pages for one row of `replica`, lowest free first, then the prefix cache's
+        least recently used; a ValueError if fewer are there (the planner admits by free
+        pages, so it never asks for more)."""
+        if n > self.free_in(replica):
+            raise ValueError(f"{n} pages asked for, {self.free_in(replica)} of {self.pages} free")
+        heap = self._heaps[replica]
+        while len(heap) < n:
             for p in self.cache.evict():
-                heapq.heappush(self._free, p)
-        taken = [heapq.heappop(self._free) for _ in range(n)]
+                heapq.heappush(heap, p)
+        taken = [heapq.heappop(heap) for _ in range(n)]
         self.refs[taken] = 1
         return taken
 
@@ -69,4 +85,4 @@ class PageBook:
             if self.cache is not None and self.cache.keeps(int(p)):
                 self.cache.idle(int(p))
             else:
-                heapq.heappush(self._free, int(p))
+                heapq.heappush(self._heaps[self.replica_of(int(p))], int(p))

@@ -78,7 +78,10 @@ class RowBook:
     cache slots each, in pages of `block_size` slots (default: one page a row) from a
     pool of `pages` (default: every row's most); prefix_block: a prefix cache over the
     pool's pages in blocks of that many tokens (`pipeline.batch.prefix.prefix_block`,
-    whole pages), in `self.prefix` (None: none)."""
+    whole pages), in `self.prefix` (None: none). replicas: the `data` replicas the rows
+    and the pool split into, B/D rows and P/D pages each, in order (`replica_of`): a
+    row's pages are its replica's (table entries are the pool's page numbers; the
+    device holds them less its replica's first, `Copies`)."""
 
     def __init__(
         self,
@@ -89,13 +92,18 @@ class RowBook:
         block_size: int | None = None,
         pages: int | None = None,
         prefix_block: int | None = None,
+        replicas: int = 1,
     ):
-        self.B, self.groups = rows, groups
+        if rows % replicas:
+            raise ValueError(f"{rows} rows do not split into {replicas} equal replicas'")
+        if prefix_block is not None and replicas > 1:
+            raise ValueError("a prefix cache over several replicas' pools is not built")
+        self.B, self.groups, self.replicas = rows, groups, replicas
         self.block_size = block_size or slots
         if slots % self.block_size:
             raise ValueError(f"{slots} slots a row are not whole pages of {self.block_size}")
         n = slots // self.block_size
-        self.pages = PageBook(rows * n if pages is None else pages)
+        self.pages = PageBook(rows * n if pages is None else pages, replicas)
         # [B, n] each row's pages; past the pool (pages.pages) where it holds none
         self.table = np.full((rows, n), self.pages.pages, np.int32)
         self.rows: list[Row | None] = [None] * rows
@@ -120,6 +128,10 @@ class RowBook:
 
     def row_of(self, id: int) -> int | None:
         return next((b for b, r in enumerate(self.rows) if r and r.request.id == id), None)
+
+    def replica_of(self, b: int) -> int:
+        """The `data` replica that holds row b."""
+        return b // (self.B // self.replicas)
 
     def held(self, b: int) -> int:
         """Pages row b holds."""
@@ -190,7 +202,7 @@ class RowBook:
         lacks, lowest first)."""
         have, want = self.held(b), self.pages_for(slots)
         if want > have:
-            self.table[b, have:want] = self.pages.take(want - have)
+            self.table[b, have:want] = self.pages.take(want - have, self.replica_of(b))
 
     def release(self, b: int) -> None:
         """Row b's pages are free again."""
@@ -272,7 +284,10 @@ class RowBook:
         return False
 
     def move(self, src: int, dst: int) -> None:
-        """The request in row src now sits in row dst, its pages with it (no K/V moves)."""
+        """The request in row src now sits in row dst, its pages with it (no K/V moves:
+        both rows of one replica)."""
+        if self.replica_of(src) != self.replica_of(dst):
+            raise ValueError(f"rows {src} and {dst} are on different replicas")
         self.rows[dst], self.lengths[dst] = self.rows[src], self.lengths[src]
         self.slot_pos[dst] = self.slot_pos[src]
         self.table[dst] = self.table[src]

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
@@ -58,6 +57,7 @@ from qwen3_spmd.pipeline.programs.stage import (
     when,
 )
 from qwen3_spmd.ring import decode_attention, decode_slot
+from qwen3_spmd.sharding.specs import SPECS
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -99,9 +99,10 @@ class DecodeShape:
 
 
 class DecodeInputs(NamedTuple):
-    """What a decode chunk starts from, besides the weights and the cache. Every field is
-    replicated (P()) and, but for run_steps, one per row: each row is a request at its
-    own step (continuous batching), and a new per-row field is one line here."""
+    """What a decode chunk starts from, besides the weights and the cache. Every field but
+    run_steps (replicated, P()) is one per row, split over `data` with the rows: each row
+    is a request at its own step (continuous batching), and a new per-row field is one
+    line here."""
 
     tokens: jax.Array  # [B] int32: the token each row feeds at its step `step`
     positions: jax.Array  # [B] int32: its position
@@ -133,19 +134,22 @@ class DecodeInputs(NamedTuple):
 
     @classmethod
     def specs(cls, constrained: bool = False) -> DecodeInputs:
-        fields = {name: P() for name in cls._fields}
+        fields = {name: SPECS.rows for name in cls._fields}
         return cls(
             **{
                 **fields,
-                "sampling": RowSampling(*[P()] * len(RowSampling._fields)),
-                "allowed": P() if constrained else None,
+                "sampling": RowSampling(*[SPECS.rows] * len(RowSampling._fields)),
+                "run_steps": SPECS.replicated,
+                "allowed": SPECS.rows if constrained else None,
             }
         )
 
 
 class DecodeOutputs(NamedTuple):
-    tokens: jax.Array  # [B, steps] int32, P(): each row's new tokens
-    logits: jax.Array  # [steps, V] float32, P(): row 0's logits at each step ([0, V] without)
+    tokens: jax.Array  # [B, steps] int32: each row's new tokens
+    # [D steps, V] float32: each replica's row 0's logits at each step ([0, V] without);
+    # the first `steps` are row 0's
+    logits: jax.Array
     # Each new token's TokenLogprobs, fields [B, steps] and [B, steps, TOP_LOGPROBS]
     # (steps 0 without `logprobs`).
     logprobs: TokenLogprobs
@@ -204,7 +208,7 @@ def build_decode(cfg: Qwen3Config, graphdef: nnx.GraphDef, state_specs, mesh: Me
         local,
         mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, DecodeInputs.specs(shape.constrained)),
-        out_specs=(DecodeOutputs(P(), P(), TokenLogprobs(P(), P(), P())), CACHE_SPECS),
+        out_specs=(DecodeOutputs(*[SPECS.rows] * 2, TokenLogprobs(*[SPECS.rows] * 3)), CACHE_SPECS),
     )
 
     def decode(weights: Weights, cache: KVCache, inputs: DecodeInputs):

@@ -116,12 +116,12 @@ class PrefillShape:
 
 
 class PrefillInputs(NamedTuple):
-    tokens: jax.Array  # [B, P_pad] int32, P(None, 'seq'): zigzag device order
-    positions: jax.Array  # [B, P_pad] int32, P(None, 'seq'): their positions, -1 = padding
-    last_pos: jax.Array  # [B] int32, P(): each request's last prompt position
+    tokens: jax.Array  # [B, P_pad] int32, P('data', 'seq'): zigzag device order
+    positions: jax.Array  # [B, P_pad] int32, P('data', 'seq'): their positions, -1 = padding
+    last_pos: jax.Array  # [B] int32, P('data'): each request's last prompt position
     offset: jax.Array  # [] int32, P(): the first local cache slot the tokens' K/V go to
     #                    (0, or after the earlier chunks of a chunked prompt)
-    # [B, P_pad] int32, P(None, 'seq'), zigzag order as tokens: each token's next prompt
+    # [B, P_pad] int32, P('data', 'seq'), zigzag order as tokens: each token's next prompt
     # token, -1 where none; only in a program with prompt_logprobs (else None).
     targets: jax.Array | None = None
 
@@ -130,7 +130,7 @@ class PrefillInputs(NamedTuple):
         return cls(
             SPECS.tokens_bt,
             SPECS.tokens_bt,
-            SPECS.replicated,
+            SPECS.rows,
             SPECS.replicated,
             SPECS.tokens_bt if targets else None,
         )
@@ -227,7 +227,7 @@ def build_prefill(
 
     scored = shape.prompt_logprobs
     in_specs = (Weights.specs(state_specs), CACHE_SPECS, PrefillInputs.specs(scored))
-    out_specs = (P(), CACHE_SPECS)
+    out_specs = (SPECS.rows, CACHE_SPECS)
     if scored:  # each seq device keeps its own tokens'
         along = SPECS.tokens_bt
         out_specs += (PromptLogprobs(along, along, P(*along, None), P(*along, None)),)

@@ -21,7 +21,7 @@ from qwen3_spmd.model.layers import Qwen3
 from qwen3_spmd.model.rope import rope_tables
 from qwen3_spmd.ops.varying import make_varying
 from qwen3_spmd.ring.pages import write_slots
-from qwen3_spmd.sharding.mesh import AXES
+from qwen3_spmd.sharding.mesh import AXES, MODEL_AXES
 from qwen3_spmd.sharding.specs import SPECS
 from qwen3_spmd.sharding.stages import StagePlan
 
@@ -40,7 +40,7 @@ class Weights(NamedTuple):
 
 # The KV cache as the programs take it: pools k, v [L_pad, pages, K, C bs, H], the rows'
 # slot positions pos [B, S_cap] and block tables [B, n] (`model.cache`).
-CACHE_SPECS = KVCache(SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs, SPECS.replicated)
+CACHE_SPECS = KVCache(SPECS.cache_lbksh, SPECS.cache_lbksh, SPECS.slots_bs, SPECS.rows)
 
 
 class StageCache(NamedTuple):
@@ -96,7 +96,7 @@ def from_device(x: jax.Array, stage, seq) -> jax.Array:
         & (jax.lax.axis_index("seq") == seq)
         & (jax.lax.axis_index("tensor") == 0)
     )
-    return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), AXES)
+    return jax.lax.psum(jnp.where(here, vary(x), jnp.zeros_like(x)), MODEL_AXES)
 
 
 def from_last_stage(x: jax.Array) -> jax.Array:

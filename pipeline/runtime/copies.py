@@ -50,12 +50,14 @@ class Copies:
     # ---- sizes ------------------------------------------------------------------------
 
     def page_bytes_per_device(self) -> int:
-        """Bytes of one page (k and v, every layer) on each device."""
-        return 2 * math.prod(self.pool_shape(1)) * self.dtype.itemsize // self.mesh.devices.size
+        """Bytes of one page (k and v, every layer) on each device of its replica."""
+        replica = self.mesh.devices.size // self.mesh.shape["data"]
+        return 2 * math.prod(self.pool_shape(1)) * self.dtype.itemsize // replica
 
     def cache_bytes_per_device(self, B: int) -> int:
-        """Bytes on each device of a pool that gives B rows their most pages."""
-        return B * self.n * self.page_bytes_per_device()
+        """Bytes on each device of a pool that gives B rows their most pages (B/D rows
+        on each replica)."""
+        return B * self.n // self.mesh.shape["data"] * self.page_bytes_per_device()
 
     # ---- made -------------------------------------------------------------------------
 
@@ -68,21 +70,31 @@ class Copies:
         prefill's or a draft model's own cache); else every table entry past the pool,
         for the row book to fill."""
         table = identity_table(B, self.n) if pages is None else np.full((B, self.n), pages)
-        zeros = self._zeros(self.pool_shape(B * self.n if pages is None else pages))
+        pages = B * self.n if pages is None else pages
+        zeros = self._zeros(self.pool_shape(pages))
         empty = np.full((B, self.C, self.slots_per_device), -1, np.int32)
-        return KVCache(zeros(), zeros(), self._slot_pos(empty), self._table(table))
+        return KVCache(zeros(), zeros(), self._slot_pos(empty), self._table(table, pages))
 
     def with_rows(self, cache: KVCache, slot_pos: np.ndarray, table=None) -> KVCache:
         """cache with its rows' slot positions replaced by the host's slot_pos
         [B, C, S_loc], and their block tables by `table` [B, n] (None: kept)."""
         cache = cache._replace(pos=self._slot_pos(slot_pos))
-        return cache if table is None else cache._replace(table=self._table(table))
+        if table is None:
+            return cache
+        return cache._replace(table=self._table(table, cache.k.shape[1]))
 
     def _slot_pos(self, slot_pos: np.ndarray) -> jax.Array:
         return self.placed(slot_pos.reshape(slot_pos.shape[0], -1), SPECS.slots_bs)
 
-    def _table(self, table: np.ndarray) -> jax.Array:
-        return self.placed(np.asarray(table, np.int32), SPECS.replicated)
+    def _table(self, table: np.ndarray, pages: int) -> jax.Array:
+        """Rows' tables [B, n] of the pool's page numbers (`pages` past the pool: none),
+        placed with the rows: on replica d (rows d B/D ..) less its first page d P/D, as
+        its devices hold its pages, and P/D where none."""
+        D = self.mesh.shape["data"]
+        table = np.asarray(table, np.int32)
+        first = (np.arange(len(table)) // (len(table) // D) * (pages // D))[:, None]
+        local = np.where(table < pages, table - first, pages // D).astype(np.int32)
+        return self.placed(local, SPECS.rows)
 
     def _zeros(self, shape: tuple):
         """The jitted maker of zeros of `shape`, sharded as the cache's k."""

@@ -1,6 +1,7 @@
 """The engine: one code path for every mesh shape, 1x1 included.
 
-`Engine` places the weights on a ('stage', 'seq', 'tensor') mesh once and runs the
+`Engine` places the weights on a ('data', 'stage', 'seq', 'tensor') mesh once (every
+`data` replica the same weights, its own rows and pages) and runs the
 programs, prefill and the decode chunk, each compiled once per shape; the cache's other
 programs (in-place K/V inserts, row moves, the prefix cache's block copies) are its
 `copies` (`pipeline.runtime.copies`). It knows nothing of requests and rounds: the
@@ -55,7 +56,7 @@ class Engine:
     Args:
       cfg: the model config.
       source: where weights come from (HFCheckpoint, RandomWeights, ...).
-      mesh: a ('stage', 'seq', 'tensor') mesh (sharding.make_mesh).
+      mesh: a ('data', 'stage', 'seq', 'tensor') mesh (sharding.make_mesh).
       dtype: compute and storage dtype.
       max_seq_len: KV cache capacity per request (prompt + new tokens, so at least 2);
         each `seq` device holds ceil(max_seq_len / C) slots of it, in whole pages.
@@ -107,10 +108,10 @@ class Engine:
         if tuple(mesh.axis_names) != AXES:
             raise MeshError(
                 f"the mesh's axes are {tuple(mesh.axis_names)}, not {AXES}: build it with "
-                "qwen3_spmd.sharding.mesh.make_mesh(stage, seq, devices, tensor=X)"
+                "qwen3_spmd.sharding.mesh.make_mesh(stage, seq, devices, tensor=X, data=D)"
             )
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
-        self.stages, self.C = mesh.shape["stage"], mesh.shape["seq"]
+        self.D, self.stages, self.C = mesh.shape["data"], mesh.shape["stage"], mesh.shape["seq"]
         self.split = TensorSplit(mesh.shape["tensor"], experts)
         self.split.check(cfg)
         self.plan = StagePlan(cfg.L, self.stages)

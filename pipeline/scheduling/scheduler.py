@@ -54,6 +54,7 @@ from qwen3_spmd.pipeline.scheduling.executor import Executor
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Planner, Round
 from qwen3_spmd.pipeline.speculative.speculator import Speculator
 from qwen3_spmd.pipeline.structured.constraints import Constraint, Grammars
+from qwen3_spmd.sharding.mesh import MeshError
 
 __all__ = ["QueueFull", "Scheduler", "Update"]
 
@@ -112,6 +113,12 @@ class Scheduler:
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
+        if engine.D > 1:
+            raise MeshError(
+                f"the scheduler runs one replica, and the mesh has {engine.D} (`data`): "
+                "continuous batching over replicas is not built yet; serve with D = 1, or "
+                "generate a static batch over the replicas (static_batch.generate)"
+            )
         self.engine = engine
         self.groups = engine.groups_for(engine.stages)
         self.B = -(-max_batch // self.groups) * self.groups

@@ -56,11 +56,11 @@ def _timing(clock: Clock, prompt_tokens: int, new_tokens: int) -> dict:
 
 
 def batch_rows(engine: Engine, n: int) -> tuple[int, int]:
-    """(rows, groups) of the batch `generate` runs for n prompts: n rounded up to a
-    multiple of both the microbatches and the decode groups (the rows past n are
-    padding)."""
+    """(rows, groups) of the batch `generate` runs for n prompts: n rounded up so that
+    each `data` replica's equal share of rows is a multiple of both the microbatches
+    and the decode groups (the rows past n are padding, on the last replicas)."""
     groups = engine.groups_for(n)
-    unit = math.lcm(engine.M, groups)
+    unit = engine.D * math.lcm(engine.M, groups)
     return -(-n // unit) * unit, groups
 
 
@@ -96,6 +96,12 @@ def generate(
     with the same tokens.
     """
     engine.check(prompts, max_new_tokens)
+    if speculator is not None and engine.D > 1:
+        raise RequestError(
+            f"$speculative_config: speculation runs one replica, and the mesh has "
+            f"{engine.D} (`data`): leave it out or use D = 1",
+            "speculative_config",
+        )
     if constraint is not None:
         if grammars is None:
             raise RequestError("a $constraint needs the model's grammars", "constraint")
@@ -107,7 +113,9 @@ def generate(
     requests = [Request(i, tuple(p), params, sample_index=i) for i, p in enumerate(prompts)]
     # Rows past the prompts are copies of request 0 (its key too), dropped at the end.
     requests += [dataclasses.replace(requests[0], id=i) for i in range(n, shape.B)]
-    book = RowBook(shape.B, groups, engine.C, engine.slots_per_device, engine.block_size)
+    book = RowBook(
+        shape.B, groups, engine.C, engine.slots_per_device, engine.block_size, replicas=engine.D
+    )
     clock, accounting = Clock(), Accounting()
     cache = engine.copies.empty_cache(shape.B, book.pages.pages)  # every row's most
     executor = Executor(

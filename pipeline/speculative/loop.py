@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
@@ -70,6 +69,7 @@ from qwen3_spmd.pipeline.programs.stage import (
 from qwen3_spmd.pipeline.speculative import ngram
 from qwen3_spmd.pipeline.speculative.policy import MAX_ROUNDS, PRIOR_DRAFTS
 from qwen3_spmd.pipeline.speculative.verify import GroupPass, pass_stage
+from qwen3_spmd.sharding.specs import SPECS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,9 @@ class LoopShape:
 
 
 class LoopInputs(NamedTuple):
-    """A chunk's inputs besides the weights and the cache; every field replicated
-    (P()), one per row but `rounds`."""
+    """A chunk's inputs besides the weights and the cache; every field one per row (split
+    over `data` with the rows) but `so_far`'s last, `pass_seconds` and `rounds`: a loop
+    runs on one replica (`data` of 1; its round rule reads every row)."""
 
     tokens: jax.Array  # [B, T] int32: round 0's: the row's newest token, its drafts
     count: jax.Array  # [B] int32: round 0's tokens that run, 1 + drafts (0: an empty row)
@@ -128,8 +129,15 @@ class LoopInputs(NamedTuple):
 
     @classmethod
     def specs(cls) -> LoopInputs:
-        fields = {name: P() for name in cls._fields}
-        return cls(**{**fields, "sampling": RowSampling(*[P()] * len(RowSampling._fields))})
+        fields = {name: SPECS.rows for name in cls._fields}
+        return cls(
+            **{
+                **fields,
+                "sampling": RowSampling(*[SPECS.rows] * len(RowSampling._fields)),
+                "pass_seconds": SPECS.replicated,
+                "rounds": SPECS.replicated,
+            }
+        )
 
     @classmethod
     def zeros(cls, rows: int, T: int, H: int, widths: int) -> LoopInputs:
@@ -255,7 +263,7 @@ def build_spec_loop(
         local,
         mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, LoopInputs.specs()),
-        out_specs=(LoopOutputs(*[P()] * len(LoopOutputs._fields)), CACHE_SPECS),
+        out_specs=(LoopOutputs(*[SPECS.rows] * len(LoopOutputs._fields)), CACHE_SPECS),
     )
 
     def spec_loop(weights: Weights, cache: KVCache, inputs: LoopInputs):

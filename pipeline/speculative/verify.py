@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.model.config import Qwen3Config
@@ -65,6 +64,7 @@ from qwen3_spmd.pipeline.programs.stage import (
 )
 from qwen3_spmd.pipeline.runtime.shapes import RoundSettings
 from qwen3_spmd.ring import decode_attention, decode_slot
+from qwen3_spmd.sharding.specs import SPECS
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -110,8 +110,8 @@ class VerifyShape:
 
 
 class VerifyInputs(NamedTuple):
-    """A verify pass's inputs besides the weights and the cache; every field replicated
-    (P()), one per row."""
+    """A verify pass's inputs besides the weights and the cache; every field one per row,
+    split over `data` with the rows."""
 
     tokens: jax.Array  # [B, T] int32: the row's newest token, its drafts, then padding
     positions: jax.Array  # [B] int32: the position of tokens[:, 0]
@@ -130,9 +130,9 @@ class VerifyInputs(NamedTuple):
 
     @classmethod
     def specs(cls, constrained: bool = False) -> VerifyInputs:
-        fields = {name: P() for name in cls._fields}
-        fields["sampling"] = RowSampling(*[P()] * len(RowSampling._fields))
-        return cls(**{**fields, "allowed": P() if constrained else None})
+        fields = {name: SPECS.rows for name in cls._fields}
+        fields["sampling"] = RowSampling(*[SPECS.rows] * len(RowSampling._fields))
+        return cls(**{**fields, "allowed": SPECS.rows if constrained else None})
 
     @classmethod
     def zeros(cls, rows: int, T: int, words: int | None = None) -> VerifyInputs:
@@ -144,7 +144,7 @@ class VerifyInputs(NamedTuple):
         return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, none, allowed)
 
     def placed(self, mesh: Mesh) -> VerifyInputs:
-        """These host inputs on `mesh`, replicated, in the dtypes a pass's compiled
+        """These host inputs on `mesh`, split over `data` by rows, in the dtypes a pass's compiled
         program is keyed by."""
         return jax.tree.map(
             lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
@@ -200,7 +200,11 @@ def build_verify(
         local,
         mesh=mesh,
         in_specs=(Weights.specs(state_specs), CACHE_SPECS, VerifyInputs.specs(shape.constrained)),
-        out_specs=(P(), TokenLogprobs(P(), P(), P()) if shape.logprobs else None, CACHE_SPECS),
+        out_specs=(
+            SPECS.rows,
+            TokenLogprobs(*[SPECS.rows] * 3) if shape.logprobs else None,
+            CACHE_SPECS,
+        ),
     )
 
     def verify(weights: Weights, cache: KVCache, inputs: VerifyInputs):

@@ -251,7 +251,7 @@ def run_mesh(
     the peer does with 1x1) defaults to fresh ones. A strategy other than the ring is
     named in the entry's mesh label ("1x4 ulysses"). grammars: the model's
     (`pipeline.structured.constraints.Grammars`) for the structured scenario; None: skipped."""
-    shape = MeshShape(*mesh.devices.shape)
+    shape = MeshShape.of(mesh)
     label = str(shape) if cp == "ring" else f"{shape} {cp}"
     say(f"mesh {label}:")
     engines = engines or MeshEngines(cfg, source, mesh, dtype, settings, cp, roof)

@@ -286,7 +286,7 @@ def bench_meshes(args, settings: dict) -> int:
         mesh = (
             single.mesh
             if alone
-            else make_mesh(m.stage, m.seq, jax.devices()[: m.devices], tensor=m.tensor)
+            else make_mesh(m.stage, m.seq, jax.devices()[: m.devices], tensor=m.tensor, data=m.data)
         )
         engines = single if alone else None
         for cp in cps if m.seq > 1 else ["ring"]:

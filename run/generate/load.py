@@ -51,9 +51,10 @@ def _mesh_line(job: Job, procs) -> str:
     """'mesh 2x2 (stage x seq) over 4 CPU devices, float32', and what is left unused."""
     from qwen3_spmd.sharding.mesh import MeshShape
 
-    shape = MeshShape(*job.mesh.devices.shape)
+    shape = MeshShape.of(job.mesh)
     n = shape.devices
     axes = "stage x seq x tensor" if shape.tensor > 1 else "stage x seq"
+    axes = f"data x {axes}" if shape.data > 1 else axes
     platform = job.mesh.devices.flat[0].platform.upper()
     line = (
         f"mesh {shape} ({axes}) over {n} {platform} device{'s' * (n != 1)}"
@@ -107,6 +108,7 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
 
     from qwen3_spmd.model.params import abstract_model, map_params
     from qwen3_spmd.model.split import TensorSplit
+    from qwen3_spmd.sharding.mesh import stage_devices
     from qwen3_spmd.sharding.place import host_cut
     from qwen3_spmd.sharding.specs import param_spec
     from qwen3_spmd.sharding.stages import StagePlan
@@ -114,7 +116,7 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
     plan = StagePlan(cfg.L, stages)
     here = jax.process_index()
     mine = {
-        s for s, row in enumerate(mesh.devices) if any(d.process_index == here for d in row.flat)
+        s for s, row in enumerate(stage_devices(mesh)) if any(d.process_index == here for d in row)
     }
     layers = sum(plan.counts[s] for s in mine)
     split = TensorSplit(mesh.shape["tensor"], experts)

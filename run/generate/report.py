@@ -7,6 +7,7 @@ import dataclasses
 
 from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.run.generate.job import Job
+from qwen3_spmd.sharding.mesh import stage_devices
 
 
 def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> dict:
@@ -14,20 +15,20 @@ def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> di
     from qwen3_spmd.run import traffic
 
     cfg, mesh = job.spec.cfg, job.mesh
-    S, C, X = mesh.shape["stage"], mesh.shape["seq"], mesh.shape["tensor"]
+    D, S, C, X = (mesh.shape[a] for a in ("data", "stage", "seq", "tensor"))
     read = getattr(job.spec.source, "bytes_read", 0) or 0
     text = job.text
     return {
         "model": {"name": job.spec.label, "random_weights": job.spec.random},
         "dtype": job.dtype_name,
         "bytes_per_value": engine.dtype.itemsize,
-        "mesh": {"stage": S, "seq": C, "tensor": X},
+        "mesh": {"data": D, "stage": S, "seq": C, "tensor": X},
         "processes": procs.count,
         "devices_unused": job.unused_devices,
         "stage_layers": engine.plan.stage_layers,
-        "stage_devices": [[int(d.id) for d in row.flat] for row in mesh.devices],
+        "stage_devices": [[int(d.id) for d in row] for row in stage_devices(mesh)],
         "stage_processes": [
-            sorted({int(d.process_index) for d in row.flat}) for row in mesh.devices
+            sorted({int(d.process_index) for d in row}) for row in stage_devices(mesh)
         ],
         "requests": [
             {
@@ -65,11 +66,13 @@ def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> di
 
 
 def _pool_report(engine, pages: int) -> dict:
-    """The pool of KV pages the run held: its pages, the tokens a page and the pool hold
-    (over the seq devices), and how many requests of max_seq_len tokens it holds."""
+    """The pool of KV pages the run held: its pages (each `data` replica an equal part),
+    the tokens a page and the pool hold (over the seq devices), and how many requests of
+    max_seq_len tokens it holds."""
     page_tokens = engine.block_size * engine.C
     return {
         "pages": pages,
+        "replicas": engine.D,
         "page_tokens": page_tokens,
         "tokens": pages * page_tokens,
         "max_concurrency": pages / engine.pages_per_row,
@@ -157,13 +160,13 @@ def readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) -
     lines.append(
         "stages (layers each stage holds, and its seq devices, numbered by mesh position):"
     )
-    C = r["mesh"]["seq"]
+    D, S, C = r["mesh"]["data"], len(r["stage_layers"]), r["mesh"]["seq"]
     for s, (first, last) in enumerate(r["stage_layers"]):
         procs = r["stage_processes"][s]
         where = f" in process {', '.join(map(str, procs))}" if r["processes"] > 1 else ""
+        at = [d * S * C + s * C + c for d in range(D) for c in range(C)]  # every replica's
         lines.append(
-            f"  stage {s}: layers {first}-{last}  on devices "
-            f"{', '.join(str(s * C + c) for c in range(C))}{where}"
+            f"  stage {s}: layers {first}-{last}  on devices {', '.join(map(str, at))}{where}"
         )
     if timelines:
         lines += [
@@ -179,7 +182,8 @@ def readable(r: dict, prompts, text, streamed: bool, timelines=(), demo=False) -
         f"{'bytes between stages:':<27}{r['bytes_between_stages']:>12,}  (hidden states "
         f"at {r['bytes_per_value']} bytes per value)",
         f"{'KV cache bytes per device:':<27}{r['kv_bytes_per_device']:>12,}  "
-        f"({r['kv_cache']['pages']} pages of {r['kv_cache']['page_tokens']} tokens)",
+        f"({r['kv_cache']['pages']} pages of {r['kv_cache']['page_tokens']} tokens"
+        f"{', ' + str(r['kv_cache']['replicas']) + ' replicas' if D > 1 else ''})",
         f"{'weight bytes per device:':<27}{r['weight_bytes_per_device']:>12,}",
         # With one seq device nothing moves along seq: no strategy to name.
         f"{'seq attention:':<27}{r['cp_strategy']:>12}  ({r['cp_bytes_per_device']:,} "

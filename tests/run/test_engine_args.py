@@ -96,6 +96,22 @@ def test_parallel_sizes_build_the_mesh():
     assert _cli("generate", "--mesh", "2x1x2", "-tp", "2").mesh_shape(on_cpu=False).tensor == 2
     with pytest.raises(CLIError, match="--mesh 2x2 has 1 where --tensor-parallel-size says 2"):
         _cli("generate", "--mesh", "2x2", "-tp", "2").mesh_shape(on_cpu=False)
+    assert _cli("generate", "-dp", "2", "-tp", "2").mesh_text(on_cpu=True) == "2x1x1x2"
+    assert _cli("serve", "--data-parallel-size", "4").mesh_shape(on_cpu=False).data == 4
+    assert _cli("generate", "--mesh", "2x1x2x1").mesh_shape(on_cpu=False).devices == 4
+    with pytest.raises(CLIError, match="--mesh 2x1x1 has 1 where --data-parallel-size says 2"):
+        _cli("generate", "--mesh", "2x1x1", "-dp", "2").mesh_shape(on_cpu=False)
+    with pytest.raises(CLIError, match="--data-parallel-size 0 must be at least 1"):
+        _cli("generate", "-dp", "0").check()
+
+
+def test_serving_over_replicas_is_refused_in_one_line():
+    """The scheduler runs one replica: serve and LLM refuse D > 1 before building it."""
+    engine = SimpleNamespace(
+        D=2, mesh=SimpleNamespace(shape={"data": 2, "stage": 1, "seq": 1, "tensor": 1})
+    )
+    with pytest.raises(CLIError, match=r"--mesh 2x1x1x1: serving and LLM run one replica"):
+        _cli("serve", "--mesh", "2x1x1x1").scheduler(engine)
 
 
 def _engine(stats: dict | None = None, devices: int = 1):

@@ -264,17 +264,18 @@ def test_refusals_name_the_sizes_that_fit():
         )
 
 
-def test_a_mesh_of_two_axes_is_refused_in_words():
+@pytest.mark.parametrize("axes", [("stage", "seq"), ("stage", "seq", "tensor")])
+def test_a_mesh_of_other_axes_is_refused_in_words(axes):
     from jax.sharding import AxisType
 
     from qwen3_spmd.sharding.mesh import MeshError
 
     folder, cfg, _, _ = fixture("tiny")
-    two = jax.make_mesh(
-        (1, 1), ("stage", "seq"), devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * 2
+    mesh = jax.make_mesh(
+        (1,) * len(axes), axes, devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * len(axes)
     )
-    with pytest.raises(MeshError, match=r"not \('stage', 'seq', 'tensor'\): build it with"):
-        Engine(cfg, HFCheckpoint(folder, cfg), two)
+    with pytest.raises(MeshError, match=r"not \('data', 'stage', 'seq', 'tensor'\): build it"):
+        Engine(cfg, HFCheckpoint(folder, cfg), mesh)
 
 
 def test_the_cli_refuses_in_one_line(capsys):

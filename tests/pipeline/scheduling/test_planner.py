@@ -47,7 +47,7 @@ class FakeEngine:
     asked to run is recorded by shape."""
 
     def __init__(self, stages=1, C=1, M=1, max_seq_len=64, chunk=4):
-        self.stages, self.C, self.M, self.chunk = stages, C, M, chunk
+        self.D, self.stages, self.C, self.M, self.chunk = 1, stages, C, M, chunk
         self.max_seq_len = max_seq_len
         self.block_size = 4  # a page's slots
         self.pages_per_row = math.ceil(math.ceil(max_seq_len / C) / self.block_size)
@@ -136,7 +136,7 @@ def _check_pages(book: RowBook) -> None:
     held = collections.Counter(p for p in book.table.flat if p < pages.pages)
     assert all(pages.refs[p] == held[p] for p in range(pages.pages)), "a page miscounted"
     named = set(prefix.name_of) if prefix is not None else set()
-    kept, free = named - set(held), set(pages._free)
+    kept, free = named - set(held), {p for heap in pages._heaps for p in heap}
     assert not free & (set(held) | kept), "a page held (or kept) and free"
     assert len(free) + len(kept) + len(held) == pages.pages, "a page lost"
     assert prefix is None or len(kept) == prefix.idle_pages
