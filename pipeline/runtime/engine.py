@@ -50,6 +50,18 @@ from qwen3_spmd.sharding.stages import StagePlan
 RUNNERS = ("generate", "pooling")
 
 
+def to_host(x: jax.Array) -> np.ndarray:
+    """A program's output whole on this process's host. Rows other processes hold (the
+    `data` replicas of a job over several hosts) are gathered from them, so every
+    process keeps the same books: each process must ask for the same outputs in the
+    same order, as it runs the same rounds."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 class Engine:
     """Qwen3 on a mesh. Weights are placed once; programs compile per batch shape.
 
@@ -308,8 +320,8 @@ class Engine:
         watch, (logits, cache, *prompt) = self._run_prefill(batch, strategy, clock, cache)
         scored = bool(prompt)
         first = self._sample(logits, params, np.int32(0), sampled=sampled, allowed=allowed)
-        first = np.asarray(first)
-        prompt = PromptLogprobs(*(np.asarray(x) for x in prompt[0])) if scored else None
+        first = to_host(first)
+        prompt = PromptLogprobs(*(to_host(x) for x in prompt[0])) if scored else None
         clock.prefill_s += watch.seconds()
         return first, logits, cache, prompt
 
@@ -318,7 +330,7 @@ class Engine:
         `prefill`): (each row's last prompt token's hidden state after the final norm
         [B, D] float32 numpy, the cache)."""
         watch, (hidden, cache) = self._run_prefill(batch, strategy, clock, cache)
-        hidden = np.asarray(hidden)
+        hidden = to_host(hidden)
         clock.prefill_s += watch.seconds()
         return hidden, cache
 
@@ -338,8 +350,8 @@ class Engine:
     def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
         """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
         the top ones: TokenLogprobs of numpy arrays."""
-        out = self._logprobs(logits, jnp.asarray(tokens, jnp.int32))
-        return TokenLogprobs(*(np.asarray(x) for x in out))
+        out = self._logprobs(logits, self.copies.placed(np.int32(tokens), SPECS.rows))
+        return TokenLogprobs(*(to_host(x) for x in out))
 
     def decode(
         self,

@@ -24,7 +24,7 @@ from qwen3_spmd.pipeline.programs.sampling import (
     TokenLogprobs,
 )
 from qwen3_spmd.pipeline.programs.schedule import decode_ticks
-from qwen3_spmd.pipeline.runtime.engine import Engine
+from qwen3_spmd.pipeline.runtime.engine import Engine, to_host
 from qwen3_spmd.pipeline.runtime.registry import Clock, Stopwatch
 from qwen3_spmd.pipeline.scheduling.planner import Accounting, Admission, Chunk, DecodeChunk, Round
 from qwen3_spmd.pipeline.speculative.speculator import SpecContext, Speculator
@@ -288,8 +288,8 @@ class Executor:
             logprobs=chunk.shape.logprobs,
         )
         self.logits = out.logits
-        tokens = np.asarray(out.tokens)
-        lp = TokenLogprobs(*(np.asarray(x) for x in out.logprobs)) if chunk.shape.logprobs else None
+        tokens = to_host(out.tokens)
+        lp = TokenLogprobs(*(to_host(x) for x in out.logprobs)) if chunk.shape.logprobs else None
         acc.row_steps += book.B * take
         acc.decode_ticks += decode_ticks(book.groups, eng.stages, take)
         live = [b for b in book.live() if b < n]

@@ -36,7 +36,7 @@ def test_json_contract_matches_transformers(capsys, tmp_path):
     for p in prompts:
         argv += ["--prompt-ids", ",".join(map(str, p))]
     out = run_json(capsys, *argv)
-    assert out["mesh"] == {"stage": 1, "seq": 1, "tensor": 1}
+    assert out["mesh"] == {"data": 1, "stage": 1, "seq": 1, "tensor": 1}
     assert out["stage_layers"] == [[0, 4]]
     for i, req in enumerate(out["requests"]):
         assert req["prompt_ids"] == prompts[i]

@@ -100,7 +100,8 @@ def run_two(mesh: str, cpu_devices: int) -> dict:
 
 def test_2x2_over_two_processes_matches_one_process_and_1x1(capsys):
     report = run_two("2x2", 2)
-    assert report["processes"] == 2 and report["mesh"] == {"stage": 2, "seq": 2, "tensor": 1}
+    mesh = {"data": 1, "stage": 2, "seq": 2, "tensor": 1}
+    assert report["processes"] == 2 and report["mesh"] == mesh
     assert report["stage_processes"] == [[0], [1]]  # process 0's two devices are stage 0
     assert tokens(report) == REFERENCE_TOKENS  # the transformers reference = the 1x1 run
     for mesh, devices in (("2x2", 4), ("1x1", 1)):  # in this process (8 CPU devices)
@@ -151,6 +152,20 @@ def test_1x1x2_over_two_processes_each_reads_its_tensor_rows():
     ]
     assert report["weight_bytes_read_per_process"] == expected
     assert sum(expected) == _tensor_bytes(names) + _tensor_bytes(norms)
+
+
+def test_2x1x1x1_over_two_processes_each_holds_a_replica():
+    """`data` spans the processes (one device each): each holds a whole replica (reads
+    every weight) and decodes its own rows (process 0 requests 0 and 1, process 1
+    request 2 and a padding row); the tokens are 1x1's."""
+    report = run_two("2x1x1x1", 1)
+    assert tokens(report) == REFERENCE_TOKENS
+    assert report["mesh"] == {"data": 2, "stage": 1, "seq": 1, "tensor": 1}
+    assert report["stage_processes"] == [[0, 1]]  # stage 0 of both replicas
+    with safe_open(TINY / "model.safetensors", framework="numpy") as f:
+        everything = _tensor_bytes(list(f.keys()))
+    assert report["weight_bytes_read_per_process"] == [everything, everything]
+    assert report["kv_cache"]["replicas"] == 2 and report["layout"]["batch"] == 4
 
 
 def test_1x2_over_two_processes_ring_crosses_them():

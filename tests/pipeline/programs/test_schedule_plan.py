@@ -65,14 +65,17 @@ def test_more_stages_than_layers_is_refused():
 
 def test_make_mesh_shapes():
     mesh = make_mesh(2, 4, jax.devices()[:8])
-    assert dict(mesh.shape) == {"stage": 2, "seq": 4, "tensor": 1}
-    assert mesh.axis_names == ("stage", "seq", "tensor")
+    assert dict(mesh.shape) == {"data": 1, "stage": 2, "seq": 4, "tensor": 1}
+    assert mesh.axis_names == ("data", "stage", "seq", "tensor")
     # seq is the minor axis: neighbouring devices share a stage
-    assert [d.id for d in mesh.devices[0, :, 0]] == [d.id for d in jax.devices()[:4]]
+    assert [d.id for d in mesh.devices[0, 0, :, 0]] == [d.id for d in jax.devices()[:4]]
     # tensor is innermost: a stage's tensor devices are neighbours
     mesh = make_mesh(2, 1, jax.devices()[:8], tensor=4)
     assert [d.id for d in mesh.devices.flat] == [d.id for d in jax.devices()[:8]]
-    assert [d.id for d in mesh.devices[1, 0]] == [d.id for d in jax.devices()[4:8]]
+    assert [d.id for d in mesh.devices[0, 1, 0]] == [d.id for d in jax.devices()[4:8]]
+    # data is outermost: a replica's devices are neighbours
+    mesh = make_mesh(2, 1, jax.devices()[:8], tensor=2, data=2)
+    assert [d.id for d in mesh.devices[1].flat] == [d.id for d in jax.devices()[4:8]]
 
 
 @pytest.mark.parametrize("S,C,n", [(2, 2, 3), (4, 2, 4), (1, 3, 8), (8, 2, 8)])

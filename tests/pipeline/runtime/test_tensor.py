@@ -421,7 +421,7 @@ def test_two_processes_with_tensor_devices_inside_each(mesh, stage_processes):
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     report = json.loads(outs[0][0])
     S, C, X = map(int, mesh.split("x"))
-    assert report["mesh"] == {"stage": S, "seq": C, "tensor": X}
+    assert report["mesh"] == {"data": 1, "stage": S, "seq": C, "tensor": X}
     assert report["stage_processes"] == stage_processes
     for i, r in enumerate(report["requests"]):
         assert r["token_ids"] == ref[f"greedy_tokens_{i}"].tolist()[:6], i
