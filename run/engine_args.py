@@ -508,14 +508,7 @@ class EngineArgs:
         setting)."""
         from qwen3_spmd.pipeline.requests import RequestError
         from qwen3_spmd.pipeline.scheduling import build
-        from qwen3_spmd.sharding.mesh import MeshShape
 
-        if engine.D > 1:
-            raise CLIError(
-                f"--mesh {MeshShape.of(engine.mesh)}: serving and LLM run one replica, and "
-                f"D = {engine.D}; continuous batching over `data` replicas is not built "
-                "yet: use D = 1 here (`generate` and `bench` run a static batch over D)"
-            )
         try:
             rows = self.rows(engine)
             pool = build.pool_size(
@@ -565,8 +558,16 @@ class EngineArgs:
         """Everything at once, in one process: started, the model opened, its weights on
         the mesh (or on `mesh`, a jax Mesh given as it is), the scheduler over them."""
         from qwen3_spmd.pipeline.structured.constraints import Grammars
+        from qwen3_spmd.sharding.mesh import MeshShape
 
         runtime = self.start()
+        shape = MeshShape.of(mesh) if mesh is not None else runtime.shape
+        if shape.data > 1:  # before the weights load: the scheduler would refuse them
+            raise CLIError(
+                f"--mesh {shape}: serving and LLM run one replica, and D = {shape.data}; "
+                "continuous batching over `data` replicas is not built yet: use D = 1 here "
+                "(`generate` and `bench` run a static batch over the replicas)"
+            )
         spec = self.open_model()
         mesh = mesh if mesh is not None else runtime.mesh()
         runner = self.runner_for(spec)

@@ -41,14 +41,16 @@ def bytes_per_device(
     tensor: int = 1,
     experts: str = "tp",
     block_size: int = 16,
+    data: int = 1,
 ) -> dict[str, int]:
     """{'weights', 'linear', 'kv', 'total'}: bytes on one device (every device holds the
     same); 'linear' is the part of 'weights' in the attention and MLP projections (the
     weights an FP8 config, `cfg.fp8_block`, holds in one byte plus scales: model.fp8);
     'kv' a pool of KV pages of `block_size` slots that gives `batch` requests of
     `max_seq_len` tokens their pages (each `seq` device ceil(max_seq_len / seq) slots of
-    each, in whole pages)."""
-    mesh = AbstractMesh((1, stages, seq, tensor), AXES)
+    each, in whole pages), ceil(batch / data) of them on each of `data` replicas (whose
+    weights are each a whole copy)."""
+    mesh = AbstractMesh((data, stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
     split = TensorSplit(tensor, experts)
     split.check(cfg)
@@ -68,7 +70,8 @@ def bytes_per_device(
 
     map_params(leaf, abstract)
     slots = math.ceil(math.ceil(max_seq_len / seq) / block_size) * block_size  # in pages
-    kv_shape = (plan.padded_layers, batch, split.kv_heads(cfg), seq * slots, cfg.H)
+    rows = -(-batch // data) * data  # each replica's share, whole
+    kv_shape = (plan.padded_layers, rows, split.kv_heads(cfg), seq * slots, cfg.H)
     kv = 2 * _shard_bytes(mesh, SPECS.cache_lbksh, kv_shape, dtype) if max_seq_len else 0
     weights = sum(sizes)
     return {"weights": weights, "linear": sum(linear), "kv": kv, "total": weights + kv}
@@ -97,7 +100,14 @@ def _cli():
     for m in a.meshes.split(","):
         shape = parse_mesh(m)
         b = bytes_per_device(
-            cfg, *shape[:2], dtype, a.batch, a.max_seq_len, shape.tensor, a.expert_split
+            cfg,
+            *shape[:2],
+            dtype,
+            a.batch,
+            a.max_seq_len,
+            shape.tensor,
+            a.expert_split,
+            data=shape.data,
         )
         print(
             f"  {shape}: weights {b['weights'] / 1e9:6.1f} GB + KV {b['kv'] / 1e9:5.1f} GB "

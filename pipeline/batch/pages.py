@@ -25,7 +25,7 @@ class PageBook:
 
     def __init__(self, pages: int, replicas: int = 1):
         if pages % replicas:
-            raise ValueError(f"{pages} pages do not split into {replicas} equal replicas'")
+            raise ValueError(f"{pages} pages do not split equally over {replicas} replicas")
         self.pages, self.replicas = pages, replicas
         self.refs = np.zeros(pages, np.int32)  # [pages] rows that hold each page
         per = pages // replicas
@@ -45,6 +45,7 @@ class PageBook:
         return self.free if self.replicas == 1 else len(self._heaps[replica])
 
     def replica_of(self, page: int) -> int:
+        """The `data` replica whose devices hold `page`."""
         return page // (self.pages // self.replicas)
 
     @property

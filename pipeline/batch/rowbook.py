@@ -95,7 +95,7 @@ class RowBook:
         replicas: int = 1,
     ):
         if rows % replicas:
-            raise ValueError(f"{rows} rows do not split into {replicas} equal replicas'")
+            raise ValueError(f"{rows} rows do not split equally over {replicas} replicas")
         if prefix_block is not None and replicas > 1:
             raise ValueError("a prefix cache over several replicas' pools is not built")
         self.B, self.groups, self.replicas = rows, groups, replicas

@@ -55,7 +55,7 @@ def to_host(x: jax.Array) -> np.ndarray:
     `data` replicas of a job over several hosts) are gathered from them, so every
     process keeps the same books: each process must ask for the same outputs in the
     same order, as it runs the same rounds."""
-    if getattr(x, "is_fully_addressable", True):
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
@@ -350,7 +350,7 @@ class Engine:
     def logprobs(self, logits: jax.Array, tokens: np.ndarray) -> TokenLogprobs:
         """The log-probabilities of `tokens` [B] under `logits` [B, V] (a prefill's), and
         the top ones: TokenLogprobs of numpy arrays."""
-        out = self._logprobs(logits, self.copies.placed(np.int32(tokens), SPECS.rows))
+        out = self._logprobs(logits, jnp.asarray(tokens, jnp.int32))
         return TokenLogprobs(*(to_host(x) for x in out))
 
     def decode(

@@ -164,6 +164,10 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
+    # A `data` replica decodes its share of the rows and reads every weight for them.
+    D = engines.mesh.shape["data"]
+    replica_rows = layout["batch"] // D
+    replica_read = decode_bytes_per_step(cfg, replica_rows, T + (N - 1) / 2, dtype.itemsize)
     out = {
         "batch": B,
         "padded_batch": layout["batch"],
@@ -181,6 +185,9 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         ),
         "compile_s": job["compile_s"],
         "bytes_read_per_step": read,
+        "replicas": D,
+        "rows_per_replica": replica_rows,  # padded rows each replica decodes
+        "bytes_read_per_replica_step": replica_read,
         "idle_fraction": engine.schedules(layout)["decode"]["idle_fraction"],
         "steady_idle_fraction": engine.schedules(layout)["decode"]["steady_idle_fraction"],
         "stage_bytes": sent["decode"],

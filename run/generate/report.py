@@ -7,12 +7,12 @@ import dataclasses
 
 from qwen3_spmd.run.flags import CLIError
 from qwen3_spmd.run.generate.job import Job
-from qwen3_spmd.sharding.mesh import stage_devices
 
 
 def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> dict:
     """The run as one JSON-ready dict (every process computes it; process 0 prints it)."""
     from qwen3_spmd.run import traffic
+    from qwen3_spmd.sharding.mesh import stage_devices
 
     cfg, mesh = job.spec.cfg, job.mesh
     D, S, C, X = (mesh.shape[a] for a in ("data", "stage", "seq", "tensor"))

@@ -2,11 +2,12 @@
 
     qwen3-spmd plan --model 32B --devices 8 --hosts 1 --gpu h200 --target latency
 
-Every factorisation S x C x X of the devices (tensor inside a host) with its memory per
-device (exact, from the shardings) and the cost model's prefill and decode times
-(`run.plan.mesh_cost`), ranked by the target: `latency` (a token's time single-stream),
-`throughput` (decode tokens per second at --batch) or `prompt` (the cache tokens the
-free memory holds: the longest prompts). Needs no devices: only the model's config is read.
+Every factorisation D x S x C x X of the devices (tensor inside a host, replicas whole
+hosts or shares of one) with its memory per device (exact, from the shardings) and the
+cost model's prefill and decode times (`run.plan.mesh_cost`), ranked by the target:
+`latency` (a token's time single-stream), `throughput` (decode tokens per second at
+--batch, over every replica) or `prompt` (the cache tokens the free memory holds: the
+longest prompts). Needs no devices: only the model's config is read.
 """
 
 from __future__ import annotations
@@ -92,5 +93,8 @@ def main(args) -> int:
             f"{r['decode_token_s'] * 1e3:7.2f}ms {r['decode_tokens_per_s']:9.0f} "
             f"{r['cache_tokens']:13,}  {mesh_cost.why(r)}"
         )
-    print("(S x C x X = stages x seq devices x tensor devices; times are the cost model's)")
+    print(
+        "(D x S x C x X = replicas x stages x seq devices x tensor devices, D = 1 unwritten; "
+        "times are the cost model's)"
+    )
     return 0

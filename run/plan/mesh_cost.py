@@ -1,6 +1,9 @@
 """The mesh's cost model: for a model on N devices of a machine, every factorisation
-S x C x X (stages x seq devices x tensor devices) with its memory per device (exact:
-`sharding.footprint`), and predicted prefill and decode times (a roofline model).
+D x S x C x X (replicas x stages x seq devices x tensor devices) with its memory per
+device (exact: `sharding.footprint`), and predicted prefill and decode times (a roofline
+model). Replicas share nothing in a step: one decodes its ceil(batch / D) rows as a
+mesh of S x C x X would, so a token's time is one replica's and the throughput D of
+theirs.
 
 Per device and per stage tick, a stage's work is its L_pad / S layer slots of 1/X of
 every matmul (model.split), read or computed at the device's rooflines, plus the
@@ -50,15 +53,20 @@ class Load:
 
 
 def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str = "tp"):
-    """Every S x C x X of `devices` the model splits over: X inside a host (X divides the
-    devices of one), S at most the layers."""
+    """Every D x S x C x X of `devices` the model splits over: X inside a host (X divides
+    the devices of one), S at most the layers, the replicas whole hosts or whole shares
+    of one (D a multiple or a divisor of the hosts)."""
     per_host = devices // hosts
-    for X in range(1, per_host + 1):
-        if per_host % X or not TensorSplit(X, experts).fits(cfg, X):
+    for D in range(1, devices + 1):
+        if devices % D or (D % hosts and hosts % D):
             continue
-        for S in range(1, min(cfg.L, devices // X) + 1):
-            if (devices // X) % S == 0:
-                yield MeshShape(S, devices // (S * X), X)
+        replica = devices // D
+        for X in range(1, min(per_host, replica) + 1):
+            if per_host % X or replica % X or not TensorSplit(X, experts).fits(cfg, X):
+                continue
+            for S in range(1, min(cfg.L, replica // X) + 1):
+                if (replica // X) % S == 0:
+                    yield MeshShape(S, replica // (S * X), X, D)
 
 
 def pipeline_decode(stage_s: float, link_s: float, stages: int, groups: int) -> tuple:
@@ -78,10 +86,11 @@ def predict(
     """One mesh's figures: bytes per device, prefill seconds, decode seconds per step at
     batch 1 and at `load.batch`, the cache tokens the free memory holds (90% of the
     device's, less the weights), and the parts of a step."""
-    S, C, X = shape
+    S, C, X, D = shape.stage, shape.seq, shape.tensor, shape.data
     itemsize = jnp.dtype(load.dtype).itemsize
     dtype = jnp.dtype(load.dtype)
-    memory = bytes_per_device(cfg, S, C, dtype, load.batch, load.max_seq_len, X)
+    memory = bytes_per_device(cfg, S, C, dtype, load.batch, load.max_seq_len, X, data=D)
+    batch = -(-load.batch // D)  # one replica's rows
     slots = math.ceil(cfg.L / S)
     # Links: devices are laid out tensor, then seq, then stage; a group of n consecutive
     # devices stays in a host when n divides the devices of one.
@@ -124,8 +133,8 @@ def predict(
     link_s = 0.0 if S == 1 else _seconds(cfg.D * itemsize, stage_rate, stage_latency)
     one = decode_stage_s(1, load.prompt_len)
     token_s = pipeline_decode(sum(one.values()), link_s, S, 1)[0] + head_s
-    G = max(1, min(load.batch, S))
-    rows = -(-load.batch // G)
+    G = max(1, min(batch, S))
+    rows = -(-batch // G)
     many = decode_stage_s(rows, load.prompt_len)
     steps_per_s = pipeline_decode(sum(many.values()) + head_s / S, link_s, S, G)[1]
     # Prefill of one prompt: each stage's share of the flops at the matmul roofline,
@@ -147,14 +156,16 @@ def predict(
         "stage": S,
         "seq": C,
         "tensor": X,
+        "data": D,
         "weight_bytes_per_device": memory["weights"],
         "kv_bytes_per_device": memory["kv"],
         "fits": memory["total"] <= machine.memory * 0.9,
         "prefill_s": prefill_s,
         "decode_token_s": token_s,
         "decode_steps_per_s": steps_per_s,
-        "decode_tokens_per_s": steps_per_s * rows,
-        "cache_tokens": cache_tokens,  # KV slots the free memory holds, all requests together
+        "decode_tokens_per_s": D * steps_per_s * rows,
+        # KV slots the free memory holds, all requests together, every replica's
+        "cache_tokens": D * cache_tokens,
         "step_parts_s": parts,
     }
 

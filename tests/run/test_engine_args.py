@@ -106,12 +106,10 @@ def test_parallel_sizes_build_the_mesh():
 
 
 def test_serving_over_replicas_is_refused_in_one_line():
-    """The scheduler runs one replica: serve and LLM refuse D > 1 before building it."""
-    engine = SimpleNamespace(
-        D=2, mesh=SimpleNamespace(shape={"data": 2, "stage": 1, "seq": 1, "tensor": 1})
-    )
+    """The scheduler runs one replica: serve and LLM refuse D > 1 before any weight
+    loads."""
     with pytest.raises(CLIError, match=r"--mesh 2x1x1x1: serving and LLM run one replica"):
-        _cli("serve", "--mesh", "2x1x1x1").scheduler(engine)
+        _cli("serve", "--model", "/nowhere", "--mesh", "2x1x1x1").build()
 
 
 def _engine(stats: dict | None = None, devices: int = 1):

@@ -88,21 +88,27 @@ def test_make_mesh_refuses_wrong_device_count(S, C, n):
 
 @pytest.mark.parametrize(
     "text,want",
-    [("2x4", (2, 4, 1)), ("1X1", (1, 1, 1)), ("8x1", (8, 1, 1)), ("2x1x4", (2, 1, 4))],
+    [
+        ("2x4", (2, 4, 1, 1)),
+        ("1X1", (1, 1, 1, 1)),
+        ("8x1", (8, 1, 1, 1)),
+        ("2x1x4", (2, 1, 4, 1)),
+        ("2x1x1x4", (1, 1, 4, 2)),  # D x S x C x X: the shape's fields are (S, C, X, D)
+    ],
 )
 def test_parse_mesh(text, want):
     assert parse_mesh(text) == want
     assert str(parse_mesh(text)) == text.lower()
 
 
-@pytest.mark.parametrize("text", ["2", "2x", "x2", "axb", "2x2x2x2", "2x2x", "2*2", "", "2.0x1"])
+@pytest.mark.parametrize("text", ["2", "2x", "x2", "axb", "2x2x2x2x2", "2x2x", "2*2", "", "2.0x1"])
 def test_parse_mesh_refuses_malformed(text):
     with pytest.raises(MeshError) as e:
         parse_mesh(text)
     assert repr(text) in str(e.value) and "SxC" in str(e.value)
 
 
-@pytest.mark.parametrize("text", ["0x2", "2x0", "-1x4", "1x1x0"])
+@pytest.mark.parametrize("text", ["0x2", "2x0", "-1x4", "1x1x0", "0x1x1x1"])
 def test_parse_mesh_refuses_non_positive(text):
     with pytest.raises(MeshError, match="positive"):
         parse_mesh(text)

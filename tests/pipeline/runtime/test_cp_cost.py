@@ -188,9 +188,9 @@ def test_plan_ranks_every_factorisation(capsys):
 
     assert main(["plan", "--model", "32B", "--devices", "8", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["meshes"]
-    shapes = {(r["stage"], r["seq"], r["tensor"]) for r in rows}
-    assert len(shapes) == len(rows) and all(s * c * x == 8 for s, c, x in shapes)
-    assert {x for _, _, x in shapes} == {1, 2, 4, 8}
+    shapes = {(r["data"], r["stage"], r["seq"], r["tensor"]) for r in rows}
+    assert len(shapes) == len(rows) and all(d * s * c * x == 8 for d, s, c, x in shapes)
+    assert {x for *_, x in shapes} == {1, 2, 4, 8} and {d for d, *_ in shapes} == {1, 2, 4, 8}
     assert rows[0]["mesh"] == "1x1x8"
     times = [r["decode_token_s"] for r in rows if r["fits"]]
     assert times == sorted(times)
@@ -206,3 +206,23 @@ def test_plan_ranks_every_factorisation(capsys):
     assert main(["plan", "--model", "32B", "--devices", "8", "--hosts", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["meshes"]
     assert max(r["tensor"] for r in rows) == 4
+
+
+def test_replicas_in_the_plan_share_nothing():
+    """D replicas of a mesh: each device holds its weights as one replica's would and
+    KV for its replica's rows; a token takes one replica's time; the throughput is D
+    replicas' at batch / D each; replicas are whole hosts or shares of one."""
+    from qwen3_spmd.run.plan.machines import GPUS
+    from qwen3_spmd.run.plan.mesh_cost import Load, factorisations, predict
+    from qwen3_spmd.sharding.mesh import MeshShape
+
+    cfg, h200 = PRESETS["8B"], GPUS["h200"]
+    two = predict(cfg, MeshShape(1, 1, 4, data=2), h200, Load(batch=16))
+    one = predict(cfg, MeshShape(1, 1, 4), h200, Load(batch=8))
+    assert two["weight_bytes_per_device"] == one["weight_bytes_per_device"]
+    assert two["kv_bytes_per_device"] == one["kv_bytes_per_device"]
+    assert two["decode_token_s"] == one["decode_token_s"]
+    assert two["decode_tokens_per_s"] == pytest.approx(2 * one["decode_tokens_per_s"])
+    assert two["cache_tokens"] == 2 * one["cache_tokens"]
+    on_two_hosts = {m.data for m in factorisations(cfg, 12, 2)}
+    assert on_two_hosts == {1, 2, 4, 6, 12}  # 3 replicas would split a host's 6 devices

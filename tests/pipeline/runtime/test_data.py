@@ -8,6 +8,7 @@ Budget: one engine per (fixture, mesh), one generate each (a sampled one on 2x1x
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import fixture
@@ -18,6 +19,7 @@ from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
 from qwen3_spmd.pipeline.scheduling.scheduler import Scheduler
+from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import MeshError, MeshShape, make_mesh, parse_mesh
 
 TOL = 1e-4  # float32, as every parity test here
@@ -84,6 +86,13 @@ def test_weights_replicate_and_kv_pages_split_per_replica():
         cache_one.k.addressable_shards[0].data.nbytes
     )
     assert two.copies.cache_bytes_per_device(4) * 2 == one.copies.cache_bytes_per_device(4)
+    # the footprint tool says the same from the shardings alone
+    cfg, f32 = one.cfg, jnp.float32
+    fp_one = bytes_per_device(cfg, 1, 1, f32, batch=4, max_seq_len=64, tensor=2)
+    fp_two = bytes_per_device(cfg, 1, 1, f32, batch=4, max_seq_len=64, tensor=2, data=2)
+    assert fp_two["weights"] == fp_one["weights"] == shard_bytes(two.weights.state)
+    assert fp_two["kv"] * 2 == fp_one["kv"]
+    assert fp_two["kv"] == 2 * cache_two.k.addressable_shards[0].data.nbytes
 
 
 def test_each_replica_reads_its_own_pages_by_its_own_numbers():
