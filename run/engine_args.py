@@ -111,8 +111,9 @@ class EngineArgs:
                 "--mesh",
                 action="append",
                 default=[],
-                metavar="[DxSxCxX|SxC[xX]]",
-                help="a mesh shape to run (repeatable); 1x1 always runs as the baseline",
+                metavar="MESH",
+                help="a mesh shape to run, SxC, SxCxX or DxSxCxX (repeatable); 1x1 always "
+                "runs as the baseline",
             )
         else:
             parser.add_argument(
@@ -542,6 +543,17 @@ class EngineArgs:
                 ) from None
             raise CLIError(f"--kv-cache-memory-bytes {given}: {e}") from None
 
+    @staticmethod
+    def check_serving(shape) -> None:
+        """A CLIError before any weight loads where the scheduler would refuse the mesh
+        (`shape`, a MeshShape): it runs one `data` replica."""
+        if shape.data > 1:
+            raise CLIError(
+                f"--mesh {shape}: serving and LLM run one replica, and D = {shape.data}; "
+                "continuous batching over `data` replicas is not built yet: use D = 1 here "
+                "(`generate` and `bench` run a static batch over the replicas)"
+            )
+
     def rows(self, engine) -> int:
         """--max-num-seqs, or its default on the engine's platform (MAX_NUM_SEQS)."""
         if self.max_batch is not None:
@@ -561,13 +573,7 @@ class EngineArgs:
         from qwen3_spmd.sharding.mesh import MeshShape
 
         runtime = self.start()
-        shape = MeshShape.of(mesh) if mesh is not None else runtime.shape
-        if shape.data > 1:  # before the weights load: the scheduler would refuse them
-            raise CLIError(
-                f"--mesh {shape}: serving and LLM run one replica, and D = {shape.data}; "
-                "continuous batching over `data` replicas is not built yet: use D = 1 here "
-                "(`generate` and `bench` run a static batch over the replicas)"
-            )
+        self.check_serving(MeshShape.of(mesh) if mesh is not None else runtime.shape)
         spec = self.open_model()
         mesh = mesh if mesh is not None else runtime.mesh()
         runner = self.runner_for(spec)

@@ -227,6 +227,7 @@ def _load(args, engine_args: EngineArgs, spec, runtime, max_seq_len: int, runner
     from qwen3_spmd.run.pooled import POOLED
 
     procs = runtime.procs
+    engine_args.check_serving(runtime.shape)
     mesh = runtime.mesh()
     if procs.leader:
         _say(f"loading {spec.label} onto mesh {runtime.mesh_text} ({engine_args.dtype_name()})")
