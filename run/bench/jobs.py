@@ -264,6 +264,7 @@ def run_mesh(
     engines = engines or MeshEngines(cfg, source, mesh, dtype, settings, cp, roof)
     entry = {
         "mesh": label,
+        "data": shape.data,
         "stage": shape.stage,
         "seq": shape.seq,
         "tensor": shape.tensor,
@@ -271,6 +272,11 @@ def run_mesh(
         "cp": cp,
     }
     last = None
+    # The scheduler's scenarios (continuous batching, speculation) run one replica.
+    one_replica = {"speculative", "structured", "embed", "paged", "serve"} & set(scenarios)
+    if shape.data > 1 and one_replica:
+        say(f"  {', '.join(sorted(one_replica))}: not on {label} (the scheduler runs one replica)")
+        scenarios = [s for s in scenarios if s not in one_replica]
     if "prefill" in scenarios:
         entry["prefill"] = [prefill_job(engines, T, roof, say) for T in settings["prompt_lens"]]
     if "decode" in scenarios:

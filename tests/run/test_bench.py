@@ -167,6 +167,23 @@ def test_decode_on_1x1x2_times_its_all_reduces(capsys):
     check_spread(prefill["all_reduce_s_per_tick"])
 
 
+def test_decode_on_replicas_reports_each_replicas_work(capsys):
+    """On 2x1x1x1 each replica decodes half of batch 2's rows and reads every weight for
+    them (KV for its row); the scheduler's scenarios say they run one replica and are
+    left out there, while 1x1 runs them."""
+    argv = ["--scenario", "decode", "--scenario", "paged", "--batches", "2"]
+    out = run_json(capsys, *argv, "--mesh", "2x1x1x1")
+    one, two = out["meshes"]
+    assert (one["data"], two["data"]) == (1, 2) and "paged" in one and "paged" not in two
+    (whole,), (half,) = one["decode"], two["decode"]
+    assert (whole["rows_per_replica"], half["rows_per_replica"]) == (2, 1)
+    assert half["replicas"] == 2 and half["bytes_read_per_step"] == whole["bytes_read_per_step"]
+    every = half["bytes_read_per_step"]
+    mine = half["bytes_read_per_replica_step"]
+    assert mine["weights"] == every["weights"] - PRESETS["tiny"].D * 4  # one embedding row
+    assert mine["kv"] * 2 == every["kv"]
+
+
 def test_decode_and_memory_on_2x1(capsys):
     out = run_json(
         capsys,
