@@ -28,6 +28,12 @@ class Specs:
 SPECS = Specs()
 
 
+def replica_of(i, n: int, replicas: int):
+    """The `data` replica that holds item i (an int or an array of them) of n split over
+    `replicas` as `rows` and the pool's pages are: equal blocks, in order."""
+    return i // (n // replicas)
+
+
 def tensor_axis(path: tuple[str, ...], experts: str = "tp") -> int | None:
     """The axis of a parameter (as stored) that `tensor` splits; None for norms and the
     router. An FP8 weight's scales split on its weight's axis (model.fp8 keeps that axis

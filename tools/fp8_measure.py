@@ -64,6 +64,15 @@ def _weights(cfg, layers: int):
     return out
 
 
+def _block_scales(scale, name: str, O: int):
+    """Weight `name`'s scales as our layout holds them -> [O, I/b1]: one per output row
+    and block of b1 inputs ([O, I/b1] already where D is the input; [ceil(O/b0), I], one
+    a column, where D is the output)."""
+    if fp8.D_AXIS[name][1] == "in":
+        return scale
+    return jnp.repeat(scale[:, :: BLOCKS.cols], BLOCKS.rows, 0)[:O]
+
+
 def _blocked(h, w, scale, name):
     """h [R, I] times w float8 [O, I] -> [R, O] float32, each block of b1 inputs its own
     product on the float8 values converted to h's dtype (exact: e4m3 fits bfloat16) and
@@ -72,7 +81,7 @@ def _blocked(h, w, scale, name):
     [ceil(O/b0), I] one a column (D the output, constant on each block of b1 columns)."""
     (R, I), O, b1 = h.shape, w.shape[0], BLOCKS.cols
     J = I // b1
-    s = scale if fp8.D_AXIS[name][1] == "in" else jnp.repeat(scale[:, ::b1], BLOCKS.rows, 0)[:O]
+    s = _block_scales(scale, name, O)
     parts = jnp.einsum(
         "RJK,OJK->JRO",
         h.reshape(R, J, b1),
@@ -91,7 +100,7 @@ def _w8a8(h, w, scale, name):
     hs = jnp.max(jnp.abs(h3), axis=-1) / fp8.FP8_MAX
     hs = jnp.where(hs > 0, hs, 1.0)
     h8 = (h3 / hs[..., None]).astype(fp8.FP8)
-    s = scale if fp8.D_AXIS[name][1] == "in" else jnp.repeat(scale[:, ::b1], BLOCKS.rows, 0)[:O]
+    s = _block_scales(scale, name, O)
     parts = jax.lax.dot_general(
         h8, w.reshape(O, J, b1), (((2,), (2,)), ((1,), (1,))), preferred_element_type=jnp.float32
     )  # [J, R, O]

@@ -17,6 +17,8 @@ import heapq
 
 import numpy as np
 
+from qwen3_spmd.sharding.specs import replica_of
+
 
 class PageBook:
     """`pages` pages, all free at first, in `replicas` equal ranges. cache: the prefix
@@ -43,10 +45,6 @@ class PageBook:
     def free_in(self, replica: int) -> int:
         """Pages a row of `replica` can take."""
         return self.free if self.replicas == 1 else len(self._heaps[replica])
-
-    def replica_of(self, page: int) -> int:
-        """The `data` replica whose devices hold `page`."""
-        return page // (self.pages // self.replicas)
 
     @property
     def used(self) -> int:
@@ -86,4 +84,4 @@ class PageBook:
             if self.cache is not None and self.cache.keeps(int(p)):
                 self.cache.idle(int(p))
             else:
-                heapq.heappush(self._heaps[self.replica_of(int(p))], int(p))
+                heapq.heappush(self._heaps[replica_of(p, self.pages, self.replicas)], int(p))

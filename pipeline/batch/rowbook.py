@@ -25,6 +25,7 @@ from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_names, block_slot
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
+from qwen3_spmd.sharding.specs import replica_of
 
 
 @dataclasses.dataclass
@@ -131,7 +132,7 @@ class RowBook:
 
     def replica_of(self, b: int) -> int:
         """The `data` replica that holds row b."""
-        return b // (self.B // self.replicas)
+        return replica_of(b, self.B, self.replicas)
 
     def held(self, b: int) -> int:
         """Pages row b holds."""

@@ -25,7 +25,7 @@ from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.programs.stage import CACHE_SPECS
 from qwen3_spmd.pipeline.runtime.registry import JitTable
 from qwen3_spmd.ring.pages import identity_table
-from qwen3_spmd.sharding.specs import SPECS
+from qwen3_spmd.sharding.specs import SPECS, replica_of
 
 
 class Copies:
@@ -92,7 +92,7 @@ class Copies:
         its devices hold its pages, and P/D where none."""
         D = self.mesh.shape["data"]
         table = np.asarray(table, np.int32)
-        first = (np.arange(len(table)) // (len(table) // D) * (pages // D))[:, None]
+        first = (replica_of(np.arange(len(table)), len(table), D) * (pages // D))[:, None]
         local = np.where(table < pages, table - first, pages // D).astype(np.int32)
         return self.placed(local, SPECS.rows)
 

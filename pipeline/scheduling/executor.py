@@ -66,7 +66,8 @@ class Executor:
         self.resumed: list[Request] = []
         self.preemptions = 0  # requests preempted in all
         # The last program's logits on device: a prefill's [B, V], or a decode chunk's
-        # row 0 at each step [steps, V] (DecodeChunk.with_logits; [0, V] without).
+        # row 0 at each step, each replica's [D steps, V], row 0's first
+        # (DecodeChunk.with_logits; [0, V] without).
         self.logits = None
 
     def admit(self, round: Round) -> list[Update]:

@@ -139,7 +139,7 @@ def generate(
     strategy, predictions = engine.cp_plan(shape.B, shape.P_pad)
     admission = Admission(tuple(requests), tuple(range(shape.B)), shape, strategy)
     take(executor.admit(Round(admissions=(admission,))))
-    step_logits = [to_host(executor.logits)[:1]]
+    step_logits = [to_host(executor.logits[:1])]
     chunks = 0
     decode = DecodeShape(shape.B, sampled, logprobs=False, constrained=constrained)
     while book.live():
@@ -149,7 +149,7 @@ def generate(
         chunk = decode_chunk(decode, steps, rows, policy, with_logits)
         take(executor.decode(Round(decode=chunk)))
         if with_logits:
-            step_logits.append(to_host(executor.logits)[: chunk.steps])
+            step_logits.append(to_host(executor.logits[: chunk.steps]))
         chunks += 1
     completions = [Completion(list(p), t, f) for p, t, f in zip(prompts, tokens, finish)]
     n_new = sum(len(c.token_ids) - 1 for c in completions)

@@ -144,8 +144,8 @@ class VerifyInputs(NamedTuple):
         return cls(np.zeros((rows, T), np.int32), none, none, none, none, greedy, none, allowed)
 
     def placed(self, mesh: Mesh) -> VerifyInputs:
-        """These host inputs on `mesh`, split over `data` by rows, in the dtypes a pass's compiled
-        program is keyed by."""
+        """These host inputs on `mesh`, split over `data` by rows, in the dtypes a pass's
+        compiled program is keyed by."""
         return jax.tree.map(
             lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)),
             self,

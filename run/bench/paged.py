@@ -4,10 +4,10 @@ One load of --serve-requests x --serve-max-batch requests (prompts of
 --serve-prompt-lens random tokens, --serve-output-lens new tokens each, greedy, no end
 id) with --serve-max-batch in flight, through a Scheduler of that many rows over a
 pool of --kv-cache-memory-bytes, and the same load and pool through 2 rows (what rows
-of the whole --decode-cache-len gave at that memory before pages), each timed after a warm-up pass of the same load:
-output tokens/s of both and their ratio, the most requests decoding at once, the
-preemptions, the pool's pages, the tokens they hold and its maximum concurrency; and
-whether every request got the same tokens in both.
+of the whole --decode-cache-len gave at that memory before pages), each timed after a
+warm-up pass of the same load: output tokens/s of both and their ratio, the most
+requests decoding at once, the preemptions, the pool's pages, the tokens they hold and
+its maximum concurrency; and whether every request got the same tokens in both.
 """
 
 from __future__ import annotations
