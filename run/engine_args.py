@@ -543,16 +543,21 @@ class EngineArgs:
                 ) from None
             raise CLIError(f"--kv-cache-memory-bytes {given}: {e}") from None
 
-    @staticmethod
-    def check_serving(shape) -> None:
+    def check_serving(self, shape) -> None:
         """A CLIError before any weight loads where the scheduler would refuse the mesh
-        (`shape`, a MeshShape): it runs one `data` replica."""
-        if shape.data > 1:
-            raise CLIError(
-                f"--mesh {shape}: serving and LLM run one replica, and D = {shape.data}; "
-                "continuous batching over `data` replicas is not built yet: use D = 1 here "
-                "(`generate` and `bench` run a static batch over the replicas)"
-            )
+        (`shape`, a MeshShape): over `data` replicas it runs neither speculation nor
+        the prefix cache (off by default there)."""
+        if shape.data == 1:
+            return
+        for name, asked in (
+            ("--speculative-config", self.speculative_config is not None),
+            ("--enable-prefix-caching", self.enable_prefix_caching),
+        ):
+            if asked:
+                raise CLIError(
+                    f"--mesh {shape}: {name} runs one replica, and D = {shape.data}: "
+                    f"leave {name} out, or use D = 1"
+                )
 
     def rows(self, engine) -> int:
         """--max-num-seqs, or its default on the engine's platform (MAX_NUM_SEQS)."""

@@ -22,10 +22,10 @@ import numpy as np
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
 from qwen3_spmd.pipeline.batch.pages import PageBook
 from qwen3_spmd.pipeline.batch.prefix import PrefixBook, block_names, block_slot_pos
+from qwen3_spmd.pipeline.batch.replicas import replica
 from qwen3_spmd.pipeline.programs.decode import DecodeInputs
 from qwen3_spmd.pipeline.programs.layout import Batch, list_decode_slots
 from qwen3_spmd.pipeline.programs.sampling import RowSampling, Sampling
-from qwen3_spmd.sharding.specs import replica_of
 
 
 @dataclasses.dataclass
@@ -80,9 +80,10 @@ class RowBook:
     pool of `pages` (default: every row's most); prefix_block: a prefix cache over the
     pool's pages in blocks of that many tokens (`pipeline.batch.prefix.prefix_block`,
     whole pages), in `self.prefix` (None: none). replicas: the `data` replicas the rows
-    and the pool split into, B/D rows and P/D pages each, in order (`replica_of`): a
-    row's pages are its replica's (table entries are the pool's page numbers; the
-    device holds them less its replica's first, `Copies`)."""
+    and the pool split into, B/D rows each, interleaved (row b is replica b mod D's:
+    `pipeline.batch.replicas`), and P/D pages each, in order (`PageBook`): a row's
+    pages are its replica's (table entries are the pool's page numbers; the device
+    holds them less its replica's first, `Copies`)."""
 
     def __init__(
         self,
@@ -132,7 +133,7 @@ class RowBook:
 
     def replica_of(self, b: int) -> int:
         """The `data` replica that holds row b."""
-        return replica_of(b, self.B, self.replicas)
+        return replica(b, self.replicas)
 
     def held(self, b: int) -> int:
         """Pages row b holds."""

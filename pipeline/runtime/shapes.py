@@ -114,7 +114,11 @@ class ShapeRules:
     prefill_tokens: prompt tokens a round prefills at most. chunk_tokens: a long
     prompt's chunk (a multiple of 2C). block: the prefix cache's block (a multiple of 2C
     dividing chunk_tokens; `pipeline.batch.prefix`), None without one. decodes: False
-    for a pooling runner, whose rounds only prefill (no decode chunk, no row move)."""
+    for a pooling runner, whose rounds only prefill (no decode chunk, no row move).
+    replicas: D, the `data` replicas the rows are dealt to (`pipeline.batch.replicas`):
+    every program runs on all of them at once, so a prefill's batch is D blocks of a
+    microbatch unit each (a replica's prompts, padded), a decode chunk's rows D times a
+    multiple of the groups, and prefill_tokens is each replica's."""
 
     rows: int
     groups: int
@@ -126,6 +130,7 @@ class ShapeRules:
     chunk_tokens: int
     block: int | None = None
     decodes: bool = True
+    replicas: int = 1
 
     @property
     def layout_block(self) -> int | None:
@@ -141,21 +146,20 @@ class ShapeRules:
         return length_bucket(max(tokens, min(MIN_PROMPT_TOKENS, self.max_seq_len // 2)), 2 * self.C)
 
     def prefill_batch(self, n: int, P_pad: int) -> int:
-        """Prompts of length bucket P_pad prefilled together from n waiting: the most
-        that fill a bucketed batch without padding rows, a microbatch (M prompts) or
-        as many as keep a microbatch within BATCHED_PREFILL_TOKENS."""
+        """Prompts of length bucket P_pad a replica prefills together from n waiting for
+        it: the most that fill a bucketed batch without padding rows, a microbatch (M
+        prompts) or as many as keep a microbatch within BATCHED_PREFILL_TOKENS."""
         M = self.microbatches
         return whole_batch(min(n, M * max(1, BATCHED_PREFILL_TOKENS // P_pad)), M)
 
     def prefill(self, n: int, longest: int, new_tokens: list[int]) -> PrefillShape:
-        """The shape of a prefill of n prompts of at most `longest` tokens whose
-        requests want `new_tokens`: bucketed rows and length where every request's new
-        tokens still fit the row (a few compiled shapes), else its own."""
+        """The shape of a prefill of prompts of at most `longest` tokens, n at most on a
+        replica, whose requests want `new_tokens`: bucketed rows and length where every
+        request's new tokens still fit the row (a few compiled shapes), else its own."""
+        M, D = self.microbatches, self.replicas
         if self.fits(self.prompt_length(longest), new_tokens):
-            return PrefillShape(bucket(n, self.microbatches), self.prompt_length(longest))
-        return PrefillShape(
-            math.ceil(n / self.microbatches) * self.microbatches, padded_length(longest, self.C)
-        )
+            return PrefillShape(D * bucket(n, M), self.prompt_length(longest))
+        return PrefillShape(D * math.ceil(n / M) * M, padded_length(longest, self.C))
 
     def fits(self, P_pad: int, new_tokens: list[int]) -> bool:
         """Whether prompts padded to P_pad leave each request's new tokens room in a
@@ -169,7 +173,12 @@ class ShapeRules:
         padded = min(self.prompt_length(tokens), self.chunk_tokens)
         if offset + slots_per_device(padded, new_tokens, self.C) > self.slots:
             padded = padded_length(tokens, self.C)
-        return PrefillShape(self.microbatches, padded, with_context=offset > 0)
+        return PrefillShape(self.unit, padded, with_context=offset > 0)
+
+    @property
+    def unit(self) -> int:
+        """A prefill's fewest rows: a microbatch on every replica."""
+        return self.replicas * self.microbatches
 
     def slots_taken(self, prompt_len: int, new_tokens: int) -> int:
         """The local cache slots a request takes on a device, padded as these rules pad
@@ -186,14 +195,15 @@ class ShapeRules:
 
     def decode_rows(self, highest: int) -> int:
         """Rows a decode chunk runs over when row `highest` is the highest busy one: up
-        to it, rounded up to the groups times a power of two (few programs), so a light
-        load does not pay for every row's products."""
-        return min(self.rows, bucket(highest + 1, self.groups))
+        to it, each replica's rounded up to the groups times a power of two (few
+        programs), so a light load does not pay for every row's products."""
+        D = self.replicas
+        return min(self.rows, D * bucket(highest // D + 1, self.groups))
 
-    def compact_below(self, live: int) -> int:
-        """With `live` busy rows, the rows a chunk could run over at fewest: requests
-        above move down into free rows below it."""
-        return bucket(live, self.groups)
+    def compact_below(self, most: int) -> int:
+        """With `most` busy rows on the busiest replica, the rows a chunk could run over
+        at fewest: requests above move down into free rows of their replica below it."""
+        return self.replicas * bucket(most, self.groups)
 
     def prefill_stand_ins(
         self, shape: PrefillShape, new_tokens: list[int], offset: int = 0
@@ -247,29 +257,29 @@ class ShapeRules:
         for n in range(short, 0, -1):
             fewest[self.prompt_length(n)] = n
         room = self.C * self.slots  # the longest padded prompt a row holds
-        M = self.microbatches
+        M, D, per = self.microbatches, self.replicas, self.rows // self.replicas
         prefills = {
-            PrefillShape(B, P)
+            PrefillShape(D * B, P)
             for P in fewest
             if P <= room
-            for B in {bucket(self.prefill_batch(n, P), M) for n in range(1, self.rows + 1)}
+            for B in {bucket(self.prefill_batch(n, P), M) for n in range(1, per + 1)}
             if B <= M or B * fewest[P] <= self.prefill_tokens
         }
         last = {min(self.prompt_length(n), self.chunk_tokens) for n in range(1, short + 1)}
         before = []  # the fewest tokens a chunk with context follows in its row
         if self.max_seq_len - 1 > self.chunk_tokens:  # long prompts go in chunks
-            prefills.add(PrefillShape(M, self.chunk_tokens))
+            prefills.add(PrefillShape(self.unit, self.chunk_tokens))
             before.append(self.chunk_tokens)
         if self.block is not None and self.max_seq_len - 1 > self.block:
             before.append(self.block)  # a prefix cache's hit: its shared blocks
         if before:
-            prefills |= {PrefillShape(M, P, True) for P in last if P <= room - min(before)}
+            prefills |= {PrefillShape(self.unit, P, True) for P in last if P <= room - min(before)}
         rows = {self.decode_rows(b) for b in range(self.rows)} if self.decodes else set()
         decodes = {DecodeShape(n, True, logprobs) for n in rows for logprobs in (False, True)}
         moves = {
             self.moved(m)
-            for live in range(1, self.rows + 1)
-            for m in range(1, min(live, self.rows - self.compact_below(live)) + 1)
+            for most in range(1, per + 1)
+            for m in range(1, min(D * most, self.rows - self.compact_below(most)) + 1)
             if self.decodes
         }
         return DeclaredShapes(tuple(sorted(prefills)), tuple(sorted(decodes)), tuple(sorted(moves)))
@@ -294,9 +304,9 @@ class ShapeRules:
         a long prompt's later chunks)."""
         light = self.prompt_length(LIGHT_TOKENS)
         if isinstance(shape, PrefillShape):
-            units, tokens, rare = shape.B / self.microbatches, shape.P_pad, shape.with_context
+            units, tokens, rare = shape.B / self.unit, shape.P_pad, shape.with_context
         elif isinstance(shape, DecodeShape):
-            units, tokens, rare = shape.rows / self.groups, light, shape.logprobs
+            units, tokens, rare = shape.rows / (self.replicas * self.groups), light, shape.logprobs
         else:
             units, tokens, rare = shape.rows + 1, light, False
         return math.ceil(units) * max(tokens, light) * (4 if rare else 1)
@@ -304,7 +314,7 @@ class ShapeRules:
     def batched(self, shape: Shape) -> bool:
         """Whether `shape` prefills more prompts than a microbatch: the planner can
         prefill them a microbatch at a time while it is not compiled (`Planner.ready`)."""
-        return isinstance(shape, PrefillShape) and shape.B > self.microbatches
+        return isinstance(shape, PrefillShape) and shape.B > self.unit
 
     def cover(self) -> set[Shape]:
         """The few shapes that, compiled, stand in for all the others (but for prompts
@@ -319,15 +329,13 @@ class ShapeRules:
         }
         for context in (False, True):
             lengths = sorted(
-                s.P_pad
-                for s in programs.prefills
-                if s.with_context == context and s.B == self.microbatches
+                s.P_pad for s in programs.prefills if s.with_context == context and s.B == self.unit
             )
             while lengths:  # the longest within reach of the shortest left
                 # that leaves a quarter of a row for new tokens (or the shortest itself)
                 reach = min(STAND_IN_PADDING * lengths[0], max(lengths[0], 3 * room // 4))
                 rung = max(P for P in lengths if P <= reach)
-                cover.add(PrefillShape(self.microbatches, rung, context))
+                cover.add(PrefillShape(self.unit, rung, context))
                 lengths = [P for P in lengths if P > rung]
         return cover
 

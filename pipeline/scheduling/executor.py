@@ -6,15 +6,22 @@ pages, the decode chunk), and writes the results into the row book through its
 methods (which hand out the pages and name the prefix cache's blocks). It decides
 nothing: every process of a job executes the same `Round` alike, and gets the same
 tokens.
+
+With `data` replicas the book's rows are interleaved over them and a program's rows
+are in replica blocks (`pipeline.batch.replicas`): each prefill places its rows in
+their replicas' blocks, and a decode chunk's inputs and outputs change order on the
+host, so the book and the planner never see the programs' order.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from qwen3_spmd.model.cache import KVCache
 from qwen3_spmd.pipeline.batch.handles import Logprob, Request
 from qwen3_spmd.pipeline.batch.prefix import block_slot_pos
+from qwen3_spmd.pipeline.batch.replicas import positions, to_book, to_program
 from qwen3_spmd.pipeline.batch.rowbook import Chunking, RowBook, Update, row_sampling
 from qwen3_spmd.pipeline.programs.layout import Batch, lay_out
 from qwen3_spmd.pipeline.programs.sampling import (
@@ -149,8 +156,10 @@ class Executor:
         if chunk.request is not None:  # its first chunk
             self._chunk_prompt = []
         scored = chunk.shape.prompt_logprobs
+        # its row's place in the chunk's batch (a microbatch a replica); the others pad
+        (p,) = at = positions([held.row], eng.D, chunk.shape.B)
         batch = lay_out(
-            [list(request.prompt[chunk.start : chunk.end])],
+            [list(request.prompt[chunk.start : chunk.end])] * chunk.shape.B,
             eng.M,
             1,
             eng.C,
@@ -160,45 +169,49 @@ class Executor:
             P_pad=chunk.shape.P_pad,
             rows=chunk.shape.B,
             block=self.block_layout,
-            targets=[_targets(request.prompt, chunk.start, chunk.end)] if scored else None,
+            targets=[_targets(request.prompt, chunk.start, chunk.end)] * chunk.shape.B
+            if scored
+            else None,
         )
         last = chunk.end == len(request.prompt)  # its sampled token is the request's first
         book.grow(held.row, batch.prompt_slots)
         book.chunk_prefilled(batch, chunk.end)  # its slots listed after the earlier ones'
-        cache = self._rows_cache(np.broadcast_to(held.slot_pos, batch.slot_pos.shape), [held.row])
+        slot_pos = np.broadcast_to(held.slot_pos, batch.slot_pos.shape)
+        cache = self._rows_cache(slot_pos, [held.row], at)
         if eng.pooling:
-            return self._pooled_chunk(batch, chunk, cache, last)
+            return self._pooled_chunk(batch, chunk, cache, last, p)
         params = RowSampling.stack([row_sampling(request)] * batch.B)
         sampled = request.params.sampling.temperature > 0
-        allowed = self._masks([request] + [None] * (batch.B - 1)) if last else None
+        allowed = self._masks(_spread([request], at, batch.B, None)) if last else None
         first, logits, self.cache, prompt = eng.prefill(
             batch, chunk.cp, params, sampled, self.clock, cache, allowed
         )
         if scored:
-            self._chunk_prompt += _prompt_rows(batch, prompt, 0)
+            self._chunk_prompt += _prompt_rows(batch, prompt, p)
         if not last:
             return []
         held = book.chunked_in()
-        done = self._advance({request.id: int(first[0])})
+        done = self._advance({request.id: int(first[p])})
         update = book.start(
-            held.row, request, int(first[0]), held.offset, held.slot_pos, request.id in done
+            held.row, request, int(first[p]), held.offset, held.slot_pos, request.id in done
         )
         update.cached_tokens = held.cached_tokens
         if scored:
             update.prompt_logprobs, self._chunk_prompt = self._chunk_prompt, []
         if request.params.logprobs:
-            update.logprobs = [_logprob(eng.logprobs(logits, first), 0)]
+            update.logprobs = [_logprob(eng.logprobs(logits, first), p)]
         return [update]
 
-    def _pooled_chunk(self, batch: Batch, chunk: Chunk, cache, last: bool) -> list[Update]:
-        """A pooling runner's chunk: after the last, the request ends with its hidden
-        state, and its row is free again (nothing decodes)."""
+    def _pooled_chunk(self, batch: Batch, chunk: Chunk, cache, last: bool, p: int) -> list[Update]:
+        """A pooling runner's chunk (its row at batch row p): after the last, the
+        request ends with its hidden state, and its row is free again (nothing
+        decodes)."""
         hidden, self.cache = self.engine.pool(batch, chunk.cp, self.clock, cache)
         if not last:
             return []
         held = self.book.chunked_in()
         self.book.release(held.row)
-        update = Update(held.request.id, [], "stop", pooled=hidden[0])
+        update = Update(held.request.id, [], "stop", pooled=hidden[p])
         update.cached_tokens = held.cached_tokens
         return [update]
 
@@ -224,47 +237,46 @@ class Executor:
     def _prefill(self, admission: Admission) -> list[Update]:
         """Short prompts prefilled together into their rows; their first tokens."""
         eng, book, requests = self.engine, self.book, admission.requests
-        scored = admission.shape.prompt_logprobs
+        B, scored = admission.shape.B, admission.shape.prompt_logprobs
+        at = positions(admission.rows, eng.D, B)  # each request's row in the batch
         targets = [_targets(r.prompt, 0, len(r.prompt)) for r in requests] if scored else None
         batch = lay_out(
-            [list(r.prompt) for r in requests],
+            _spread([list(r.prompt) for r in requests], at, B),
             eng.M,
             1,
             eng.C,
             eng.slots_per_device,
             P_pad=admission.shape.P_pad,
-            rows=admission.shape.B,
+            rows=B,
             block=self.block_layout,
-            targets=targets,
+            targets=_spread(targets, at, B) if scored else None,
         )
         for r in requests:
             self._count(r, 0)
         if eng.pooling:  # each ends with its hidden state; no row (nor page) is taken
             hidden, _ = eng.pool(batch, admission.cp, self.clock)
-            return [Update(r.id, [], "stop", pooled=hidden[i]) for i, r in enumerate(requests)]
+            return [Update(r.id, [], "stop", pooled=hidden[p]) for p, r in zip(at, requests)]
         for b in admission.rows:
             book.grow(b, batch.prompt_slots)
-        params = RowSampling.stack(
-            [row_sampling(r) for r in requests] + [(Sampling(), 0, 0)] * (batch.B - len(requests))
-        )
+        params = RowSampling.stack(_spread([row_sampling(r) for r in requests], at, B, _GREEDY))
         sampled = any(r.params.sampling.temperature > 0 for r in requests)
-        allowed = self._masks(list(requests) + [None] * (batch.B - len(requests)))
-        cache = self._rows_cache(batch.slot_pos, admission.rows)
+        allowed = self._masks(_spread(list(requests), at, B, None))
+        cache = self._rows_cache(batch.slot_pos, admission.rows, at)
         first, self.logits, self.cache, prompt = eng.prefill(
             batch, admission.cp, params, sampled, self.clock, cache, allowed
         )
         logits = self.logits
         lp = eng.logprobs(logits, first) if any(r.params.logprobs for r in requests) else None
-        done = self._advance({r.id: int(first[i]) for i, r in enumerate(requests)})
+        done = self._advance({r.id: int(first[p]) for p, r in zip(at, requests)})
         updates = []
-        for i, (b, r) in enumerate(zip(admission.rows, requests)):
+        for p, b, r in zip(at, admission.rows, requests):
             update = book.start(
-                b, r, int(first[i]), batch.prompt_slots, batch.slot_pos[i], r.id in done
+                b, r, int(first[p]), batch.prompt_slots, batch.slot_pos[p], r.id in done
             )
             if r.params.logprobs:
-                update.logprobs = [_logprob(lp, i)]
+                update.logprobs = [_logprob(lp, p)]
             if r.params.prompt_logprobs:
-                update.prompt_logprobs = _prompt_rows(batch, prompt, i)
+                update.prompt_logprobs = _prompt_rows(batch, prompt, p)
             updates.append(update)
         return updates
 
@@ -272,15 +284,17 @@ class Executor:
         """One decode chunk over the first rows; hands out the new tokens, retires the
         rows that end."""
         eng, book, acc = self.engine, self.book, self.accounting
-        n, take = chunk.shape.rows, chunk.steps
+        n, take, D = chunk.shape.rows, chunk.steps, eng.D
         inputs = book.decode_inputs(n, take)
         if chunk.shape.constrained:  # a chunk of one step (the planner's rule)
             held = [book.rows[b].request if book.rows[b] else None for b in range(n)]
             inputs = inputs._replace(allowed=self._masks(held, always=True))
+        # the book's first n rows, each replica's first n/D, in the program's order
+        inputs = _rows_map(lambda x: to_program(x, D), inputs)
         out, self.cache = eng.decode(
             self.cache,
-            book.slot_pos,
-            book.table,
+            to_program(book.slot_pos, D),
+            to_program(book.table, D),
             inputs,
             groups=book.groups,
             sampled=chunk.shape.sampled,
@@ -289,8 +303,10 @@ class Executor:
             logprobs=chunk.shape.logprobs,
         )
         self.logits = out.logits
-        tokens = to_host(out.tokens)
-        lp = TokenLogprobs(*(to_host(x) for x in out.logprobs)) if chunk.shape.logprobs else None
+        tokens = to_book(to_host(out.tokens), D)
+        lp = None
+        if chunk.shape.logprobs:
+            lp = TokenLogprobs(*(to_book(to_host(x), D) for x in out.logprobs))
         acc.row_steps += book.B * take
         acc.decode_ticks += decode_ticks(book.groups, eng.stages, take)
         live = [b for b in book.live() if b < n]
@@ -327,13 +343,32 @@ class Executor:
             self.grammars.forget(u.id for u in updates if u.finish_reason)
         return updates
 
-    def _rows_cache(self, slot_pos: np.ndarray, rows) -> KVCache:
+    def _rows_cache(self, slot_pos: np.ndarray, rows, at: list[int]) -> KVCache:
         """The pool, as a prefill of a batch sees it: its rows' slot positions slot_pos
-        [B', C, S_loc] and pages, the book's rows `rows` first, then padding rows (copies
-        of the first prompt, their results dropped) with no page: their writes drop."""
+        [B', C, S_loc] and pages, the book's rows `rows` at batch rows `at`, padding rows
+        (copies of the first prompt, their results dropped) elsewhere with no page: their
+        writes drop."""
         table = np.full((len(slot_pos), self.book.table.shape[1]), self.book.pages.pages)
-        table[: len(rows)] = self.book.table[list(rows)]
+        table[at] = self.book.table[list(rows)]
         return self.engine.copies.with_rows(self.cache, slot_pos, table)
+
+
+_GREEDY = (Sampling(), 0, 0)  # a padding row's sampling (`row_sampling`'s form)
+_FIRST = object()
+
+
+def _spread(items: list, at: list[int], B: int, fill=_FIRST):
+    """A batch of B rows with items[i] at row at[i]; `fill` elsewhere (default: the
+    first item, as a padding row copies the first prompt)."""
+    out = [items[0] if fill is _FIRST else fill] * B
+    for p, item in zip(at, items):
+        out[p] = item
+    return out
+
+
+def _rows_map(f, inputs):
+    """f on each per-row array of a chunk's inputs (the scalars stay)."""
+    return jax.tree.map(lambda x: f(x) if np.ndim(x) else x, inputs)
 
 
 def _logprob(lp: TokenLogprobs, r: int) -> Logprob:

@@ -24,6 +24,11 @@ The policy, in the order a round runs:
             when none wait); with speculation on, run as plain steps, a verify pass of
             width T or a loop of passes on the device (`pipeline.speculative.policy`).
 
+With `data` replicas (`pipeline.batch.replicas`) every rule above runs on each
+replica's rows and pages: a request goes to the replica with the most free room (free
+pages, then free rows, then the lowest number), a row moves within its replica, and a
+replica short of pages preempts its own youngest.
+
 A request that ends at its first token by an EOS id is only known once its prefill
 ran: the round's decode plan counts it busy (its row then runs empty), and the next
 round sees it gone.
@@ -31,6 +36,7 @@ round sees it gone.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -38,6 +44,7 @@ from collections.abc import Callable, Iterable
 
 from qwen3_spmd.pipeline.batch.handles import Params, Request
 from qwen3_spmd.pipeline.batch.prefix import PrefixBook
+from qwen3_spmd.pipeline.batch.replicas import replica
 from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.layout import whole_batch
 from qwen3_spmd.pipeline.programs.sampling import Sampling
@@ -131,6 +138,14 @@ class Round:
         if self.chunk is not None and self.chunk.request is not None:
             ids.add(self.chunk.request.id)
         return ids
+
+    def started(self) -> list[int]:
+        """The rows this round starts a request in (its prefill, or a long prompt's
+        first chunk)."""
+        rows = [b for a in self.admissions for b in a.rows]
+        if self.chunk is not None and self.chunk.request is not None:
+            rows.append(self.chunk.row)
+        return rows
 
     def shapes(self, rules: ShapeRules) -> set[Shape]:
         """The program shapes the round runs."""
@@ -282,12 +297,13 @@ class Planner:
             held = None
         queue = [r for r in queue if r.id not in cancels]
         free = [b for b in range(book.B) if b not in busy and (held is None or b != held.row)]
-        # Free pages once the round's cancels have given theirs back.
-        pages = book.pages.free + sum(
-            book.lets_go(b) for b in book.live() if book.rows[b].request.id in cancels
-        )
+        # Each replica's free pages once the round's cancels have given theirs back.
+        pages = [book.pages.free_in(d) for d in range(book.replicas)]
+        for b in book.live():
+            if book.rows[b].request.id in cancels:
+                pages[book.replica_of(b)] += book.lets_go(b)
         if book.chunking is not None and held is None:
-            pages += book.lets_go(book.chunking.row)
+            pages[book.replica_of(book.chunking.row)] += book.lets_go(book.chunking.row)
         # Each decoding row takes the pages its next chunk may write; where they are not
         # free, the youngest requests give theirs back and wait to be prefilled again
         # (vLLM's recompute preemption), and nothing new starts this round.
@@ -302,26 +318,27 @@ class Planner:
         if held is None and queue and free:
             hit = self.cached(queue[0])
             if hit or self.long(queue[0]):
-                chunk = self._chunk(
-                    queue[0], free[0], done=0, offset=0, first=True, cached=len(hit)
-                )
+                row = free[self._roomiest(book, free, pages)]
+                d = book.replica_of(row)
+                chunk = self._chunk(queue[0], row, done=0, offset=0, first=True, cached=len(hit))
                 offset = len(hit) * (rules.block or 0) // rules.C
                 # its row shares the hit's pages (no longer free where no row held them)
                 shared = sum(map(len, hit))
                 need = self._chunk_pages(book, chunk, queue[0], offset, shared)
                 need += self.prefix.idle_of(hit) if hit else 0
-                if need <= pages:  # else it waits for pages at the queue's head
-                    queue.pop(0), free.pop(0)
-                    pages -= need
+                if need <= pages[d]:  # else it waits for pages at the queue's head
+                    queue.pop(0), free.remove(row)
+                    pages[d] -= need
                 else:
                     chunk = None
         elif held is not None:
+            d = book.replica_of(held.row)
             chunk = self._chunk(held.request, held.row, held.done, held.offset, first=False)
             need = self._chunk_pages(book, chunk, held.request, held.offset, book.held(held.row))
-            if need <= pages:
-                pages -= need
-            else:  # it waits for pages, holding its row, and nothing starts before it
-                chunk, pages = None, 0
+            if need <= pages[d]:
+                pages[d] -= need
+            else:  # it waits for pages, holding its row, and nothing starts before it there
+                chunk, pages[d] = None, 0
         held_row = held.row if held is not None else None  # a long prompt's after this round
         if chunk is not None:
             held_row = None
@@ -362,22 +379,29 @@ class Planner:
         a loop of verify passes) the row's whole budget."""
         return self.long_chunk if self.speculate is None else 1 << 30
 
-    def _preempt(self, book: RowBook, decoding: dict, held, pages: int) -> tuple[tuple, int]:
-        """(the ids of the requests preempted, the free pages left) when every decoding
-        row takes the pages its next chunk may write (`RowBook.decode_pages`): the
-        youngest (the last submitted) go first; when the oldest alone still lacks pages,
-        the long prompt being chunked gives its pages back too (it starts again)."""
+    def _preempt(
+        self, book: RowBook, decoding: dict, held, pages: list[int]
+    ) -> tuple[tuple, list[int]]:
+        """(the ids of the requests preempted, each replica's free pages left) when every
+        decoding row takes the pages its next chunk may write (`RowBook.decode_pages`)
+        from its replica's `pages`: there the youngest (the last submitted) go first;
+        when the oldest alone still lacks pages, the long prompt being chunked there
+        gives its pages back too (it starts again)."""
         need = {b: book.decode_pages(b, self.ahead()) for b in decoding}
-        order = sorted(decoding, key=lambda b: decoding[b].request.id)  # oldest first
-        preempts = []
-        while sum(need[b] for b in order) > pages and len(order) > 1:
-            b = order.pop()
-            preempts.append(decoding[b].request.id)
-            pages += book.lets_go(b)
-        if sum(need[b] for b in order) > pages and held is not None:
-            preempts.append(held.request.id)
-            pages += book.lets_go(held.row)
-        return tuple(preempts), pages - sum(need[b] for b in order)
+        preempts, pages = [], list(pages)
+        for d in range(book.replicas):
+            mine = [b for b in decoding if book.replica_of(b) == d]
+            order = sorted(mine, key=lambda b: decoding[b].request.id)  # oldest first
+            while sum(need[b] for b in order) > pages[d] and len(order) > 1:
+                b = order.pop()
+                preempts.append(decoding[b].request.id)
+                pages[d] += book.lets_go(b)
+            chunked_here = held is not None and book.replica_of(held.row) == d
+            if sum(need[b] for b in order) > pages[d] and chunked_here:
+                preempts.append(held.request.id)
+                pages[d] += book.lets_go(held.row)
+            pages[d] -= sum(need[b] for b in order)
+        return tuple(preempts), pages
 
     def _chunk(
         self,
@@ -421,92 +445,131 @@ class Planner:
         """Decode steps a request's first round after its prefill may write."""
         return min(self.ahead(), request.params.max_new_tokens - 1)
 
+    def _roomiest(self, book: RowBook, rows: list[int], pages: list[int]) -> int:
+        """The index in `rows` (free rows, ascending) of the lowest of the replica with
+        the most free room: the most free `pages`, then the most free rows, then the
+        lowest number (every process's plan alike)."""
+        left = collections.Counter(book.replica_of(b) for b in rows)
+        d = max(left, key=lambda d: (pages[d], left[d], -d))
+        return next(i for i, b in enumerate(rows) if book.replica_of(b) == d)
+
     def _admit(
         self,
         queue: list[Request],
         free: list[int],
         budget: int,
         book: RowBook,
-        pages: int,
+        pages: list[int],
     ) -> tuple[list[Admission], list[Request]]:
         """Waiting short prompts, in their order, into the free rows within `budget`
-        tokens (one at least, when no chunk runs this round). Prompts of one length
-        bucket go together (padded to one length, a short prompt would cost a long
-        one's compute), in whole bucketed batches (padding rows compute for nobody): 7
-        prompts of a bucket are batches of 4, 2 and 1; a prefix cache's hit waits for
-        the chunking seat. Returns the admissions and the queue
-        left."""
-        rules = self.rules
-        by_bucket: dict[int, list[Request]] = {}  # in the order of each bucket's first
-        n = tokens = taking = 0  # taking: the pages of the requests taken so far
+        tokens a replica (one at least, when no chunk runs this round), each on the
+        replica with the most free room that can take it (pages, rows, tokens) and
+        there into its lowest free row. Prompts of one length bucket go together
+        (padded to one length, a short prompt would cost a long one's compute), in
+        whole bucketed batches (padding rows compute for nobody): 7 prompts of a bucket
+        are batches of 4, 2 and 1 (on each replica); a prefix cache's hit waits for
+        the chunking seat. Returns the admissions and the queue left."""
+        rules, D = self.rules, book.replicas
+        rows = [[b for b in free if book.replica_of(b) == d] for d in range(D)]
+        # in the order of each bucket's first: (request, its replica)
+        by_bucket: dict[int, list[tuple[Request, int]]] = {}
+        n = 0
+        count, tokens, taking = [0] * D, [0] * D, [0] * D  # each replica's, so far
         for request in queue:
-            if n == len(free) or self.long(request) or self.cached(request):
+            if self.long(request) or self.cached(request):
                 break  # a long prompt (or a hit) starts chunking when the one before is done
             length = len(request.prompt)
-            if tokens + length > budget and (n or budget < rules.prefill_tokens):
-                break
             together = by_bucket.setdefault(rules.prompt_length(length), [])
-            if not _fits(rules, together + [request]):
+            if not _fits(rules, [r for r, _ in together] + [request]):
                 break  # padded with longer prompts it would not fit: next round
             wants = self._pages(
                 book, rules.prefill(1, length, [request.params.max_new_tokens]), request
             )
-            if wants > pages - taking:
-                break  # it waits for pages, and those after it with it
-            together.append(request)
-            n, tokens, taking = n + 1, tokens + length, taking + wants
-        admissions, rows, left = [], iter(free), []
+            room = [  # the replicas that can take it: a free row, its tokens, its pages
+                d
+                for d in range(D)
+                if count[d] < len(rows[d])
+                and (
+                    tokens[d] + length <= budget or not count[d] and budget == rules.prefill_tokens
+                )
+                and wants <= pages[d] - taking[d]
+            ]
+            if not room:
+                break  # it waits (for a row, tokens or pages), and those after it with it
+            d = max(room, key=lambda d: (pages[d] - taking[d], len(rows[d]) - count[d], -d))
+            together.append((request, d))
+            n, count[d], tokens[d], taking[d] = (
+                n + 1,
+                count[d] + 1,
+                tokens[d] + length,
+                taking[d] + wants,
+            )
+        admissions, into_rows, left = [], [iter(r) for r in rows], []
         for P_pad, together in by_bucket.items():
             while together:
-                k, shape = self._batch(together, rules.prefill_batch(len(together), P_pad))
-                batch, together = together[:k], together[k:]
-                need = sum(self._pages(book, shape, r) for r in batch)
-                if left or need > pages:  # they wait for pages, in their order
-                    left += batch + together
+                batch, shape = self._batch(together, rules.prefill_batch(_most(together), P_pad))
+                taken = {r.id for r, _ in batch}
+                together = [(r, d) for r, d in together if r.id not in taken]
+                need = [0] * D
+                for r, d in batch:
+                    need[d] += self._pages(book, shape, r)
+                if left or any(need[d] > pages[d] for d in range(D)):
+                    left += [r for r, _ in batch + together]  # they wait, in their order
                     break
-                pages -= need
-                into = tuple(next(rows) for _ in batch)
-                admissions.append(Admission(tuple(batch), into, shape, self.cp(shape)))
+                pages = [p - k for p, k in zip(pages, need)]
+                into = tuple(next(into_rows[d]) for _, d in batch)
+                requests = tuple(r for r, _ in batch)
+                admissions.append(Admission(requests, into, shape, self.cp(shape)))
         if left:
             ids = {r.id for r in left}
             left = [r for r in queue[:n] if r.id in ids]
         return admissions, left + queue[n:]
 
-    def _batch(self, together: list[Request], k: int) -> tuple[int, PrefillShape]:
-        """(prompts, shape) of a prefill of the first k of `together`; where its program
-        is not ready, the largest batch of them (k, or a smaller bucketed one) with a
-        ready stand-in (`ShapeRules.prefill_stand_ins`), else a microbatch's own shape
-        (one the background compiles before the batched ones)."""
+    def _batch(
+        self, together: list[tuple[Request, int]], k: int
+    ) -> tuple[list[tuple[Request, int]], PrefillShape]:
+        """(prompts, shape) of a prefill of the first k of `together` ((request, its
+        replica)) on each replica; where its program is not ready, the largest batch of
+        them (k, or a smaller bucketed one) with a ready stand-in
+        (`ShapeRules.prefill_stand_ins`), else a microbatch's own shape (one the
+        background compiles before the batched ones)."""
         rules, M = self.rules, self.rules.microbatches
         n = k
         while True:
-            batch = together[:n]
-            new_tokens = [r.params.max_new_tokens for r in batch]
-            shape = rules.prefill(n, max(len(r.prompt) for r in batch), new_tokens)
+            batch = _first(together, n)
+            new_tokens = [r.params.max_new_tokens for r, _ in batch]
+            longest = max(len(r.prompt) for r, _ in batch)
+            shape = rules.prefill(_most(batch), longest, new_tokens)
             # One row that asks makes the program score every row's prompt.
-            scored = any(r.params.prompt_logprobs for r in batch)
+            scored = any(r.params.prompt_logprobs for r, _ in batch)
             shape = dataclasses.replace(shape, prompt_logprobs=scored)
             ready = self._stand_in(rules.prefill_stand_ins, shape, new_tokens)
             if ready is not None or n <= M:
-                return n, ready or shape
+                return batch, ready or shape
             n = whole_batch(n - 1, M)
 
     def _compact(self, busy: dict, held_row: int | None) -> tuple[tuple[int, int], ...]:
         """Moves the requests in rows past the fewest a chunk could run over into free
-        rows below (one in-place copy of their K/V), so that a light load after a burst
-        decodes few rows: one request left in the last row would keep every row's
-        products running to its end. Updates `busy` to the rows after the moves."""
-        fewest = self.rules.compact_below(len(busy))
+        rows of their replica below (one in-place copy of their K/V), so that a light
+        load after a burst decodes few rows: one request left in the last row would keep
+        every row's products running to its end. Updates `busy` to the rows after the
+        moves."""
+        D = self.rules.replicas
+        most = max(collections.Counter(replica(b, D) for b in busy).values())
+        fewest = self.rules.compact_below(most)
         above = sorted(b for b in busy if b >= fewest)
         if not above:
             return ()
         free = [b for b in range(fewest) if b not in busy and b != held_row]
-        below = free[: len(above)]
-        if len(below) < len(above) or not self.ready(MoveShape(self.rules.moved(len(above)))):
+        below = [iter([b for b in free if replica(b, D) == d]) for d in range(D)]
+        moves = tuple((a, next(below[replica(a, D)], None)) for a in above)
+        if any(b is None for _, b in moves) or not self.ready(
+            MoveShape(self.rules.moved(len(above)))
+        ):
             return ()
-        for a, b in zip(above, below):
+        for a, b in moves:
             busy[b] = busy.pop(a)
-        return tuple(zip(above, below))
+        return moves
 
     def _decode(
         self, busy: dict, waiting: bool, rows: int, groups: int, early_ends: int, row_steps: int
@@ -569,6 +632,22 @@ class Planner:
         if self.ready(shape):
             return shape
         return next(filter(self.ready, stand_ins(shape, *args)), None)
+
+
+def _most(placed: list[tuple[Request, int]]) -> int:
+    """The most of `placed` ((request, its replica)) on one replica."""
+    return max(collections.Counter(d for _, d in placed).values())
+
+
+def _first(placed: list[tuple[Request, int]], k: int) -> list[tuple[Request, int]]:
+    """The first k of `placed` on each replica, in their order."""
+    seen = collections.Counter()
+    out = []
+    for r, d in placed:
+        if seen[d] < k:
+            out.append((r, d))
+            seen[d] += 1
+    return out
 
 
 def _fits(rules: ShapeRules, requests: list[Request]) -> bool:

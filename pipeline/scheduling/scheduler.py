@@ -70,7 +70,9 @@ class Scheduler:
       engine: the Engine (weights placed, programs compiled on first use). Its
         max_seq_len bounds every request's prompt + new tokens; its chunk is the long
         decode chunk.
-      max_batch: decode rows (rounded up to a multiple of the decode groups).
+      max_batch: decode rows of each `data` replica (vLLM's --max-num-seqs, per
+        data-parallel rank; rounded up to a multiple of the decode groups): the book
+        has D max_batch rows, dealt to the replicas in turn (`pipeline.batch.replicas`).
       prefill_tokens: prompt tokens prefilled per round at most, so a burst of prompts
         does not stall decoding; a longer prompt is prefilled in chunks of this many
         tokens (rounded down to a multiple of 2C), one a round.
@@ -94,7 +96,7 @@ class Scheduler:
         --kv-cache-memory-bytes), rounded down to whole pages; None: every row's most
         (max_seq_len a row, so no request ever waits for pages). kv_sizing: how those
         bytes were found, in words (`pipeline.scheduling.build.pool_size`), for
-        `pool_line`.
+        `pool_line`. With D replicas the pool is D times a device's pages, P/D each.
     """
 
     def __init__(
@@ -113,15 +115,16 @@ class Scheduler:
     ):
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
-        if engine.D > 1:
+        D = engine.D
+        if D > 1 and (speculator is not None or prefix_caching):
+            which = "speculative decoding" if speculator is not None else "the prefix cache"
             raise MeshError(
-                f"the scheduler runs one replica, and the mesh has {engine.D} (`data`): "
-                "continuous batching over replicas is not built yet; serve with D = 1, or "
-                "generate a static batch over the replicas (static_batch.generate)"
+                f"{which} runs one replica, and the mesh has {D} (`data`): leave it out "
+                "(--no-enable-prefix-caching, no --speculative-config) or use D = 1"
             )
         self.engine = engine
         self.groups = engine.groups_for(engine.stages)
-        self.B = -(-max_batch // self.groups) * self.groups
+        self.B = D * -(-max_batch // self.groups) * self.groups
         two_c = 2 * engine.C
         chunk_tokens = max(two_c, prefill_tokens // two_c * two_c)
         block = prefix_block(engine.C, engine.block_size)
@@ -141,11 +144,12 @@ class Scheduler:
             chunk_tokens=chunk_tokens,
             block=block if cached else None,
             decodes=not engine.pooling,
+            replicas=D,
         )
         page_bytes = engine.copies.page_bytes_per_device()
         self.pages = self.B * engine.pages_per_row
-        if kv_cache_memory_bytes is not None:
-            self.pages = kv_cache_memory_bytes // page_bytes
+        if kv_cache_memory_bytes is not None:  # (a replica's pages on each of its devices)
+            self.pages = D * (kv_cache_memory_bytes // page_bytes)
             if self.pages < 1:
                 raise RequestError(
                     f"$kv_cache_memory_bytes {kv_cache_memory_bytes} holds no page of KV "
@@ -161,6 +165,7 @@ class Scheduler:
             block_size=engine.block_size,
             pages=self.pages,
             prefix_block=block if cached else None,
+            replicas=D,
         )
         self.prefix = self.book.prefix
         self.planner = Planner(
@@ -189,6 +194,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.rounds = 0
         self.most_running = 0  # the most requests a round has decoded at once
+        # requests each `data` replica started (a preempted one again when it resumes)
+        self.replica_starts = [0] * D
         self._ids = itertools.count()
         self._waiting: collections.deque[Request] = collections.deque()
         self._gone: set[int] = set()  # waiting requests the round being run cancels
@@ -256,8 +263,9 @@ class Scheduler:
 
     @property
     def kv_bytes_per_device(self) -> int:
-        """Bytes of the pool of KV pages each device holds (allocated once)."""
-        return self.pages * self.engine.copies.page_bytes_per_device()
+        """Bytes of the pool of KV pages each device holds (allocated once): its
+        replica's pages."""
+        return self.pages // self.engine.D * self.engine.copies.page_bytes_per_device()
 
     @property
     def kv_usage(self) -> float:
@@ -376,12 +384,14 @@ class Scheduler:
         if self.engine.pooling and prompt_len <= self.rules.chunk_tokens:
             return  # prefilled whole into a cache of its own
         slots = self.rules.slots_taken(prompt_len, max_new_tokens)
-        if self.book.pages_for(slots) > self.pages:
-            eng = self.engine
+        eng = self.engine
+        pages = self.pages // eng.D  # a request's pages are its replica's
+        if self.book.pages_for(slots) > pages:
+            pool = "the pool" if eng.D == 1 else "a replica's pool"
             raise RequestError(
                 f"a prompt of {prompt_len} tokens and $max_new_tokens {max_new_tokens} "
-                f"need {slots * eng.C} tokens of KV cache; the pool holds {self.kv_tokens} "
-                f"({self.pages} pages of {eng.block_size * eng.C}): raise "
+                f"need {slots * eng.C} tokens of KV cache; {pool} holds "
+                f"{self.kv_tokens // eng.D} ({pages} pages of {eng.block_size * eng.C}): raise "
                 "$kv_cache_memory_bytes, or ask for fewer tokens",
                 "max_new_tokens",
                 "kv_cache_memory_bytes",
@@ -553,13 +563,16 @@ class Scheduler:
             round = self._next_round()
             if round is None:
                 return []
+            for b in round.started():
+                self.replica_starts[self.book.replica_of(b)] += 1
             # First tokens go out before the decode chunk runs: time to first token is
             # the prefill's, not the prefill's and a chunk's.
             waiting = [Update(id, [], "cancelled") for id in round.cancels if id in self._gone]
             updates = self._deliver(waiting + self.executor.admit(round))
             resumed, self.executor.resumed = self.executor.resumed, []
             if not self.follower:  # (a follower plans nothing: process 0 queues them)
-                self._waiting.extendleft(reversed(resumed))  # first in line, oldest first
+                # first in line, oldest first (extendleft puts the last it takes first)
+                self._waiting.extendleft(sorted(resumed, key=lambda r: r.id, reverse=True))
             updates += self._deliver(self.executor.decode(round))
             self.most_running = max(self.most_running, len(self.book.live()))
             self._compiled |= round.shapes(self.rules)

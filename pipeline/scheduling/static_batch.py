@@ -58,7 +58,8 @@ def _timing(clock: Clock, prompt_tokens: int, new_tokens: int) -> dict:
 def batch_rows(engine: Engine, n: int) -> tuple[int, int]:
     """(rows, groups) of the batch `generate` runs for n prompts: n rounded up so that
     each `data` replica's equal share of rows is a multiple of both the microbatches
-    and the decode groups (the rows past n are padding, on the last replicas)."""
+    and the decode groups (the rows past n are padding; the book deals its rows to the
+    replicas in turn, `pipeline.batch.replicas`)."""
     groups = engine.groups_for(n)
     unit = engine.D * math.lcm(engine.M, groups)
     return -(-n // unit) * unit, groups

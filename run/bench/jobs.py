@@ -272,10 +272,14 @@ def run_mesh(
         "cp": cp,
     }
     last = None
-    # The scheduler's scenarios (continuous batching, speculation) run one replica.
-    one_replica = {"speculative", "structured", "embed", "paged", "serve"} & set(scenarios)
+    # Over replicas the scheduler serves (paged), speculation runs one replica, and the
+    # other served loads compare with one replica's static batches and rows.
+    one_replica = {"speculative", "structured", "embed", "serve"} & set(scenarios)
     if shape.data > 1 and one_replica:
-        say(f"  {', '.join(sorted(one_replica))}: not on {label} (the scheduler runs one replica)")
+        say(
+            f"  {', '.join(sorted(one_replica))}: not on {label} (speculation runs one "
+            "replica; the other loads are sized for one replica's rows)"
+        )
         scenarios = [s for s in scenarios if s not in one_replica]
     if "prefill" in scenarios:
         entry["prefill"] = [prefill_job(engines, T, roof, say) for T in settings["prompt_lens"]]

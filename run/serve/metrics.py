@@ -124,6 +124,15 @@ class _Now:
             scheduler.rows_busy,
         )
         yield gauge("num_rows", "Decode rows (--max-batch, rounded to the groups).", scheduler.B)
+        # by data-parallel replica, under vLLM's label for its data-parallel ranks
+        starts = CounterMetricFamily(
+            P + "replica_requests_started",
+            "Requests each data replica started in its rows (a preempted one again).",
+            labels=["model_name", "engine"],
+        )
+        for d, n in enumerate(scheduler.replica_starts):
+            starts.add_metric(name + [str(d)], n)
+        yield starts
         yield counter(
             "engine_compiles",
             "Programs compiled (prefill and decode shapes; the background's included).",

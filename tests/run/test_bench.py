@@ -169,12 +169,14 @@ def test_decode_on_1x1x2_times_its_all_reduces(capsys):
 
 def test_decode_on_replicas_reports_each_replicas_work(capsys):
     """On 2x1x1x1 each replica decodes half of batch 2's rows and reads every weight for
-    them (KV for its row); the scheduler's scenarios say they run one replica and are
-    left out there, while 1x1 runs them."""
+    them (KV for its row); the paged load runs over both replicas (its rows and pool
+    each replica's) with the same tokens through many rows and 2, as on 1x1."""
     argv = ["--scenario", "decode", "--scenario", "paged", "--batches", "2"]
     out = run_json(capsys, *argv, "--mesh", "2x1x1x1")
     one, two = out["meshes"]
-    assert (one["data"], two["data"]) == (1, 2) and "paged" in one and "paged" not in two
+    assert (one["data"], two["data"]) == (1, 2)
+    assert one["paged"]["same_tokens"] and two["paged"]["same_tokens"]
+    assert two["paged"]["rows_2"]["max_num_seqs"] == 2 * one["paged"]["rows_2"]["max_num_seqs"]
     (whole,), (half,) = one["decode"], two["decode"]
     assert (whole["rows_per_replica"], half["rows_per_replica"]) == (2, 1)
     assert half["replicas"] == 2 and half["bytes_read_per_step"] == whole["bytes_read_per_step"]

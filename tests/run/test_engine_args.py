@@ -105,11 +105,14 @@ def test_parallel_sizes_build_the_mesh():
         _cli("generate", "-dp", "0").check()
 
 
-def test_serving_over_replicas_is_refused_in_one_line():
-    """The scheduler runs one replica: serve and LLM refuse D > 1 before any weight
-    loads."""
-    with pytest.raises(CLIError, match=r"--mesh 2x1x1x1: serving and LLM run one replica"):
-        _cli("serve", "--model", "/nowhere", "--mesh", "2x1x1x1").build()
+@pytest.mark.parametrize(
+    "flag", [["--enable-prefix-caching"], ["--speculative-config", '{"method": "ngram"}']]
+)
+def test_what_runs_one_replica_is_refused_over_replicas_in_one_line(flag):
+    """Speculation and the prefix cache run one replica: serve and LLM refuse them on
+    D > 1 before any weight loads."""
+    with pytest.raises(CLIError, match=rf"--mesh 2x1x1x1: {flag[0]} runs one replica"):
+        _cli("serve", "--model", "/nowhere", "--mesh", "2x1x1x1", *flag).build()
 
 
 def _engine(stats: dict | None = None, devices: int = 1):
@@ -121,6 +124,7 @@ def _engine(stats: dict | None = None, devices: int = 1):
         copies=SimpleNamespace(cache_bytes_per_device=lambda rows: 1000 * rows),
         max_seq_len=64,
         M=1,
+        D=1,
         prefill_memory=lambda batch, tokens: {"temp": 3 * tokens},
     )
 
@@ -157,17 +161,18 @@ def test_max_num_seqs_defaults_to_vllms_on_a_gpu_and_to_8_on_a_cpu():
 
 
 @pytest.mark.parametrize(
-    "flags, C, expected",
+    "flags, C, D, expected",
     [
-        ([], 1, True),
-        ([], 2, False),  # several seq devices: none by default
-        (["--enable-prefix-caching"], 2, True),
-        (["--no-enable-prefix-caching"], 1, False),
+        ([], 1, 1, True),
+        ([], 2, 1, False),  # several seq devices: none by default
+        ([], 1, 2, False),  # several replicas: none (not built)
+        (["--enable-prefix-caching"], 2, 1, True),
+        (["--no-enable-prefix-caching"], 1, 1, False),
     ],
 )
-def test_prefix_caching_switch(flags, C, expected):
+def test_prefix_caching_switch(flags, C, D, expected):
     args = _cli("serve", *flags)
-    assert prefix_caching(args.enable_prefix_caching, SimpleNamespace(C=C)) is expected
+    assert prefix_caching(args.enable_prefix_caching, SimpleNamespace(C=C, D=D)) is expected
 
 
 def test_llm_takes_vllm_names_and_refuses_unknown_ones():

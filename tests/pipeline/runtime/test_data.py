@@ -14,6 +14,8 @@ import pytest
 from reference import fixture
 
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint
+from qwen3_spmd.pipeline.batch.handles import Params
+from qwen3_spmd.pipeline.batch.replicas import program_order, to_program
 from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.runtime.engine import Engine
@@ -96,22 +98,24 @@ def test_weights_replicate_and_kv_pages_split_per_replica():
 
 
 def test_each_replica_reads_its_own_pages_by_its_own_numbers():
-    """The row book hands a row pages of its replica's range; placed, each replica's
+    """The row book deals its rows to the replicas in turn and hands a row pages of its
+    replica's range; placed in the program's order (replica blocks), each replica's
     table names them from its own first page, and an entry past the pool stays past
     that replica's part of it."""
     book = RowBook(4, 1, 1, 8, block_size=4, pages=8, replicas=2)
     book.grow(0, 8)  # replica 0: pages 0, 1
-    book.grow(2, 4)  # replica 1: page 4
-    assert [book.replica_of(b) for b in range(4)] == [0, 0, 1, 1]
-    assert book.table[0].tolist() == [0, 1] and book.table[2].tolist() == [4, 8]
+    book.grow(1, 4)  # replica 1: page 4
+    assert [book.replica_of(b) for b in range(4)] == [0, 1, 0, 1]
+    assert book.table[0].tolist() == [0, 1] and book.table[1].tolist() == [4, 8]
+    assert program_order(4, 2).tolist() == [0, 2, 1, 3]
     engine = _engine("wide", 2, 1, 1, 1)
     placed = engine.copies.with_rows(
         engine.copies.empty_cache(4, 8), book.slot_pos[:, :, : engine.slots_per_device]
     )
-    local = engine.copies._table(book.table, 8)
+    local = engine.copies._table(to_program(book.table, 2), 8)
     assert np.asarray(local).tolist() == [[0, 1], [4, 4], [0, 4], [4, 4]]
     assert placed.table.sharding.spec == local.sharding.spec
-    book.release(2)
+    book.release(1)
     assert book.pages.free_in(1) == 4 and book.pages.free_in(0) == 2
 
 
@@ -122,5 +126,44 @@ def test_meshes_of_four_parts_and_their_refusals():
         make_mesh(1, 1, jax.devices()[:2], data=3)
     with pytest.raises(MeshError, match="DxSxCxX"):
         parse_mesh("2x1x1x1x1")
-    with pytest.raises(MeshError, match="the scheduler runs one replica, and the mesh has 2"):
-        Scheduler(_engine("wide", 2, 1, 1, 1), max_batch=2)
+    with pytest.raises(MeshError, match="the prefix cache runs one replica, and the mesh has 2"):
+        Scheduler(_engine("wide", 2, 1, 1, 1), max_batch=2, prefix_caching=True)
+
+
+def test_a_scheduler_spreads_concurrent_requests_over_the_replicas():
+    """Served over 2x1x1x1 with 4 rows a replica: 16 requests submitted at once (the
+    fixture's prompts in turn, 2 to 8 new tokens) start on both replicas, the one with
+    the more free room first (the started count per replica shows the split), 8 decode
+    at once, and each gives transformers' greedy tokens; those of prompt 0 that ask for
+    log-probabilities get transformers' (its logits at each token, 1e-4)."""
+    _, _, ref, prompts = fixture("wide")
+    sched = Scheduler(_engine("wide", 2, 1, 1, 1), max_batch=4, prefill_tokens=64)
+    asked = [(i % 3, 2 + i % 7, i % 3 == 0 and i % 2 == 0) for i in range(16)]
+    handles = [
+        sched.submit(prompts[p], Params(max_new_tokens=n, logprobs=lp)) for p, n, lp in asked
+    ]
+    busy = []  # each round's busy rows on each replica, after its admissions
+    admit = sched.executor.admit
+
+    def admitted(round):
+        updates = admit(round)
+        busy.append(_per_replica(sched.book))
+        return updates
+
+    sched.executor.admit = admitted
+    sched.run()
+    assert busy[0] == [4, 4]  # 8 at once, 4 on each
+    assert sum(sched.replica_starts) == 16 and min(sched.replica_starts) >= 6
+    steps = ref["step_logits_0"].shape[0]
+    want = jax.nn.log_softmax(jnp.asarray(ref["step_logits_0"]), axis=-1)
+    for h, (p, n, lp) in zip(handles, asked):
+        assert h.tokens == ref[f"greedy_tokens_{p}"].tolist()[:n], (p, n)
+        if lp:
+            chosen = [x.chosen for x in h.logprobs][:steps]
+            at = [want[k, t] for k, t in enumerate(h.tokens[:steps])]
+            np.testing.assert_allclose(chosen, at, atol=TOL, rtol=0)
+
+
+def _per_replica(book) -> list[int]:
+    """The rows that hold a request on each replica."""
+    return [sum(book.replica_of(b) == d for b in book.live()) for d in range(book.replicas)]

@@ -44,10 +44,12 @@ def _no_logprobs(*shape) -> TokenLogprobs:
 class FakeEngine:
     """An Engine's face to the scheduler, without a model or a device: the tokens are
     `tokens_of` the prompt, whatever the row, batch or chunking; every program it is
-    asked to run is recorded by shape."""
+    asked to run is recorded by shape. With D `data` replicas, every table it is given
+    (in a program's order: replica blocks) must name each row's pages in its block's
+    replica's part of the pool."""
 
-    def __init__(self, stages=1, C=1, M=1, max_seq_len=64, chunk=4):
-        self.D, self.stages, self.C, self.M, self.chunk = 1, stages, C, M, chunk
+    def __init__(self, stages=1, C=1, M=1, max_seq_len=64, chunk=4, D=1):
+        self.D, self.stages, self.C, self.M, self.chunk = D, stages, C, M, chunk
         self.max_seq_len = max_seq_len
         self.block_size = 4  # a page's slots
         self.pages_per_row = math.ceil(math.ceil(max_seq_len / C) / self.block_size)
@@ -66,6 +68,7 @@ class FakeEngine:
         check_request(cfg, self.C, self.max_seq_len, prompts, max_new_tokens, min_tokens, eos_ids)
 
     def empty_cache(self, B, pages=None):
+        self.pool = pages
         return None
 
     def page_bytes_per_device(self):
@@ -75,6 +78,11 @@ class FakeEngine:
         return "ring", {}
 
     def with_rows(self, cache, slot_pos, table=None):
+        if table is not None:
+            rows, pages = len(table) // self.D, self.pool // self.D  # a replica's
+            for p, row in enumerate(table):
+                held = row[row < self.pool]
+                assert (held // pages == p // rows).all(), "a row reads another replica's pages"
         return cache
 
     def prefill(self, batch, strategy, params, sampled, clock, cache=None, allowed=None):
@@ -90,17 +98,23 @@ class FakeEngine:
         return np.array(first) % V, None, cache, None
 
     def logprobs(self, logits, tokens):
-        return _no_logprobs(len(tokens))
+        """Each token's log-probability is the token (so a row out of place shows)."""
+        return _no_logprobs(len(tokens))._replace(chosen=np.asarray(tokens, float))
 
     def decode(self, cache, slot_pos, table, inputs, groups, sampled, with_logits, clock, logprobs):
-        """Each row's next `chunk` tokens: one more than the last, each step."""
+        """Each row's next `chunk` tokens: one more than the last, each step. A busy row
+        (in a program's order) reads the cache's row with its replica's pages: the same
+        local row of its replica's block of the cache."""
         n = len(inputs.step)
+        self.with_rows(cache, slot_pos, table)
+        for p in np.flatnonzero(inputs.limit):
+            d, i = divmod(p, n // self.D)
+            assert (table[d * (len(table) // self.D) + i] < self.pool).any(), "no pages"
         constrained = inputs.allowed is not None
         self.decodes.append((DecodeShape(n, sampled, logprobs, constrained), int(inputs.run_steps)))
         tokens = (inputs.tokens[:, None] + 1 + np.arange(self.chunk)[None]) % V
-        out = types.SimpleNamespace(
-            tokens=tokens, logits=None, logprobs=_no_logprobs(n, self.chunk)
-        )
+        lp = _no_logprobs(n, self.chunk)._replace(chosen=tokens.astype(float))
+        out = types.SimpleNamespace(tokens=tokens, logits=None, logprobs=lp)
         return out, cache
 
 
@@ -154,11 +168,13 @@ def _check_pages(book: RowBook) -> None:
         ).all()
 
 
-@pytest.mark.parametrize("cached", [False, True], ids=["", "prefix-cache"])
+@pytest.mark.parametrize(
+    "D, cached", [(1, False), (1, True), (2, False)], ids=["", "prefix-cache", "2-replicas"]
+)
 @pytest.mark.parametrize("pages", [None, 40, 16], ids=["every-row", "40-pages", "16-pages"])
 @pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
 def test_every_shape_a_load_plans_is_one_the_rules_declare(
-    stages, C, M, rows, budget, pages, cached
+    stages, C, M, rows, budget, pages, D, cached
 ):
     """A random load (staggered arrivals, short and long prompts, end ids, cancels,
     sampled rows and log-probabilities) over a fake engine: every prefill, decode and
@@ -168,10 +184,12 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(
     of max_seq_len on one seq device), requests wait for pages and the youngest are
     preempted and resumed when decode runs out, with the same tokens. With the prefix
     cache, half the prompts begin with one of three shared prefixes: hits share pages,
-    kept blocks are evicted when pages run short. After every round the page book's
-    invariant holds (`_check_pages`), and at the end every page is free or kept."""
+    kept blocks are evicted when pages run short. Over 2 replicas (each `rows` rows and
+    that many pages) every row reads its replica's pages (`FakeEngine.with_rows`).
+    After every round the page book's invariant holds (`_check_pages`), and at the end
+    every page is free or kept."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
-    engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4)
+    engine = FakeEngine(stages, C, M, max_seq_len=64, chunk=4, D=D)
     sched = Scheduler(
         engine,
         max_batch=rows,
@@ -216,6 +234,8 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(
             assert h.tokens == tokens_of(prompt, len(h.tokens))
             continue
         assert (h.tokens, h.finish_reason) == _expected(prompt, p), i
+        if p.logprobs:  # the fake's log-probability of a token is the token
+            assert [lp.chosen for lp in h.logprobs] == h.tokens, i
     assert sched.book.live() == [] and sched.book.chunking is None
     assert len(sched.book.free_rows()) == sched.B
 

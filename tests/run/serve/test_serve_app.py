@@ -134,6 +134,7 @@ def test_metrics_move_by_exactly_the_load(serve, engine):
     assert _moved(before, after, "generation_tokens_total") == generated == 4 + 6 + 3
     assert _moved(before, after, "request_success_total", finished_reason="length") == 4
     assert _moved(before, after, "request_rejected_total", reason="queue_full") == 1
+    assert _moved(before, after, "replica_requests_started_total", engine="0") == 4  # D = 1
     for h in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
         assert _moved(before, after, f"{h}_seconds_count") == 4
         assert _moved(before, after, f"{h}_seconds_sum") > 0
