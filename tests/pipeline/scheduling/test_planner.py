@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qwen3_spmd.pipeline.batch.handles import Params, Request
+from qwen3_spmd.pipeline.batch.replicas import positions
 from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.layout import length_bucket
 from qwen3_spmd.pipeline.programs.sampling import TOP_LOGPROBS, Sampling, TokenLogprobs
@@ -424,6 +425,38 @@ def test_a_round_moves_a_lone_high_row_down_and_decodes_few_rows():
     assert plan.moves == ((3, 0),)
     assert plan.decode.shape == DecodeShape(2, sampled=True, logprobs=False)
     assert plan.decode.steps == 2  # short: rows are free
+
+
+def test_over_replicas_a_request_goes_where_most_room_is_and_rows_move_within_theirs():
+    """Two replicas of 4 rows (rows 0, 2, 4, 6 and 1, 3, 5, 7), a page a row: with 3
+    rows busy on replica 0 and 1 on replica 1, the first two waiting requests go to
+    replica 1 (more free pages), the third, at a tie of pages and rows, to replica 0
+    (the lower number); each takes its replica's lowest free row, and the prefill
+    places each in its replica's block (2 rows a replica). Later, requests left in rows 6
+    and 7 move to rows 0 and 1, each within its replica, and the chunk runs over those
+    two rows."""
+    rules = ShapeRules(
+        8, 1, 1, C=1, slots=64, max_seq_len=64, prefill_tokens=64, chunk_tokens=64, replicas=2
+    )
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4)
+    book = RowBook(8, 1, C=1, slots=64, replicas=2)
+    for b in (0, 2, 4, 1):
+        book.start(b, Request(b, (5,), Params(9)), 5, 1, np.full((1, 64), -1))
+        book.grow(b, 1)
+    waiting = [Request(10 + i, (1, 2, 3), Params(4)) for i in range(3)]
+    plan = planner.plan(book, waiting)
+    (admission,) = plan.admissions
+    assert admission.rows == (3, 5, 6) and admission.shape.B == 4
+    assert positions(admission.rows, 2, admission.shape.B) == [2, 3, 0]
+    assert plan.decode.shape.rows == 8
+    late = RowBook(8, 1, C=1, slots=64, replicas=2)
+    for b in (6, 7):
+        late.start(b, Request(b, (5,), Params(9)), 5, 1, np.full((1, 64), -1))
+        late.grow(b, 1)
+    plan = planner.plan(late, [])
+    assert plan.moves == ((6, 0), (7, 1)) and plan.decode.shape.rows == 2
+    with pytest.raises(ValueError, match="rows 6 and 1 are on different replicas"):
+        late.move(6, 1)
 
 
 class Repeat:
