@@ -545,19 +545,12 @@ class EngineArgs:
 
     def check_serving(self, shape) -> None:
         """A CLIError before any weight loads where the scheduler would refuse the mesh
-        (`shape`, a MeshShape): over `data` replicas it runs neither speculation nor
-        the prefix cache (off by default there)."""
-        if shape.data == 1:
-            return
-        for name, asked in (
-            ("--speculative-config", self.speculative_config is not None),
-            ("--enable-prefix-caching", self.enable_prefix_caching),
-        ):
-            if asked:
-                raise CLIError(
-                    f"--mesh {shape}: {name} runs one replica, and D = {shape.data}: "
-                    f"leave {name} out, or use D = 1"
-                )
+        (`shape`, a MeshShape): over `data` replicas it runs no speculation."""
+        if shape.data > 1 and self.speculative_config is not None:
+            raise CLIError(
+                f"--mesh {shape}: --speculative-config runs one replica, and D = "
+                f"{shape.data}: leave --speculative-config out, or use D = 1"
+            )
 
     def rows(self, engine) -> int:
         """--max-num-seqs, or its default on the engine's platform (MAX_NUM_SEQS)."""

@@ -8,7 +8,8 @@ needs a page and none is free (then the cache gives up its least recently used b
 Pages are handed out lowest first and taken back in any order, so every process of a
 job that applies the same takes and gives holds the same tables. With `data` replicas
 the pool is theirs in equal ranges (replica d the pages d P/D .. (d+1) P/D - 1, its own
-devices' pages), and a row takes pages of its replica's range only.
+devices' pages), and a row takes pages of its replica's range only (and the prefix
+cache gives up that replica's blocks for it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from qwen3_spmd.sharding.specs import replica_of
 
 class PageBook:
     """`pages` pages, all free at first, in `replicas` equal ranges. cache: the prefix
-    cache that keeps pages no row holds (`PrefixBook` sets it; one replica only), None
-    without one."""
+    cache that keeps pages no row holds (`PrefixBook` sets it), None without one."""
 
     def __init__(self, pages: int, replicas: int = 1):
         if pages % replicas:
@@ -44,7 +44,12 @@ class PageBook:
 
     def free_in(self, replica: int) -> int:
         """Pages a row of `replica` can take."""
-        return self.free if self.replicas == 1 else len(self._heaps[replica])
+        kept = self.cache.idle_in(replica) if self.cache is not None else 0
+        return len(self._heaps[replica]) + kept
+
+    def replica(self, page: int) -> int:
+        """The replica whose devices hold `page`."""
+        return replica_of(page, self.pages, self.replicas)
 
     @property
     def used(self) -> int:
@@ -59,7 +64,7 @@ class PageBook:
             raise ValueError(f"{n} pages asked for, {self.free_in(replica)} of {self.pages} free")
         heap = self._heaps[replica]
         while len(heap) < n:
-            for p in self.cache.evict():
+            for p in self.cache.evict(replica):
                 heapq.heappush(heap, p)
         taken = [heapq.heappop(heap) for _ in range(n)]
         self.refs[taken] = 1
@@ -84,4 +89,4 @@ class PageBook:
             if self.cache is not None and self.cache.keeps(int(p)):
                 self.cache.idle(int(p))
             else:
-                heapq.heappush(self._heaps[replica_of(p, self.pages, self.replicas)], int(p))
+                heapq.heappush(self._heaps[self.replica(p)], int(p))

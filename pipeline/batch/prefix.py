@@ -35,6 +35,11 @@ request its own. Generated tokens sit in a block's layout with one `seq` device 
 devices (`ring.decode_slot`) and only prompt blocks are named. The generated tokens'
 K/V were computed by decode steps, not by a prefill, so a turn that hits them differs
 from one that computes them by float rounding only, as two mesh shapes do.
+
+With `data` replicas each replica's pages are its own, and so are its named blocks:
+a name is looked up on one replica (the planner routes a prompt to the replica that
+holds its blocks, `pipeline.scheduling.planner`), two replicas may each hold the same
+block, and each replica evicts its own least recently let go.
 """
 
 from __future__ import annotations
@@ -91,10 +96,13 @@ def prefix_block(C: int, block_size: int) -> int:
     return page if page % (2 * C) == 0 else 2 * page
 
 
+Key = tuple[int, str]  # (replica, block name): a named block on one replica's pages
+
+
 class PrefixBook:
-    """The named blocks of the page book `pages`, each `block` tokens in `m` pages.
-    Counts, for /metrics: prompt tokens looked up (`queries`), those found (`hits`),
-    blocks evicted."""
+    """The named blocks of the page book `pages`, each `block` tokens in `m` pages, each
+    on its replica's pages. Counts, for /metrics: prompt tokens looked up (`queries`),
+    those found (`hits`), blocks evicted."""
 
     def __init__(self, pages: PageBook, block: int, m: int):
         self.book, self.block, self.m = pages, block, m
@@ -103,21 +111,23 @@ class PrefixBook:
         # once. As many as the server's default queue (256) and as many again, not
         # every prompt ever seen.
         self.names = functools.lru_cache(maxsize=512)(lambda prompt: block_names(prompt, block))
-        self.where: dict[str, tuple[int, ...]] = {}  # block name -> its pages
-        self.name_of: dict[int, str] = {}  # page -> the block it is part of
-        # The blocks no row holds, least recently let go first (a request's later
-        # blocks before its earlier ones, which the later need).
-        self._idle: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.where: dict[Key, tuple[int, ...]] = {}  # a named block -> its pages
+        self.name_of: dict[int, Key] = {}  # page -> the block it is part of
+        # Each replica's blocks no row holds, least recently let go first (a request's
+        # later blocks before its earlier ones, which the later need).
+        self._idle: list[collections.OrderedDict[Key, None]] = [
+            collections.OrderedDict() for _ in range(pages.replicas)
+        ]
         self.queries = self.hits = self.evictions = 0
 
     # ---- reading (the planner) ---------------------------------------------------
 
-    def lookup(self, prompt) -> list[tuple[int, ...]]:
-        """The pages of the longest run of the prompt's first blocks the book names (at
-        most `hit_blocks`), block by block."""
+    def lookup(self, prompt, replica: int = 0) -> list[tuple[int, ...]]:
+        """The pages of the longest run of the prompt's first blocks the book names on
+        `replica` (at most `hit_blocks`), block by block."""
         found = []
         for name in self.names(tuple(prompt))[: hit_blocks(len(prompt), self.block)]:
-            pages = self.where.get(name)
+            pages = self.where.get((replica, name))
             if pages is None:
                 break
             found.append(pages)
@@ -126,12 +136,19 @@ class PrefixBook:
     def idle_of(self, blocks) -> int:
         """Pages of `blocks` (lists of pages, `lookup`'s) that no row holds: a row that
         shares them takes them out of the free count."""
-        return sum(len(pages) for pages in blocks if self.name_of[pages[0]] in self._idle)
+        return sum(len(pages) for pages in blocks if self._is_idle(self.name_of[pages[0]]))
+
+    def _is_idle(self, key: Key) -> bool:
+        return key in self._idle[key[0]]
 
     @property
     def idle_pages(self) -> int:
         """Pages the book keeps for no row."""
-        return len(self._idle) * self.m
+        return sum(map(len, self._idle)) * self.m
+
+    def idle_in(self, replica: int) -> int:
+        """Pages the book keeps for no row on `replica`."""
+        return len(self._idle[replica]) * self.m
 
     @property
     def blocks_held(self) -> int:
@@ -143,29 +160,34 @@ class PrefixBook:
     # ---- writing (the row book and the page book, in the round's order) ----------
 
     def name(self, name: str, pages: tuple[int, ...]) -> None:
-        """A row's `pages` hold block `name` (whole): later prompts may share them. A
-        name the book has already, or pages of another name, stay as they are."""
-        if name in self.where or any(p in self.name_of for p in pages):
+        """A row's `pages` hold block `name` (whole): later prompts on their replica may
+        share them. A name that replica has already, or pages of another name, stay as
+        they are."""
+        key = (self.book.replica(pages[0]), name)
+        if key in self.where or any(p in self.name_of for p in pages):
             return
-        self.where[name] = pages
-        self.name_of.update((p, name) for p in pages)
+        self.where[key] = pages
+        self.name_of.update((p, key) for p in pages)
 
     def idle(self, page: int) -> None:
         """No row holds `page` any more: its block, once no row holds any of its pages,
-        is the most recently let go."""
-        name = self.name_of[page]
-        if not self.book.refs[list(self.where[name])].any():
-            self._idle[name] = None
-            self._idle.move_to_end(name)
+        is its replica's most recently let go."""
+        key = self.name_of[page]
+        if not self.book.refs[list(self.where[key])].any():
+            idle = self._idle[key[0]]
+            idle[key] = None
+            idle.move_to_end(key)
 
     def busy(self, page: int) -> None:
         """A row shares `page`: its block is not evictable while it does."""
-        self._idle.pop(self.name_of[page], None)
+        key = self.name_of[page]
+        self._idle[key[0]].pop(key, None)
 
-    def evict(self) -> tuple[int, ...]:
-        """The least recently let go block is forgotten: its pages (free now)."""
-        name, _ = self._idle.popitem(last=False)
-        pages = self.where.pop(name)
+    def evict(self, replica: int = 0) -> tuple[int, ...]:
+        """The least recently let go block of `replica` is forgotten: its pages (free
+        now)."""
+        key, _ = self._idle[replica].popitem(last=False)
+        pages = self.where.pop(key)
         for p in pages:
             del self.name_of[p]
         self.evictions += 1

@@ -98,8 +98,6 @@ class RowBook:
     ):
         if rows % replicas:
             raise ValueError(f"{rows} rows do not split equally over {replicas} replicas")
-        if prefix_block is not None and replicas > 1:
-            raise ValueError("a prefix cache over several replicas' pools is not built")
         self.B, self.groups, self.replicas = rows, groups, replicas
         self.block_size = block_size or slots
         if slots % self.block_size:

@@ -129,11 +129,10 @@ def host_available_bytes() -> int:
 
 def prefix_caching(enabled: bool | None, engine) -> bool:
     """Whether the prefix cache is on: as asked (--enable-prefix-caching), and by
-    default with one seq device and one replica only: with several seq devices, the
-    cache lays every prompt out block by block (`pipeline.batch.prefix`), each device
-    holding a part of every block, so the ring could skip no device pair of a long
-    prompt's causal attention; over several `data` replicas it is not built."""
-    return engine.C == 1 and engine.D == 1 if enabled is None else enabled
+    default with one seq device only: with several, the cache lays every prompt out
+    block by block (`pipeline.batch.prefix`), each device holding a part of every
+    block, so the ring could skip no device pair of a long prompt's causal attention."""
+    return engine.C == 1 if enabled is None else enabled
 
 
 def scheduler(

@@ -219,7 +219,8 @@ class Executor:
         """A prompt whose first blocks the prefix cache names starts chunking past them:
         its row's first pages are theirs, shared."""
         eng, book, block = self.engine, self.book, self.prefix.block
-        blocks = self.prefix.lookup(chunk.request.prompt)[: chunk.cached]
+        blocks = self.prefix.lookup(chunk.request.prompt, book.replica_of(chunk.row))
+        blocks = blocks[: chunk.cached]
         assert len(blocks) == chunk.cached, "the planner's hit is not in the book"
         done = chunk.cached * block
         slot_pos = block_slot_pos(chunk.cached, block, eng.C, eng.slots_per_device)

@@ -26,8 +26,10 @@ The policy, in the order a round runs:
 
 With `data` replicas (`pipeline.batch.replicas`) every rule above runs on each
 replica's rows and pages: a request goes to the replica with the most free room (free
-pages, then free rows, then the lowest number), a row moves within its replica, and a
-replica short of pages preempts its own youngest.
+pages, then free rows, then the lowest number), or, with a prefix cache, to the one
+that holds the longest run of its blocks unless that one is busier by more than
+ROUTING_MARGIN; a row moves within its replica, and a replica short of pages preempts
+its own youngest.
 
 A request that ends at its first token by an EOS id is only known once its prefill
 ran: the round's decode plan counts it busy (its row then runs empty), and the next
@@ -57,6 +59,16 @@ from qwen3_spmd.pipeline.runtime.shapes import (
 )
 from qwen3_spmd.pipeline.speculative.policy import Drafting, SpecPlan, SpecPolicy, drafting
 from qwen3_spmd.pipeline.structured.constraints import Constraint
+
+# Cache-aware routing over replicas: a prompt reads its blocks on the replica that holds
+# the longest run of them unless that replica's busy rows exceed the least loaded
+# replica's by more than this share of a replica's rows (at least one row); then the
+# load decides among the others. SGLang's router balances by the same two measures
+# (prefix match, then load past a threshold). Lenient, as SGLang's threshold is: a
+# decode step reads every weight whatever its rows, so a few more rows on one replica
+# cost little, while a hit spares its blocks' prefill; the load wins once one replica
+# would run out of rows well before the others.
+ROUTING_MARGIN = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,15 +270,28 @@ class Planner:
         """Whether a prompt is prefilled in chunks."""
         return len(request.prompt) > self.rules.chunk_tokens
 
-    def cached(self, request: Request) -> list[tuple[int, ...]]:
-        """The pages of the prompt's first blocks the prefix cache names
-        (`PrefixBook.lookup`): a hit is prefilled from its first uncached token on, as a
-        long prompt's later chunks. None for a request that asks for its prompt's
-        log-probabilities (nor without a cache): a hit would skip the positions it asks
-        for (vLLM bypasses the cache for it too)."""
-        if self.prefix is None or request.params.prompt_logprobs:
-            return []
-        return self.prefix.lookup(request.prompt)
+    def cached(
+        self, book: RowBook, request: Request, free: list[int], load: list[int]
+    ) -> tuple[int | None, list[tuple[int, ...]]]:
+        """(the replica whose prefix cache the prompt reads, the pages of its first
+        blocks named there, `PrefixBook.lookup`), or (None, []): a hit is prefilled
+        from its first uncached token on, as a long prompt's later chunks. Over
+        replicas, the cache-aware routing of SGLang's router: of the replicas with a
+        `free` row and a `load` (busy rows) within ROUTING_MARGIN of a replica's rows
+        of the least loaded one, the one with the longest run (the lower number at a
+        tie). None for a request that asks for its prompt's log-probabilities (nor
+        without a cache): a hit would skip the positions it asks for (vLLM bypasses the
+        cache for it too)."""
+        if self.prefix is None or request.params.prompt_logprobs or not free:
+            return None, []
+        open_ = sorted({book.replica_of(b) for b in free})
+        margin = max(1, int(ROUTING_MARGIN * book.B / book.replicas))
+        least = min(load[d] for d in open_)
+        hits = {
+            d: self.prefix.lookup(request.prompt, d) for d in open_ if load[d] - least <= margin
+        }
+        d = max(hits, key=lambda d: (len(hits[d]), -d))
+        return (d, hits[d]) if hits[d] else (None, [])
 
     def plan(
         self,
@@ -315,11 +340,14 @@ class Planner:
         if preempts:
             queue = []  # (the queue's requests wait behind the preempted ones)
         budget, chunk = rules.prefill_tokens, None
+        load = [0] * book.replicas  # each replica's busy rows (a long prompt's included)
+        for b in list(busy) + ([held.row] if held is not None else []):
+            load[book.replica_of(b)] += 1
         if held is None and queue and free:
-            hit = self.cached(queue[0])
+            d, hit = self.cached(book, queue[0], free, load)
             if hit or self.long(queue[0]):
-                row = free[self._roomiest(book, free, pages)]
-                d = book.replica_of(row)
+                d = d if hit else self._roomiest(book, free, pages)
+                row = next(b for b in free if book.replica_of(b) == d)
                 chunk = self._chunk(queue[0], row, done=0, offset=0, first=True, cached=len(hit))
                 offset = len(hit) * (rules.block or 0) // rules.C
                 # its row shares the hit's pages (no longer free where no row held them)
@@ -349,7 +377,7 @@ class Planner:
             else:
                 held_row = chunk.row
 
-        admissions, queue = self._admit(queue, free, max(budget, 0), book, pages)
+        admissions, queue = self._admit(queue, free, max(budget, 0), book, pages, load)
         for a in admissions:
             busy.update((b, (r, 1)) for r, b in zip(a.requests, a.rows))
         # A request whose budget is its first token ends at its prefill.
@@ -445,13 +473,12 @@ class Planner:
         """Decode steps a request's first round after its prefill may write."""
         return min(self.ahead(), request.params.max_new_tokens - 1)
 
-    def _roomiest(self, book: RowBook, rows: list[int], pages: list[int]) -> int:
-        """The index in `rows` (free rows, ascending) of the lowest of the replica with
-        the most free room: the most free `pages`, then the most free rows, then the
-        lowest number (every process's plan alike)."""
-        left = collections.Counter(book.replica_of(b) for b in rows)
-        d = max(left, key=lambda d: (pages[d], left[d], -d))
-        return next(i for i, b in enumerate(rows) if book.replica_of(b) == d)
+    def _roomiest(self, book: RowBook, free: list[int], pages: list[int]) -> int:
+        """Of the replicas with a `free` row, the one with the most free room: the most
+        free `pages`, then the most free rows, then the lowest number (every process's
+        plan alike)."""
+        left = collections.Counter(book.replica_of(b) for b in free)
+        return max(left, key=lambda d: (pages[d], left[d], -d))
 
     def _admit(
         self,
@@ -460,6 +487,7 @@ class Planner:
         budget: int,
         book: RowBook,
         pages: list[int],
+        load: list[int],
     ) -> tuple[list[Admission], list[Request]]:
         """Waiting short prompts, in their order, into the free rows within `budget`
         tokens a replica (one at least, when no chunk runs this round), each on the
@@ -476,7 +504,7 @@ class Planner:
         n = 0
         count, tokens, taking = [0] * D, [0] * D, [0] * D  # each replica's, so far
         for request in queue:
-            if self.long(request) or self.cached(request):
+            if self.long(request) or self.cached(book, request, free, load)[1]:
                 break  # a long prompt (or a hit) starts chunking when the one before is done
             length = len(request.prompt)
             together = by_bucket.setdefault(rules.prompt_length(length), [])

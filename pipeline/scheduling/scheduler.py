@@ -116,11 +116,10 @@ class Scheduler:
         if max_batch < 1:
             raise RequestError(f"$max_batch {max_batch} must be at least 1", "max_batch")
         D = engine.D
-        if D > 1 and (speculator is not None or prefix_caching):
-            which = "speculative decoding" if speculator is not None else "the prefix cache"
+        if D > 1 and speculator is not None:
             raise MeshError(
-                f"{which} runs one replica, and the mesh has {D} (`data`): leave it out "
-                "(--no-enable-prefix-caching, no --speculative-config) or use D = 1"
+                f"speculative decoding runs one replica, and the mesh has {D} (`data`): "
+                "leave --speculative-config out, or use D = 1"
             )
         self.engine = engine
         self.groups = engine.groups_for(engine.stages)

@@ -126,18 +126,19 @@ def test_meshes_of_four_parts_and_their_refusals():
         make_mesh(1, 1, jax.devices()[:2], data=3)
     with pytest.raises(MeshError, match="DxSxCxX"):
         parse_mesh("2x1x1x1x1")
-    with pytest.raises(MeshError, match="the prefix cache runs one replica, and the mesh has 2"):
-        Scheduler(_engine("wide", 2, 1, 1, 1), max_batch=2, prefix_caching=True)
 
 
 def test_a_scheduler_spreads_concurrent_requests_over_the_replicas():
-    """Served over 2x1x1x1 with 4 rows a replica: 16 requests submitted at once (the
-    fixture's prompts in turn, 2 to 8 new tokens) start on both replicas, the one with
-    the more free room first (the started count per replica shows the split), 8 decode
-    at once, and each gives transformers' greedy tokens; those of prompt 0 that ask for
-    log-probabilities get transformers' (its logits at each token, 1e-4)."""
+    """Served over 2x1x1x1 with 4 rows a replica and the prefix cache: 16 requests
+    submitted at once (the fixture's prompts in turn, 2 to 8 new tokens) start on both
+    replicas, the one with the more free room first (the started count per replica
+    shows the split), 8 decode at once, later ones of the 32-token prompt read its
+    blocks where a replica holds them, and each gives transformers' greedy tokens;
+    those of prompt 0 that ask for log-probabilities get transformers' (its logits at
+    each token, 1e-4)."""
     _, _, ref, prompts = fixture("wide")
-    sched = Scheduler(_engine("wide", 2, 1, 1, 1), max_batch=4, prefill_tokens=64)
+    engine = _engine("wide", 2, 1, 1, 1)
+    sched = Scheduler(engine, max_batch=4, prefill_tokens=64, prefix_caching=True)
     asked = [(i % 3, 2 + i % 7, i % 3 == 0 and i % 2 == 0) for i in range(16)]
     handles = [
         sched.submit(prompts[p], Params(max_new_tokens=n, logprobs=lp)) for p, n, lp in asked
@@ -154,6 +155,7 @@ def test_a_scheduler_spreads_concurrent_requests_over_the_replicas():
     sched.run()
     assert busy[0] == [4, 4]  # 8 at once, 4 on each
     assert sum(sched.replica_starts) == 16 and min(sched.replica_starts) >= 6
+    assert sched.prefix.hits > 0
     steps = ref["step_logits_0"].shape[0]
     want = jax.nn.log_softmax(jnp.asarray(ref["step_logits_0"]), axis=-1)
     for h, (p, n, lp) in zip(handles, asked):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from qwen3_spmd.pipeline.batch.handles import Params, Request
+from qwen3_spmd.pipeline.batch.prefix import block_names
 from qwen3_spmd.pipeline.batch.replicas import positions
 from qwen3_spmd.pipeline.batch.rowbook import RowBook
 from qwen3_spmd.pipeline.programs.layout import length_bucket
@@ -170,7 +171,9 @@ def _check_pages(book: RowBook) -> None:
 
 
 @pytest.mark.parametrize(
-    "D, cached", [(1, False), (1, True), (2, False)], ids=["", "prefix-cache", "2-replicas"]
+    "D, cached",
+    [(1, False), (1, True), (2, False), (2, True)],
+    ids=["", "prefix-cache", "2-replicas", "2-replicas-prefix-cache"],
 )
 @pytest.mark.parametrize("pages", [None, 40, 16], ids=["every-row", "40-pages", "16-pages"])
 @pytest.mark.parametrize("stages,C,M,rows,budget", CONFIGS)
@@ -186,7 +189,8 @@ def test_every_shape_a_load_plans_is_one_the_rules_declare(
     preempted and resumed when decode runs out, with the same tokens. With the prefix
     cache, half the prompts begin with one of three shared prefixes: hits share pages,
     kept blocks are evicted when pages run short. Over 2 replicas (each `rows` rows and
-    that many pages) every row reads its replica's pages (`FakeEngine.with_rows`).
+    that many pages) every row reads its replica's pages (`FakeEngine.with_rows`), a
+    hit's included.
     After every round the page book's invariant holds (`_check_pages`), and at the end
     every page is free or kept."""
     rng = np.random.default_rng(stages * 100 + C * 10 + rows)
@@ -457,6 +461,42 @@ def test_over_replicas_a_request_goes_where_most_room_is_and_rows_move_within_th
     assert plan.moves == ((6, 0), (7, 1)) and plan.decode.shape.rows == 2
     with pytest.raises(ValueError, match="rows 6 and 1 are on different replicas"):
         late.move(6, 1)
+
+
+def test_over_replicas_a_prompt_goes_to_the_replica_that_holds_its_blocks_unless_busier():
+    """Cache-aware routing: a prompt whose first two blocks replica 1 holds (no row
+    holds them) is prefilled there past them, though replica 0 is as free and lower;
+    once replica 1 is busier than replica 0 by more than ROUTING_MARGIN of a
+    replica's rows (3 rows against none, margin 2), it goes to replica 0 and computes
+    its whole prompt there."""
+    rules = ShapeRules(
+        8,
+        1,
+        1,
+        C=1,
+        slots=64,
+        max_seq_len=64,
+        prefill_tokens=64,
+        chunk_tokens=64,
+        block=4,
+        replicas=2,
+    )
+    book = RowBook(8, 1, C=1, slots=64, block_size=4, pages=32, prefix_block=4, replicas=2)
+    planner = Planner(rules, stages=1, short_chunk=2, long_chunk=4, prefix=book.prefix)
+    prompt = tuple(range(1, 14))
+    pages = book.pages.take(2, replica=1)
+    for name, page in zip(block_names(prompt, 4), pages):
+        book.prefix.name(name, (page,))
+    book.pages.give(pages)  # kept by the cache for no row
+    assert book.prefix.lookup(prompt, 1) == [(16,), (17,)] and book.prefix.lookup(prompt) == []
+    request = Request(0, prompt, Params(4))
+    plan = planner.plan(book, [request])
+    assert plan.chunk.row == 1 and plan.chunk.cached == 2 and plan.admissions == ()
+    for b in (1, 3, 5):
+        book.start(b, Request(10 + b, (5,), Params(9)), 5, 1, np.full((1, 64), -1))
+        book.grow(b, 1)
+    plan = planner.plan(book, [request])
+    assert plan.chunk is None and [a.rows for a in plan.admissions] == [(0,)]
 
 
 class Repeat:
