@@ -242,11 +242,13 @@ def experts_grouped(x, weights, ids, gate_efd, up_efd, down_edf):
     )
 
 
-def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
+def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf, skip_zero: bool = False):
     """The grouped matmul by hand: the (row, choice) pairs sorted by expert, each
     expert's run padded to whole blocks of b rows, and a loop over the blocks, each one
     expert's slice of the stack times b rows. x [R, D], weights and ids [R, A] ->
-    [R, D] float32.
+    [R, D] float32. skip_zero: pairs of weight 0 (an all-to-all's empty slots, or
+    choices another device's experts serve) take no place in a block: they sort after
+    every expert's run and compute nothing.
 
     b is about the mean run length (R * A / E, in multiples of 8), so the loop runs at
     most R * A / b + E <= 2E + 1 blocks and reads each chosen expert about once."""
@@ -257,14 +259,22 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
     blocks = P // b + E  # sum over experts of ceil(run / b) never exceeds this
     gate_efd, up_efd, down_edf = (w.for_reads(blocks) for w in (gate_efd, up_efd, down_edf))
     flat = ids.reshape(-1)
+    if skip_zero:  # expert E: no expert's, after every run
+        flat = jnp.where(weights.reshape(-1) != 0, flat, E)
     order = jnp.argsort(flat, stable=True)  # sorted pair -> pair
     expert = flat[order]
-    sizes = jnp.bincount(flat, length=E)
+    sizes = jnp.bincount(flat, length=E + 1)[:E]
     padded = -(-sizes // b) * b
     ends = jnp.cumsum(padded)
-    rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[expert]
-    dest = (ends - padded)[expert] + rank  # sorted pair -> its place among the blocks
-    row = jnp.full((blocks * b,), R, jnp.int32).at[dest].set((order // A).astype(jnp.int32))
+    at = jnp.minimum(expert, E - 1)
+    rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[at]
+    dest = (ends - padded)[at] + rank  # sorted pair -> its place among the blocks
+    dest = jnp.where(expert < E, dest, blocks * b)  # a skipped pair: none (dropped)
+    row = (
+        jnp.full((blocks * b,), R, jnp.int32)
+        .at[dest]
+        .set((order // A).astype(jnp.int32), mode="drop")
+    )
     xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[row]  # row R: zeros
     block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"), E - 1)
 
@@ -274,6 +284,7 @@ def experts_blocked(x, weights, ids, gate_efd, up_efd, down_edf):
         return h @ down_edf.one(e).T
 
     ys = jax.lax.map(block, (xs.reshape(blocks, b, -1), block_expert)).reshape(blocks * b, -1)
+    ys = jnp.concatenate([ys, jnp.zeros((1, ys.shape[1]), ys.dtype)])  # a skipped pair's
     y = ys[dest][jnp.argsort(order)].reshape(R, A, -1)  # back to (row, choice) order
     return jnp.einsum(
         "RAD,RA->RD", y.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST
@@ -304,7 +315,9 @@ class MoE(nnx.Module):
 
     Under a tensor split (model.split) a device holds E/X whole experts ("ep") or the
     F/X columns of every expert ("tp"), and returns its part of the sum; the router is
-    whole on every device, so all route alike."""
+    whole on every device, so all route alike. Under "a2a" a device holds E/(D X) whole
+    experts of `data` x `tensor` and serves every token that chose one of them
+    (`_all_to_all`)."""
 
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs, split=TensorSplit()):
         E, D, F = cfg.E, cfg.D, split.expert_width(cfg)
@@ -328,6 +341,8 @@ class MoE(nnx.Module):
         B, T, D = h.shape
         x = h.reshape(B * T, D)
         weights, ids, _ = route(x, self.router_ed[...], self.top, self.normalize)
+        if self.split.experts == "a2a" and self.split.expert_devices > 1:
+            return self._all_to_all(x, weights, ids, how).astype(h.dtype).reshape(B, T, D)
         experts = self.gate_efd.shape[0]  # this device's
         if self.split.size > 1 and self.split.experts == "ep":
             # The pairs routed to another device's experts weigh zero here.
@@ -343,3 +358,68 @@ class MoE(nnx.Module):
         )
         y = FORMULATIONS[how](x, weights, ids, gate, up, down, **extra)
         return y.astype(h.dtype).reshape(B, T, D)
+
+    def _all_to_all(self, x, weights, ids, how: str | None) -> jax.Array:
+        """The "a2a" split: x [R, D] (this replica's tokens, the same on its X tensor
+        devices), weights and ids [R, A] (every device routed alike) -> this device's
+        part of the output [R, D] float32: its 1/X of the tokens' rows, zeros elsewhere
+        (the layer's psum over `tensor` puts the rows together).
+
+        Tensor device t takes tokens t R_x .. (R_x = ceil(R / X)), and sends each to
+        the G = D X devices of `data` x `tensor` (`TensorSplit.expert_axes`) that hold
+        at least one of its chosen experts, once, with the weights and local ids of
+        the choices that device serves: the slots of a [G, R_x] buffer, the tokens for
+        device g packed first in row g. A row holds all R_x tokens, so no routing drops
+        a token (dropless), and one `all_to_all` carries every row to its device. There
+        the received [G R_x] slots run through a formulation, pairs of weight 0 (empty
+        slots, other devices' choices) skipped where it can, and a second `all_to_all`
+        brings each slot's weighted sum back to its token, which adds the sums of its
+        (at most A) devices."""
+        split = self.split
+        X, G = split.size, split.expert_devices
+        E_loc = self.gate_efd.shape[0]  # this device's experts
+        R, A = ids.shape
+        D = x.shape[1]
+        R_x = -(-R // X)
+        pad = ((0, X * R_x - R), (0, 0))  # padding rows weigh nothing: never sent
+        x, weights, ids = jnp.pad(x, pad), jnp.pad(weights, pad), jnp.pad(ids, pad)
+        t = jax.lax.axis_index(split.axis) if X > 1 else 0
+        x, weights, ids = (jax.lax.dynamic_slice_in_dim(a, t * R_x, R_x) for a in (x, weights, ids))
+        g = jnp.arange(G, dtype=jnp.int32)
+        serves = (ids[:, :, None] // E_loc == g) & (weights != 0)[:, :, None]  # [R_x, A, G]
+        sent = serves.any(axis=1)  # [R_x, G]: token r goes to device g
+        slot = jnp.where(sent, jnp.cumsum(sent, axis=0) - 1, R_x)  # its place in row g
+        to = (jnp.broadcast_to(g, (R_x, G)), slot)  # R_x: past the row, dropped
+
+        def buffer(values):  # values [R_x, G, ...] -> [G, R_x, ...], each at its slot
+            empty = jnp.zeros((G, R_x, *values.shape[2:]), values.dtype)
+            return empty.at[to].set(values, mode="drop")
+
+        chosen = jnp.where(serves, weights[:, :, None], 0).transpose(0, 2, 1)  # [R_x, G, A]
+        local = jnp.clip(ids[:, :, None] - g * E_loc, 0, E_loc - 1).transpose(0, 2, 1)
+        send = (buffer(jnp.broadcast_to(x[:, None], (R_x, G, D))), buffer(chosen), buffer(local))
+
+        def exchange(a):
+            return jax.lax.all_to_all(a, split.expert_axes, 0, 0, tiled=True)
+
+        got_x, got_w, got_ids = (exchange(a) for a in send)  # [G, R_x, ...] by source
+        how = how or formulation(R, E_loc * G, self.top)  # the whole model's regime
+        extra = {"skip_zero": True} if how in ("looped", "blocked") else {}
+        gate, up, down = (
+            Stacked.of(self, w, self.linear) for w in ("gate_efd", "up_efd", "down_edf")
+        )
+        y = FORMULATIONS[how](
+            got_x.reshape(G * R_x, D),
+            got_w.reshape(G * R_x, A),
+            got_ids.reshape(G * R_x, A),
+            gate,
+            up,
+            down,
+            **extra,
+        )
+        back = exchange(y.astype(x.dtype).reshape(G, R_x, D))  # [G, R_x, D]: by server
+        at = jnp.minimum(slot, R_x - 1).T[:, :, None]  # [G, R_x, 1]
+        mine = jnp.take_along_axis(back, at, axis=1).astype(jnp.float32)
+        out = jnp.sum(jnp.where(sent.T[:, :, None], mine, 0.0), axis=0)  # [R_x, D]
+        rows = jnp.zeros((X * R_x, D), jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(rows, out, t * R_x, 0)[:R]

@@ -8,11 +8,15 @@
 - Embedding and lm_head by vocabulary rows (V'/X): the lookup takes a device's own
   rows (zeros elsewhere) and a `psum`; the logits stay split (pipeline.programs.sampling gathers
   what its rule needs).
-- Experts: "tp" (the default) splits every expert's columns as the dense MLP's, so every
-  device does 1/X of each chosen expert's work; "ep" gives each device E/X whole
-  experts (each device computes the routed pairs of its own experts, the rest weigh
-  zero, which only the looped decode formulation skips). Either ends in the MLP's one
-  `psum`.
+- Experts: "tp" (the default without `data` replicas) splits every expert's columns as
+  the dense MLP's, so every device does 1/X of each chosen expert's work; "ep" gives
+  each device E/X whole experts (each device computes the routed pairs of its own
+  experts, the rest weigh zero, which only the looped decode formulation skips). Either
+  ends in the MLP's one `psum`. "a2a" (the default with D > 1 replicas) gives each of
+  the D X devices of `data` x `tensor` E/(D X) whole experts: each tensor device
+  takes 1/X of its replica's tokens, one `all_to_all` sends each token to the devices
+  of the experts it chose, a second brings their weighted sum back, and the MLP's
+  `psum` over `tensor` puts the replica's tokens together again (model.moe).
 
 The placed model's sizes are the checkpoint's where they divide evenly and are padded
 otherwise (`TensorSplit.cut` names the checkpoint rows a host reads for its devices'
@@ -38,7 +42,7 @@ import numpy as np
 from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.fp8 import weight_name
 
-EXPERT_SPLITS = ("ep", "tp")
+EXPERT_SPLITS = ("ep", "tp", "a2a")
 
 # The axis of each parameter that `tensor` splits (Megatron's split, above), counted in the array
 # as stored: [V, D] outside the layers, [L, ...] inside them.
@@ -56,12 +60,19 @@ TENSOR_AXIS = {
     "up_fd": 1,
     "down_df": 2,
 }
-# Qwen3-MoE's experts [L, E, F, D] and [L, E, D, F]: whole experts ("ep"), or every
-# expert's columns ("tp").
+# Qwen3-MoE's experts [L, E, F, D] and [L, E, D, F]: whole experts ("ep" over
+# `tensor`, "a2a" over `data` x `tensor`), or every expert's columns ("tp").
 EXPERT_AXIS = {
     "ep": {"gate_efd": 1, "up_efd": 1, "down_edf": 1},
     "tp": {"gate_efd": 2, "up_efd": 2, "down_edf": 3},
+    "a2a": {"gate_efd": 1, "up_efd": 1, "down_edf": 1},
 }
+
+
+def expert_split_for(asked: str | None, data: int) -> str:
+    """The expert split a mesh with `data` replicas runs when `asked` (None: the
+    default, all-to-all over replicas, columns over `tensor` alone)."""
+    return asked or ("a2a" if data > 1 else "tp")
 
 
 class TensorError(ValueError):
@@ -75,11 +86,23 @@ def _round_up(n: int, m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TensorSplit:
-    """The `tensor` axis as the model sees it: its size X and its name in the mesh."""
+    """The `tensor` axis as the model sees it: its size X and its name in the mesh; and,
+    for the "a2a" expert split, the `data` axis's size D and name (the experts' devices
+    are data x tensor)."""
 
     size: int = 1  # X
-    experts: str = "tp"  # Qwen3-MoE: "tp" each expert split by columns, "ep" whole experts
+    # Qwen3-MoE: "tp" each expert split by columns, "ep" whole experts over tensor, "a2a"
+    # whole experts over data x tensor, reached by all-to-alls
+    experts: str = "tp"
     axis: str = "tensor"
+    data: int = 1  # D
+    data_axis: str = "data"
+
+    @classmethod
+    def of(cls, tensor: int, data: int = 1, experts: str | None = None) -> TensorSplit:
+        """The split of a mesh of `tensor` X and `data` D devices, experts as asked
+        (None: `expert_split_for`'s default)."""
+        return cls(tensor, expert_split_for(experts, data), data=data)
 
     def __post_init__(self):
         if self.size < 1:
@@ -104,6 +127,16 @@ class TensorSplit:
         F = cfg.moe_intermediate_size
         return _round_up(F, self.size) if self.experts == "tp" else F
 
+    @property
+    def expert_devices(self) -> int:
+        """The devices whole experts split over: X ("ep"), D X ("a2a"), 1 ("tp")."""
+        return {"ep": self.size, "a2a": self.data * self.size}.get(self.experts, 1)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The mesh axes whole experts split over ("a2a": data, then tensor)."""
+        return (self.data_axis, self.axis) if self.experts == "a2a" else (self.axis,)
+
     def vocab(self, cfg: Qwen3Config) -> int:
         """V': the vocabulary rows placed, padded to a multiple of X."""
         return _round_up(cfg.V, self.size)
@@ -112,13 +145,13 @@ class TensorSplit:
         """The model as one device of the split sees it: N/X query heads, K'/X KV heads,
         F'/X columns, V'/X vocabulary rows, E/X experts ("ep") or the experts' F/X
         columns ("tp"); for per-device costs (pipeline.runtime.cp_cost)."""
-        X = self.size
+        X, n = self.size, self.expert_devices
         moe = {}
         if cfg.has_sparse:
-            if self.experts == "ep":
-                moe = {"num_experts": cfg.E // X, "num_experts_per_tok": min(cfg.A, cfg.E // X)}
-            else:
+            if self.experts == "tp":
                 moe = {"moe_intermediate_size": self.expert_width(cfg) // X}
+            else:
+                moe = {"num_experts": cfg.E // n, "num_experts_per_tok": min(cfg.A, cfg.E // n)}
         return dataclasses.replace(
             cfg,
             num_attention_heads=cfg.N // X,
@@ -133,7 +166,8 @@ class TensorSplit:
     def fits(self, cfg: Qwen3Config, x: int) -> bool:
         """Whether the model splits over x tensor devices with this expert split."""
         heads = cfg.N % x == 0 and (cfg.K % x == 0 or x % cfg.K == 0)
-        experts = not cfg.has_sparse or self.experts == "tp" or cfg.E % x == 0
+        whole = x * (self.data if self.experts == "a2a" else 1)  # devices of whole experts
+        experts = not cfg.has_sparse or self.experts == "tp" or cfg.E % whole == 0
         return heads and experts
 
     def check(self, cfg: Qwen3Config) -> None:
@@ -150,12 +184,18 @@ class TensorSplit:
                 f"its {cfg.K} KV heads neither divide over {X} tensor devices nor repeat "
                 f"evenly on them"
             )
+        elif self.experts == "a2a":
+            why = (
+                f"its {cfg.E} experts cannot be shared equally by {self.data} x {X} data x "
+                f"tensor devices (or split each expert's columns: expert split 'tp')"
+            )
         else:
             why = (
                 f"its {cfg.E} experts cannot be shared equally by {X} tensor devices "
                 f"(or split each expert's columns: expert split 'tp')"
             )
-        raise TensorError(f"tensor {X}: {why}; use a tensor size of {fits}")
+        fix = f"use a tensor size of {fits}" if fits else "use a data size that divides them"
+        raise TensorError(f"tensor {X}: {why}; {fix}")
 
     # ---- inside the mesh -----------------------------------------------------------
 
@@ -164,9 +204,16 @@ class TensorSplit:
         return jax.lax.psum(x, self.axis) if self.size > 1 else x
 
     def first(self, rows: int) -> jax.Array | int:
-        """The first global row of this device's block of `rows` rows (vocabulary or
-        experts)."""
+        """The first global row of this device's block of `rows` rows (vocabulary or,
+        "ep", experts)."""
         return jax.lax.axis_index(self.axis) * rows if self.size > 1 else 0
+
+    def expert_device(self) -> jax.Array | int:
+        """This device's place among the devices whole experts split over (data-major,
+        as `expert_axes` orders them)."""
+        if self.expert_devices == 1:
+            return 0
+        return jax.lax.axis_index(self.expert_axes)
 
     # ---- checkpoint arrays to placed shapes -----------------------------------------
 

@@ -77,7 +77,7 @@ class EngineArgs:
     groups: int | None = None
     chunk: int = 16
     cp: str = "ring"
-    expert_split: str = "tp"
+    expert_split: str | None = None  # None: a2a with replicas, else tp (model.split)
     max_batch: int | None = None  # None: MAX_NUM_SEQS on the engine's platform
     block_size: int = 16
     kv_cache_memory_bytes: str | int | None = None  # "2G" as vLLM writes it (flags.byte_count)

@@ -227,14 +227,15 @@ def add_model(parser, help: str, **kwargs) -> None:
 
 
 def add_expert_split(parser) -> None:
-    """--expert-split: how Qwen3-MoE's experts share the `tensor` axis (model.split)."""
+    """--expert-split: how Qwen3-MoE's experts share the mesh (model.split)."""
     parser.add_argument(
         "--expert-split",
-        default="tp",
-        choices=("ep", "tp"),
-        help="Qwen3-MoE over the tensor axis: tp splits every expert's columns (1/X of "
-        "each chosen expert's work on every device), ep gives each device E/X whole "
-        "experts (default tp)",
+        choices=("ep", "tp", "a2a"),
+        help="Qwen3-MoE's experts: tp splits every expert's columns over tensor (1/X of "
+        "each chosen expert's work on every device), ep gives each tensor device E/X "
+        "whole experts, a2a gives each data x tensor device E/(D X) whole experts and "
+        "sends each token to its experts' devices by all-to-alls (default a2a with "
+        "replicas, else tp)",
     )
 
 

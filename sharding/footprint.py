@@ -39,7 +39,7 @@ def bytes_per_device(
     batch: int = 1,
     max_seq_len: int = 0,
     tensor: int = 1,
-    experts: str = "tp",
+    experts: str | None = None,
     block_size: int = 16,
     data: int = 1,
 ) -> dict[str, int]:
@@ -52,8 +52,9 @@ def bytes_per_device(
     weights are each a whole copy)."""
     mesh = AbstractMesh((data, stages, seq, tensor), AXES)
     plan = StagePlan(cfg.L, stages)
-    split = TensorSplit(tensor, experts)
+    split = TensorSplit.of(tensor, data, experts)
     split.check(cfg)
+    experts = split.experts
     _, abstract = abstract_model(cfg, dtype, split)
     sizes, linear = [], []
 
@@ -85,7 +86,7 @@ def _cli():
     p = argparse.ArgumentParser(prog="python -m qwen3_spmd.sharding.footprint")
     p.add_argument("--model", default="235B-A22B", choices=list(PRESETS))
     p.add_argument("--meshes", default="4x2,8x2,8x1x8,2x1x8")
-    p.add_argument("--expert-split", default="tp", choices=("ep", "tp"))
+    p.add_argument("--expert-split", choices=("ep", "tp", "a2a"))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=32768)

@@ -7,7 +7,8 @@ then `seq`, then `stage`, then `data`, so process 0 holds the first replica's fi
 stage's first devices, and replicas split across hosts before stages do. A replica is a
 ('stage', 'seq', 'tensor') mesh of its own: its weights are the same as every other
 replica's, its rows and KV pages its own, and a program's step has no collective along
-`data`.
+`data` but Qwen3-MoE's all-to-alls, whose experts the "a2a" split spreads over `data` x
+`tensor` (model.split).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 AXES = ("data", "stage", "seq", "tensor")
-# One replica's axes: the collectives of a model step run along these only.
+# One replica's axes: the collectives of a model step run along these only (but the
+# "a2a" experts' all-to-alls, model.moe).
 MODEL_AXES = ("stage", "seq", "tensor")
 
 

@@ -43,9 +43,12 @@ def tensor_axis(path: tuple[str, ...], experts: str = "tp") -> int | None:
 
 def param_spec(path: tuple[str, ...], experts: str = "tp") -> P:
     """The spec of a parameter by its NNX state path: layers over `stage`, and the axis
-    `tensor` splits (none for norms and the router)."""
-    names: list[str | None] = ["stage"] if path[0] == "layers" else []
+    `tensor` splits (none for norms and the router; an "a2a" split's experts over
+    `data` x `tensor`)."""
+    names: list = ["stage"] if path[0] == "layers" else []
     at = tensor_axis(path, experts)
     if at is not None:
-        names += [None] * (at - len(names)) + ["tensor"]
+        # "a2a": whole experts over data x tensor (model.split)
+        whole = experts == "a2a" and weight_name(path[-1]) in EXPERT_AXIS["a2a"]
+        names += [None] * (at - len(names)) + [("data", "tensor") if whole else "tensor"]
     return P(*names)

@@ -84,8 +84,9 @@ class Engine:
       cp: how prompt attention splits along `seq`: "ring", "ulysses" (C must divide
         the N query heads) or "auto" (per batch, the smaller time of
         pipeline.runtime.cp_cost's model). The KV cache left behind is the same either way.
-      experts: Qwen3-MoE over `tensor`: "tp" every expert's columns split (default),
-        "ep" whole experts per device (model.split).
+      experts: Qwen3-MoE's split (model.split): "tp" every expert's columns over
+        `tensor`, "ep" whole experts over `tensor`, "a2a" whole experts over `data` x
+        `tensor` reached by all-to-alls; None: "a2a" with D > 1 replicas, else "tp".
       runner: "generate" (prefill, then decode) or "pooling" (vLLM's name: prefill
         only, each prompt's last hidden state after the final norm, for embeddings and
         scores, `model.pooling`; its requests ask for no new tokens).
@@ -110,7 +111,7 @@ class Engine:
         cp: str = "ring",
         link_bytes_per_s: float | dict | None = None,
         flops_per_s: float | None = None,
-        experts: str = "tp",
+        experts: str | None = None,
         runner: str = "generate",
         block_size: int = 16,
     ):
@@ -124,7 +125,8 @@ class Engine:
             )
         self.cfg, self.mesh, self.dtype = cfg, mesh, jnp.dtype(dtype)
         self.D, self.stages, self.C = mesh.shape["data"], mesh.shape["stage"], mesh.shape["seq"]
-        self.split = TensorSplit(mesh.shape["tensor"], experts)
+        self.split = TensorSplit.of(mesh.shape["tensor"], self.D, experts)
+        experts = self.split.experts
         self.split.check(cfg)
         self.plan = StagePlan(cfg.L, self.stages)
         for name, value in (

@@ -161,6 +161,7 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     sent = traffic.bytes_sent(cfg, S, C, layout, dtype.itemsize)
     X = engines.mesh.shape["tensor"]
     reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
+    to_all = traffic.bytes_all_to_all(cfg, engine.split, S, C, layout, dtype.itemsize)
     ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
@@ -194,6 +195,9 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         "stage_bytes_per_token": sent["decode"] / (B * N),
         "ring_bytes_per_token": ring["decode_per_step"] * layout["decode_steps"] / (B * N),
         "all_reduce_bytes_per_step": reduced["decode_per_step"],
+        # Qwen3-MoE's "a2a" split: what its all-to-alls send, and the part tokens needed
+        "all_to_all_bytes_per_step": to_all["decode_per_step"],
+        "all_to_all_useful_bytes_per_step": to_all["decode_useful"],
         "all_reduce_s_per_step": _all_reduces(engines, layout["batch"] // layout["groups"]),
         "programs": program_memory(engine),
     }

@@ -84,7 +84,7 @@ def _cps(args, cfg, meshes) -> list[str]:
 
     cps = list(dict.fromkeys(args.cp)) or ["ring"]
     for m in meshes:
-        split = TensorSplit(m.tensor, args.expert_split)
+        split = TensorSplit.of(m.tensor, m.data, args.expert_split)
         split.check(cfg)
         for cp in cps:
             try:

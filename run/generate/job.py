@@ -63,7 +63,7 @@ def read_job(args, engine_args: EngineArgs, runtime) -> Job:
     if args.profile:
         check_output_folder(args.profile, "--profile")
     seq = shape.seq
-    split = TensorSplit(shape.tensor, args.expert_split)
+    split = TensorSplit.of(shape.tensor, shape.data, args.expert_split)
     split.check(spec.cfg)
     mesh = runtime.mesh()
     if args.check and procs.many:

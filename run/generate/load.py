@@ -97,7 +97,7 @@ def _generate(engine, args, prompts, sampling, eos, stream, job=None, speculator
         )
 
 
-def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
+def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str | None) -> int:
     """Bytes this process reads (the progress bar's total): the layers of its stages, of
     each split parameter only its rows (`sharding.place.host_cut`, as the placement
     reads them), the rest whole."""
@@ -119,7 +119,8 @@ def _bytes_to_read(cfg, dtype, stages: int, mesh, experts: str) -> int:
         s for s, row in enumerate(stage_devices(mesh)) if any(d.process_index == here for d in row)
     }
     layers = sum(plan.counts[s] for s in mine)
-    split = TensorSplit(mesh.shape["tensor"], experts)
+    split = TensorSplit.of(mesh.shape["tensor"], mesh.shape["data"], experts)
+    experts = split.experts
     placed = {}
     map_params(
         lambda path, x: placed.__setitem__(path, x.shape), abstract_model(cfg, dtype, split)[1]

@@ -53,6 +53,10 @@ def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> di
         "bytes_all_reduced_per_device": traffic.bytes_all_reduced(
             cfg, S, C, X, out.layout, engine.dtype.itemsize
         ),
+        # Qwen3-MoE's "a2a" split: its two all-to-alls (zeros under the others)
+        "bytes_all_to_all_per_device": traffic.bytes_all_to_all(
+            cfg, engine.split, S, C, out.layout, engine.dtype.itemsize
+        ),
         "schedule": engine.schedules(out.layout),
         "kv_bytes_per_device": max(traffic.bytes_per_device((out.cache.k, out.cache.v))),
         "kv_cache": _pool_report(engine, out.cache.k.shape[1]),

@@ -66,7 +66,7 @@ def main(args) -> int:
     machine = GPUS[args.gpu]
     load = mesh_cost.Load(args.batch, args.prompt_len, args.max_seq_len, args.dtype)
     rows = [
-        mesh_cost.predict(cfg, shape, machine, load, args.hosts)
+        mesh_cost.predict(cfg, shape, machine, load, args.hosts, args.expert_split)
         for shape in mesh_cost.factorisations(cfg, args.devices, args.hosts, args.expert_split)
     ]
     ranked = mesh_cost.rank(rows, args.target)

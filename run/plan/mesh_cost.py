@@ -36,7 +36,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.run.flops import attention_flops, dense_flops
 from qwen3_spmd.run.plan.machines import TARGETS, Machine
-from qwen3_spmd.run.traffic import all_reduces_per_tick
+from qwen3_spmd.run.traffic import all_reduces_per_tick, bytes_all_to_all
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import MeshShape
 
@@ -52,7 +52,7 @@ class Load:
     dtype: str = "bfloat16"
 
 
-def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str = "tp"):
+def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str | None = None):
     """Every D x S x C x X of `devices` the model splits over: X inside a host (X divides
     the devices of one), S at most the layers, the replicas whole hosts or whole shares
     of one (D a multiple or a divisor of the hosts)."""
@@ -62,7 +62,7 @@ def factorisations(cfg: Qwen3Config, devices: int, hosts: int, experts: str = "t
             continue
         replica = devices // D
         for X in range(1, min(per_host, replica) + 1):
-            if per_host % X or replica % X or not TensorSplit(X, experts).fits(cfg, X):
+            if per_host % X or replica % X or not TensorSplit.of(X, D, experts).fits(cfg, X):
                 continue
             for S in range(1, min(cfg.L, replica // X) + 1):
                 if (replica // X) % S == 0:
@@ -81,15 +81,24 @@ def _seconds(nbytes: float, rate: float, latency: float = 0.0) -> float:
 
 
 def predict(
-    cfg: Qwen3Config, shape: MeshShape, machine: Machine, load: Load, hosts: int = 1
+    cfg: Qwen3Config,
+    shape: MeshShape,
+    machine: Machine,
+    load: Load,
+    hosts: int = 1,
+    experts: str | None = None,
 ) -> dict:
     """One mesh's figures: bytes per device, prefill seconds, decode seconds per step at
     batch 1 and at `load.batch`, the cache tokens the free memory holds (90% of the
-    device's, less the weights), and the parts of a step."""
+    device's, less the weights), and the parts of a step. experts: Qwen3-MoE's split
+    (model.split; None: its default on this mesh)."""
     S, C, X, D = shape.stage, shape.seq, shape.tensor, shape.data
     itemsize = jnp.dtype(load.dtype).itemsize
     dtype = jnp.dtype(load.dtype)
-    memory = bytes_per_device(cfg, S, C, dtype, load.batch, load.max_seq_len, X, data=D)
+    split = TensorSplit.of(X, D, experts)
+    memory = bytes_per_device(
+        cfg, S, C, dtype, load.batch, load.max_seq_len, X, split.experts, data=D
+    )
     batch = -(-load.batch // D)  # one replica's rows
     slots = math.ceil(cfg.L / S)
     # Links: devices are laid out tensor, then seq, then stage; a group of n consecutive
@@ -112,6 +121,23 @@ def predict(
         payload = rows * cfg.D * itemsize * reduce_factor
         return reduces * _seconds(payload, machine.host_link_bytes_per_s, machine.host_latency_s)
 
+    # Qwen3-MoE's "a2a" split: a stage's sparse layers each send two all-to-alls over
+    # data x tensor (run.traffic.bytes_all_to_all), across hosts once replicas are.
+    exchanges = split.experts == "a2a" and split.expert_devices > 1 and cfg.has_sparse
+    a2a_rate, a2a_latency = (
+        (machine.network_bytes_per_s, machine.network_latency_s)
+        if shape.devices > per_host and D > 1
+        else (machine.host_link_bytes_per_s, machine.host_latency_s)
+    )
+
+    def all_to_all_s(rows: float) -> float:
+        if not exchanges:
+            return 0.0
+        layout = {"batch": math.ceil(rows) * D, "groups": 1, "microbatches": 1}
+        sent = bytes_all_to_all(cfg, split, S, 1, {**layout, "padded_prompt": 1}, itemsize)
+        layers = -(-sum(cfg.sparse_layers) // S)  # a stage's, each two exchanges
+        return _seconds(sent["decode_per_step"], a2a_rate, 2 * layers * a2a_latency)
+
     # A device holds the embedding (and lm_head) whole on every stage; a step reads its
     # stage's layer slots, and the last stage lm_head once per token.
     tables = (1 if cfg.tie_word_embeddings else 2) * cfg.V * cfg.D * itemsize / X
@@ -128,7 +154,12 @@ def predict(
             * slots
             * _seconds(rows * cfg.N * cfg.H * 4 / X, seq_rate, machine.host_latency_s)
         )
-        return {"read_s": read, "all_reduce_s": all_reduce_s(rows), "seq_s": seq_merge}
+        return {
+            "read_s": read,
+            "all_reduce_s": all_reduce_s(rows),
+            "seq_s": seq_merge,
+            "all_to_all_s": all_to_all_s(rows),
+        }
 
     link_s = 0.0 if S == 1 else _seconds(cfg.D * itemsize, stage_rate, stage_latency)
     one = decode_stage_s(1, load.prompt_len)
@@ -144,6 +175,7 @@ def predict(
     prefill_s = S * (
         flops / (C * X) / machine.flops_per_s
         + all_reduce_s(T / C)
+        + all_to_all_s(T / C)
         + (0.0 if S == 1 else _seconds(T / C * cfg.D * itemsize, stage_rate, stage_latency))
     )
     kv_per_token = 2 * slots * math.ceil(TensorSplit(X).kv_heads(cfg) / X) * cfg.H * itemsize
@@ -151,6 +183,8 @@ def predict(
     cache_tokens = int(free / kv_per_token * C) if free > 0 else 0
     parts = {"weights read": one["read_s"], "all-reduces": one["all_reduce_s"]}
     parts.update({"seq merges": one["seq_s"], "stage links": link_s, "lm_head": head_s / S})
+    if exchanges:
+        parts["all-to-alls"] = one["all_to_all_s"]
     return {
         "mesh": str(shape),
         "stage": S,

@@ -138,7 +138,8 @@ def _serve(args, engine_args: EngineArgs, runtime) -> int:
         or (spec.folder.name if spec.folder else (args.model or "tiny"))
     )
     max_seq_len = engine_args.seq_len(spec.cfg, shape.seq)
-    TensorSplit(shape.tensor, args.expert_split).check(spec.cfg)  # before the port is taken
+    # before the port is taken
+    TensorSplit.of(shape.tensor, shape.data, args.expert_split).check(spec.cfg)
     runner = engine_args.runner_for(spec)
     if not procs.leader:
         scheduler = _load(args, engine_args, spec, runtime, max_seq_len, runner)

@@ -9,6 +9,7 @@ decoder_sparse_step 2, top 3 of 6 not renormalised, GQA 4:1, tied) and `moe_fuse
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -20,15 +21,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from reference import FIXTURES, right_padded
 
 from qwen3_spmd.model import moe
 from qwen3_spmd.model.checkpoint.hf import HFCheckpoint, LoadError, load_model
 from qwen3_spmd.model.config import ConfigError, Qwen3Config
+from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.model.stack import forward
 from qwen3_spmd.pipeline.programs.sampling import Sampling
 from qwen3_spmd.pipeline.runtime.engine import Engine
 from qwen3_spmd.pipeline.scheduling import static_batch
+from qwen3_spmd.run import traffic
 from qwen3_spmd.sharding.mesh import make_mesh
 
 TOL = 1e-4
@@ -114,6 +119,64 @@ def test_formulations_agree_with_the_dense_one(rows):
             x, weights, ids, gate, up, down
         )
         np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4, err_msg=how)
+
+
+@pytest.mark.parametrize("how", ["looped", "blocked", "dense"])
+def test_all_to_all_experts_are_dropless_whatever_the_routing(how):
+    """The "a2a" split on 2x1x1x2 (4 devices of data x tensor, 2 of the 8 experts each)
+    under a routing no capacity would survive: every token of replica 0 chooses
+    experts 0 and 1 (both device 0's: one slot, two choices), every token of replica 1
+    experts 0 and 7 (devices 0 and 3); devices 1 and 2 serve nothing, device 0 every
+    token. Each replica's output is every expert computed on one device
+    (`experts_dense`), for 5 tokens a replica (3 a tensor device, one padding)."""
+    E, A, Dm, F, R = 8, 2, 12, 7, 5
+    _, moe_cfg, _, _ = _fixture("moe")
+    cfg = dataclasses.replace(moe_cfg, hidden_size=Dm, moe_intermediate_size=F)
+    assert (cfg.E, cfg.A) == (E, A)
+    split = TensorSplit(2, "a2a", data=2)
+    layer = moe.MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), split=split)
+    x = jax.random.normal(jax.random.key(1), (2 * R, Dm))
+    ids = jnp.array([[0, 1]] * R + [[0, 7]] * R, jnp.int32)
+    weights = jax.random.uniform(jax.random.key(2), (2 * R, A), minval=0.1)
+    stacks = [moe.Stacked(getattr(layer, w)[...]) for w in ("gate_efd", "up_efd", "down_edf")]
+    want = moe.experts_dense(x, weights, ids, *stacks)
+    mesh = make_mesh(1, 1, jax.devices()[:4], tensor=2, data=2)
+    graphdef, state = nnx.split(layer)
+    experts = P(("data", "tensor"))
+    specs = jax.tree.map(lambda x: P() if x.ndim == 2 else experts, state)
+
+    def local(state, x, weights, ids):
+        part = nnx.merge(graphdef, state)._all_to_all(x, weights, ids, how)
+        return jax.lax.psum(part, "tensor")
+
+    run = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, P("data"), P("data"), P("data")), out_specs=P("data")
+        )
+    )
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
+    rows = NamedSharding(mesh, P("data"))
+    args = (placed, *(jax.device_put(a, rows) for a in (x, weights, ids)))
+    np.testing.assert_allclose(run(*args), want, atol=1e-5, rtol=1e-5)
+    # the bytes run.traffic counts are the program's: 4 all-to-alls over data x tensor,
+    # of which a device sends all but its own row (a quarter)
+    exchanged = list(_all_to_alls(jax.make_jaxpr(run)(*args).jaxpr))
+    assert [axes for axes, _ in exchanged] == [("data", "tensor")] * 4
+    layout = {"batch": 2 * R, "groups": 1, "microbatches": 1, "padded_prompt": 2}
+    counted = traffic.bytes_all_to_all(cfg, split, 1, 1, layout, 4)
+    assert counted["decode_per_step"] == sum(b for _, b in exchanged) * 3 // 4 * sum(
+        cfg.sparse_layers
+    )
+
+
+def _all_to_alls(jaxpr):
+    """(axes, operand bytes) of every all_to_all in a jaxpr and the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "all_to_all":
+            aval = eqn.invars[0].aval
+            yield tuple(eqn.params["axis_name"]), aval.size * aval.dtype.itemsize
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from _all_to_alls(sub)
 
 
 @pytest.mark.parametrize("fused_max_k", [0, 12, 2048])

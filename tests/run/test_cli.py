@@ -119,6 +119,12 @@ def test_chat_prompt_uses_template(capsys):
             "--cp ring, or a seq size that divides 16 (1, 2, 4, 8, 16)",
         ),
         (["--prompt-ids", "1,2", "--mesh", "2x2", "-tp", "2"], "--tensor-parallel-size says 2"),
+        # all-to-all experts over data x tensor (the default with replicas): 6 over 4
+        (
+            ["--model", str(FIXTURES / "moe_tied"), "--prompt-ids", "1,2", "--mesh", "4x1x1x1"],
+            "error: tensor 1: its 6 experts cannot be shared equally by 4 x 1 data x tensor "
+            "devices (or split each expert's columns: expert split 'tp'); use a data size",
+        ),
         (["--model", "tiny", "--prompt", "hello"], "tokenizer"),  # a preset: ids only
         (["--prompt-ids", "1,2", "--no-thinking"], "add --chat"),
         (["--prompt-ids", "1,2", "--cpu-devices", "0"], "--cpu-devices 0 must be at least 1"),

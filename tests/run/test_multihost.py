@@ -6,6 +6,7 @@ several seconds of start-up and compilation, so runs are few and requests short.
 """
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 import numpy as np
 from children import child_env
 from ports import free_port
-from reference import ROOT, TINY
+from reference import FIXTURES, ROOT, TINY
 from safetensors import safe_open
 
 from qwen3_spmd.run.cli import main
@@ -154,18 +155,35 @@ def test_1x1x2_over_two_processes_each_reads_its_tensor_rows():
     assert sum(expected) == _tensor_bytes(names) + _tensor_bytes(norms)
 
 
-def test_2x1x1x1_over_two_processes_each_holds_a_replica():
-    """`data` spans the processes (one device each): each holds a whole replica (reads
-    every weight) and decodes its own rows (process 0 requests 0 and 1, process 1
-    request 2 and a padding row); the tokens are 1x1's."""
-    report = run_two("2x1x1x1", 1)
-    assert tokens(report) == REFERENCE_TOKENS
+def test_moe_2x1x1x1_over_two_processes_each_holds_a_replica_and_half_the_experts():
+    """`data` spans the processes (one device each), Qwen3-MoE (`moe`: 8 experts): each
+    process holds a replica, reads every weight but the other's 4 experts of each
+    sparse layer (the all-to-all split over data, its default with replicas), decodes
+    its own rows (the book deals them in turn) and sends its tokens to the other's
+    experts across the processes; the tokens are transformers'."""
+    moe = FIXTURES / "moe"
+    ref = np.load(moe / "reference.npz")
+    argv = ["--model", str(moe), "--mesh", "2x1x1x1", "--cpu-devices", "1", "--json"]
+    argv += ["--max-new-tokens", str(int(ref["max_new_tokens"]))]
+    n = int(ref["num_prompts"])
+    for i in range(n):
+        argv += ["--prompt-ids", ",".join(map(str, ref[f"prompt_{i}"].tolist()))]
+    (rc0, out0, err0), (rc1, out1, err1) = finish(job(2, free_port(), argv))
+    assert rc0 == 0 and rc1 == 0 and out1 == "", (err0, err1)
+    report = json.loads(out0)
+    assert tokens(report) == [ref[f"greedy_tokens_{i}"].tolist() for i in range(n)]
     assert report["mesh"] == {"data": 2, "stage": 1, "seq": 1, "tensor": 1}
     assert report["stage_processes"] == [[0, 1]]  # stage 0 of both replicas
-    with safe_open(TINY / "model.safetensors", framework="numpy") as f:
-        everything = _tensor_bytes(list(f.keys()))
-    assert report["weight_bytes_read_per_process"] == [everything, everything]
+    with safe_open(moe / "model.safetensors", framework="numpy") as f:
+        sizes = {k: f.get_slice(k)[...].nbytes for k in f.keys()}
+    expert = [re.search(r"\.experts\.(\d+)\.", k) for k in sizes]
+    shared = sum(s for s, e in zip(sizes.values(), expert) if e is None)
+    half = [
+        sum(s for s, e in zip(sizes.values(), expert) if e and int(e[1]) // 4 == p) for p in (0, 1)
+    ]
+    assert report["weight_bytes_read_per_process"] == [shared + half[0], shared + half[1]]
     assert report["kv_cache"]["replicas"] == 2 and report["layout"]["batch"] == 4
+    assert report["bytes_all_to_all_per_device"]["decode_per_step"] > 0
 
 
 def test_1x2_over_two_processes_ring_crosses_them():

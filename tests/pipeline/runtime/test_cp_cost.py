@@ -226,3 +226,20 @@ def test_replicas_in_the_plan_share_nothing():
     assert two["cache_tokens"] == 2 * one["cache_tokens"]
     on_two_hosts = {m.data for m in factorisations(cfg, 12, 2)}
     assert on_two_hosts == {1, 2, 4, 6, 12}  # 3 replicas would split a host's 6 devices
+
+
+def test_moe_replicas_in_the_plan_split_experts_and_pay_all_to_alls():
+    """Qwen3-MoE over replicas splits its experts over data x tensor by default ("a2a"):
+    a device holds fewer expert bytes than a replica holding them all over `tensor`,
+    and a step pays the all-to-alls (across the hosts when the replicas are), which
+    the tp split does not."""
+    from qwen3_spmd.run.plan.machines import GPUS
+    from qwen3_spmd.run.plan.mesh_cost import Load, predict
+    from qwen3_spmd.sharding.mesh import MeshShape
+
+    cfg, h200, load, mesh = PRESETS["30B-A3B"], GPUS["h200"], Load(batch=16), MeshShape(1, 1, 4, 2)
+    a2a, tp = (predict(cfg, mesh, h200, load, 2, experts) for experts in (None, "tp"))
+    assert a2a["weight_bytes_per_device"] < tp["weight_bytes_per_device"]
+    assert a2a["step_parts_s"]["all-to-alls"] > 0 and "all-to-alls" not in tp["step_parts_s"]
+    one_host = predict(cfg, mesh, h200, load, 1)
+    assert one_host["step_parts_s"]["all-to-alls"] < a2a["step_parts_s"]["all-to-alls"]

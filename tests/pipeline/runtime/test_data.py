@@ -43,13 +43,15 @@ MESHES = [(2, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (4, 1, 1, 2)]
 
 @pytest.mark.parametrize(
     "name, mesh",
-    [("wide", m) for m in MESHES] + [("moe", (2, 1, 1, 1)), ("moe", (2, 1, 1, 2))],
+    [("wide", m) for m in MESHES] + [("moe", m) for m in MESHES] + [("moe_tied", (2, 1, 1, 1))],
     ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)),
 )
 def test_replicas_give_transformers_tokens_and_logits(name, mesh):
     """Each replica decodes its share of the prompts (the last ones padding) as one
     device would: every request's greedy tokens and request 0's logits are
-    transformers'."""
+    transformers'. MoE's experts split over data x tensor, each token sent to its
+    experts' devices and back by all-to-alls (the default with replicas; moe_tied mixes
+    dense and sparse layers, 3 of 6 experts a token)."""
     _, _, ref, prompts = fixture(name)
     engine = _engine(name, *mesh)
     gen = static_batch.generate(engine, prompts, int(ref["max_new_tokens"]))
@@ -95,6 +97,21 @@ def test_weights_replicate_and_kv_pages_split_per_replica():
     assert fp_two["weights"] == fp_one["weights"] == shard_bytes(two.weights.state)
     assert fp_two["kv"] * 2 == fp_one["kv"]
     assert fp_two["kv"] == 2 * cache_two.k.addressable_shards[0].data.nbytes
+
+
+def test_moe_experts_split_over_data_and_tensor():
+    """Over 2x1x1x2 each device holds 2 of the 8 experts (1/(D X) of them), the rest of
+    the model as 1x1x1x2 does; the footprint tool says the same bytes."""
+    engine = _engine("moe", 2, 1, 1, 2)
+    assert engine.split.experts == "a2a"  # the default with replicas
+    state = engine.weights.state
+    E = engine.cfg.E
+    for name in ("gate_efd", "up_efd", "down_edf"):
+        for stack in jax.tree.leaves(state["layers"]["moe"][name]):  # a buffer a layer slot
+            assert stack.shape[1] == E and stack.addressable_shards[0].data.shape[1] == E // 4
+    one = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state))
+    fp = bytes_per_device(engine.cfg, 1, 1, jnp.float32, tensor=2, data=2)
+    assert fp["weights"] == one
 
 
 def test_each_replica_reads_its_own_pages_by_its_own_numbers():

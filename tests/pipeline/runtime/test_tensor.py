@@ -256,6 +256,8 @@ def test_refusals_name_the_sizes_that_fit():
     with pytest.raises(TensorError, match=r"its 6 experts .* 'tp'\); use a tensor size of 1, 2$"):
         TensorSplit(4, experts="ep").check(six)
     TensorSplit(4).check(six)  # split by columns (the default), any count of experts fits
+    with pytest.raises(TensorError, match=r"6 experts .* by 2 x 2 data x tensor .* size of 1$"):
+        TensorSplit.of(2, data=2).check(six)  # whole experts over data x tensor
     with pytest.raises(TensorError, match="tensor 4: its 6 query heads"):
         Engine(
             tiny,
