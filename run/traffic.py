@@ -94,13 +94,12 @@ def bytes_all_to_all(
     to min(A, G) devices and back. All zero without that split.
 
     prefill_per_tick: a replica's microbatch [B/(D M), P/C] tokens; decode_per_step: a
-    replica's group [B/(D G)] of new tokens."""
-    zero = {
-        k: 0 for k in ("prefill_per_tick", "decode_per_step", "prefill_useful", "decode_useful")
-    }
+    replica's group [B/(D G)] of new tokens; sparse_layers: a stage's, over which the
+    figures above are (each an equal part)."""
+    names = ("prefill_per_tick", "decode_per_step", "prefill_useful", "decode_useful")
     G = split.expert_devices
     if split.experts != "a2a" or G == 1 or not cfg.has_sparse:
-        return zero
+        return {**dict.fromkeys(names, 0), "sparse_layers": 0}
     layers = -(-sum(cfg.sparse_layers) // stages)
     hidden, slot = cfg.D * itemsize, cfg.D * itemsize + cfg.A * (itemsize + 4)
 
@@ -117,6 +116,7 @@ def bytes_all_to_all(
         "decode_per_step": decode[0],
         "prefill_useful": prefill[1],
         "decode_useful": decode[1],
+        "sparse_layers": layers,
     }
 
 

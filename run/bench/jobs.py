@@ -198,6 +198,7 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
         # Qwen3-MoE's "a2a" split: what its all-to-alls send, and the part tokens needed
         "all_to_all_bytes_per_step": to_all["decode_per_step"],
         "all_to_all_useful_bytes_per_step": to_all["decode_useful"],
+        "all_to_all_sparse_layers": to_all["sparse_layers"],  # the two above cover them
         "all_reduce_s_per_step": _all_reduces(engines, layout["batch"] // layout["groups"]),
         "programs": program_memory(engine),
     }

@@ -135,8 +135,8 @@ def predict(
             return 0.0
         layout = {"batch": math.ceil(rows) * D, "groups": 1, "microbatches": 1}
         sent = bytes_all_to_all(cfg, split, S, 1, {**layout, "padded_prompt": 1}, itemsize)
-        layers = -(-sum(cfg.sparse_layers) // S)  # a stage's, each two exchanges
-        return _seconds(sent["decode_per_step"], a2a_rate, 2 * layers * a2a_latency)
+        exchanges_a_tick = 2 * sent["sparse_layers"]  # two a sparse layer of a stage
+        return _seconds(sent["decode_per_step"], a2a_rate, exchanges_a_tick * a2a_latency)
 
     # A device holds the embedding (and lm_head) whole on every stage; a step reads its
     # stage's layer slots, and the last stage lm_head once per token.

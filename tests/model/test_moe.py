@@ -121,7 +121,8 @@ def test_formulations_agree_with_the_dense_one(rows):
         np.testing.assert_allclose(y, ref, atol=1e-4, rtol=1e-4, err_msg=how)
 
 
-@pytest.mark.parametrize("how", ["looped", "blocked", "dense"])
+# CPU's two (which skip the empty slots) and a GPU's prefill form (which computes them)
+@pytest.mark.parametrize("how", ["looped", "blocked", "grouped"])
 def test_all_to_all_experts_are_dropless_whatever_the_routing(how):
     """The "a2a" split on 2x1x1x2 (4 devices of data x tensor, 2 of the 8 experts each)
     under a routing no capacity would survive: every token of replica 0 chooses

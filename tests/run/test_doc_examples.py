@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from children import child_env
 from ports import free_port
 from reference import ROOT
 
@@ -232,8 +233,8 @@ def test_python_compiles(block):
 
 def _env() -> dict[str, str]:
     # A reader's shell: no emulated device count (the examples choose theirs); the
-    # session's compile cache (conftest.py) stays.
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # session's compile cache and its cheaper compiles (conftest.py) stay.
+    return child_env()
 
 
 def _script() -> list[str]:

@@ -608,6 +608,7 @@ def test_metrics_say_drafts_and_acceptances_with_vllm_names():
             pages=1,
             kv_tokens=16,
             preemptions=0,
+            replica_starts=[0],
         )
         return NS(scheduler=scheduler, settings=NS(model_name="m"))
 
