@@ -513,25 +513,23 @@ class Planner:
             wants = self._pages(
                 book, rules.prefill(1, length, [request.params.max_new_tokens]), request
             )
+            # a replica's first prompt may take a whole round's tokens (not after a chunk)
+            first = budget == rules.prefill_tokens
             room = [  # the replicas that can take it: a free row, its tokens, its pages
                 d
                 for d in range(D)
                 if count[d] < len(rows[d])
-                and (
-                    tokens[d] + length <= budget or not count[d] and budget == rules.prefill_tokens
-                )
+                and (tokens[d] + length <= budget or (count[d] == 0 and first))
                 and wants <= pages[d] - taking[d]
             ]
             if not room:
                 break  # it waits (for a row, tokens or pages), and those after it with it
             d = max(room, key=lambda d: (pages[d] - taking[d], len(rows[d]) - count[d], -d))
             together.append((request, d))
-            n, count[d], tokens[d], taking[d] = (
-                n + 1,
-                count[d] + 1,
-                tokens[d] + length,
-                taking[d] + wants,
-            )
+            n += 1
+            count[d] += 1
+            tokens[d] += length
+            taking[d] += wants
         admissions, into_rows, left = [], [iter(r) for r in rows], []
         for P_pad, together in by_bucket.items():
             while together:

@@ -99,15 +99,14 @@ def run_two(mesh: str, cpu_devices: int) -> dict:
     return json.loads(out0)
 
 
-def test_2x2_over_two_processes_matches_one_process_and_1x1(capsys):
+def test_2x2_over_two_processes_gives_the_one_process_tokens():
+    """The tokens are transformers', which one process gives on 2x2 and on 1x1 too
+    (tests/pipeline/runtime/test_engine_mesh.py, the README's demo)."""
     report = run_two("2x2", 2)
     mesh = {"data": 1, "stage": 2, "seq": 2, "tensor": 1}
     assert report["processes"] == 2 and report["mesh"] == mesh
     assert report["stage_processes"] == [[0], [1]]  # process 0's two devices are stage 0
     assert tokens(report) == REFERENCE_TOKENS  # the transformers reference = the 1x1 run
-    for mesh, devices in (("2x2", 4), ("1x1", 1)):  # in this process (8 CPU devices)
-        assert main(["generate", *reference_argv(mesh, devices)]) == 0
-        assert tokens(json.loads(capsys.readouterr().out)) == tokens(report)
 
 
 def _tensor_bytes(names) -> int:
