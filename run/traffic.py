@@ -57,20 +57,27 @@ def all_reduces_per_tick(cfg: Qwen3Config, stages: int) -> int:
 
 
 def bytes_all_reduced(
-    cfg: Qwen3Config, stages: int, seq: int, tensor: int, layout: dict, itemsize: int
+    cfg: Qwen3Config,
+    stages: int,
+    seq: int,
+    tensor: int,
+    layout: dict,
+    itemsize: int,
+    data: int = 1,
 ) -> dict:
     """Bytes one device sends in the `tensor` all-reduces of the hidden state (model.split:
     the embedding's and two per layer slot), per active tick of each program, as a ring
     all-reduce moves them: 2 (X - 1) / X of the payload.
 
-    prefill_per_tick: a microbatch [B/M, P/C, D] through a stage's L_pad / S slots;
-    decode_per_step: a group's new tokens [B/G, 1, D] through them."""
+    prefill_per_tick: a microbatch of its replica's rows [B/(D M), P/C, D] through a
+    stage's L_pad / S slots; decode_per_step: a group's new tokens [B/(D G), 1, D]
+    through them (D `data` replicas, each its B/D rows)."""
     if tensor == 1:
         return {"prefill_per_tick": 0, "decode_per_step": 0}
     reduces = all_reduces_per_tick(cfg, stages)
     per_value = 2 * (tensor - 1) / tensor * itemsize * cfg.D * reduces
     B, M, G, P_len = (
-        layout["batch"],
+        layout["batch"] // data,
         layout["microbatches"],
         layout["groups"],
         layout["padded_prompt"],
@@ -91,7 +98,8 @@ def bytes_all_to_all(
     rows of R_x slots (a slot: the hidden state, and the A weights and int32 expert ids
     beside it), keeps its own row and sends G - 1; the sums come back in the same rows
     of hidden states. `useful`: what its tokens needed moved at most, each hidden state
-    to min(A, G) devices and back. All zero without that split.
+    to the other devices of its A experts (min(A, G - 1)) and back. All zero without
+    that split.
 
     prefill_per_tick: a replica's microbatch [B/(D M), P/C] tokens; decode_per_step: a
     replica's group [B/(D G)] of new tokens; sparse_layers: a stage's, over which the
@@ -106,7 +114,7 @@ def bytes_all_to_all(
     def per_tick(R: int) -> tuple[int, int]:
         R_x = -(-R // split.size)
         sent = (G - 1) * R_x * (slot + hidden)
-        return sent * layers, 2 * R_x * min(cfg.A, G) * hidden * layers
+        return sent * layers, 2 * R_x * min(cfg.A, G - 1) * hidden * layers
 
     B = layout["batch"] // split.data  # a replica's rows
     prefill = per_tick(B // layout["microbatches"] * (layout["padded_prompt"] // seq))

@@ -93,7 +93,8 @@ def prefill_job(engines: MeshEngines, T: int, roof, say) -> dict:
     layout = job["layout"]
     sent = traffic.bytes_sent(cfg, S, C, {**layout, "chunks": 0}, dtype.itemsize)
     X = engines.mesh.shape["tensor"]
-    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
+    D = engines.mesh.shape["data"]
+    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize, D)
     flops = prefill_flops(cfg, T, B)
     out = {
         "prompt_len": T,
@@ -160,13 +161,13 @@ def decode_job(engines: MeshEngines, B: int, roof, say) -> tuple[dict, tuple[Eng
     layout = job["layout"]
     sent = traffic.bytes_sent(cfg, S, C, layout, dtype.itemsize)
     X = engines.mesh.shape["tensor"]
-    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize)
+    D = engines.mesh.shape["data"]
+    reduced = traffic.bytes_all_reduced(cfg, S, C, X, layout, dtype.itemsize, D)
     to_all = traffic.bytes_all_to_all(cfg, engine.split, S, C, layout, dtype.itemsize)
     ring = ring_bytes(cfg, C, layout["batch"], layout["padded_prompt"], dtype.itemsize)
     # Context attended, averaged over the steps: the prompt plus the tokens so far.
     read = decode_bytes_per_step(cfg, B, T + (N - 1) / 2, dtype.itemsize)
     # A `data` replica decodes its share of the rows and reads every weight for them.
-    D = engines.mesh.shape["data"]
     replica_rows = layout["batch"] // D
     replica_read = decode_bytes_per_step(cfg, replica_rows, T + (N - 1) / 2, dtype.itemsize)
     out = {

@@ -51,7 +51,7 @@ def run_report(args, job: Job, engine, out, procs, cache, speculator=None) -> di
         ),
         "bytes_sent": traffic.bytes_sent(cfg, S, C, out.layout, engine.dtype.itemsize),
         "bytes_all_reduced_per_device": traffic.bytes_all_reduced(
-            cfg, S, C, X, out.layout, engine.dtype.itemsize
+            cfg, S, C, X, out.layout, engine.dtype.itemsize, D
         ),
         # Qwen3-MoE's "a2a" split: its two all-to-alls (zeros under the others)
         "bytes_all_to_all_per_device": traffic.bytes_all_to_all(

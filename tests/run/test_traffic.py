@@ -66,6 +66,17 @@ def test_bytes_sent_counts_padding_and_bubbles():
     assert traffic.bytes_sent(cfg, 2, 2, spec, 4)["decode"] == want
 
 
+def test_a_device_all_reduces_its_replicas_rows():
+    """Over `tensor` a device all-reduces the hidden states of its replica's rows: with 2
+    replicas of a batch of 8, a decode group's 4 rows and a microbatch's 4 prompts."""
+    cfg = PRESETS["tiny"]
+    layout = {"batch": 8, "microbatches": 1, "groups": 1, "padded_prompt": 8}
+    one, two = (traffic.bytes_all_reduced(cfg, 1, 1, 2, layout, 4, D) for D in (1, 2))
+    per_row = (2 * cfg.L + 1) * cfg.D * 4 * 2 * (2 - 1) // 2  # a ring over 2 devices
+    assert one["decode_per_step"] == 8 * per_row and two["decode_per_step"] == 4 * per_row
+    assert two["prefill_per_tick"] == 4 * 8 * per_row
+
+
 @pytest.mark.parametrize("spec", [("stage", "seq"), ("stage",), ("seq", None), ()])
 def test_bytes_per_device_counts_each_devices_shard(spec):
     """From the sharding alone, the bytes of the shard each device holds."""
