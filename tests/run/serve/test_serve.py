@@ -681,12 +681,14 @@ def _wait_draining(server, limit_s=30):
         time.sleep(0.05)
 
 
-def _two_process_server(port: int, coordinator: int, *extra: str) -> list[subprocess.Popen]:
-    """A 1x2 server over two processes (one CPU device each) on `port`, once /health
-    says 200; the caller ends them."""
+def _two_process_server(
+    port: int, coordinator: int, *extra: str, mesh: str = "1x2"
+) -> list[subprocess.Popen]:
+    """A server on `mesh` over two processes (one CPU device each) on `port`, once
+    /health says 200; the caller ends them."""
     env = child_env()
     argv = [sys.executable, "-m", "qwen3_spmd.run", "serve", "--model", str(FIXTURE)]
-    argv += ["--mesh", "1x2", "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
+    argv += ["--mesh", mesh, "--cpu-devices", "1", "--port", str(port), "--max-batch", "2"]
     argv += ["--precompile", "lazy"]
     argv += ["--coordinator", f"127.0.0.1:{coordinator}", "--num-processes", "2", *extra]
     procs = [
@@ -725,11 +727,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def test_two_processes_serve_as_one(reference, text):
-    """A 1x2 mesh over two processes (one CPU device each): process 0 serves HTTP and
-    /metrics, process 1 follows its decisions; the completions equal transformers'
+    """Two replicas over two processes (2x1x1x1, one CPU device each): process 0 serves
+    HTTP and /metrics for both, process 1 follows its decisions; three concurrent
+    requests start on both replicas (2 rows each); the completions equal transformers'
     tokens; SIGTERM to both (as a job scheduler sends it) drains and both exit 0."""
     port = free_port()
-    procs = _two_process_server(port, free_port())
+    procs = _two_process_server(port, free_port(), mesh="2x1x1x1")
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -751,6 +754,13 @@ def test_two_processes_serve_as_one(reference, text):
         }
         assert value["qwen3_spmd:prompt_tokens_total"] == sum(len(p) for p, _ in reference[:3])
         assert value["qwen3_spmd:generation_tokens_total"] == sum(len(t) for _, t in reference[:3])
+        starts = {
+            s.labels["engine"]: s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+            if s.name == "qwen3_spmd:replica_requests_started_total"
+        }
+        assert set(starts) == {"0", "1"} and min(starts.values()) >= 1, starts
         # A constrained answer: the Round carries its constraint, each process runs the
         # same matcher on the same tokens.
         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
