@@ -315,9 +315,9 @@ class MoE(nnx.Module):
 
     Under a tensor split (model.split) a device holds E/X whole experts ("ep") or the
     F/X columns of every expert ("tp"), and returns its part of the sum; the router is
-    whole on every device, so all route alike. Under "a2a" a device holds E/(D X) whole
-    experts of `data` x `tensor` and serves every token that chose one of them
-    (`_all_to_all`)."""
+    whole on every device, so all route alike. Under "a2a" a device holds E/n whole
+    experts, n the devices of `data` x `tensor`, and serves every token that chose one
+    of them (`_all_to_all`)."""
 
     def __init__(self, cfg: Qwen3Config, *, dtype, rngs: nnx.Rngs, split=TensorSplit()):
         E, D, F = cfg.E, cfg.D, split.expert_width(cfg)
@@ -366,17 +366,17 @@ class MoE(nnx.Module):
         (the layer's psum over `tensor` puts the rows together).
 
         Tensor device t takes tokens t R_x .. (R_x = ceil(R / X)), and sends each to
-        the G = D X devices of `data` x `tensor` (`TensorSplit.expert_axes`) that hold
-        at least one of its chosen experts, once, with the weights and local ids of
-        the choices that device serves: the slots of a [G, R_x] buffer, the tokens for
-        device g packed first in row g. A row holds all R_x tokens, so no routing drops
+        those of the n devices of `data` x `tensor` (`TensorSplit.expert_axes`) that
+        hold at least one of its chosen experts, once, with the weights and local ids
+        of the choices that device serves: the slots of a [n, R_x] buffer, the tokens
+        for device g packed first in row g. A row holds all R_x tokens, so no routing drops
         a token (dropless), and one `all_to_all` carries every row to its device. There
-        the received [G R_x] slots run through a formulation, pairs of weight 0 (empty
+        the received [n R_x] slots run through a formulation, pairs of weight 0 (empty
         slots, other devices' choices) skipped where it can, and a second `all_to_all`
         brings each slot's weighted sum back to its token, which adds the sums of its
         (at most A) devices."""
         split = self.split
-        X, G = split.size, split.expert_devices
+        X, n = split.size, split.expert_devices
         E_loc = self.gate_efd.shape[0]  # this device's experts
         R, A = ids.shape
         D = x.shape[1]
@@ -385,40 +385,40 @@ class MoE(nnx.Module):
         x, weights, ids = jnp.pad(x, pad), jnp.pad(weights, pad), jnp.pad(ids, pad)
         t = jax.lax.axis_index(split.axis) if X > 1 else 0
         x, weights, ids = (jax.lax.dynamic_slice_in_dim(a, t * R_x, R_x) for a in (x, weights, ids))
-        g = jnp.arange(G, dtype=jnp.int32)
-        serves = (ids[:, :, None] // E_loc == g) & (weights != 0)[:, :, None]  # [R_x, A, G]
-        sent = serves.any(axis=1)  # [R_x, G]: token r goes to device g
+        g = jnp.arange(n, dtype=jnp.int32)
+        serves = (ids[:, :, None] // E_loc == g) & (weights != 0)[:, :, None]  # [R_x, A, n]
+        sent = serves.any(axis=1)  # [R_x, n]: token r goes to device g
         slot = jnp.where(sent, jnp.cumsum(sent, axis=0) - 1, R_x)  # its place in row g
-        to = (jnp.broadcast_to(g, (R_x, G)), slot)  # R_x: past the row, dropped
+        to = (jnp.broadcast_to(g, (R_x, n)), slot)  # R_x: past the row, dropped
 
-        def buffer(values):  # values [R_x, G, ...] -> [G, R_x, ...], each at its slot
-            empty = jnp.zeros((G, R_x, *values.shape[2:]), values.dtype)
+        def buffer(values):  # values [R_x, n, ...] -> [n, R_x, ...], each at its slot
+            empty = jnp.zeros((n, R_x, *values.shape[2:]), values.dtype)
             return empty.at[to].set(values, mode="drop")
 
-        chosen = jnp.where(serves, weights[:, :, None], 0).transpose(0, 2, 1)  # [R_x, G, A]
+        chosen = jnp.where(serves, weights[:, :, None], 0).transpose(0, 2, 1)  # [R_x, n, A]
         local = jnp.clip(ids[:, :, None] - g * E_loc, 0, E_loc - 1).transpose(0, 2, 1)
-        send = (buffer(jnp.broadcast_to(x[:, None], (R_x, G, D))), buffer(chosen), buffer(local))
+        send = (buffer(jnp.broadcast_to(x[:, None], (R_x, n, D))), buffer(chosen), buffer(local))
 
         def exchange(a):
             return jax.lax.all_to_all(a, split.expert_axes, 0, 0, tiled=True)
 
-        got_x, got_w, got_ids = (exchange(a) for a in send)  # [G, R_x, ...] by source
-        how = how or formulation(R, E_loc * G, self.top)  # the whole model's regime
+        got_x, got_w, got_ids = (exchange(a) for a in send)  # [n, R_x, ...] by source
+        how = how or formulation(R, E_loc * n, self.top)  # the whole model's regime
         extra = {"skip_zero": True} if how in ("looped", "blocked") else {}
         gate, up, down = (
             Stacked.of(self, w, self.linear) for w in ("gate_efd", "up_efd", "down_edf")
         )
         y = FORMULATIONS[how](
-            got_x.reshape(G * R_x, D),
-            got_w.reshape(G * R_x, A),
-            got_ids.reshape(G * R_x, A),
+            got_x.reshape(n * R_x, D),
+            got_w.reshape(n * R_x, A),
+            got_ids.reshape(n * R_x, A),
             gate,
             up,
             down,
             **extra,
         )
-        back = exchange(y.astype(x.dtype).reshape(G, R_x, D))  # [G, R_x, D]: by server
-        at = jnp.minimum(slot, R_x - 1).T[:, :, None]  # [G, R_x, 1]
+        back = exchange(y.astype(x.dtype).reshape(n, R_x, D))  # [n, R_x, D]: by server
+        at = jnp.minimum(slot, R_x - 1).T[:, :, None]  # [n, R_x, 1]
         mine = jnp.take_along_axis(back, at, axis=1).astype(jnp.float32)
         out = jnp.sum(jnp.where(sent.T[:, :, None], mine, 0.0), axis=0)  # [R_x, D]
         rows = jnp.zeros((X * R_x, D), jnp.float32)

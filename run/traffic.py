@@ -94,27 +94,27 @@ def bytes_all_to_all(
     """Bytes one device sends in the two all-to-alls of the "a2a" expert split (model.moe,
     `split` a model.split.TensorSplit), per active tick of each program, through a
     stage's sparse layers (the most any stage holds). For R tokens of a replica in the
-    tick, each of its X tensor devices dispatches R_x = ceil(R / X) of them in G = D X
+    tick, each of its X tensor devices dispatches R_x = ceil(R / X) of them in n = D X
     rows of R_x slots (a slot: the hidden state, and the A weights and int32 expert ids
-    beside it), keeps its own row and sends G - 1; the sums come back in the same rows
+    beside it), keeps its own row and sends n - 1; the sums come back in the same rows
     of hidden states. `useful`: what its tokens needed moved at most, each hidden state
-    to the other devices of its A experts (min(A, G - 1)) and back. All zero without
+    to the other devices of its A experts (min(A, n - 1)) and back. All zero without
     that split.
 
     prefill_per_tick: a replica's microbatch [B/(D M), P/C] tokens; decode_per_step: a
     replica's group [B/(D G)] of new tokens; sparse_layers: a stage's, over which the
     figures above are (each an equal part)."""
     names = ("prefill_per_tick", "decode_per_step", "prefill_useful", "decode_useful")
-    G = split.expert_devices
-    if split.experts != "a2a" or G == 1 or not cfg.has_sparse:
+    n = split.expert_devices
+    if split.experts != "a2a" or n == 1 or not cfg.has_sparse:
         return {**dict.fromkeys(names, 0), "sparse_layers": 0}
     layers = -(-sum(cfg.sparse_layers) // stages)
     hidden, slot = cfg.D * itemsize, cfg.D * itemsize + cfg.A * (itemsize + 4)
 
     def per_tick(R: int) -> tuple[int, int]:
         R_x = -(-R // split.size)
-        sent = (G - 1) * R_x * (slot + hidden)
-        return sent * layers, 2 * R_x * min(cfg.A, G - 1) * hidden * layers
+        sent = (n - 1) * R_x * (slot + hidden)
+        return sent * layers, 2 * R_x * min(cfg.A, n - 1) * hidden * layers
 
     B = layout["batch"] // split.data  # a replica's rows
     prefill = per_tick(B // layout["microbatches"] * (layout["padded_prompt"] // seq))
