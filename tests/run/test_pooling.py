@@ -73,10 +73,10 @@ def test_embeddings_equal_sentence_transformers_at_every_dimension(embedder):
     _close(out.outputs.embedding, REF[f"embedding_{empty}"])
 
 
-@pytest.mark.parametrize("mesh", ["2x1", "1x2", "1x1x2", "2x2"])
+@pytest.mark.parametrize("mesh", ["2x1", "1x2", "1x1x2", "2x2", "2x1x1x1"])
 def test_embeddings_are_the_same_on_every_mesh(mesh):
     """Two inputs of one length bucket (33-64 tokens: one prefill program a mesh), one
-    with the chat tokens, on each mesh."""
+    with the chat tokens, on each mesh (over two replicas, one on each)."""
     picked = [c for c in TEXTS if 32 < len(REF[f"ids_{c[1]}"]) <= 64]
     assert len(picked) == 2
     with LLM(str(EMBED), mesh=mesh, max_seq_len=MAX_SEQ) as llm:
