@@ -341,7 +341,7 @@ class MoE(nnx.Module):
         B, T, D = h.shape
         x = h.reshape(B * T, D)
         weights, ids, _ = route(x, self.router_ed[...], self.top, self.normalize)
-        if self.split.experts == "a2a" and self.split.expert_devices > 1:
+        if self.split.exchanges:
             return self._all_to_all(x, weights, ids, how).astype(h.dtype).reshape(B, T, D)
         experts = self.gate_efd.shape[0]  # this device's
         if self.split.size > 1 and self.split.experts == "ep":

@@ -69,12 +69,6 @@ EXPERT_AXIS = {
 }
 
 
-def expert_split_for(asked: str | None, data: int) -> str:
-    """The expert split a mesh with `data` replicas runs when `asked` (None: the
-    default, all-to-all over replicas, columns over `tensor` alone)."""
-    return asked or ("a2a" if data > 1 else "tp")
-
-
 class TensorError(ValueError):
     """A model that cannot be split over the tensor size asked for: the message names
     the sizes and the tensor sizes that would fit."""
@@ -101,8 +95,8 @@ class TensorSplit:
     @classmethod
     def of(cls, tensor: int, data: int = 1, experts: str | None = None) -> TensorSplit:
         """The split of a mesh of `tensor` X and `data` D devices, experts as asked
-        (None: `expert_split_for`'s default)."""
-        return cls(tensor, expert_split_for(experts, data), data=data)
+        (None: the default, all-to-all over replicas, columns over `tensor` alone)."""
+        return cls(tensor, experts or ("a2a" if data > 1 else "tp"), data=data)
 
     def __post_init__(self):
         if self.size < 1:
@@ -137,6 +131,12 @@ class TensorSplit:
         """The mesh axes whole experts split over ("a2a": data, then tensor)."""
         return (self.data_axis, self.axis) if self.experts == "a2a" else (self.axis,)
 
+    @property
+    def exchanges(self) -> bool:
+        """Whether a MoE layer sends its tokens to their experts' devices and back by
+        all-to-alls: "a2a" over more than one device (model.moe)."""
+        return self.experts == "a2a" and self.expert_devices > 1
+
     def vocab(self, cfg: Qwen3Config) -> int:
         """V': the vocabulary rows placed, padded to a multiple of X."""
         return _round_up(cfg.V, self.size)
@@ -166,9 +166,8 @@ class TensorSplit:
     def fits(self, cfg: Qwen3Config, x: int) -> bool:
         """Whether the model splits over x tensor devices with this expert split."""
         heads = cfg.N % x == 0 and (cfg.K % x == 0 or x % cfg.K == 0)
-        whole = x * (self.data if self.experts == "a2a" else 1)  # devices of whole experts
-        experts = not cfg.has_sparse or self.experts == "tp" or cfg.E % whole == 0
-        return heads and experts
+        whole = dataclasses.replace(self, size=x).expert_devices
+        return heads and (not cfg.has_sparse or cfg.E % whole == 0)
 
     def check(self, cfg: Qwen3Config) -> None:
         """A TensorError in one line, naming the sizes that would fit, unless the model
@@ -207,13 +206,6 @@ class TensorSplit:
         """The first global row of this device's block of `rows` rows (vocabulary or,
         "ep", experts)."""
         return jax.lax.axis_index(self.axis) * rows if self.size > 1 else 0
-
-    def expert_device(self) -> jax.Array | int:
-        """This device's place among the devices whole experts split over (data-major,
-        as `expert_axes` orders them)."""
-        if self.expert_devices == 1:
-            return 0
-        return jax.lax.axis_index(self.expert_axes)
 
     # ---- checkpoint arrays to placed shapes -----------------------------------------
 

@@ -88,42 +88,45 @@ def bytes_all_reduced(
     }
 
 
+def all_to_all_per_layer(cfg: Qwen3Config, split, tokens: int, itemsize: int) -> tuple:
+    """(bytes one device sends, the part its tokens needed at most) in one sparse layer's
+    two all-to-alls of the "a2a" expert split (model.moe, `split` a
+    model.split.TensorSplit) for `tokens` tokens of its replica. Each of the replica's X
+    tensor devices dispatches R_x = ceil(tokens / X) of them in n = D X rows of R_x
+    slots (a slot: the hidden state, and the A weights and int32 expert ids beside
+    it), keeps its own row and sends n - 1; the sums come back in the same rows of
+    hidden states. Needed at most: each hidden state to the other devices of its A
+    experts (min(A, n - 1)) and back. (0, 0) without that split."""
+    n = split.expert_devices
+    if not split.exchanges or not cfg.has_sparse:
+        return 0, 0
+    hidden, slot = cfg.D * itemsize, cfg.D * itemsize + cfg.A * (itemsize + 4)
+    R_x = -(-tokens // split.size)
+    return (n - 1) * R_x * (slot + hidden), 2 * R_x * min(cfg.A, n - 1) * hidden
+
+
 def bytes_all_to_all(
     cfg: Qwen3Config, split, stages: int, seq: int, layout: dict, itemsize: int
 ) -> dict:
-    """Bytes one device sends in the two all-to-alls of the "a2a" expert split (model.moe,
-    `split` a model.split.TensorSplit), per active tick of each program, through a
-    stage's sparse layers (the most any stage holds). For R tokens of a replica in the
-    tick, each of its X tensor devices dispatches R_x = ceil(R / X) of them in n = D X
-    rows of R_x slots (a slot: the hidden state, and the A weights and int32 expert ids
-    beside it), keeps its own row and sends n - 1; the sums come back in the same rows
-    of hidden states. `useful`: what its tokens needed moved at most, each hidden state
-    to the other devices of its A experts (min(A, n - 1)) and back. All zero without
-    that split.
+    """Bytes one device sends in the all-to-alls of the "a2a" expert split per active
+    tick of each program, through a stage's sparse layers (the most any stage holds),
+    `all_to_all_per_layer` of each; `_useful`: the part its tokens needed at most. All
+    zero without that split.
 
     prefill_per_tick: a replica's microbatch [B/(D M), P/C] tokens; decode_per_step: a
     replica's group [B/(D G)] of new tokens; sparse_layers: a stage's, over which the
     figures above are (each an equal part)."""
-    names = ("prefill_per_tick", "decode_per_step", "prefill_useful", "decode_useful")
-    n = split.expert_devices
-    if split.experts != "a2a" or n == 1 or not cfg.has_sparse:
-        return {**dict.fromkeys(names, 0), "sparse_layers": 0}
-    layers = -(-sum(cfg.sparse_layers) // stages)
-    hidden, slot = cfg.D * itemsize, cfg.D * itemsize + cfg.A * (itemsize + 4)
-
-    def per_tick(R: int) -> tuple[int, int]:
-        R_x = -(-R // split.size)
-        sent = (n - 1) * R_x * (slot + hidden)
-        return sent * layers, 2 * R_x * min(cfg.A, n - 1) * hidden * layers
-
+    layers = -(-sum(cfg.sparse_layers) // stages) if split.exchanges else 0
     B = layout["batch"] // split.data  # a replica's rows
-    prefill = per_tick(B // layout["microbatches"] * (layout["padded_prompt"] // seq))
-    decode = per_tick(B // layout["groups"])
+    prefill = all_to_all_per_layer(
+        cfg, split, B // layout["microbatches"] * (layout["padded_prompt"] // seq), itemsize
+    )
+    decode = all_to_all_per_layer(cfg, split, B // layout["groups"], itemsize)
     return {
-        "prefill_per_tick": prefill[0],
-        "decode_per_step": decode[0],
-        "prefill_useful": prefill[1],
-        "decode_useful": decode[1],
+        "prefill_per_tick": prefill[0] * layers,
+        "decode_per_step": decode[0] * layers,
+        "prefill_useful": prefill[1] * layers,
+        "decode_useful": decode[1] * layers,
         "sparse_layers": layers,
     }
 

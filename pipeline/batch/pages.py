@@ -39,8 +39,7 @@ class PageBook:
     def free(self) -> int:
         """Pages a row can take: free ones, and those the prefix cache keeps for no row
         (it gives them up when asked)."""
-        kept = self.cache.idle_pages if self.cache is not None else 0
-        return sum(map(len, self._heaps)) + kept
+        return sum(self.free_in(d) for d in range(self.replicas))
 
     def free_in(self, replica: int) -> int:
         """Pages a row of `replica` can take."""

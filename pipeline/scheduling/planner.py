@@ -474,11 +474,10 @@ class Planner:
         return min(self.ahead(), request.params.max_new_tokens - 1)
 
     def _roomiest(self, book: RowBook, free: list[int], pages: list[int]) -> int:
-        """Of the replicas with a `free` row, the one with the most free room: the most
-        free `pages`, then the most free rows, then the lowest number (every process's
-        plan alike)."""
+        """Of the replicas with a `free` row, the one with the most free room
+        (`_most_room`)."""
         left = collections.Counter(book.replica_of(b) for b in free)
-        return max(left, key=lambda d: (pages[d], left[d], -d))
+        return _most_room(left, pages, left)
 
     def _admit(
         self,
@@ -524,7 +523,8 @@ class Planner:
             ]
             if not room:
                 break  # it waits (for a row, tokens or pages), and those after it with it
-            d = max(room, key=lambda d: (pages[d] - taking[d], len(rows[d]) - count[d], -d))
+            pages_left = [p - t for p, t in zip(pages, taking)]
+            d = _most_room(room, pages_left, [len(r) - c for r, c in zip(rows, count)])
             together.append((request, d))
             n += 1
             count[d] += 1
@@ -658,6 +658,13 @@ class Planner:
         if self.ready(shape):
             return shape
         return next(filter(self.ready, stand_ins(shape, *args)), None)
+
+
+def _most_room(replicas, pages, rows) -> int:
+    """Of `replicas`, the one with the most free room: the most free `pages`, then the
+    most free `rows` (each indexed by replica), then the lowest number (every process's
+    plan alike)."""
+    return max(replicas, key=lambda d: (pages[d], rows[d], -d))
 
 
 def _most(placed: list[tuple[Request, int]]) -> int:

@@ -36,7 +36,7 @@ from qwen3_spmd.model.config import Qwen3Config
 from qwen3_spmd.model.split import TensorSplit
 from qwen3_spmd.run.flops import attention_flops, dense_flops
 from qwen3_spmd.run.plan.machines import TARGETS, Machine
-from qwen3_spmd.run.traffic import all_reduces_per_tick, bytes_all_to_all
+from qwen3_spmd.run.traffic import all_reduces_per_tick, all_to_all_per_layer
 from qwen3_spmd.sharding.footprint import bytes_per_device
 from qwen3_spmd.sharding.mesh import MeshShape
 
@@ -122,8 +122,9 @@ def predict(
         return reduces * _seconds(payload, machine.host_link_bytes_per_s, machine.host_latency_s)
 
     # Qwen3-MoE's "a2a" split: a stage's sparse layers each send two all-to-alls over
-    # data x tensor (run.traffic.bytes_all_to_all), across hosts once replicas are.
-    exchanges = split.experts == "a2a" and split.expert_devices > 1 and cfg.has_sparse
+    # data x tensor (run.traffic.all_to_all_per_layer), across hosts once replicas are.
+    exchanges = split.exchanges and cfg.has_sparse
+    sparse_slots = -(-sum(cfg.sparse_layers) // S)
     a2a_rate, a2a_latency = (
         (machine.network_bytes_per_s, machine.network_latency_s)
         if shape.devices > per_host and D > 1
@@ -133,10 +134,8 @@ def predict(
     def all_to_all_s(rows: float) -> float:
         if not exchanges:
             return 0.0
-        layout = {"batch": math.ceil(rows) * D, "groups": 1, "microbatches": 1}
-        sent = bytes_all_to_all(cfg, split, S, 1, {**layout, "padded_prompt": 1}, itemsize)
-        exchanges_a_tick = 2 * sent["sparse_layers"]  # two a sparse layer of a stage
-        return _seconds(sent["decode_per_step"], a2a_rate, exchanges_a_tick * a2a_latency)
+        sent, _ = all_to_all_per_layer(cfg, split, math.ceil(rows), itemsize)
+        return sparse_slots * _seconds(sent, a2a_rate, 2 * a2a_latency)
 
     # A device holds the embedding (and lm_head) whole on every stage; a step reads its
     # stage's layer slots, and the last stage lm_head once per token.
